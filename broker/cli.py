@@ -1,0 +1,59 @@
+"""`asyncrl` command line (typer): the demo and thin clients of the job API."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import httpx
+import typer
+
+app = typer.Typer(help="Asynchronous RL post-training: demo and job control.", no_args_is_help=True)
+
+API = os.environ.get("ASYNCRL_API", "http://127.0.0.1:8000")
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(60, help="Trainer steps."),
+    mode: str = typer.Option("async", help="async or sync."),
+    max_staleness: int = typer.Option(1, help="Staleness bound k (async)."),
+    generators: int = typer.Option(1, help="Generator processes."),
+    workdir: str = typer.Option("runs/demo", help="Models, ledger, logs and the plot go here."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Build a tiny model, warm-start it, and run an RL job with every service as a process."""
+    logging.basicConfig(level=logging.WARNING)
+    from broker.demo import run_demo
+
+    run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed)
+
+
+@app.command()
+def submit(spec_file: Path, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+    """Submit a job spec (JSON file)."""
+    r = httpx.post(f"{api}/jobs", json=json.loads(spec_file.read_text()), timeout=30)
+    typer.echo(json.dumps(r.json(), indent=2))
+    raise typer.Exit(0 if r.status_code == 201 else 1)
+
+
+@app.command()
+def status(job_id: str, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+    """Show a job's state, step and last metrics."""
+    r = httpx.get(f"{api}/jobs/{job_id}", timeout=30)
+    typer.echo(json.dumps(r.json(), indent=2, default=str))
+    raise typer.Exit(0 if r.status_code == 200 else 1)
+
+
+@app.command()
+def stop(job_id: str, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+    """Ask a running job to stop after its current step."""
+    r = httpx.post(f"{api}/jobs/{job_id}/stop", timeout=30)
+    typer.echo(json.dumps(r.json(), indent=2))
+    raise typer.Exit(0 if r.status_code == 202 else 1)
+
+
+if __name__ == "__main__":
+    app()

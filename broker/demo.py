@@ -1,0 +1,211 @@
+"""The demo job: build a tiny model, warm-start it, run an RL job with every service as a process.
+
+Needs no set-up: Redis is REDIS_URL, else a local Redis on 6379, else a private redis-server this
+process starts; the ledger is SQLite in the work directory unless DATABASE_URL is set. Shows a
+progress bar while the job runs, then prints a summary and writes a PNG of reward and staleness.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from broker.launch import Supervisor
+from broker.ledger import Ledger
+from broker.redis_server import resolve_redis_url
+
+log = logging.getLogger(__name__)
+console = Console()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_model(workdir: Path, seed: int) -> Path:
+    """Tiny random-init Llama + char tokenizer, then a short supervised warm start (both cached)."""
+    base, warm = workdir / "tiny-base", workdir / "tiny-warm"
+    if not (base / "config.json").exists():
+        console.print(f"[bold]building tiny model[/] -> {base}")
+        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)], check=True)
+    if not (warm / "config.json").exists():
+        console.print(f"[bold]supervised warm start[/] -> {warm}")
+        subprocess.run(
+            [sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm), "--seed", str(seed)],
+            check=True,
+        )
+    return warm
+
+
+def wait_http(url: str, timeout_s: float, sup: Supervisor) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if sup.failed():
+            raise RuntimeError(f"{sup.failed()[0].name} exited early:\n{sup.tail(sup.failed()[0].name)}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def run_demo(
+    *,
+    workdir: str = "runs/demo",
+    steps: int = 60,
+    mode: str = "async",
+    max_staleness: int = 1,
+    generators: int = 1,
+    seed: int = 0,
+    extra_spec: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    t0 = time.monotonic()
+    wd = Path(workdir).resolve()
+    wd.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(wd, seed)
+    redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
+    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
+    port = _free_port()
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"demo-{os.getpid()}:",
+           "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
+    sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
+    api = f"http://127.0.0.1:{port}"
+    try:
+        sup.start("broker", "broker")
+        wait_http(f"{api}/health", 60, sup)
+        spec = {
+            "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
+            "steps": steps, "seed": seed, **(extra_spec or {}),
+        }
+        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+        job_id = resp.json()["id"]
+        console.print(f"job [bold]{job_id}[/] submitted ({mode}, k={max_staleness}, {steps} steps)")
+        job_env = {"JOB_ID": job_id}
+        cores = sorted(os.sched_getaffinity(0))
+        gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
+        for i in range(generators):
+            sup.start(f"generator-{i}", "generator_svc", {**job_env, "GEN_GENERATOR_ID": f"gen-{i}",
+                      "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"},
+                      cpus=gen_cores)
+        sup.start("reward", "reward_svc", job_env)
+        sup.start("trainer", "trainer_svc", {**job_env, "TRAINER_THREADS": str(len(train_cores or cores))},
+                  cpus=train_cores)
+        final = _watch(api, job_id, steps, sup)
+        # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
+        sup.wait_all(30, exclude=("broker",))
+    finally:
+        sup.stop_all()
+        if embedded:
+            embedded.close()
+    wall = time.monotonic() - t0
+    summary = summarize(Ledger(db_url), job_id, wd, wall)
+    summary["state"] = final["state"]
+    (wd / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if final["state"] != "finished":
+        raise RuntimeError(f"job ended in state {final['state']}: {final.get('error')}")
+    return summary
+
+
+def _watch(api: str, job_id: str, steps: int, sup: Supervisor) -> dict[str, Any]:
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+    ) as progress:
+        task = progress.add_task("training", total=steps, info="starting services...")
+        while True:
+            job = httpx.get(f"{api}/jobs/{job_id}", timeout=30).json()
+            m = job.get("last_metrics") or {}
+            ev = job.get("evals") or []
+            info = (
+                f"reward {m.get('reward/mean', float('nan')):.2f} "
+                f"held-out {ev[-1]['reward_mean'] if ev else float('nan'):.2f} "
+                f"stale {m.get('off_policy/mean', float('nan')):.2f}"
+            )
+            progress.update(task, completed=job["step"], info=info)
+            if job["state"] in ("finished", "failed", "stopped", "cancelled"):
+                return job
+            bad = [p for p in sup.failed()]
+            if bad:
+                raise RuntimeError(f"{bad[0].name} exited with {bad[0].popen.returncode}:\n{sup.tail(bad[0].name)}")
+            time.sleep(1.0)
+
+
+def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str, Any]:
+    steps = ledger.train_steps(job_id)
+    evals = ledger.evals(job_id)
+    hist = ledger.staleness_histogram(job_id)
+    counts = ledger.status_counts(job_id)
+    train_s = sum(s["metrics"]["time/step_s"] for s in steps)
+    samples = sum(s["metrics"]["samples"] for s in steps)
+    tokens = sum(s["metrics"]["tokens"] for s in steps)
+    summary = {
+        "job_id": job_id,
+        "wall_s": wall_s,
+        "steps": len(steps),
+        "reward_per_step": [round(s["metrics"]["reward/mean"], 3) for s in steps],
+        "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals],
+        "staleness_histogram": hist,
+        "sample_status": counts,
+        "trained_samples_per_s": samples / train_s if train_s else 0.0,
+        "trained_tokens_per_s": tokens / train_s if train_s else 0.0,
+        "mean_step_s": train_s / len(steps) if steps else 0.0,
+    }
+    table = Table(title=f"job {job_id}")
+    table.add_column("figure")
+    table.add_column("value")
+    if evals:
+        table.add_row("held-out reward", " -> ".join(f"{r:.2f}@{s}" for s, r in summary["held_out"]))
+    rps = summary["reward_per_step"]
+    table.add_row("train reward (first/last 5 steps)", f"{rps[:5]} ... {rps[-5:]}")
+    table.add_row("staleness histogram", str(hist))
+    table.add_row("samples", str(counts))
+    table.add_row("throughput", f"{summary['trained_samples_per_s']:.1f} samples/s, {summary['trained_tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step")
+    table.add_row("wall time", f"{wall_s:.0f} s")
+    console.print(table)
+    summary["plot"] = str(plot(steps, evals, wd / "demo.png"))
+    console.print(f"plot: {summary['plot']}")
+    return summary
+
+
+def plot(steps: list[dict], evals: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    xs = [s["step"] for s in steps]
+    ax1.plot(xs, [s["metrics"]["reward/mean"] for s in steps], label="train reward (sampled)", alpha=0.6)
+    if evals:
+        ax1.plot([e["step"] for e in evals], [e["reward_mean"] for e in evals], "o-", label="held-out reward (greedy)")
+    ax1.set_ylabel("reward")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.legend(loc="lower right")
+    ax2.plot(xs, [s["metrics"]["off_policy/mean"] for s in steps], label="staleness mean")
+    ax2.plot(xs, [s["metrics"]["off_policy/max"] for s in steps], label="staleness max", linestyle="--")
+    ax2.set_ylabel("policy versions")
+    ax2.set_xlabel("trainer step")
+    ax2.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

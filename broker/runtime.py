@@ -1,0 +1,78 @@
+"""Start-up shared by every service: find Redis, open the ledger, wait for the job, open its streams."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from broker.ledger import Ledger
+from broker.redis_server import resolve_redis_url
+from broker.streams import CONTROL, JobStreams, connect
+from shared.jobspec import JobSpec
+from shared.schema import Control
+from shared.logs import set_context
+from shared.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobContext:
+    job_id: str
+    spec: JobSpec
+    ledger: Ledger
+    streams: JobStreams
+
+
+def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> dict:
+    """The named job, or the newest submitted/running one; waits up to `timeout_s` for it to appear."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = ledger.get_job(job_id) if job_id else ledger.latest_job()
+        if job is not None:
+            return job
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no job {'%r ' % job_id if job_id else ''}in the ledger after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def open_job(settings: CommonSettings) -> JobContext:
+    url, _ = resolve_redis_url(settings.redis_url)
+    ledger = Ledger(settings.database_url)
+    job = wait_for_job(ledger, settings.job_id, settings.job_wait_s)
+    spec = JobSpec.model_validate(job["spec"])
+    set_context(job_id=job["id"])
+    streams = JobStreams(
+        connect(url),
+        job["id"],
+        prefix=settings.stream_prefix,
+        max_message_bytes=settings.max_message_bytes,
+        claim_idle_ms=settings.claim_idle_ms,
+        max_deliveries=settings.max_deliveries,
+    )
+    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], spec.name, url, settings.database_url)
+    return JobContext(job["id"], spec, ledger, streams)
+
+
+class ControlWatcher:
+    """Follows `{job}:control` (broadcast) and folds it into one state: running, paused or stopping.
+
+    Reads from the start of the stream, so a service that joins late sees a stop issued before it.
+    """
+
+    def __init__(self, streams: JobStreams):
+        self._streams = streams
+        self._last_id = "0"
+        self.state = "running"
+
+    def poll(self, block_ms: int | None = None) -> str:
+        self._last_id, msgs = self._streams.read_broadcast(CONTROL, self._last_id, Control, block_ms=block_ms)
+        for m in msgs:
+            if m.command == "pause" and self.state == "running":
+                self.state = "paused"
+            elif m.command == "resume" and self.state == "paused":
+                self.state = "running"
+            elif m.command in ("stop", "drain"):
+                self.state = "stopping"
+        return self.state

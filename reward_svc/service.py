@@ -1,0 +1,55 @@
+"""Reward service: rollouts -> scored completions.
+
+Loop: read rollouts (consumer group `rewarders`) -> score each with the job's reward function ->
+ledger (status `scored`, keyed by msg_id) -> publish to `{job}:scored` -> ack.
+A reward that is not a finite number sends that rollout to the dead-letter stream, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from broker.runtime import ControlWatcher, open_job
+from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
+from reward_svc.rewards import get_reward_fn
+from shared.schema import Rollout, Scored
+from shared.settings import RewardSettings
+
+log = logging.getLogger(__name__)
+
+
+def run(settings: RewardSettings) -> None:
+    ctx = open_job(settings)
+    streams, ledger = ctx.streams, ctx.ledger
+    reward_fn = get_reward_fn(ctx.spec.reward)
+    streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
+    control = ControlWatcher(streams)
+    cid = settings.consumer_id
+    log.info("reward %s ready (%s)", cid, ctx.spec.reward)
+    while control.poll() != "stopping":
+        if control.state == "paused":
+            control.poll(block_ms=settings.block_ms)
+            continue
+        deliveries = streams.consume(
+            ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=settings.batch, block_ms=settings.block_ms
+        )
+        if not deliveries:
+            continue
+        t0 = time.perf_counter()
+        scored, ok_ids = [], []
+        for d in deliveries:
+            r: Rollout = d.message  # type: ignore[assignment]
+            reward = float(reward_fn(r.completion, r.answer))
+            if not math.isfinite(reward):
+                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {reward} is not finite")
+                continue
+            scored.append(Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id,
+                                 policy_version=r.policy_version, rollout=r, reward=reward))
+            ok_ids.append(d.entry_id)
+        ledger.record_scored([(s.msg_id, s.reward) for s in scored])
+        streams.publish_many(SCORED, scored)
+        streams.ack(ROLLOUTS, GROUP_REWARDERS, ok_ids)
+        log.debug("scored %d in %.3fs", len(scored), time.perf_counter() - t0)
+    log.info("reward %s stopping", cid)

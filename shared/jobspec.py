@@ -1,0 +1,104 @@
+"""The job spec: what a user submits to run one RL job (stored in the ledger, read by every service).
+
+Every field has a constraint and a description; unknown fields are rejected, so a typo in a spec is
+a 422 naming the field rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ADVANTAGES = ("grpo",)
+LOSSES = ("aipo",)
+REWARDS = ("exact_match", "math_verify")
+TASKS = ("arithmetic", "gsm8k")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSpec(_Strict):
+    name: Literal["arithmetic", "gsm8k"] = Field(
+        "arithmetic", description="Prompt source: the built-in synthetic arithmetic task or a GSM8K-format JSONL file."
+    )
+    path: str | None = Field(None, description="Local JSONL file for `gsm8k` (question/answer with `#### <number>`).")
+    test_path: str | None = Field(None, description="Optional held-out JSONL; else a seeded split of `path`.")
+    n_train: int = Field(300, ge=1, le=10_000_000, description="Training problems to draw (arithmetic) or keep.")
+    n_test: int = Field(100, ge=1, le=100_000, description="Held-out problems for evaluation.")
+
+    @model_validator(mode="after")
+    def _path_for_files(self) -> TaskSpec:
+        if self.name == "gsm8k" and not self.path:
+            raise ValueError("task.path is required for task.name='gsm8k': give a local JSONL file")
+        return self
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
+    max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
+
+
+class AlgorithmSpec(_Strict):
+    advantage: Literal["grpo"] = Field("grpo", description=f"Advantage estimator, one of {ADVANTAGES}.")
+    loss: Literal["aipo"] = Field("aipo", description=f"Policy loss, one of {LOSSES}.")
+    rho: float = Field(2.0, ge=1.0, le=1e6, description="AIPO truncation: importance weight min(pi/mu, rho).")
+    lr: float = Field(2e-3, gt=0.0, le=1.0, description="Adam learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
+    micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+
+
+class JobSpec(_Strict):
+    name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
+    model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    reward: Literal["exact_match", "math_verify"] = Field(
+        "exact_match", description=f"Reward function by name, one of {REWARDS}."
+    )
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=64, description="Drop samples generated more than this many policy versions ago (async only)."
+    )
+    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (the GRPO group).")
+    prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
+    steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
+    eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the end).")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The effective bound: sync mode is async with k = 0."""
+        return 0 if self.mode == "sync" else self.max_staleness
+
+    @property
+    def max_groups_in_flight(self) -> int:
+        """Prompt groups the feeder may have outstanding: (k + 1) * batch (DESIGN.md, backpressure)."""
+        return (self.staleness_bound + 1) * self.prompts_per_step
+
+
+def format_validation_error(exc: Exception) -> list[dict]:
+    """Turn a pydantic ValidationError into [{field, message}] that says what to fix."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return [{"field": "", "message": str(exc)}]
+    out = []
+    for e in errors():
+        loc = list(e.get("loc", ()))
+        if loc and loc[0] == "body":  # FastAPI prefixes request-body fields with "body"
+            loc = loc[1:]
+        field = ".".join(str(p) for p in loc)
+        msg = e.get("msg", "invalid")
+        if e.get("type") == "extra_forbidden":
+            msg = f"unknown field '{field}'; remove it or check its spelling"
+        elif e.get("type") == "missing":
+            msg = f"field '{field}' is required"
+        out.append({"field": field, "message": msg})
+    return out

@@ -1,0 +1,200 @@
+"""The wire schema: every message that crosses a Redis stream, and its msgpack codec.
+
+Each message carries `schema_version`, `job_id`, `msg_id` (the idempotency key), `group_id` and
+`policy_version`. Token ids and logprobs travel as packed little-endian binary (int32 / float32),
+never as lists of Python numbers. Decoding never unpickles: msgpack -> dict -> pydantic validation,
+and any failure raises `DecodeError` with a reason that goes to the dead-letter stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class DecodeError(ValueError):
+    """A stream entry that cannot be turned into a valid message; `reason` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def pack_i32(values: Any) -> bytes:
+    return np.asarray(values, dtype=_I32).tobytes()
+
+
+def pack_f32(values: Any) -> bytes:
+    return np.asarray(values, dtype=_F32).tobytes()
+
+
+def unpack_i32(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=_I32)
+
+
+def unpack_f32(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=_F32)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: ClassVar[str]
+
+    schema_version: int = SCHEMA_VERSION
+    job_id: str = Field(min_length=1, max_length=128)
+    msg_id: str = Field(min_length=1, max_length=256)
+    group_id: str = Field("", max_length=256)
+    policy_version: int = Field(ge=0)
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    seed: int | None = None
+
+
+# trainer_svc (feeder) -> generator_svc
+class PromptGroup(Message):
+    """One prompt to be sampled `n` times. `policy_version` is the trainer's version when fed."""
+
+    kind: ClassVar[str] = "prompt_group"
+    purpose: Literal["train", "eval"] = "train"
+    prompt_index: int = Field(ge=0)
+    prompt: str = Field(min_length=1)
+    answer: str
+    n: int = Field(ge=1)
+    sampling: SamplingParams
+
+
+# generator_svc -> reward_svc
+class Rollout(Message):
+    """One completion. `policy_version` is the version that generated it (min if it changed mid-sample)."""
+
+    kind: ClassVar[str] = "rollout"
+    purpose: Literal["train", "eval"] = "train"
+    policy_version_max: int = Field(ge=0)
+    prompt_index: int = Field(ge=0)
+    sample_index: int = Field(ge=0)
+    group_size: int = Field(ge=1)
+    generator_id: str
+    prompt_ids: bytes  # int32 LE, (P,)
+    completion_ids: bytes  # int32 LE, (T,)
+    logprobs: bytes  # float32 LE, (T,): behaviour logprob of each sampled token
+    completion: str
+    finish_reason: str | None = None
+    answer: str
+
+    def completion_array(self) -> np.ndarray:
+        return unpack_i32(self.completion_ids)
+
+    def prompt_array(self) -> np.ndarray:
+        return unpack_i32(self.prompt_ids)
+
+    def logprob_array(self) -> np.ndarray:
+        return unpack_f32(self.logprobs)
+
+
+# reward_svc -> trainer_svc
+class Scored(Message):
+    """A rollout with its reward. Same msg_id as the rollout: one sample, one key end to end."""
+
+    kind: ClassVar[str] = "scored"
+    rollout: Rollout
+    reward: float
+    details: dict[str, float] = Field(default_factory=dict)
+
+
+class TensorEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    shape: list[int]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+
+
+class Manifest(BaseModel):
+    """What a weight version is: where each tensor sits in one flat buffer, and checksums."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    version: int = Field(ge=0)
+    tensors: list[TensorEntry]
+    total_bytes: int = Field(ge=0)
+    chunk_bytes: int = Field(gt=0)
+    chunk_checksums: list[str]  # xxh3_64 hex per chunk
+    checksum: str  # xxh3_64 hex over the chunk checksums: one id for the whole version
+
+
+# trainer_svc -> every generator_svc (plain XREAD)
+class PolicyAnnouncement(Message):
+    kind: ClassVar[str] = "policy"
+    manifest: Manifest
+    transport: str  # transport name, e.g. "tcp"
+    address: str  # transport-specific endpoint, e.g. "127.0.0.1:5555"
+
+
+# broker API -> all services
+class Control(Message):
+    kind: ClassVar[str] = "control"
+    command: Literal["pause", "resume", "stop", "drain"]
+    reason: str = ""
+
+
+# any consumer -> {job}:dead
+class DeadLetter(Message):
+    kind: ClassVar[str] = "dead"
+    stream: str
+    entry_id: str
+    reason: str
+    raw: bytes = b""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.kind: cls for cls in (PromptGroup, Rollout, Scored, PolicyAnnouncement, Control, DeadLetter)
+}
+
+
+def encode(msg: Message) -> bytes:
+    body = msg.model_dump(mode="python")
+    body["kind"] = msg.kind
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(raw: bytes, expected: type[Message] | None = None, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode and validate one message. Raises DecodeError with a reason; never unpickles."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"payload is {type(raw).__name__}, expected bytes")
+    if len(raw) > max_bytes:
+        raise DecodeError(f"message of {len(raw)} bytes exceeds the limit of {max_bytes} bytes")
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(body, dict):
+        raise DecodeError(f"message is a msgpack {type(body).__name__}, expected a map")
+    version = body.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"schema_version {version!r} is not supported (this build speaks {SCHEMA_VERSION})")
+    kind = body.pop("kind", None)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown message kind {kind!r}; valid kinds: {sorted(MESSAGE_TYPES)}")
+    if expected is not None and cls is not expected:
+        raise DecodeError(f"message kind '{kind}' on a stream that carries '{expected.kind}'")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise DecodeError(f"invalid {kind}: {where}: {first.get('msg')} ({exc.error_count()} error(s))") from None

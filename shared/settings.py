@@ -1,0 +1,95 @@
+"""Per-service settings from the environment (pydantic-settings, one prefix per service).
+
+Connection URLs are shared by every service and read without a prefix (`REDIS_URL`,
+`DATABASE_URL`, `JOB_ID`); service knobs carry the service prefix (`GEN_`, `REWARD_`,
+`TRAINER_`, `BROKER_`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", frozen=True)
+
+    redis_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("REDIS_URL", "redis_url"),
+        description="Redis URL; unset: a reachable local Redis on 6379, else a private embedded server.",
+    )
+    database_url: str = Field(
+        "sqlite:///runs/ledger.db",
+        validation_alias=AliasChoices("DATABASE_URL", "database_url"),
+        description="SQLAlchemy URL of the ledger (SQLite by default, PostgreSQL in production).",
+    )
+    job_id: str | None = Field(
+        None,
+        validation_alias=AliasChoices("JOB_ID", "job_id"),
+        description="Job to serve; unset: the newest submitted or running job in the ledger.",
+    )
+    stream_prefix: str = Field(
+        "rl:", validation_alias=AliasChoices("STREAM_PREFIX", "stream_prefix"), description="Key prefix for streams."
+    )
+    log_level: str = Field("INFO", validation_alias=AliasChoices("LOG_LEVEL", "log_level"))
+    max_message_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        validation_alias=AliasChoices("MAX_MESSAGE_BYTES", "max_message_bytes"),
+        description="Stream entries larger than this go to the dead-letter stream.",
+    )
+    block_ms: int = Field(1000, ge=1, description="Blocking read timeout for stream consumers.")
+    claim_idle_ms: int = Field(60_000, ge=1, description="Reclaim entries another consumer left pending this long.")
+    max_deliveries: int = Field(5, ge=1, description="After this many deliveries a message is dead-lettered.")
+    job_wait_s: float = Field(600.0, ge=0, description="How long a service waits at start-up for its job.")
+
+
+class GeneratorSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="GEN_", extra="ignore", frozen=True)
+
+    generator_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
+    batch_groups: int = Field(16, ge=1, description="Prompt groups per generate call (all at one policy version).")
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="vLLM memory fraction (CPU: of NUMA RAM).")
+    kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int = Field(256, ge=16, description="Context length given to vLLM.")
+    dtype: str = Field("float32", description="Engine dtype; float32 keeps behaviour logprobs exact on CPU.")
+    enforce_eager: bool = Field(True, description="Skip graph capture (faster start on CPU).")
+    metrics_port: int = Field(0, ge=0, description="Prometheus port; 0 disables.")
+
+
+class RewardSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="REWARD_", extra="ignore", frozen=True)
+
+    consumer_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
+    batch: int = Field(256, ge=1, description="Rollouts read per XREADGROUP.")
+    workers: int = Field(0, ge=0, description="Scoring process pool size; 0 scores in-process.")
+    metrics_port: int = Field(0, ge=0)
+
+
+class TrainerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINER_", extra="ignore", frozen=True)
+
+    consumer_id: str = Field(default_factory=_default_worker_id)
+    transport: str = Field("tcp", description="Weight transport name (see shared.transport.TRANSPORTS).")
+    bind_host: str = Field("127.0.0.1", description="Interface the weight server listens on.")
+    bind_port: int = Field(0, ge=0, le=65535, description="Weight server port; 0 picks a free one.")
+    advertise_host: str | None = Field(None, description="Host generators connect to; default bind_host.")
+    keep_versions: int = Field(3, ge=1, description="Weight versions kept servable for slow generators.")
+    threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
+    device: str = Field("cpu", description="Torch device for training.")
+    metrics_port: int = Field(0, ge=0)
+
+
+class BrokerSettings(CommonSettings):
+    model_config = SettingsConfigDict(env_prefix="BROKER_", extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="API bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="API port.")

@@ -1,0 +1,136 @@
+"""The prompt feeder and the group assembler: the trainer's two ends of the stream pipeline.
+
+The feeder lives in the trainer because its pace must follow the optimizer step: it keeps at most
+`(max_staleness + 1) * prompts_per_step` training groups in flight (fed but not yet consumed), so a
+generator can never run further ahead than the staleness budget allows (DESIGN.md, backpressure).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from broker.streams import PROMPTS, JobStreams
+from shared.jobspec import JobSpec
+from shared.schema import PromptGroup, SamplingParams, Scored
+from shared.tasks import Problem
+
+
+class Feeder:
+    def __init__(self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem]):
+        self.streams = streams
+        self.spec = spec
+        self.train = list(train)
+        self.test = list(test)
+        self.rng = random.Random(spec.seed)
+        self.order: list[int] = []
+        self.cursor = 0  # position in `order`; a new shuffled epoch starts when it runs out
+        self.seq = 0  # groups fed so far: the group id's counter
+        self.in_flight: set[str] = set()
+        self.eval_rounds = 0
+
+    def _next_problem(self) -> Problem:
+        if self.cursor >= len(self.order):
+            self.order = list(range(len(self.train)))
+            self.rng.shuffle(self.order)
+            self.cursor = 0
+        p = self.train[self.order[self.cursor]]
+        self.cursor += 1
+        return p
+
+    def top_up(self, version: int) -> int:
+        """Feed training groups until the in-flight cap is reached; returns how many were fed."""
+        cap = self.spec.max_groups_in_flight
+        s = self.spec.sampling
+        msgs = []
+        while len(self.in_flight) + len(msgs) < cap:
+            p = self._next_problem()
+            gid = f"g{self.seq}"
+            self.seq += 1
+            msgs.append(
+                PromptGroup(
+                    job_id=self.streams.job_id,
+                    msg_id=gid,
+                    group_id=gid,
+                    policy_version=version,
+                    purpose="train",
+                    prompt_index=p.index,
+                    prompt=p.prompt,
+                    answer=p.answer,
+                    n=self.spec.group_size,
+                    sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens),
+                )
+            )
+        self.streams.publish_many(PROMPTS, msgs)
+        self.in_flight.update(m.group_id for m in msgs)
+        return len(msgs)
+
+    def done(self, group_id: str) -> None:
+        self.in_flight.discard(group_id)
+
+    def feed_eval(self, version: int) -> str:
+        """Feed one greedy sample of every held-out problem; returns the round's id prefix."""
+        rnd = f"e{self.eval_rounds}"
+        self.eval_rounds += 1
+        msgs = [
+            PromptGroup(
+                job_id=self.streams.job_id,
+                msg_id=f"{rnd}-{p.index}",
+                group_id=f"{rnd}-{p.index}",
+                policy_version=version,
+                purpose="eval",
+                prompt_index=p.index,
+                prompt=p.prompt,
+                answer=p.answer,
+                n=1,
+                sampling=SamplingParams(temperature=0.0, top_p=1.0, max_tokens=self.spec.sampling.max_tokens),
+            )
+            for p in self.test
+        ]
+        self.streams.publish_many(PROMPTS, msgs)
+        return rnd
+
+
+@dataclass
+class Group:
+    group_id: str
+    size: int
+    entries: list[str] = field(default_factory=list)  # stream entry ids to ack
+    samples: dict[str, Scored] = field(default_factory=dict)  # by msg_id: duplicates collapse
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) >= self.size
+
+    @property
+    def purpose(self) -> str:
+        return next(iter(self.samples.values())).rollout.purpose
+
+    @property
+    def gen_version_min(self) -> int:
+        return min(s.rollout.policy_version for s in self.samples.values())
+
+    @property
+    def gen_version_max(self) -> int:
+        return max(s.rollout.policy_version_max for s in self.samples.values())
+
+
+class GroupAssembler:
+    """Collects scored samples by group until each group has all of its samples."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Group] = {}
+
+    def add(self, entry_id: str, msg: Scored) -> Group | None:
+        """Returns the group when this sample completes it. A redelivered duplicate (same msg_id)
+        only adds its entry id so it is acked with the group; it never counts twice."""
+        r = msg.rollout
+        g = self.open.get(msg.group_id)
+        if g is None:
+            g = self.open[msg.group_id] = Group(msg.group_id, r.group_size)
+        g.entries.append(entry_id)
+        g.samples.setdefault(msg.msg_id, msg)
+        if g.complete:
+            return self.open.pop(msg.group_id)
+        return None

@@ -1,0 +1,114 @@
+"""Per-token log-probabilities of completions under a causal LM.
+
+Layout (right padding, one row per sequence ``prompt + completion``)::
+
+    input_ids        p0 p1 p2 c0 c1 PAD      (B, L)
+    attention_mask    1  1  1  1  1  0       (B, L)
+    shifted logprobs  .  .  c0 c1 PAD        (B, L-1): position t scores token t+1
+    completion_mask   0  0  1  1  0          (B, L-1)
+
+Right padding leaves every real token's position id and causal context exactly as in an
+unpadded forward pass, so the results do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def pad_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate and right-pad prompt + completion token ids.
+
+    Args:
+        prompt_ids: B non-empty lists of prompt token ids.
+        completion_ids: B lists of completion token ids (may be empty).
+        pad_id: filler id; padded positions are masked out, so any valid id works.
+
+    Returns:
+        ``input_ids`` (B, L) long, ``attention_mask`` (B, L) long, and ``completion_mask``
+        (B, L-1) float, 1.0 where the shifted logprob at t scores a completion token t+1.
+        ``L`` is the longest prompt + completion.
+
+    Raises:
+        ValueError: on mismatched batch sizes, an empty batch or an empty prompt.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if not prompt_ids:
+        raise ValueError("empty batch")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (e.g. BOS) to condition on")
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    b, seq_len = len(lengths), max(lengths)
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, seq_len), dtype=torch.long)
+    completion_mask = torch.zeros((b, max(seq_len - 1, 0)), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor([*p, *c], dtype=torch.long)
+        attention_mask[i, :n] = 1
+        # Token j (j in [len(p), n)) is scored at shifted position j - 1.
+        completion_mask[i, len(p) - 1 : n - 1] = 1.0
+    return input_ids, attention_mask, completion_mask
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability of each next token: ``log softmax(logits_t / temperature)[x_{t+1}]``.
+
+    One forward pass; gradients flow (wrap in ``torch.no_grad()`` to score only).
+
+    Args:
+        model: a causal LM returning ``.logits`` (B, L, V).
+        input_ids: (B, L) long, right-padded.
+        attention_mask: (B, L), 1 for real tokens.
+        temperature: > 0; the sampler's temperature, so these match the behaviour policy.
+
+    Returns:
+        (B, L-1) float32; entries at padding are meaningless, mask them with ``completion_mask``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = logits.float() / temperature  # (B, L-1, V)
+    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
+    # gather - logsumexp avoids materialising a second (B, L-1, V) log_softmax tensor.
+    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+    pad_id: int = 0,
+) -> list[torch.Tensor]:
+    """Log-probability of each completion token given the prompt and the earlier completion.
+
+    Args:
+        model: a causal LM (its device is used).
+        prompt_ids: B non-empty token id lists.
+        completion_ids: B token id lists.
+        temperature: logits are divided by it before the softmax.
+        pad_id: filler for padding (masked, so its value does not change the result).
+
+    Returns:
+        B float32 tensors; the i-th has shape (len(completion_ids[i]),).
+    """
+    input_ids, attention_mask, completion_mask = pad_batch(prompt_ids, completion_ids, pad_id)
+    device = next(model.parameters()).device
+    logprobs = token_logprobs(
+        model, input_ids.to(device), attention_mask.to(device), temperature
+    )  # (B, L-1)
+    mask = completion_mask.to(device).bool()
+    return [row[m] for row, m in zip(logprobs, mask, strict=True)]

@@ -1,0 +1,310 @@
+"""Trainer service: scored groups -> advantages -> AIPO loss -> optimizer step -> publish weights.
+
+Setup helpers first, then `run`: one loop that reads top to bottom (feed, consume, staleness
+filter, advantages, loss, step, publish weights, ledger + metrics). Async and sync modes are the
+same loop; sync is max staleness 0 with an in-flight cap of one batch, so the generator can only
+start the next batch after the new weights are published.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from broker.runtime import ControlWatcher, open_job
+from broker.streams import (
+    CONTROL,
+    GROUP_GENERATORS,
+    GROUP_REWARDERS,
+    GROUP_TRAINERS,
+    POLICY,
+    PROMPTS,
+    ROLLOUTS,
+    SCORED,
+    JobStreams,
+)
+from shared.jobspec import JobSpec
+from shared.logs import set_context
+from shared.schema import Control, PolicyAnnouncement, Scored, unpack_f32, unpack_i32
+from shared.settings import TrainerSettings
+from shared.tasks import load_task
+from shared.transport import WeightServer, build_manifest, make_server
+from trainer_svc.algorithms import ADVANTAGE_ESTIMATORS, LOSSES, LossInputs, is_fresh, lookup, staleness
+from trainer_svc.feeder import Feeder, Group, GroupAssembler
+from trainer_svc.logprobs import pad_batch, token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+# --- setup helpers ------------------------------------------------------------------------------
+
+
+def load_policy(spec: JobSpec, device: str):
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+    model = AutoModelForCausalLM.from_pretrained(spec.model_path, torch_dtype=torch.float32).to(device)
+    model.train()
+    return model, tokenizer
+
+
+def flatten_weights(model: torch.nn.Module) -> tuple[list[tuple[str, list[int], str, int]], np.ndarray]:
+    """Every tensor of the HF state dict, back to back in one uint8 buffer (checkpoint names)."""
+    entries, parts = [], []
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        entries.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()))
+        parts.append(t.reshape(-1).view(torch.uint8))
+    return entries, torch.cat(parts).numpy()
+
+
+def publish_weights(
+    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str
+) -> float:
+    t0 = time.perf_counter()
+    entries, buf = flatten_weights(model)
+    manifest = build_manifest(version, entries, buf)
+    server.serve(manifest, buf)
+    ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
+    streams.publish(
+        POLICY,
+        PolicyAnnouncement(
+            job_id=job_id, msg_id=f"v{version}", policy_version=version,
+            manifest=manifest, transport=server.name, address=server.address,
+        ),
+    )
+    return time.perf_counter() - t0
+
+
+@dataclass
+class EvalRound:
+    step: int
+    expected: int
+    rewards: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    entries: list[str] = field(default_factory=list)
+    used: list[dict] = field(default_factory=list)
+
+
+def flatten_batch(groups: list[Group]) -> tuple[list[Scored], torch.Tensor]:
+    """Samples in group order and their rewards as (G, n)."""
+    samples = [s for g in groups for s in sorted(g.samples.values(), key=lambda s: s.rollout.sample_index)]
+    n = groups[0].size
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32).view(len(groups), n)
+    return samples, rewards
+
+
+def micro_batch_inputs(samples: list[Scored], adv: torch.Tensor, pad_id: int, device: str):
+    """(input_ids, attention_mask, behaviour logprobs, advantages, mask) for one micro-batch."""
+    prompts = [unpack_i32(s.rollout.prompt_ids).tolist() for s in samples]
+    comps = [unpack_i32(s.rollout.completion_ids).tolist() for s in samples]
+    input_ids, attn, cmask = pad_batch(prompts, comps, pad_id)
+    behaviour = torch.zeros_like(cmask)  # (b, L-1)
+    for i, s in enumerate(samples):
+        behaviour[i, cmask[i].bool()] = torch.from_numpy(unpack_f32(s.rollout.logprobs).copy())
+    return input_ids.to(device), attn.to(device), behaviour.to(device), adv.to(device), cmask.to(device)
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+def run(settings: TrainerSettings) -> None:
+    ctx = open_job(settings)
+    job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
+    try:
+        _train(settings, job_id, spec, ledger, streams)
+    except BaseException as exc:
+        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+        ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
+        raise
+
+
+def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams) -> None:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    torch.manual_seed(spec.seed)
+    device = settings.device
+    advantage_fn = lookup(ADVANTAGE_ESTIMATORS, spec.algorithm.advantage, "advantage estimator")
+    loss_fn = lookup(LOSSES, spec.algorithm.loss, "loss")
+    k = spec.staleness_bound
+
+    model, tokenizer = load_policy(spec, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.lr, weight_decay=spec.algorithm.weight_decay)
+    train_set, test_set = load_task(
+        spec.task.name, seed=spec.seed, n_train=spec.task.n_train, n_test=spec.task.n_test,
+        path=spec.task.path, test_path=spec.task.test_path,
+    )
+    for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
+        streams.ensure_group(stream, group)
+    feeder = Feeder(streams, spec, train_set, test_set)
+    assembler = GroupAssembler()
+    control = ControlWatcher(streams)
+    server = make_server(
+        settings.transport, host=settings.bind_host, port=settings.bind_port,
+        keep=settings.keep_versions, advertise_host=settings.advertise_host,
+    )
+    version = 0
+    set_context(policy_version=version)
+    ledger.set_job_state(job_id, "running")
+    publish_weights(model, version, server, streams, ledger, job_id)
+    evals: dict[str, EvalRound] = {}
+    ready: list[Group] = []  # complete groups waiting for a batch slot
+
+    def start_eval(step: int) -> None:
+        evals[feeder.feed_eval(version)] = EvalRound(step=step, expected=len(test_set))
+
+    def take_scored(block_ms: int) -> int:
+        """Read scored samples; route complete groups to `ready` or their eval round."""
+        got = 0
+        for d in streams.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512, block_ms=block_ms):
+            g = assembler.add(d.entry_id, d.message)  # type: ignore[arg-type]
+            got += 1
+            if g is None:
+                continue
+            if g.purpose == "eval":
+                rnd = evals[g.group_id.split("-")[0]]
+                s = next(iter(g.samples.values()))
+                rnd.rewards.append(s.reward)
+                rnd.versions.append(s.rollout.policy_version)
+                rnd.entries += g.entries
+                rnd.used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
+                                 "staleness": staleness(version, s.rollout.policy_version)})
+            else:
+                ready.append(g)
+        for name, rnd in list(evals.items()):
+            if len(rnd.rewards) >= rnd.expected:
+                mean = float(np.mean(rnd.rewards))
+                ledger.record_used(rnd.used)
+                ledger.record_eval(job_id, rnd.step, min(rnd.versions), max(rnd.versions), mean, len(rnd.rewards))
+                streams.ack(SCORED, GROUP_TRAINERS, rnd.entries)
+                log.info("eval %s after step %d: held-out reward %.3f (versions %d..%d)",
+                         name, rnd.step, mean, min(rnd.versions), max(rnd.versions))
+                del evals[name]
+        return got
+
+    start_eval(0)
+    step = 0
+    while step < spec.steps:
+        t_start = time.perf_counter()
+        if control.poll() == "stopping":
+            log.info("stop requested; finishing at step %d", step)
+            break
+        if control.state == "paused":
+            control.poll(block_ms=settings.block_ms)
+            continue
+
+        # feed: keep (k + 1) * batch groups in flight
+        feeder.top_up(version)
+
+        # consume: complete groups within the staleness bound; older ones are dropped and counted
+        batch: list[Group] = []
+        dropped: list[dict] = []
+        drop_entries: list[str] = []
+        while len(batch) < spec.prompts_per_step:
+            while ready and len(batch) < spec.prompts_per_step:
+                g = ready.pop(0)
+                if is_fresh(version, g.gen_version_min, k):
+                    batch.append(g)
+                    continue
+                for s in g.samples.values():
+                    dropped.append({"msg_id": s.msg_id, "status": "dropped", "trainer_version": version,
+                                    "staleness": staleness(version, g.gen_version_min), "drop_reason": f"staleness > {k}"})
+                drop_entries += g.entries
+                feeder.done(g.group_id)
+            if len(batch) < spec.prompts_per_step:
+                if dropped:
+                    feeder.top_up(version)  # replace dropped groups so the step can fill
+                take_scored(settings.block_ms)
+                if control.poll() == "stopping":
+                    break
+        if len(batch) < spec.prompts_per_step:
+            break
+        t_data = time.perf_counter()
+
+        # advantages
+        samples, rewards = flatten_batch(batch)
+        advantages = advantage_fn(rewards).reshape(-1)  # (B,)
+        num_tokens = max(1, sum(len(s.rollout.completion_ids) // 4 for s in samples))
+
+        # loss: token-mean over the global batch, accumulated over micro-batches
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        mb = spec.algorithm.micro_batch_size
+        for lo in range(0, len(samples), mb):
+            ids, attn, behaviour, adv, mask = micro_batch_inputs(samples[lo : lo + mb], advantages[lo : lo + mb], pad_id, device)
+            logprobs = token_logprobs(model, ids, attn, spec.sampling.temperature)
+            out = loss_fn(LossInputs(logprobs, behaviour, adv, mask), rho=spec.algorithm.rho, num_tokens=num_tokens)
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            for key, v in out.metrics.items():
+                sums[key] = max(sums.get(key, v), v) if key.endswith("max") else sums.get(key, 0.0) + v
+
+        # step
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.algorithm.max_grad_norm))
+        optimizer.step()
+        trained_version = version
+        version += 1
+        step += 1
+        set_context(policy_version=version)
+        t_train = time.perf_counter()
+
+        # publish weights
+        publish_s = publish_weights(model, version, server, streams, ledger, job_id)
+
+        # ledger + metrics, then ack what this step consumed
+        stale = [staleness(trained_version, g.gen_version_min) for g in batch for _ in g.samples]
+        used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version,
+                 "staleness": staleness(trained_version, s.rollout.policy_version)} for s in samples]
+        ledger.record_used(used + dropped)
+        metrics = {
+            "loss": loss_total,
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "grad_norm": grad_norm,
+            "lr": spec.algorithm.lr,
+            "is/mean": sums["is/sum"] / num_tokens,
+            "is/max": sums["is/max"],
+            "is/truncated_frac": sums["is/truncated_sum"] / num_tokens,
+            "mismatch_kl": sums["mismatch_kl/sum"] / num_tokens,
+            "off_policy/mean": float(np.mean(stale)),
+            "off_policy/max": float(max(stale)),
+            "off_policy/dropped": float(len(dropped)),
+            "tokens": float(num_tokens),
+            "samples": float(len(samples)),
+            "time/wait_s": t_data - t_start,
+            "time/train_s": t_train - t_data,
+            "time/publish_s": publish_s,
+            "time/step_s": time.perf_counter() - t_start,
+            "throughput/samples_per_s": len(samples) / (time.perf_counter() - t_start),
+        }
+        ledger.record_train_step(job_id, step, version, metrics)
+        ledger.set_job_step(job_id, step)
+        streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries)
+        for g in batch:
+            feeder.done(g.group_id)
+        for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
+            streams.trim_acked(stream, group)
+        log.info(
+            "step %d: reward %.3f loss %.4f is_mean %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
+            step, metrics["reward/mean"], loss_total, metrics["is/mean"], metrics["off_policy/mean"],
+            int(metrics["off_policy/max"]), len(dropped), metrics["time/wait_s"], metrics["time/train_s"],
+        )
+        if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
+            start_eval(step)
+
+    # final held-out evaluation, then wait for every outstanding round
+    start_eval(step)
+    deadline = time.monotonic() + settings.job_wait_s
+    while evals and time.monotonic() < deadline:
+        take_scored(settings.block_ms)
+    ledger.set_job_state(job_id, "finished" if step >= spec.steps else "stopped")
+    # The job is over for every service of it: generators and rewarders exit on this.
+    streams.publish(CONTROL, Control(job_id=job_id, msg_id=f"end-{step}", policy_version=version,
+                                     command="stop", reason=f"trainer finished at step {step}"))
+    log.info("trainer done at step %d (version %d)", step, version)
+    server.close()
