@@ -10,8 +10,8 @@ from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
 from shared.jobspec import JobSpec
-from shared.schema import Control
 from shared.logs import set_context
+from shared.schema import Control
 from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> dict:
         if job is not None:
             return job
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no job {'%r ' % job_id if job_id else ''}in the ledger after {timeout_s:.0f} s")
+            what = f"job {job_id!r}" if job_id else "submitted or running job"
+            raise TimeoutError(f"no {what} in the ledger after {timeout_s:.0f} s")
         time.sleep(0.5)
 
 

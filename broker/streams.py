@@ -23,7 +23,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from shared.schema import DEFAULT_MAX_MESSAGE_BYTES, DeadLetter, DecodeError, Message, decode, encode
+from shared.schema import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DeadLetter,
+    DecodeError,
+    Message,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 

@@ -107,7 +107,7 @@ def ledger_row(r: Rollout) -> dict:
 
 def run(settings: GeneratorSettings) -> None:
     ctx = open_job(settings)
-    streams, ledger, spec = ctx.streams, ctx.ledger, ctx.spec
+    streams, spec = ctx.streams, ctx.spec
     gid = settings.generator_id
     set_context(generator_id=gid)
     streams.ensure_group(PROMPTS, GROUP_GENERATORS)

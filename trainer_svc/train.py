@@ -34,7 +34,14 @@ from shared.schema import Control, PolicyAnnouncement, Scored, unpack_f32, unpac
 from shared.settings import TrainerSettings
 from shared.tasks import load_task
 from shared.transport import WeightServer, build_manifest, make_server
-from trainer_svc.algorithms import ADVANTAGE_ESTIMATORS, LOSSES, LossInputs, is_fresh, lookup, staleness
+from trainer_svc.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    LOSSES,
+    LossInputs,
+    is_fresh,
+    lookup,
+    staleness,
+)
 from trainer_svc.feeder import Feeder, Group, GroupAssembler
 from trainer_svc.logprobs import pad_batch, token_logprobs
 

