@@ -167,12 +167,16 @@ class JobStreams:
         claimed = resp[1] if resp else []
         if not claimed:
             return []
+        if any(fields is None for _, fields in claimed):
+            # Deleted while pending: Redis 6.2 answers nil without the id and moves the entry to
+            # our PEL (7.0 drops it itself); ack it there so it does not pin trim_acked's MINID.
+            for p in self.r.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer):
+                if not self.r.xrange(key, min=p["message_id"], max=p["message_id"], count=1):
+                    self.ack(stream, group, [p["message_id"]])
+            claimed = [(eid, fields) for eid, fields in claimed if fields is not None]
         counts = self._delivery_counts(key, group, [eid for eid, _ in claimed])
         out = []
         for eid, fields in claimed:
-            if fields is None:  # deleted while pending (Redis 6.2 reports it this way)
-                self.ack(stream, group, [eid])
-                continue
             eid_s = eid.decode() if isinstance(eid, bytes) else eid
             d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
             if d is not None:
@@ -292,6 +296,8 @@ class JobStreams:
             try:
                 msg = decode(fields.get(FIELD, b""), expected, max_bytes=self.max_message_bytes)
             except DecodeError:
+                continue
+            if msg.job_id != self.job_id:  # as read_broadcast: never another job's message
                 continue
             return (eid.decode() if isinstance(eid, bytes) else eid), msg
         return None

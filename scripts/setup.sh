@@ -10,7 +10,8 @@ PY=${PYTHON:-python3}
 stamp="$VENV/.setup-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip "$@"; }
+# The machine's pip config lists extra local indexes that may be absent: hide that noise only.
+pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
 pip install -q -e ".[cpu,dev]"

@@ -63,7 +63,8 @@ def test_every_field_is_documented(model: type[BaseModel]) -> None:
     undocumented = [
         name
         for name, f in model.model_fields.items()
-        if not f.description and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
+        if not f.description
+        and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
     ]
     assert not undocumented, f"{model.__name__} fields without a description: {undocumented}"
 
@@ -177,8 +178,16 @@ def test_format_validation_error_strips_fastapi_body_prefix() -> None:
     class FakeRequestError(Exception):
         def errors(self) -> list[dict]:
             return [
-                {"loc": ("body", "algorithm", "lr"), "msg": "Input should be greater than 0", "type": "greater_than"},
-                {"loc": ("body", "typo"), "msg": "Extra inputs are not permitted", "type": "extra_forbidden"},
+                {
+                    "loc": ("body", "algorithm", "lr"),
+                    "msg": "Input should be greater than 0",
+                    "type": "greater_than",
+                },
+                {
+                    "loc": ("body", "typo"),
+                    "msg": "Extra inputs are not permitted",
+                    "type": "extra_forbidden",
+                },
                 {"loc": ("body", "model_path"), "msg": "Field required", "type": "missing"},
             ]
 
@@ -203,7 +212,9 @@ def test_sync_mode_has_staleness_zero(k: int) -> None:
     assert spec.max_groups_in_flight == 16
 
 
-@pytest.mark.parametrize(("k", "batch", "in_flight"), [(0, 16, 16), (1, 16, 32), (3, 5, 20), (64, 1, 65)])
+@pytest.mark.parametrize(
+    ("k", "batch", "in_flight"), [(0, 16, 16), (1, 16, 32), (3, 5, 20), (64, 1, 65)]
+)
 def test_async_mode_bounds_groups_in_flight(k: int, batch: int, in_flight: int) -> None:
     spec = JobSpec(model_path="m", mode="async", max_staleness=k, prompts_per_step=batch)
     assert spec.staleness_bound == k

@@ -326,7 +326,9 @@ msgpack_values = st.recursive(
     | st.floats()
     | st.text(max_size=8)
     | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 
@@ -336,8 +338,22 @@ msgpack_values = st.recursive(
     msg=st.sampled_from(MESSAGES),
     changes=st.dictionaries(
         st.sampled_from(
-            ["kind", "schema_version", "job_id", "policy_version", "command", "rollout", "manifest",
-             "sampling", "details", "raw", "n", "extra", "prompt_ids", "reward"]
+            [
+                "kind",
+                "schema_version",
+                "job_id",
+                "policy_version",
+                "command",
+                "rollout",
+                "manifest",
+                "sampling",
+                "details",
+                "raw",
+                "n",
+                "extra",
+                "prompt_ids",
+                "reward",
+            ]
         ),
         msgpack_values,
         max_size=3,

@@ -36,7 +36,9 @@ def random_weights(seed: int) -> dict[str, np.ndarray]:
 
 def flatten(tensors: dict[str, np.ndarray]) -> tuple[list, np.ndarray]:
     entries = [(name, t.shape, t.dtype.name, t.nbytes) for name, t in tensors.items()]
-    buf = np.concatenate([np.ascontiguousarray(t).view(np.uint8).reshape(-1) for t in tensors.values()])
+    buf = np.concatenate(
+        [np.ascontiguousarray(t).view(np.uint8).reshape(-1) for t in tensors.values()]
+    )
     return entries, buf
 
 
@@ -85,7 +87,11 @@ def test_manifest_layout_and_checksums() -> None:
     off = 0
     for entry, (name, t) in zip(m.tensors, tensors.items(), strict=True):
         assert (entry.name, entry.shape, entry.dtype, entry.offset, entry.nbytes) == (
-            name, list(t.shape), t.dtype.name, off, t.nbytes,
+            name,
+            list(t.shape),
+            t.dtype.name,
+            off,
+            t.nbytes,
         )
         off += t.nbytes
     assert bad_chunks(buf, m) == []
@@ -95,7 +101,9 @@ def test_manifest_checksum_identifies_content() -> None:
     m1, buf, _ = version(1)
     m2, _, _ = version(1, seed=99)
     assert m1.checksum != m2.checksum
-    again = build_manifest(1, [(t.name, t.shape, t.dtype, t.nbytes) for t in m1.tensors], buf.copy(), CHUNK)
+    again = build_manifest(
+        1, [(t.name, t.shape, t.dtype, t.nbytes) for t in m1.tensors], buf.copy(), CHUNK
+    )
     assert again == m1
 
 
@@ -113,7 +121,8 @@ def test_bad_chunks_finds_exactly_the_corrupted_chunks() -> None:
     bad[-1] ^= 0x80
     assert bad_chunks(bad, m) == [3, last]
     assert bad_chunks(buf[:-1], m) == [last]
-    assert bad_chunks(buf[: last * CHUNK], m) == list(range(last + 1))  # chunk count differs: all suspect
+    # A different chunk count makes every chunk suspect.
+    assert bad_chunks(buf[: last * CHUNK], m) == list(range(last + 1))
     assert chunk_checksums(bad, CHUNK)[4] == m.chunk_checksums[4]
 
 

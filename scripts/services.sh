@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Make sure the local Redis (6379) and PostgreSQL (5432) the tests use are running; install them
+# from Debian's packages if they are missing. Idempotent; does nothing when both already answer.
+set -euo pipefail
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_install() {
+  as_root apt-get update -qq >/dev/null 2>&1 || true
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+if ! port_open 6379; then
+  command -v redis-server >/dev/null || apt_install redis-server
+  mkdir -p /var/lib/redis /var/log/redis 2>/dev/null || true
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  for _ in $(seq 50); do port_open 6379 && break; sleep 0.1; done
+fi
+port_open 6379 || { echo "Redis did not start on 6379" >&2; exit 1; }
+
+if ! port_open 5432; then
+  ls /etc/postgresql >/dev/null 2>&1 || apt_install postgresql
+  ver=$(ls /etc/postgresql | sort -V | tail -1)
+  as_root pg_ctlcluster --skip-systemctl-redirect "$ver" main start
+  for _ in $(seq 100); do port_open 5432 && break; sleep 0.1; done
+fi
+port_open 5432 || { echo "PostgreSQL did not start on 5432" >&2; exit 1; }

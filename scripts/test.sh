@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run the test suite on a fresh machine: set up .venv, make sure Redis and PostgreSQL answer
+# (installing/starting them from Debian if needed), then pytest. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/services.sh
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+export TEST_POSTGRES_URL=${TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}
+set +e
+.venv/bin/python -m pytest -m "not gpu" "$@"
+rc=$?
+set -e
+# pytest exit code 5 = no tests collected (e.g. a -k filter that matches nothing): not a failure.
+if [ "$rc" -eq 5 ]; then rc=0; fi
+exit "$rc"

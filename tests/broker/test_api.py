@@ -1,0 +1,207 @@
+"""The job API over HTTP (FastAPI TestClient), with the real local Redis and a SQLite ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+from uuid import uuid4
+
+import pytest
+from fastapi.testclient import TestClient
+from redis import Redis
+
+from broker.api import create_app
+from broker.ledger import Ledger
+from broker.streams import CONTROL, JobStreams, connect
+from shared.schema import Control
+from shared.settings import BrokerSettings
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+SPEC = {"name": "tiny", "model_path": "models/tiny", "group_size": 4, "steps": 3}
+
+
+class Api:
+    def __init__(self, client: TestClient, ledger: Ledger, redis: Redis, prefix: str):
+        self.client, self.ledger, self.redis, self.prefix = client, ledger, redis, prefix
+
+    def streams(self, job_id: str) -> JobStreams:
+        return JobStreams(self.redis, job_id, prefix=self.prefix)
+
+    def controls(self, job_id: str) -> list[Control]:
+        _, msgs = self.streams(job_id).read_broadcast(CONTROL, "0", Control)
+        return msgs  # type: ignore[return-value]
+
+    def submit(self, spec: dict[str, Any] | None = None) -> str:
+        resp = self.client.post("/jobs", json=spec or SPEC)
+        assert resp.status_code == 201, resp.text
+        return resp.json()["id"]
+
+
+@pytest.fixture
+def api(tmp_path) -> Iterator[Api]:
+    prefix = f"test-{uuid4().hex}:"
+    ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
+    settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix)
+    r = connect(REDIS_URL)
+    try:
+        with TestClient(create_app(settings, ledger=ledger)) as client:
+            yield Api(client, ledger, r, prefix)
+    finally:
+        ledger.close()
+        keys = list(r.scan_iter(match=f"{prefix}*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def test_health(api: Api) -> None:
+    resp = api.client.get("/health")
+    assert resp.status_code == 200
+    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0001"}
+
+
+def test_submit_valid_job(api: Api) -> None:
+    resp = api.client.post("/jobs", json=SPEC)
+    assert resp.status_code == 201
+    body = resp.json()
+    assert set(body) == {"id", "state", "spec"}
+    assert body["state"] == "submitted"
+    assert isinstance(body["id"], str) and len(body["id"]) >= 8
+    assert body["spec"]["group_size"] == 4
+    assert body["spec"]["algorithm"]["loss"] == "aipo"  # defaults filled in
+    job = api.ledger.get_job(body["id"])
+    assert job is not None
+    assert (job["name"], job["state"], job["spec"]) == ("tiny", "submitted", body["spec"])
+
+
+def test_each_submission_gets_its_own_id(api: Api) -> None:
+    assert len({api.submit() for _ in range(3)}) == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "hint"),
+    [
+        ({**SPEC, "lerning_rate": 0.1}, "lerning_rate", "unknown field"),
+        ({k: v for k, v in SPEC.items() if k != "model_path"}, "model_path", "required"),
+        ({**SPEC, "group_size": 1}, "group_size", "greater than or equal to 2"),
+        ({**SPEC, "mode": "bogus"}, "mode", "'async' or 'sync'"),
+        ({**SPEC, "algorithm": {"lr": 0}}, "algorithm.lr", "greater than 0"),
+        ({**SPEC, "task": {"name": "gsm8k"}}, "task", "task.path is required"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field(api: Api, spec: dict, field: str, hint: str) -> None:
+    resp = api.client.post("/jobs", json=spec)
+    assert resp.status_code == 422
+    body = resp.json()
+    assert set(body) == {"error", "fields"}
+    assert isinstance(body["error"], str)
+    assert body["error"].startswith("invalid job spec")
+    assert f"{field}:" in body["error"] and hint in body["error"]
+    assert [f["field"] for f in body["fields"]] == [field]
+    assert hint in body["fields"][0]["message"]
+    assert api.ledger.list_jobs() == []  # nothing stored
+
+
+def test_several_invalid_fields_are_all_listed(api: Api) -> None:
+    resp = api.client.post("/jobs", json={"group_size": 1, "mode": "bogus", "typo": True})
+    assert resp.status_code == 422
+    assert {f["field"] for f in resp.json()["fields"]} == {
+        "model_path",
+        "group_size",
+        "mode",
+        "typo",
+    }
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""])
+def test_malformed_body_is_422_json(api: Api, content: bytes) -> None:
+    resp = api.client.post("/jobs", content=content, headers={"content-type": "application/json"})
+    assert resp.status_code == 422
+    body = resp.json()
+    assert isinstance(body["error"], str) and body["error"]
+    assert isinstance(body["fields"], list)
+
+
+def test_list_jobs(api: Api) -> None:
+    assert api.client.get("/jobs").json() == []
+    first = api.submit()
+    second = api.submit({**SPEC, "name": "second"})
+    jobs = api.client.get("/jobs").json()
+    assert {j["id"] for j in jobs} == {first, second}
+    assert [j["id"] for j in jobs] == [second, first]  # newest first
+    assert set(jobs[0]) == {"id", "name", "state", "step", "created_at", "updated_at"}
+    assert jobs[0]["name"] == "second" and jobs[0]["state"] == "submitted" and jobs[0]["step"] == 0
+    assert [j["id"] for j in api.client.get("/jobs", params={"limit": 1}).json()] == [second]
+
+
+def test_job_status(api: Api) -> None:
+    job_id = api.submit()
+    resp = api.client.get(f"/jobs/{job_id}")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body == {
+        "id": job_id,
+        "name": "tiny",
+        "state": "submitted",
+        "step": 0,
+        "error": None,
+        "spec": body["spec"],
+        "last_metrics": None,
+        "evals": [],
+        "samples": {},
+        "staleness": {},
+        "generators": {},
+    }
+    assert body["spec"]["model_path"] == "models/tiny"
+
+
+def test_job_status_reports_progress_and_generators(api: Api) -> None:
+    job_id = api.submit()
+    api.ledger.set_job_state(job_id, "running")
+    api.ledger.set_job_step(job_id, 2)
+    api.ledger.record_train_step(job_id, 1, 1, {"loss": 0.5})
+    api.ledger.record_train_step(job_id, 2, 2, {"loss": 0.25})
+    api.ledger.record_generator_load(job_id, 1, "gen-0")
+    api.ledger.record_generator_load(job_id, 2, "gen-0")
+    api.streams(job_id).heartbeat("gen-0", {"version": 2})
+    api.streams(job_id).heartbeat("gen-1", {"version": 1})
+    body = api.client.get(f"/jobs/{job_id}").json()
+    assert (body["state"], body["step"]) == ("running", 2)
+    assert body["last_metrics"] == {"loss": 0.25}
+    gens = body["generators"]
+    assert set(gens) == {"gen-0", "gen-1"}
+    assert gens["gen-0"]["versions_loaded"] == [1, 2]
+    assert gens["gen-0"]["heartbeat"]["version"] == 2
+    assert gens["gen-1"]["versions_loaded"] == [] and gens["gen-1"]["heartbeat"]["version"] == 1
+
+
+@pytest.mark.parametrize(("method", "path"), [("get", "/jobs/nope"), ("post", "/jobs/nope/stop")])
+def test_unknown_job_is_404_json(api: Api, method: str, path: str) -> None:
+    resp = getattr(api.client, method)(path)
+    assert resp.status_code == 404
+    assert resp.json() == {"error": "no job 'nope'; GET /jobs lists the known ones"}
+
+
+def test_stop_publishes_a_control_message(api: Api) -> None:
+    job_id = api.submit()
+    other = api.submit()
+    resp = api.client.post(f"/jobs/{job_id}/stop")
+    assert resp.status_code == 202
+    assert resp.json() == {"id": job_id, "state": "stopping"}
+    (msg,) = api.controls(job_id)
+    assert isinstance(msg, Control)
+    assert (msg.command, msg.job_id, msg.policy_version) == ("stop", job_id, 0)
+    assert api.controls(other) == []  # only the stopped job's stream
+    assert api.client.get(f"/jobs/{job_id}").json()["state"] == "stopping"
+    assert api.ledger.get_job(other)["state"] == "submitted"
+
+
+@pytest.mark.parametrize("state", ["finished", "stopped", "failed", "cancelled"])
+def test_stopping_a_finished_job_is_409(api: Api, state: str) -> None:
+    job_id = api.submit()
+    api.ledger.set_job_state(job_id, state)
+    resp = api.client.post(f"/jobs/{job_id}/stop")
+    assert resp.status_code == 409
+    assert state in resp.json()["error"]
+    assert api.controls(job_id) == []
+    assert api.ledger.get_job(job_id)["state"] == state
