@@ -55,12 +55,12 @@ class AlgorithmSpec(_Strict):
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
     model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
-    task: TaskSpec = Field(default_factory=TaskSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
     reward: Literal["exact_match", "math_verify"] = Field(
         "exact_match", description=f"Reward function by name, one of {REWARDS}."
     )
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."
     )
@@ -96,7 +96,9 @@ def format_validation_error(exc: Exception) -> list[dict]:
             loc = loc[1:]
         field = ".".join(str(p) for p in loc)
         msg = e.get("msg", "invalid")
-        if e.get("type") == "extra_forbidden":
+        if e.get("type") == "json_invalid":
+            field, msg = "", f"the request body is not valid JSON ({e.get('ctx', {}).get('error', msg)}); send a JSON object"
+        elif e.get("type") == "extra_forbidden":
             msg = f"unknown field '{field}'; remove it or check its spelling"
         elif e.get("type") == "missing":
             msg = f"field '{field}' is required"

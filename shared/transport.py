@@ -239,15 +239,15 @@ class TcpWeightClient:
 TRANSPORTS = {"tcp": (TcpWeightServer, TcpWeightClient)}
 
 
+def _transport(name: str) -> tuple[type, type]:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport '{name}'; valid: {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
 def make_server(name: str, **kwargs) -> WeightServer:
-    try:
-        return TRANSPORTS[name][0](**kwargs)
-    except KeyError:
-        raise ValueError(f"unknown weight transport '{name}'; valid: {sorted(TRANSPORTS)}") from None
+    return _transport(name)[0](**kwargs)
 
 
 def make_client(name: str) -> WeightClient:
-    try:
-        return TRANSPORTS[name][1]()
-    except KeyError:
-        raise ValueError(f"unknown weight transport '{name}'; valid: {sorted(TRANSPORTS)}") from None
+    return _transport(name)[1]()

@@ -16,7 +16,13 @@ import yaml
 from pydantic import AliasChoices
 
 from shared.jobspec import JobSpec
-from shared.settings import BrokerSettings, CommonSettings, GeneratorSettings, RewardSettings, TrainerSettings
+from shared.settings import (
+    BrokerSettings,
+    CommonSettings,
+    GeneratorSettings,
+    RewardSettings,
+    TrainerSettings,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"broker": BrokerSettings, "generator_svc": GeneratorSettings, "reward_svc": RewardSettings,
