@@ -154,9 +154,9 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
     evals = ledger.evals(job_id)
     hist = ledger.staleness_histogram(job_id)
     counts = ledger.status_counts(job_id)
-    train_s = sum(s["metrics"]["time/step_s"] for s in steps)
-    samples = sum(s["metrics"]["samples"] for s in steps)
-    tokens = sum(s["metrics"]["tokens"] for s in steps)
+    # Steady state: the first step also waits for the engines to start.
+    steady = steps[1:] or steps
+    step_s = sum(s["metrics"]["time/step_s"] for s in steady)
     summary = {
         "job_id": job_id,
         "wall_s": wall_s,
@@ -165,22 +165,35 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
         "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals],
         "staleness_histogram": hist,
         "sample_status": counts,
-        "trained_samples_per_s": samples / train_s if train_s else 0.0,
-        "trained_tokens_per_s": tokens / train_s if train_s else 0.0,
-        "mean_step_s": train_s / len(steps) if steps else 0.0,
+        "samples_per_s": sum(s["metrics"]["samples"] for s in steady) / step_s if step_s else 0.0,
+        "tokens_per_s": sum(s["metrics"]["tokens"] for s in steady) / step_s if step_s else 0.0,
+        "mean_step_s": step_s / len(steady) if steady else 0.0,
     }
-    table = Table(title=f"job {job_id}")
-    table.add_column("figure")
-    table.add_column("value")
-    if evals:
-        table.add_row("held-out reward", " -> ".join(f"{r:.2f}@{s}" for s, r in summary["held_out"]))
-    rps = summary["reward_per_step"]
-    table.add_row("train reward (first/last 5 steps)", f"{rps[:5]} ... {rps[-5:]}")
-    table.add_row("staleness histogram", str(hist))
-    table.add_row("samples", str(counts))
-    table.add_row("throughput", f"{summary['trained_samples_per_s']:.1f} samples/s, {summary['trained_tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step")
-    table.add_row("wall time", f"{wall_s:.0f} s")
+    held = dict(summary["held_out"])
+    table = Table(title=f"job {job_id}: reward and staleness per block of steps")
+    for col in ("steps", "train reward", "held-out reward (at end)", "staleness mean / max", "dropped"):
+        table.add_column(col, justify="right")
+    block = max(1, len(steps) // 10)
+    for lo in range(0, len(steps), block):
+        chunk = steps[lo : lo + block]
+        last = chunk[-1]["step"]
+        table.add_row(
+            f"{chunk[0]['step']}-{last}",
+            f"{sum(s['metrics']['reward/mean'] for s in chunk) / len(chunk):.3f}",
+            f"{held[last]:.3f}" if last in held else "",
+            f"{sum(s['metrics']['off_policy/mean'] for s in chunk) / len(chunk):.2f} / "
+            f"{max(int(s['metrics']['off_policy/max']) for s in chunk)}",
+            f"{sum(int(s['metrics']['off_policy/dropped']) for s in chunk)}",
+        )
     console.print(table)
+    if evals:
+        console.print("held-out reward: " + " -> ".join(f"{r:.2f} (step {s})" for s, r in summary["held_out"]))
+    console.print(f"staleness of trained samples (versions: count): {hist}")
+    console.print(f"samples by status: {counts}")
+    console.print(
+        f"throughput (steady state): {summary['samples_per_s']:.1f} samples/s, "
+        f"{summary['tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step; wall time {wall_s:.0f} s"
+    )
     summary["plot"] = str(plot(steps, evals, wd / "demo.png"))
     console.print(f"plot: {summary['plot']}")
     return summary

@@ -119,12 +119,19 @@ class Group:
 class GroupAssembler:
     """Collects scored samples by group until each group has all of its samples."""
 
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 100_000) -> None:
         self.open: dict[str, Group] = {}
+        self.closed: dict[str, None] = {}  # recently completed group ids (insertion-ordered)
+        self.remember = remember
+        self.strays: list[str] = []  # entry ids of duplicates of completed groups: ack and forget
 
     def add(self, entry_id: str, msg: Scored) -> Group | None:
         """Returns the group when this sample completes it. A redelivered duplicate (same msg_id)
-        only adds its entry id so it is acked with the group; it never counts twice."""
+        only adds its entry id so it is acked with the group; it never counts twice. A duplicate
+        of a group that already completed goes to `strays`."""
+        if msg.group_id in self.closed:
+            self.strays.append(entry_id)
+            return None
         r = msg.rollout
         g = self.open.get(msg.group_id)
         if g is None:
@@ -132,5 +139,8 @@ class GroupAssembler:
         g.entries.append(entry_id)
         g.samples.setdefault(msg.msg_id, msg)
         if g.complete:
+            self.closed[msg.group_id] = None
+            if len(self.closed) > self.remember:
+                del self.closed[next(iter(self.closed))]
             return self.open.pop(msg.group_id)
         return None

@@ -291,7 +291,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         }
         ledger.record_train_step(job_id, step, version, metrics)
         ledger.set_job_step(job_id, step)
-        streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries)
+        streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries + assembler.strays)
+        assembler.strays.clear()
         for g in batch:
             feeder.done(g.group_id)
         for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):

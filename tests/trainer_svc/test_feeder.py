@@ -1,0 +1,79 @@
+"""The feeder's in-flight cap follows the staleness bound; the assembler never counts a sample twice."""
+
+import os
+import uuid
+
+import pytest
+
+from broker.streams import PROMPTS, JobStreams, connect
+from shared.jobspec import JobSpec
+from shared.schema import PromptGroup, Rollout, SamplingParams, Scored, pack_f32, pack_i32
+from shared.tasks import Problem
+from trainer_svc.feeder import Feeder, GroupAssembler
+
+
+@pytest.fixture
+def streams():
+    s = JobStreams(connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1",
+                   prefix=f"test-{uuid.uuid4().hex}:")
+    yield s
+    s.delete_all()
+
+
+def _problems(n):
+    return [Problem(i, f"{i}+1=", str(i + 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("mode,k,cap", [("sync", 3, 4), ("async", 0, 4), ("async", 1, 8), ("async", 3, 16)])
+def test_in_flight_cap_is_k_plus_one_batches(streams, mode, k, cap):
+    spec = JobSpec(model_path="m", mode=mode, max_staleness=k, prompts_per_step=4, group_size=2)
+    feeder = Feeder(streams, spec, _problems(10), _problems(3))
+    assert feeder.top_up(0) == cap
+    assert feeder.top_up(0) == 0  # full: nothing more until groups are consumed
+    for gid in list(feeder.in_flight)[:3]:
+        feeder.done(gid)
+    assert feeder.top_up(1) == 3
+    _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
+    assert len(msgs) == cap + 3
+    assert len({m.group_id for m in msgs}) == cap + 3
+    assert [m.policy_version for m in msgs[-3:]] == [1, 1, 1]
+    assert all(m.n == 2 and m.purpose == "train" for m in msgs)
+
+
+def test_data_order_is_seeded_and_covers_every_problem_each_epoch(streams):
+    spec = JobSpec(model_path="m", max_staleness=0, prompts_per_step=5, seed=7)
+    a = Feeder(streams, spec, _problems(10), [])
+    b = Feeder(streams, spec, _problems(10), [])
+    seq_a = [a._next_problem().index for _ in range(20)]
+    seq_b = [b._next_problem().index for _ in range(20)]
+    assert seq_a == seq_b
+    assert sorted(seq_a[:10]) == list(range(10)) and sorted(seq_a[10:]) == list(range(10))
+
+
+def test_eval_round_is_greedy_single_samples_outside_the_cap(streams):
+    spec = JobSpec(model_path="m", prompts_per_step=2, max_staleness=0)
+    feeder = Feeder(streams, spec, _problems(5), _problems(3))
+    rnd = feeder.feed_eval(4)
+    _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
+    assert [m.group_id for m in msgs] == [f"{rnd}-0", f"{rnd}-1", f"{rnd}-2"]
+    assert all(m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 for m in msgs)
+    assert feeder.in_flight == set()
+
+
+def _scored(group, i, size=2):
+    r = Rollout(job_id="job1", msg_id=f"{group}/{i}", group_id=group, policy_version=3, policy_version_max=3,
+                prompt_index=0, sample_index=i, group_size=size, generator_id="g", prompt_ids=pack_i32([1]),
+                completion_ids=pack_i32([5]), logprobs=pack_f32([-0.1]), completion="2", answer="2")
+    return Scored(job_id="job1", msg_id=r.msg_id, group_id=group, policy_version=3, rollout=r, reward=1.0)
+
+
+def test_assembler_completes_groups_and_ignores_duplicates():
+    asm = GroupAssembler()
+    assert asm.add("1-0", _scored("g0", 0)) is None
+    assert asm.add("2-0", _scored("g0", 0)) is None  # redelivered duplicate: not a second sample
+    g = asm.add("3-0", _scored("g0", 1))
+    assert g is not None and g.complete and len(g.samples) == 2
+    assert g.entries == ["1-0", "2-0", "3-0"]  # every copy is acked with the group
+    assert g.gen_version_min == 3 and g.purpose == "train"
+    assert asm.add("4-0", _scored("g0", 1)) is None  # a late duplicate of a finished group
+    assert asm.strays == ["4-0"] and "g0" not in asm.open
