@@ -157,7 +157,7 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
     # Steady state: the first step also waits for the engines to start.
     steady = steps[1:] or steps
     step_s = sum(s["metrics"]["time/step_s"] for s in steady)
-    summary = {
+    summary: dict[str, Any] = {
         "job_id": job_id,
         "wall_s": wall_s,
         "steps": len(steps),

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -31,6 +32,8 @@ from shared.schema import (
     decode,
     encode,
 )
+
+M = TypeVar("M", bound=Message)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,9 @@ class JobStreams:
         claim_idle_ms: int = 60_000,
         max_deliveries: int = 5,
     ):
-        self.r = client
+        # redis-py's annotations mix its sync and async return types; responses are handled
+        # dynamically here, byte keys and all.
+        self.r: Any = client
         self.job_id = job_id
         self.prefix = prefix
         self.max_message_bytes = max_message_bytes
@@ -269,12 +274,12 @@ class JobStreams:
 
     # -- broadcast streams (policy, control): plain XREAD, every reader sees everything -----------
     def read_broadcast(
-        self, stream: str, last_id: str, expected: type[Message], *, block_ms: int | None = None, count: int = 100
-    ) -> tuple[str, list[Message]]:
+        self, stream: str, last_id: str, expected: type[M], *, block_ms: int | None = None, count: int = 100
+    ) -> tuple[str, list[M]]:
         """Messages after `last_id`; returns (new last_id, messages). Invalid entries are skipped
         (dead-lettered once, by id, without a group)."""
         resp = self.r.xread({self.key(stream): last_id}, count=count, block=block_ms)
-        msgs: list[Message] = []
+        msgs: list[M] = []
         for _key, entries in resp or []:
             for eid, fields in entries:
                 last_id = eid.decode() if isinstance(eid, bytes) else eid
@@ -290,7 +295,7 @@ class JobStreams:
                     self.dead_letter(stream, None, last_id, exc.reason, raw or b"")
         return last_id, msgs
 
-    def latest(self, stream: str, expected: type[Message]) -> tuple[str, Message] | None:
+    def latest(self, stream: str, expected: type[M]) -> tuple[str, M] | None:
         """The newest valid message on a broadcast stream (a late joiner's starting point)."""
         for eid, fields in self.r.xrevrange(self.key(stream), count=20):
             try:

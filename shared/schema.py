@@ -8,7 +8,7 @@ and any failure raises `DecodeError` with a reason that goes to the dead-letter 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import msgpack
 import numpy as np
@@ -171,7 +171,16 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(raw: bytes, expected: type[Message] | None = None, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+M = TypeVar("M", bound=Message)
+
+
+@overload
+def decode(raw: bytes, expected: type[M], *, max_bytes: int = ...) -> M: ...
+@overload
+def decode(raw: bytes, expected: None = None, *, max_bytes: int = ...) -> Message: ...
+
+
+def decode(raw: Any, expected: type[Message] | None = None, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Decode and validate one message. Raises DecodeError with a reason; never unpickles."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload is {type(raw).__name__}, expected bytes")

@@ -18,7 +18,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgpack
 import numpy as np
@@ -28,6 +28,8 @@ from shared.schema import Manifest, TensorEntry
 
 log = logging.getLogger(__name__)
 
+Buffer = Any  # bytes, memoryview or a contiguous numpy array (numpy's stubs are not `Buffer`)
+
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 _LEN = struct.Struct("<I")
 
@@ -36,7 +38,7 @@ class ChecksumError(RuntimeError):
     """A fetched buffer that does not match its manifest after retries."""
 
 
-def chunk_checksums(buf: memoryview | bytes | np.ndarray, chunk_bytes: int) -> list[str]:
+def chunk_checksums(buf: Buffer, chunk_bytes: int) -> list[str]:
     mv = memoryview(buf).cast("B")
     return [xxhash.xxh3_64_hexdigest(mv[i : i + chunk_bytes]) for i in range(0, len(mv), chunk_bytes)]
 
@@ -48,7 +50,7 @@ def version_checksum(chunks: Sequence[str]) -> str:
 def build_manifest(
     version: int,
     entries: Sequence[tuple[str, Sequence[int], str, int]],
-    buf: memoryview | bytes | np.ndarray,
+    buf: Buffer,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Manifest:
     """entries: (name, shape, dtype name, nbytes) in buffer order; offsets are assigned contiguously."""
@@ -70,7 +72,7 @@ def build_manifest(
     )
 
 
-def bad_chunks(buf: memoryview | bytes | np.ndarray, manifest: Manifest) -> list[int]:
+def bad_chunks(buf: Buffer, manifest: Manifest) -> list[int]:
     """Indices of chunks whose checksum does not match the manifest."""
     got = chunk_checksums(buf, manifest.chunk_bytes)
     if len(got) != len(manifest.chunk_checksums):
@@ -174,7 +176,7 @@ class TcpWeightServer:
                         _send_msg(sock, {"ok": False, "error": f"range {off}+{length} outside {buf.nbytes} bytes"})
                         continue
                     _send_msg(sock, {"ok": True, "nbytes": length})
-                    sock.sendall(memoryview(buf)[off : off + length])
+                    sock.sendall(buf.data[off : off + length])
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -213,7 +215,7 @@ class TcpWeightClient:
     def fetch(self, address: str, manifest: Manifest, *, corrupt_hook=None) -> np.ndarray:
         host, port = address.rsplit(":", 1)
         buf = np.empty(manifest.total_bytes, dtype=np.uint8)
-        view = memoryview(buf)
+        view = buf.data
         with socket.create_connection((host, int(port)), timeout=self.timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._fetch_range(sock, manifest.version, view, 0)

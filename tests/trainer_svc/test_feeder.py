@@ -7,7 +7,7 @@ import pytest
 
 from broker.streams import PROMPTS, JobStreams, connect
 from shared.jobspec import JobSpec
-from shared.schema import PromptGroup, Rollout, SamplingParams, Scored, pack_f32, pack_i32
+from shared.schema import PromptGroup, Rollout, Scored, pack_f32, pack_i32
 from shared.tasks import Problem
 from trainer_svc.feeder import Feeder, GroupAssembler
 
