@@ -272,6 +272,11 @@ class JobStreams:
             return 0
         return int(self.r.xtrim(key, minid=min_id, approximate=False))
 
+    def trim_broadcast(self, stream: str, keep: int) -> int:
+        """Keep the newest `keep` entries of a broadcast stream (no group, so nothing is pending;
+        late joiners start from the newest entry)."""
+        return int(self.r.xtrim(self.key(stream), maxlen=keep, approximate=False))
+
     # -- broadcast streams (policy, control): plain XREAD, every reader sees everything -----------
     def read_broadcast(
         self, stream: str, last_id: str, expected: type[M], *, block_ms: int | None = None, count: int = 100

@@ -69,7 +69,7 @@ def flatten_weights(model: torch.nn.Module) -> tuple[list[tuple[str, list[int], 
 
 
 def publish_weights(
-    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str
+    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int
 ) -> float:
     t0 = time.perf_counter()
     entries, buf = flatten_weights(model)
@@ -83,6 +83,8 @@ def publish_weights(
             manifest=manifest, transport=server.name, address=server.address,
         ),
     )
+    # A version older than the ones the server still holds cannot be fetched: drop its announcement.
+    streams.trim_broadcast(POLICY, keep)
     return time.perf_counter() - t0
 
 
@@ -157,7 +159,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     version = 0
     set_context(policy_version=version)
     ledger.set_job_state(job_id, "running")
-    publish_weights(model, version, server, streams, ledger, job_id)
+    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions)
     evals: dict[str, EvalRound] = {}
     ready: list[Group] = []  # complete groups waiting for a batch slot
 
@@ -261,7 +263,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         t_train = time.perf_counter()
 
         # publish weights
-        publish_s = publish_weights(model, version, server, streams, ledger, job_id)
+        publish_s = publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions)
 
         # ledger + metrics, then ack what this step consumed
         stale = [staleness(trained_version, g.gen_version_min) for g in batch for _ in g.samples]
