@@ -17,7 +17,7 @@ API = os.environ.get("ASYNCRL_API", "http://127.0.0.1:8000")
 
 @app.command()
 def demo(
-    steps: int = typer.Option(60, help="Trainer steps."),
+    steps: int = typer.Option(50, help="Trainer steps."),
     mode: str = typer.Option("async", help="async or sync."),
     max_staleness: int = typer.Option(1, help="Staleness bound k (async)."),
     generators: int = typer.Option(1, help="Generator processes."),

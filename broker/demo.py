@@ -68,7 +68,7 @@ def wait_http(url: str, timeout_s: float, sup: Supervisor) -> None:
 def run_demo(
     *,
     workdir: str = "runs/demo",
-    steps: int = 60,
+    steps: int = 50,
     mode: str = "async",
     max_staleness: int = 1,
     generators: int = 1,
@@ -92,7 +92,10 @@ def run_demo(
         wait_http(f"{api}/health", 60, sup)
         spec = {
             "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
-            "steps": steps, "seed": seed, **(extra_spec or {}),
+            "steps": steps, "seed": seed, "eval_every": max(1, steps // 10),
+            "algorithm": {"lr": 1e-4},  # tiny model: 1e-3 collapses the policy within a few steps
+            "sampling": {"temperature": 1.0, "max_tokens": 8},
+            **(extra_spec or {}),
         }
         resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         if resp.status_code != 201:

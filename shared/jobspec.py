@@ -46,7 +46,7 @@ class AlgorithmSpec(_Strict):
     advantage: Literal["grpo"] = Field("grpo", description=f"Advantage estimator, one of {ADVANTAGES}.")
     loss: Literal["aipo"] = Field("aipo", description=f"Policy loss, one of {LOSSES}.")
     rho: float = Field(2.0, ge=1.0, le=1e6, description="AIPO truncation: importance weight min(pi/mu, rho).")
-    lr: float = Field(2e-3, gt=0.0, le=1.0, description="Adam learning rate.")
+    lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (1e-6 suits billion-parameter models; tiny ones take 1e-4).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward pass (gradient accumulation).")

@@ -1,12 +1,19 @@
 """Supervised warm start of the tiny model before RL.
 
-Teacher forcing on ``prompt + answer + EOS`` with the loss on the answer and EOS tokens only,
-for a deliberately small number of steps: the policy should learn the output format and be
-right *sometimes*, low greedy accuracy but high pass@8, which is where GRPO's group-relative
-advantages have signal (a group of all-wrong or all-right samples has zero advantage).
+Teacher forcing on ``prompt + answer + EOS``, loss on the answer and EOS tokens only, from a
+deliberately imperfect teacher: with probability ``off_by_one`` an integer target is replaced by
+``answer + 1``. The result knows the arithmetic but prefers the wrong neighbour: low greedy
+accuracy, high pass@8 at temperature 1.0. That is the regime where GRPO has signal (most groups
+of 8 samples mix right and wrong, so group-relative advantages are non-zero) and where the
+verifier's exact-match reward can fix something supervised learning taught wrong.
+
+Why not simply stop an exact teacher early: measured on the tiny model, an early-stopped warm
+start has pass@8 of only about 0.5-0.6 at greedy 0.1-0.3, and GRPO then plateaus near that
+pass@8 (held-out greedy about 0.4-0.5 after 300 steps); it sharpens what the policy can already
+sample rather than teaching new answers.
 
     python -m trainer_svc.warmstart --model /tmp/tiny --out /tmp/tiny-warm [--task arithmetic \
-        --seed 0 --steps 150 --lr 3e-3]
+        --seed 0 --steps 1000 --lr 1e-3 --off-by-one 0.7]
 
 Prints and returns held-out greedy accuracy and pass@8 at temperature 1.0 (HF ``generate``).
 """
@@ -15,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+import re
 import time
 from pathlib import Path
 
@@ -25,13 +34,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from shared.tasks import Problem, extract_answer, load_task
 from trainer_svc.logprobs import pad_batch, token_logprobs
 
-# Measured on the defaults (tiny model 2x128, arithmetic a+b with a, b <= 19, seed 0): see the
-# report in the PR; the figures are printed on every run.
-DEFAULT_STEPS = 150
-DEFAULT_LR = 3e-3
+# Tuned together with shared.tasks' arithmetic defaults (a+b with a, b <= 19) and the default
+# 2-layer, 128-wide tiny model. Measured (seeds 0, 1, 2): held-out greedy 0.20 / 0.11 / 0.13,
+# pass@8 0.89 / 0.92 / 0.93, about 20 s on 2 cores. In-process GRPO from there (groups of 8,
+# 16 prompts/step, Adam lr 3e-5..3e-4) passes 0.6 held-out greedy within 20 steps and holds
+# about 0.9; Adam at lr 1e-3 wrecks this policy within a few RL steps.
+DEFAULT_STEPS = 1000
+DEFAULT_LR = 1e-3  # peak; cosine decay to 0 so the final checkpoint is not a noisy snapshot
 DEFAULT_BATCH = 32
+DEFAULT_OFF_BY_ONE = 0.7
 DEFAULT_N_TRAIN = 300
 DEFAULT_N_TEST = 100
+
+_INT = re.compile(r"-?\d+")
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> list[list[int]]:
@@ -39,10 +54,17 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) 
     return [tokenizer.encode(p.prompt) for p in problems]
 
 
-def encode_answers(tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> list[list[int]]:
-    """Target completion ids: the answer's characters then EOS."""
+def encode_answers(tokenizer: PreTrainedTokenizerBase, answers: list[str]) -> list[list[int]]:
+    """Target completion ids: each answer's characters then EOS."""
     eos = tokenizer.eos_token_id
-    return [tokenizer.encode(p.answer, add_special_tokens=False) + [eos] for p in problems]
+    return [tokenizer.encode(a, add_special_tokens=False) + [eos] for a in answers]
+
+
+def teacher_answer(answer: str, off_by_one: float, rng: random.Random) -> str:
+    """The imperfect teacher: an integer answer becomes ``answer + 1`` with prob. off_by_one."""
+    if _INT.fullmatch(answer) and rng.random() < off_by_one:
+        return str(int(answer) + 1)
+    return answer
 
 
 @torch.no_grad()
@@ -109,16 +131,29 @@ def warm_start(
     steps: int = DEFAULT_STEPS,
     lr: float = DEFAULT_LR,
     batch_size: int = DEFAULT_BATCH,
+    off_by_one: float = DEFAULT_OFF_BY_ONE,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Fine-tune ``model_dir`` on the task's train split and save model + tokenizer to out_dir.
+    """Fine-tune ``model_dir`` on the task's train split; save model + tokenizer to ``out_dir``.
 
-    Deterministic for a given seed (data order, sampling) on a given machine.
+    Args:
+        model_dir: HF directory (e.g. from ``trainer_svc.tiny_model``).
+        out_dir: created if missing.
+        task, n_train, n_test, path, test_path: passed to ``shared.tasks.load_task``.
+        steps: optimizer steps (AdamW, no weight decay, cosine decay from ``lr`` to 0).
+        lr: peak learning rate.
+        batch_size: problems per step, drawn without replacement within a step.
+        off_by_one: probability that an integer target is ``answer + 1``, redrawn every time a
+            problem is used; 0 trains on the exact answers.
+        seed: fixes data order, teacher noise and evaluation sampling (with the same torch build
+            and thread count, the run is repeatable).
 
     Returns:
-        ``{"greedy_acc", "pass_at_8", "sample_acc", "final_loss", "seconds"}``, accuracies on
-        the held-out split.
+        ``{"greedy_acc", "pass_at_8", "sample_acc", "final_loss", "seconds"}``; accuracies on the
+        held-out split.
     """
+    if not 0.0 <= off_by_one <= 1.0:
+        raise ValueError(f"off_by_one must be in [0, 1], got {off_by_one}")
     t0 = time.perf_counter()
     torch.set_num_threads(2)
     torch.manual_seed(seed)
@@ -127,21 +162,26 @@ def warm_start(
     train, test = load_task(
         task, seed=seed, n_train=n_train, n_test=n_test, path=path, test_path=test_path
     )
-    prompts, answers = encode_prompts(tokenizer, train), encode_answers(tokenizer, train)
+    prompts = encode_prompts(tokenizer, train)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))
+    )
     rng = random.Random(seed)
     model.train()
     loss = torch.zeros(())
     for _ in range(steps):
         idx = rng.sample(range(len(train)), min(batch_size, len(train)))
+        targets = [teacher_answer(train[i].answer, off_by_one, rng) for i in idx]
         input_ids, attention_mask, mask = pad_batch(
-            [prompts[i] for i in idx], [answers[i] for i in idx], tokenizer.pad_token_id
+            [prompts[i] for i in idx], encode_answers(tokenizer, targets), tokenizer.pad_token_id
         )
         logprobs = token_logprobs(model, input_ids, attention_mask)  # (B, L-1)
         loss = -(logprobs * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
     metrics = evaluate(model, tokenizer, test, seed=seed)
     metrics["final_loss"] = loss.item()
     out = Path(out_dir)
@@ -164,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    p.add_argument(
+        "--off-by-one",
+        type=float,
+        default=DEFAULT_OFF_BY_ONE,
+        help="probability that a training target is answer+1 (0: exact teacher)",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     metrics = warm_start(
@@ -177,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=a.steps,
         lr=a.lr,
         batch_size=a.batch_size,
+        off_by_one=a.off_by_one,
         seed=a.seed,
     )
     print(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
