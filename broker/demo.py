@@ -219,6 +219,8 @@ def plot(steps: list[dict], evals: list[dict], out: Path) -> Path:
     ax2.plot(xs, [s["metrics"]["off_policy/mean"] for s in steps], label="staleness mean")
     ax2.plot(xs, [s["metrics"]["off_policy/max"] for s in steps], label="staleness max", linestyle="--")
     ax2.set_ylabel("policy versions")
+    top = max([s["metrics"]["off_policy/max"] for s in steps] + [1.0])
+    ax2.set_ylim(-0.05, top * 1.6)  # room for the legend above the curves
     ax2.set_xlabel("trainer step")
     ax2.legend(loc="upper right")
     fig.tight_layout()

@@ -76,16 +76,23 @@ def test_full_loop_as_processes(tmp_path, tiny_model, mode):
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
         streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
-        injected = 0
-        for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
+        ledger = Ledger(db_url)
+        for name, module in (("trainer", "trainer_svc"), ("generator", "generator_svc")):
             sup.start(name, module, {"JOB_ID": job_id})
+        # Once the generator follows the policy stream, and before the reward service exists (so no
+        # step can run yet), put a malformed entry on every stream: each reader meets one mid-run.
+        deadline = time.monotonic() + 300
+        while not ledger.generator_loads(job_id):
+            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
+            assert time.monotonic() < deadline, sup.tail("generator")
+            time.sleep(0.2)
+        injected = _inject_malformed(streams, job_id)
+        sup.start("reward", "reward_svc", {"JOB_ID": job_id})
         deadline = time.monotonic() + 400
         while True:
             job = httpx.get(f"{api}/jobs/{job_id}", timeout=30).json()
             if job["state"] in ("finished", "failed", "stopped"):
                 break
-            if job["step"] >= 1 and not injected:  # mid-run, so every reader is already following
-                injected = _inject_malformed(streams, job_id)
             assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
             assert time.monotonic() < deadline, f"job stuck at {job}\n{sup.tail('trainer')}\n{sup.tail('generator')}"
             time.sleep(1)
@@ -96,7 +103,6 @@ def test_full_loop_as_processes(tmp_path, tiny_model, mode):
     finally:
         sup.stop_all()
 
-    ledger = Ledger(db_url)
     steps = ledger.train_steps(job_id)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     trained = ledger.samples(job_id, status="trained")
