@@ -27,6 +27,8 @@ class PolicyFollower:
     def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
         self.version = -1
+        self.loaded_at: float | None = None
+        self._last_beat = 0.0
         self.newest: PolicyAnnouncement | None = None
         latest = streams.latest(POLICY, PolicyAnnouncement)
         self.last_id = "0"
@@ -50,12 +52,19 @@ class PolicyFollower:
         if self.newest.manifest.version > self.version:
             self._load(self.newest)
 
+    def beat(self, every_s: float = 5.0, force: bool = False) -> None:
+        """Heartbeat hash entry: which version this generator serves, since when, and that it lives."""
+        if force or time.monotonic() - self._last_beat >= every_s:
+            self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": self.loaded_at})
+            self._last_beat = time.monotonic()
+
     def _load(self, ann: PolicyAnnouncement) -> None:
         res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
         self.version = ann.manifest.version
         set_context(policy_version=self.version)
         self.ledger.record_generator_load(self.streams.job_id, self.version, self.generator_id)
-        self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": time.time()})
+        self.loaded_at = time.time()
+        self.beat(force=True)
         log.info(
             "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs",
             self.version, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"],
@@ -132,6 +141,7 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
     control = ControlWatcher(streams)
     log.info("generator %s ready", gid)
     while True:
+        policy.beat()
         state = control.poll()
         if state == "stopping":
             break

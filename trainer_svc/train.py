@@ -175,7 +175,10 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             if g is None:
                 continue
             if g.purpose == "eval":
-                rnd = evals[g.group_id.split("-")[0]]
+                rnd = evals.get(g.group_id.split("-")[0])
+                if rnd is None:  # a round this trainer did not start (e.g. before a restart)
+                    assembler.strays += g.entries
+                    continue
                 s = next(iter(g.samples.values()))
                 rnd.rewards.append(s.reward)
                 rnd.versions.append(s.rollout.policy_version)
