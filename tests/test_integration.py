@@ -33,6 +33,12 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
 
 
+@pytest.fixture(scope="module")
+def db_url(tmp_path_factory):
+    """One ledger for both runs: jobs sharing a database must not collide on sample keys."""
+    return os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,9 +57,8 @@ def _inject_malformed(streams: JobStreams, job_id: str) -> int:
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_full_loop_as_processes(tmp_path, tiny_model, mode):
+def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path / 'ledger.db'}"
     prefix = f"it-{uuid.uuid4().hex[:8]}:"
     port = _free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),

@@ -17,7 +17,15 @@ from shared.schema import PromptGroup, SamplingParams, Scored
 from shared.tasks import Problem
 
 
+def eval_round(group_id: str) -> str:
+    """The eval round an eval group belongs to: `{job}/e{round}/{prompt index}` -> `{job}/e{round}`."""
+    return group_id.rsplit("/", 1)[0]
+
+
 class Feeder:
+    """Group ids (and so every msg_id derived from them) start with the job id: they are the
+    ledger's idempotency keys and must be unique across all jobs sharing one database."""
+
     def __init__(self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem]):
         self.streams = streams
         self.spec = spec
@@ -46,7 +54,7 @@ class Feeder:
         msgs = []
         while len(self.in_flight) + len(msgs) < cap:
             p = self._next_problem()
-            gid = f"g{self.seq}"
+            gid = f"{self.streams.job_id}/g{self.seq}"
             self.seq += 1
             msgs.append(
                 PromptGroup(
@@ -70,14 +78,14 @@ class Feeder:
         self.in_flight.discard(group_id)
 
     def feed_eval(self, version: int) -> str:
-        """Feed one greedy sample of every held-out problem; returns the round's id prefix."""
-        rnd = f"e{self.eval_rounds}"
+        """Feed one greedy sample of every held-out problem; returns the round's id (see `eval_round`)."""
+        rnd = f"{self.streams.job_id}/e{self.eval_rounds}"
         self.eval_rounds += 1
         msgs = [
             PromptGroup(
                 job_id=self.streams.job_id,
-                msg_id=f"{rnd}-{p.index}",
-                group_id=f"{rnd}-{p.index}",
+                msg_id=f"{rnd}/{p.index}",
+                group_id=f"{rnd}/{p.index}",
                 policy_version=version,
                 purpose="eval",
                 prompt_index=p.index,

@@ -42,7 +42,7 @@ from trainer_svc.algorithms import (
     lookup,
     staleness,
 )
-from trainer_svc.feeder import Feeder, Group, GroupAssembler
+from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round
 from trainer_svc.logprobs import pad_batch, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             if g is None:
                 continue
             if g.purpose == "eval":
-                rnd = evals.get(g.group_id.split("-")[0])
+                rnd = evals.get(eval_round(g.group_id))
                 if rnd is None:  # a round this trainer did not start (e.g. before a restart)
                     assembler.strays += g.entries
                     continue

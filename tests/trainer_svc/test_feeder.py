@@ -9,7 +9,7 @@ from broker.streams import PROMPTS, JobStreams, connect
 from shared.jobspec import JobSpec
 from shared.schema import PromptGroup, Rollout, Scored, pack_f32, pack_i32
 from shared.tasks import Problem
-from trainer_svc.feeder import Feeder, GroupAssembler
+from trainer_svc.feeder import Feeder, GroupAssembler, eval_round
 
 
 @pytest.fixture
@@ -36,6 +36,8 @@ def test_in_flight_cap_is_k_plus_one_batches(streams, mode, k, cap):
     _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
     assert len(msgs) == cap + 3
     assert len({m.group_id for m in msgs}) == cap + 3
+    # ids are the ledger's idempotency keys: unique across every job sharing a database
+    assert all(m.msg_id == m.group_id and m.msg_id.startswith("job1/") for m in msgs)
     assert [m.policy_version for m in msgs[-3:]] == [1, 1, 1]
     assert all(m.n == 2 and m.purpose == "train" for m in msgs)
 
@@ -55,7 +57,8 @@ def test_eval_round_is_greedy_single_samples_outside_the_cap(streams):
     feeder = Feeder(streams, spec, _problems(5), _problems(3))
     rnd = feeder.feed_eval(4)
     _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
-    assert [m.group_id for m in msgs] == [f"{rnd}-0", f"{rnd}-1", f"{rnd}-2"]
+    assert [m.group_id for m in msgs] == [f"{rnd}/0", f"{rnd}/1", f"{rnd}/2"]
+    assert {eval_round(m.group_id) for m in msgs} == {rnd}
     assert all(m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 for m in msgs)
     assert feeder.in_flight == set()
 
