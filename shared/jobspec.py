@@ -10,8 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ADVANTAGES = ("grpo",)
-LOSSES = ("aipo",)
+# Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
+Advantage = Literal["grpo", "group_mean", "rloo"]
+Loss = Literal["aipo", "ppo_clip", "gspo"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 REWARDS = ("exact_match", "math_verify")
 TASKS = ("arithmetic", "gsm8k")
 
@@ -43,13 +45,48 @@ class SamplingSpec(_Strict):
 
 
 class AlgorithmSpec(_Strict):
-    advantage: Literal["grpo"] = Field("grpo", description=f"Advantage estimator, one of {ADVANTAGES}.")
-    loss: Literal["aipo"] = Field("aipo", description=f"Policy loss, one of {LOSSES}.")
+    advantage: Advantage = Field(
+        "grpo", description="Advantage estimator: grpo (group z-score), group_mean (AIPO / Dr.GRPO), rloo."
+    )
+    loss: Loss = Field(
+        "aipo", description="Policy loss: aipo (truncated IS), ppo_clip (low/high clip), gspo (sequence ratio)."
+    )
+    aggregation: Aggregation = Field(
+        "token-mean", description="How per-token losses are averaged over the global batch."
+    )
     rho: float = Field(2.0, ge=1.0, le=1e6, description="AIPO truncation: importance weight min(pi/mu, rho).")
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="ppo_clip: ratio clipped below at 1 - clip_low.")
+    clip_high: float = Field(0.28, gt=0.0, le=10.0, description="ppo_clip: ratio clipped above at 1 + clip_high (DAPO clip-higher).")
+    gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0, description="gspo: sequence ratio clipped below at 1 - this.")
+    gspo_clip_high: float = Field(4e-4, gt=0.0, le=10.0, description="gspo: sequence ratio clipped above at 1 + this.")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the frozen initial policy; 0 disables it.")
+    staleness_lr: bool = Field(
+        False, description="Divide the step size by max(1, mean staleness of the batch) (Zhang et al. 2016)."
+    )
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (1e-6 suits billion-parameter models; tiny ones take 1e-4).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+
+
+class AdaptiveStalenessSpec(_Strict):
+    k_min: int = Field(0, ge=0, le=64, description="Tightest bound the controller may set.")
+    k_max: int = Field(4, ge=0, le=64, description="Loosest bound the controller may set.")
+    metric: Literal["ess", "mismatch_kl"] = Field(
+        "ess", description="Drift signal: normalised ESS of the importance weights, or the k3 mismatch KL."
+    )
+    threshold: float = Field(
+        0.9, gt=0.0, description="ess: tighten below it (0..1]; mismatch_kl: tighten above it."
+    )
+    patience: int = Field(3, ge=1, le=1000, description="Calm steps in a row before the bound loosens by one.")
+
+    @model_validator(mode="after")
+    def _range(self) -> AdaptiveStalenessSpec:
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min ({self.k_min}) must not exceed k_max ({self.k_max})")
+        if self.metric == "ess" and self.threshold > 1.0:
+            raise ValueError("threshold for metric 'ess' is a fraction in (0, 1]")
+        return self
 
 
 class JobSpec(_Strict):
@@ -67,6 +104,9 @@ class JobSpec(_Strict):
     max_staleness: int = Field(
         1, ge=0, le=64, description="Drop samples generated more than this many policy versions ago (async only)."
     )
+    adaptive_staleness: AdaptiveStalenessSpec | None = Field(
+        None, description="Move the staleness bound between k_min and k_max from measured drift (async only)."
+    )
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
@@ -75,8 +115,12 @@ class JobSpec(_Strict):
 
     @property
     def staleness_bound(self) -> int:
-        """The effective bound: sync mode is async with k = 0."""
-        return 0 if self.mode == "sync" else self.max_staleness
+        """The starting bound: sync mode is async with k = 0; adaptive starts at its k_max."""
+        if self.mode == "sync":
+            return 0
+        if self.adaptive_staleness is not None:
+            return self.adaptive_staleness.k_max
+        return self.max_staleness
 
     @property
     def max_groups_in_flight(self) -> int:
