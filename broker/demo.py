@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,65 @@ def wait_http(url: str, timeout_s: float, sup: Supervisor) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
+@dataclass
+class JobRun:
+    job_id: str
+    db_url: str
+    state: str
+    error: str | None
+    wall_s: float
+
+
+def run_job(
+    wd: Path,
+    spec: dict[str, Any],
+    *,
+    generators: int = 1,
+    progress: bool = True,
+) -> JobRun:
+    """Run one job end to end on this box: Redis (found or private), broker API, N generators,
+    reward and trainer as processes (generators pinned to the first core, the trainer to the last).
+    Returns when the job has ended and every process has stopped."""
+    t0 = time.monotonic()
+    redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
+    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
+    port = _free_port()
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
+           "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    if progress:
+        console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
+    sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
+    api = f"http://127.0.0.1:{port}"
+    try:
+        sup.start("broker", "broker")
+        wait_http(f"{api}/health", 60, sup)
+        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+        job_id = resp.json()["id"]
+        if progress:
+            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
+        job_env = {"JOB_ID": job_id}
+        cores = sorted(os.sched_getaffinity(0))
+        # Two roles, two cores: vLLM's OpenMP threads on the first, torch on the last.
+        gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
+        for i in range(generators):
+            sup.start(f"generator-{i}", "generator_svc", {**job_env, "GEN_GENERATOR_ID": f"gen-{i}",
+                      "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"},
+                      cpus=gen_cores)
+        sup.start("reward", "reward_svc", job_env)
+        sup.start("trainer", "trainer_svc", {**job_env, "TRAINER_THREADS": str(len(train_cores or cores))},
+                  cpus=train_cores)
+        final = _watch(api, job_id, spec["steps"], sup, progress)
+        # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
+        sup.wait_all(30, exclude=("broker",))
+    finally:
+        sup.stop_all()
+        if embedded:
+            embedded.close()
+    return JobRun(job_id, db_url, final["state"], final.get("error"), time.monotonic() - t0)
+
+
 def run_demo(
     *,
     workdir: str = "runs/demo",
@@ -79,59 +139,26 @@ def run_demo(
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     model = prepare_model(wd, seed)
-    redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
-    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
-    port = _free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"demo-{os.getpid()}:",
-           "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-    console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
-    sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
-    api = f"http://127.0.0.1:{port}"
-    try:
-        sup.start("broker", "broker")
-        wait_http(f"{api}/health", 60, sup)
-        spec = {
-            "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
-            "steps": steps, "seed": seed, "eval_every": max(1, steps // 10),
-            "algorithm": {"lr": 1e-4},  # tiny model: 1e-3 collapses the policy within a few steps
-            "sampling": {"temperature": 1.0, "max_tokens": 8},
-            **(extra_spec or {}),
-        }
-        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
-        if resp.status_code != 201:
-            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
-        job_id = resp.json()["id"]
-        console.print(f"job [bold]{job_id}[/] submitted ({mode}, k={max_staleness}, {steps} steps)")
-        job_env = {"JOB_ID": job_id}
-        cores = sorted(os.sched_getaffinity(0))
-        gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
-        for i in range(generators):
-            sup.start(f"generator-{i}", "generator_svc", {**job_env, "GEN_GENERATOR_ID": f"gen-{i}",
-                      "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"},
-                      cpus=gen_cores)
-        sup.start("reward", "reward_svc", job_env)
-        sup.start("trainer", "trainer_svc", {**job_env, "TRAINER_THREADS": str(len(train_cores or cores))},
-                  cpus=train_cores)
-        final = _watch(api, job_id, steps, sup)
-        # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
-        sup.wait_all(30, exclude=("broker",))
-    finally:
-        sup.stop_all()
-        if embedded:
-            embedded.close()
-    wall = time.monotonic() - t0
-    summary = summarize(Ledger(db_url), job_id, wd, wall)
-    summary["state"] = final["state"]
+    spec = {
+        "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
+        "steps": steps, "seed": seed, "eval_every": max(1, steps // 10),
+        "algorithm": {"lr": 1e-4},  # tiny model: 1e-3 collapses the policy within a few steps
+        "sampling": {"temperature": 1.0, "max_tokens": 8},
+        **(extra_spec or {}),
+    }
+    run = run_job(wd, spec, generators=generators)
+    summary = summarize(Ledger(run.db_url), run.job_id, wd, time.monotonic() - t0)
+    summary["state"] = run.state
     (wd / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    if final["state"] != "finished":
-        raise RuntimeError(f"job ended in state {final['state']}: {final.get('error')}")
+    if run.state != "finished":
+        raise RuntimeError(f"job ended in state {run.state}: {run.error}")
     return summary
 
 
-def _watch(api: str, job_id: str, steps: int, sup: Supervisor) -> dict[str, Any]:
+def _watch(api: str, job_id: str, steps: int, sup: Supervisor, show: bool = True) -> dict[str, Any]:
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not show,
     ) as progress:
         task = progress.add_task("training", total=steps, info="starting services...")
         while True:

@@ -47,9 +47,11 @@ class Feeder:
         self.cursor += 1
         return p
 
-    def top_up(self, version: int) -> int:
-        """Feed training groups until the in-flight cap is reached; returns how many were fed."""
-        cap = self.spec.max_groups_in_flight
+    def top_up(self, version: int, bound: int | None = None) -> int:
+        """Feed training groups until (bound + 1) * prompts_per_step are in flight; returns how many
+        were fed. `bound` is the current staleness bound (it moves under adaptive staleness)."""
+        k = self.spec.staleness_bound if bound is None else bound
+        cap = (k + 1) * self.spec.prompts_per_step
         s = self.spec.sampling
         msgs = []
         while len(self.in_flight) + len(msgs) < cap:

@@ -1,0 +1,56 @@
+"""The adaptive staleness bound and the staleness-aware step size."""
+
+import pytest
+import torch
+
+from trainer_svc.algorithms import is_fresh
+from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
+
+
+def test_staleness_lr_scale_follows_zhang_et_al():
+    assert staleness_lr_scale(0.0) == 1.0  # fresh batches keep the base rate
+    assert staleness_lr_scale(1.0) == 1.0
+    assert staleness_lr_scale(2.0) == 0.5
+    assert staleness_lr_scale(4.0) == 0.25
+
+
+def test_drop_boundary_exactly_k_kept_k_plus_one_dropped():
+    for k in range(5):
+        assert is_fresh(10, 10 - k, k)
+        assert not is_fresh(10, 10 - k - 1, k)
+
+
+def _ess(weights: torch.Tensor) -> float:
+    return float(weights.sum() ** 2 / (weights.numel() * (weights**2).sum()))
+
+
+def test_adaptive_bound_tightens_when_drift_is_injected_and_recovers():
+    ctl = AdaptiveStaleness(k_min=0, k_max=4, metric="ess", threshold=0.9, patience=2)
+    assert ctl.k == 4
+    torch.manual_seed(0)
+    calm = torch.exp(torch.randn(512) * 0.05)  # pi ~ mu: importance weights near 1, ESS ~ 0.998
+    drift = torch.exp(torch.randn(512) * 1.0)  # injected drift: log-ratios with std 1, ESS ~ 0.37
+    assert _ess(calm) > 0.99 and _ess(drift) < 0.5
+    ks = [ctl.update({"is/ess": _ess(calm)}) for _ in range(3)]
+    assert ks == [4, 4, 4]  # already at k_max: calm steps keep it there
+    ks = [ctl.update({"is/ess": _ess(drift)}) for _ in range(6)]
+    assert ks == [3, 2, 1, 0, 0, 0]  # one version tighter per drifting step, floored at k_min
+    ks = [ctl.update({"is/ess": _ess(calm)}) for _ in range(6)]
+    assert ks == [0, 1, 1, 2, 2, 3]  # loosens by one every `patience` calm steps
+
+
+def test_adaptive_bound_on_mismatch_kl():
+    ctl = AdaptiveStaleness(k_min=1, k_max=3, metric="mismatch_kl", threshold=0.05, patience=1)
+    assert ctl.update({"mismatch_kl": 0.2}) == 2
+    assert ctl.update({"mismatch_kl": 0.3}) == 1
+    assert ctl.update({"mismatch_kl": 0.3}) == 1  # floor
+    assert ctl.update({"mismatch_kl": 0.01}) == 2
+    assert ctl.update({"mismatch_kl": 0.01}) == 3
+    assert ctl.update({"mismatch_kl": 0.01}) == 3  # ceiling
+
+
+def test_adaptive_bound_rejects_bad_configuration():
+    with pytest.raises(ValueError, match="valid: \\['ess', 'mismatch_kl'\\]"):
+        AdaptiveStaleness(0, 2, metric="entropy")
+    with pytest.raises(ValueError, match="k_min <= k_max"):
+        AdaptiveStaleness(3, 2)
