@@ -1,14 +1,30 @@
 """RL math as small pure functions over typed records. No Redis, SQL or vLLM here.
 
 Shapes: B samples, T completion positions (right-padded), G groups of n samples.
+
+One optimizer step over a global batch split into micro-batches::
+
+    norm = BatchNorm.from_lengths(completion_lengths, max_len)      # once, whole batch
+    for each micro-batch:
+        out = policy_loss(LossInputs(...), cfg, norm)                # already globally normalised
+        out.loss.backward()
+        sums = accumulate(sums, out.metrics)
+    metrics = finalize_metrics(sums, norm)
+
+Each loss returns a per-token loss (B, T); `aggregate` reduces it with denominators taken from
+`BatchNorm` (global counts), never from the micro-batch, so the summed gradient does not depend
+on how the batch is split (verl `agg_loss` modes, computed over the global batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# --- records ------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -17,12 +33,84 @@ class LossInputs:
     behaviour_logprobs: torch.Tensor  # (B, T) log mu(a_t|s_t) reported by the generator
     advantages: torch.Tensor  # (B,) one advantage per sample (outcome reward)
     mask: torch.Tensor  # (B, T) 1.0 for completion tokens, 0.0 for padding
+    ref_logprobs: torch.Tensor | None = None  # (B, T) log pi_ref of a frozen reference, no grad
+    entropy: torch.Tensor | None = None  # (B, T) token entropy of pi, detached; metric only
 
 
 @dataclass(frozen=True)
 class LossOutputs:
-    loss: torch.Tensor  # scalar; already divided by the global token count
-    metrics: dict[str, float]  # sums over this micro-batch (divide by the global token count to average)
+    loss: torch.Tensor  # scalar; already normalised by global-batch counts (sum over micro-batches)
+    metrics: dict[str, float]  # sums over this micro-batch; keys ending in "max" are maxima
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """What a registered loss returns, before aggregation."""
+
+    per_token: torch.Tensor  # (B, T) loss per token; values at padding are ignored
+    metrics: dict[str, torch.Tensor]  # 0-dim sums over this micro-batch (loss-specific)
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    """Denominators of the whole global batch, computed once per optimizer step.
+
+    Attributes:
+        num_tokens: completion tokens in the global batch (the sum of every mask).
+        num_seqs: samples in the global batch (including any with an empty completion).
+        max_len: the generation token budget (`sampling.max_tokens`), a constant across steps.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    max_len: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0 or self.num_seqs < 1 or self.max_len < 1:
+            raise ValueError(
+                f"BatchNorm needs num_tokens >= 0, num_seqs >= 1, max_len >= 1; got {self}"
+            )
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], max_len: int) -> BatchNorm:
+        """From the completion length of every sample in the global batch."""
+        return cls(num_tokens=int(sum(lengths)), num_seqs=len(lengths), max_len=max_len)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which loss and aggregation, and their constants (defaults equal `shared.jobspec`'s).
+
+    Raises:
+        ValueError: on an unknown loss or aggregation name, listing the valid ones.
+    """
+
+    loss: str = "aipo"
+    aggregation: str = "token-mean"
+    rho: float = 2.0  # aipo: importance weight truncated at rho
+    clip_low: float = 0.2  # ppo_clip: ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28  # ppo_clip: ratio clipped above at 1 + clip_high
+    gspo_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - gspo_clip_low
+    gspo_clip_high: float = 4e-4  # gspo: sequence ratio clipped above at 1 + gspo_clip_high
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference; 0 disables it
+
+    def __post_init__(self) -> None:
+        lookup(LOSSES, self.loss, "loss")
+        lookup(AGGREGATIONS, self.aggregation, "aggregation")
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> LossConfig:
+        """From a `shared.jobspec.AlgorithmSpec` (read by attribute name)."""
+        return cls(
+            loss=spec.loss,
+            aggregation=spec.aggregation,
+            rho=spec.rho,
+            clip_low=spec.clip_low,
+            clip_high=spec.clip_high,
+            gspo_clip_low=spec.gspo_clip_low,
+            gspo_clip_high=spec.gspo_clip_high,
+            kl_coef=spec.kl_coef,
+        )
 
 
 # --- advantages ---------------------------------------------------------------------------------
@@ -43,41 +131,287 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"grpo": grpo_advantages}
+def group_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Group-mean baseline, no std division: A_i = r_i - mean(r).
+
+    AIPO's baseline v(x) = (1/n) sum_i r(x, y_i) (LlamaRL, arXiv 2505.24034, sec. 5); Dr. GRPO
+    (Liu et al. 2025, arXiv 2503.20783) drops GRPO's std division as a difficulty bias.
+
+    Args:
+        rewards: (G, n).
+    Returns:
+        (G, n); each row sums to zero.
+    """
+    return rewards - rewards.mean(dim=1, keepdim=True)
 
 
-# --- losses -------------------------------------------------------------------------------------
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740, eq. 6).
+
+    A_i = r_i - (1/(n-1)) sum_{j != i} r_j = n/(n-1) * (r_i - mean(r)).
+
+    Args:
+        rewards: (G, n) with n >= 2.
+    Returns:
+        (G, n); each row sums to zero.
+    Raises:
+        ValueError: if n < 2 (no other sample to form the baseline).
+    """
+    n = rewards.shape[1]
+    if n < 2:
+        raise ValueError(f"rloo needs at least 2 samples per group, got {n}")
+    loo_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+    return rewards - loo_mean
 
 
-def aipo_loss(inp: LossInputs, *, rho: float, num_tokens: int) -> LossOutputs:
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "group_mean": group_mean_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+# --- losses (per token) -------------------------------------------------------------------------
+
+
+def _log_ratio(inp: LossInputs, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) log(pi/mu), with grad through log pi; 0 at padding so exp() never sees garbage."""
+    return (inp.logprobs - inp.behaviour_logprobs) * mask
+
+
+def aipo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """AIPO: REINFORCE with a truncated importance weight (LlamaRL, arXiv 2505.24034, sec. 5).
 
-    loss = - sum_{b,t} mask * sg(min(pi/mu, rho)) * A_b * log pi(a_t)  /  num_tokens
+    loss_t = - sg(min(pi/mu, rho)) * A * log pi(a_t)
 
-    The weight is a stop-gradient so the gradient is min(pi/mu, rho) * A * grad log pi; truncation
-    at rho bounds the variance that stale samples (mu far from pi) would otherwise bring.
-    `num_tokens` is the completion-token count of the whole global batch, so the result does not
-    depend on how the batch is split into micro-batches ("token-mean" aggregation).
+    The weight is a stop-gradient, so the gradient is min(pi/mu, rho) * A * grad log pi and stays
+    alive at weight rho (V-trace-style truncation; the reference notes' variant (a)). Truncation
+    bounds the variance that stale samples (mu far from pi) would otherwise bring.
+
+    Returns:
+        per_token (B, T); metrics `is/truncated_sum` (tokens with pi/mu > rho).
     """
-    mask = inp.mask
-    log_ratio = (inp.logprobs.detach() - inp.behaviour_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, max=rho)
+    mask = inp.mask.to(inp.logprobs.dtype)
+    ratio = torch.exp(_log_ratio(inp, mask).detach())  # (B, T)
+    weight = torch.clamp(ratio, max=cfg.rho)
     per_token = -weight * inp.advantages[:, None] * inp.logprobs
-    loss = (per_token * mask).sum() / num_tokens
-    truncated = (ratio > rho).float() * mask
-    # k3 estimator of KL(mu || pi) per token (Schulman 2020): (r - 1) - log r with r = pi/mu.
-    k3 = (ratio - 1.0 - log_ratio) * mask
-    metrics = {
-        "is/sum": float((ratio * mask).sum()),
-        "is/max": float((ratio * mask).max()) if mask.any() else 0.0,
-        "is/truncated_sum": float(truncated.sum()),
-        "mismatch_kl/sum": float(k3.sum()),
-    }
-    return LossOutputs(loss=loss, metrics=metrics)
+    truncated = ((ratio > cfg.rho).to(mask.dtype) * mask).sum()
+    return TokenLoss(per_token, {"is/truncated_sum": truncated})
 
 
-LOSSES: dict[str, Callable[..., LossOutputs]] = {"aipo": aipo_loss}
+def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+    """PPO clipped surrogate against the behaviour policy, with DAPO clip-higher.
+
+    r_t = exp(log pi - log mu) (with grad), eps_low/eps_high = clip_low/clip_high:
+    loss_t = - min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
+    (Schulman et al. 2017, arXiv 1707.06347, eq. 7; decoupled clip range from Yu et al. 2025,
+    DAPO, arXiv 2503.14476, eq. 10.)
+
+    Returns:
+        per_token (B, T); metrics `is/truncated_sum` (tokens where the clip is active, i.e. the
+        clipped term is the strictly smaller objective and the token's gradient is zero).
+    """
+    mask = inp.mask.to(inp.logprobs.dtype)
+    ratio = torch.exp(_log_ratio(inp, mask))  # (B, T), with grad
+    adv = inp.advantages[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    r = ratio.detach()
+    active = ((adv > 0) & (r > 1.0 + cfg.clip_high)) | ((adv < 0) & (r < 1.0 - cfg.clip_low))
+    return TokenLoss(per_token, {"is/truncated_sum": (active.to(mask.dtype) * mask).sum()})
+
+
+def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+    """GSPO: PPO clip on a length-normalised sequence ratio (Zheng et al. 2025, arXiv 2507.18071).
+
+    s_i = exp( (1/|y_i|) sum_t (log pi - log mu) )                       (GSPO eq. 7)
+    loss_i = - min(s_i * A_i, clip(s_i, 1 - gspo_clip_low, 1 + gspo_clip_high) * A_i)   (eq. 5)
+
+    loss_i is placed on each of sequence i's tokens, so `seq-mean-token-mean` aggregation yields
+    mean_i loss_i as in the paper (verl forces that mode for GSPO); `token-mean` would weight each
+    sequence by its length instead.
+
+    Returns:
+        per_token (B, T); metrics `is/truncated_seq_sum` (non-empty sequences whose clip is active).
+    """
+    mask = inp.mask.to(inp.logprobs.dtype)
+    lengths = mask.sum(dim=1)  # (B,)
+    seq_log_ratio = _log_ratio(inp, mask).sum(dim=1) / lengths.clamp(min=1.0)  # (B,)
+    s = torch.exp(seq_log_ratio)  # (B,), with grad
+    adv = inp.advantages
+    clipped = torch.clamp(s, 1.0 - cfg.gspo_clip_low, 1.0 + cfg.gspo_clip_high)
+    per_seq = -torch.min(s * adv, clipped * adv)  # (B,)
+    per_token = per_seq[:, None].expand_as(mask)
+    sd = s.detach()
+    active = ((adv > 0) & (sd > 1.0 + cfg.gspo_clip_high)) | (
+        (adv < 0) & (sd < 1.0 - cfg.gspo_clip_low)
+    )
+    active_sum = (active & (lengths > 0)).to(mask.dtype).sum()
+    return TokenLoss(per_token, {"is/truncated_seq_sum": active_sum})
+
+
+LOSSES: dict[str, Callable[[LossInputs, LossConfig], TokenLoss]] = {
+    "aipo": aipo_loss,
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+}
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref) from samples of pi (Schulman 2020, "Approximating
+    KL divergence"): k3 = exp(ref - logp) - (ref - logp) - 1 >= 0, unbiased, low variance.
+
+    Args:
+        logprobs: (B, T) log pi, with grad (the gradient flows through it).
+        ref_logprobs: (B, T) log pi_ref.
+        mask: (B, T) float; padding gets d = 0, hence k3 = 0 (exp never sees padding values).
+    Returns:
+        (B, T), 0 at padding.
+    """
+    d = (ref_logprobs - logprobs) * mask
+    return torch.exp(d) - d - 1.0
+
+
+# --- aggregation over the global batch ----------------------------------------------------------
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm) -> torch.Tensor:
+    """sum_{i,t} l_it / N_tokens (DAPO token-level loss, arXiv 2503.14476 eq. 8)."""
+    return (per_token * mask).sum() / max(norm.num_tokens, 1)
+
+
+def _seq_mean_token_mean(
+    per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm
+) -> torch.Tensor:
+    """(1/N_seqs) sum_i (1/|y_i|) sum_t l_it (GRPO, arXiv 2402.03300 eq. 3)."""
+    lengths = mask.sum(dim=1).clamp(min=1.0)  # an empty sequence contributes 0, not 0/0
+    return ((per_token * mask).sum(dim=1) / lengths).sum() / norm.num_seqs
+
+
+def _seq_mean_token_sum_norm(
+    per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm
+) -> torch.Tensor:
+    """sum_{i,t} l_it / (max_len * N_seqs): Dr. GRPO's constant normaliser (arXiv 2503.20783)."""
+    return (per_token * mask).sum() / (norm.max_len * norm.num_seqs)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchNorm], torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: BatchNorm
+) -> torch.Tensor:
+    """Reduce a micro-batch's per-token loss (B, T) with global-batch denominators to a scalar.
+
+    Summing the results over the micro-batches of a step gives the global-batch loss exactly.
+
+    Raises:
+        ValueError: on an unknown mode, listing the valid ones.
+    """
+    fn = lookup(AGGREGATIONS, mode, "aggregation")
+    return fn(per_token, mask.to(per_token.dtype), norm)
+
+
+# --- the entry point the trainer calls ----------------------------------------------------------
+
+
+def policy_loss(inp: LossInputs, cfg: LossConfig, norm: BatchNorm) -> LossOutputs:
+    """The loss of one micro-batch, normalised by the global batch; backward() it and sum.
+
+    Adds kl_coef * k3(pi, ref) per token when `cfg.kl_coef > 0`, then aggregates by
+    `cfg.aggregation`. Metrics (sums over this micro-batch, `is/max` a maximum), all masked:
+    `loss`, `is/sum` and `is/sq_sum` (token ratios pi/mu), `is/max`, the loss's
+    `is/truncated_*sum`, `mismatch_kl/sum` (k3 of KL(mu || pi): (r - 1) - log r), and
+    `kl_ref/sum` / `entropy/sum` when `ref_logprobs` / `entropy` are given.
+
+    Raises:
+        ValueError: if `cfg.kl_coef > 0` and `inp.ref_logprobs` is None.
+    """
+    mask = inp.mask.to(inp.logprobs.dtype)
+    out = LOSSES[cfg.loss](inp, cfg)
+    per_token = out.per_token
+    stats = dict(out.metrics)
+    if inp.ref_logprobs is not None:
+        kl = k3_kl(inp.logprobs, inp.ref_logprobs, mask)  # (B, T)
+        stats["kl_ref/sum"] = kl.detach().sum()
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    elif cfg.kl_coef > 0:
+        raise ValueError(
+            "kl_coef > 0 needs LossInputs.ref_logprobs from the frozen reference model"
+        )
+    loss = aggregate(per_token, mask, cfg.aggregation, norm)
+
+    with torch.no_grad():
+        log_ratio = _log_ratio(inp, mask)
+        ratio = torch.exp(log_ratio) * mask  # (B, T), 0 at padding
+        stats["loss"] = loss.detach()
+        stats["is/sum"] = ratio.sum()
+        stats["is/sq_sum"] = (ratio * ratio).sum()
+        stats["is/max"] = ratio.max() if ratio.numel() else ratio.new_zeros(())
+        # k3 estimator of KL(mu || pi) per token (Schulman 2020): (r - 1) - log r, r = pi/mu.
+        stats["mismatch_kl/sum"] = ((ratio - 1.0 - log_ratio) * mask).sum()
+        if inp.entropy is not None:
+            stats["entropy/sum"] = (inp.entropy * mask).sum()
+    # one device->host copy for all metrics instead of one per metric
+    keys = list(stats)
+    values = torch.stack([stats[k].detach().double().reshape(()) for k in keys]).tolist()
+    return LossOutputs(loss=loss, metrics=dict(zip(keys, values, strict=True)))
+
+
+# --- metrics across micro-batches ---------------------------------------------------------------
+
+
+def accumulate(sums: Mapping[str, float], new: Mapping[str, float]) -> dict[str, float]:
+    """Combine one micro-batch's metrics into the running ones: maxima for keys ending in "max",
+    sums for the rest. Returns a new dict (start from `{}`)."""
+    out = dict(sums)
+    for key, v in new.items():
+        if key not in out:
+            out[key] = v
+        elif key.endswith("max"):
+            out[key] = max(out[key], v)
+        else:
+            out[key] = out[key] + v
+    return out
+
+
+# sum key -> (per-step metric, denominator: "tokens" or "seqs" of the global batch)
+_MEANS: dict[str, tuple[str, str]] = {
+    "is/sum": ("is/mean", "tokens"),
+    "is/truncated_sum": ("is/truncated_frac", "tokens"),
+    "is/truncated_seq_sum": ("is/truncated_frac", "seqs"),
+    "mismatch_kl/sum": ("mismatch_kl", "tokens"),
+    "kl_ref/sum": ("kl_ref", "tokens"),
+    "entropy/sum": ("entropy", "tokens"),
+}
+
+
+def finalize_metrics(sums: Mapping[str, float], norm: BatchNorm) -> dict[str, float]:
+    """Per-step metrics from the accumulated micro-batch sums.
+
+    Returns `loss`, `is/mean`, `is/max`, `is/truncated_frac`, `is/ess`, `mismatch_kl`, and
+    `kl_ref` / `entropy` when they were measured. `is/ess` is the normalised effective sample size
+    of the token importance weights w = pi/mu, (sum w)^2 / (N * sum w^2) in (0, 1] (Kong 1992;
+    1 = on-policy, ~1/N = one token dominates); 1.0 for a batch without tokens.
+    """
+    denom = {"tokens": max(norm.num_tokens, 1), "seqs": norm.num_seqs}
+    out: dict[str, float] = {}
+    if "loss" in sums:
+        out["loss"] = sums["loss"]
+    for key, (name, unit) in _MEANS.items():
+        if key in sums:
+            out[name] = sums[key] / denom[unit]
+    if "is/max" in sums:
+        out["is/max"] = sums["is/max"]
+    if "is/sum" in sums and "is/sq_sum" in sums:
+        sq = sums["is/sq_sum"]
+        out["is/ess"] = sums["is/sum"] ** 2 / (denom["tokens"] * sq) if sq > 0 else 1.0
+    return out
 
 
 # --- staleness ----------------------------------------------------------------------------------

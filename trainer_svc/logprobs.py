@@ -86,6 +86,41 @@ def token_logprobs(
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def token_logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` plus the entropy of each next-token distribution, from one forward pass.
+
+    The entropy is that of the distribution the sampler draws from, ``softmax(logits_t / T)``:
+    ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv`` with ``z_t = logits_t / T``. It is a
+    metric only, so it is computed without grad (no (B, L-1, V) activations kept for backward).
+
+    Args:
+        model: a causal LM returning ``.logits`` (B, L, V).
+        input_ids: (B, L) long, right-padded.
+        attention_mask: (B, L), 1 for real tokens.
+        temperature: > 0, as in `token_logprobs`.
+
+    Returns:
+        ``logprobs`` (B, L-1) float32 with grad as in `token_logprobs`, and ``entropy`` (B, L-1)
+        float32, detached, in nats; both meaningless at padding (mask with ``completion_mask``).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logits = logits.float() / temperature  # (B, L-1, V)
+    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
+    lse = torch.logsumexp(logits, dim=-1)  # (B, L-1)
+    logprobs = logits.gather(-1, targets).squeeze(-1) - lse
+    with torch.no_grad():
+        z, m = logits.detach(), lse.detach()
+        entropy = m - (torch.exp(z - m.unsqueeze(-1)) * z).sum(dim=-1)
+    return logprobs, entropy
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     prompt_ids: Sequence[Sequence[int]],

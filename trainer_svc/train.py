@@ -1,4 +1,4 @@
-"""Trainer service: scored groups -> advantages -> AIPO loss -> optimizer step -> publish weights.
+"""Trainer service: scored groups -> advantages -> policy loss -> optimizer step -> publish weights.
 
 Setup helpers first, then `run`: one loop that reads top to bottom (feed, consume, staleness
 filter, advantages, loss, step, publish weights, ledger + metrics). Async and sync modes are the
@@ -36,14 +36,19 @@ from shared.tasks import load_task
 from shared.transport import WeightServer, build_manifest, make_server
 from trainer_svc.algorithms import (
     ADVANTAGE_ESTIMATORS,
-    LOSSES,
+    BatchNorm,
+    LossConfig,
     LossInputs,
+    accumulate,
+    finalize_metrics,
     is_fresh,
     lookup,
+    policy_loss,
     staleness,
 )
 from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round
-from trainer_svc.logprobs import pad_batch, token_logprobs
+from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
+from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,65 @@ def micro_batch_inputs(samples: list[Scored], adv: torch.Tensor, pad_id: int, de
     return input_ids.to(device), attn.to(device), behaviour.to(device), adv.to(device), cmask.to(device)
 
 
+class Learner:
+    """The policy, its optimizer and the algorithm: one optimizer step on one global batch.
+
+    advantages -> loss over micro-batches (normalised by global-batch counts, so the gradient does
+    not depend on the micro-batch size) -> clip -> step. Used by the loop below and by the bench.
+    """
+
+    def __init__(self, spec: JobSpec, device: str):
+        self.spec = spec
+        self.device = device
+        self.model, self.tokenizer = load_policy(spec, device)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        a = spec.algorithm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
+        self.cfg = LossConfig.from_spec(a)
+        self.ref_model = None
+        if a.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
+            self.ref_model, _ = load_policy(spec, device)
+            self.ref_model.eval().requires_grad_(False)
+
+    def step(self, samples: list[Scored], rewards: torch.Tensor, lr_scale: float = 1.0) -> dict[str, float]:
+        """samples in group order; rewards (G, n). Returns the step's metrics."""
+        spec, temp = self.spec, self.spec.sampling.temperature
+        advantages = self.advantage_fn(rewards).reshape(-1)  # (B,)
+        norm = BatchNorm.from_lengths([len(s.rollout.completion_ids) // 4 for s in samples],
+                                      max_len=spec.sampling.max_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        mb = spec.algorithm.micro_batch_size
+        for lo in range(0, len(samples), mb):
+            ids, attn, behaviour, adv, mask = micro_batch_inputs(
+                samples[lo : lo + mb], advantages[lo : lo + mb], self.pad_id, self.device
+            )
+            logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref_model, ids, attn, temp)
+            out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy),
+                              self.cfg, norm)
+            out.loss.backward()
+            sums = accumulate(sums, out.metrics)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
+        lr = spec.algorithm.lr * lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return {
+            **finalize_metrics(sums, norm),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(norm.num_tokens),
+            "samples": float(len(samples)),
+        }
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
@@ -135,14 +199,13 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     if settings.threads:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(spec.seed)
-    device = settings.device
-    advantage_fn = lookup(ADVANTAGE_ESTIMATORS, spec.algorithm.advantage, "advantage estimator")
-    loss_fn = lookup(LOSSES, spec.algorithm.loss, "loss")
+    learner = Learner(spec, settings.device)
+    model = learner.model
     k = spec.staleness_bound
-
-    model, tokenizer = load_policy(spec, device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.algorithm.lr, weight_decay=spec.algorithm.weight_decay)
+    adaptive = None
+    if spec.adaptive_staleness is not None and spec.mode == "async":
+        a = spec.adaptive_staleness
+        adaptive = AdaptiveStaleness(a.k_min, a.k_max, a.metric, a.threshold, a.patience)
     train_set, test_set = load_task(
         spec.task.name, seed=spec.seed, n_train=spec.task.n_train, n_test=spec.task.n_test,
         path=spec.task.path, test_path=spec.task.test_path,
@@ -210,7 +273,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             continue
 
         # feed: keep (k + 1) * batch groups in flight
-        feeder.top_up(version)
+        feeder.top_up(version, k)
 
         # consume: complete groups within the staleness bound; older ones are dropped and counted
         batch: list[Group] = []
@@ -229,7 +292,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 feeder.done(g.group_id)
             if len(batch) < spec.prompts_per_step:
                 if dropped:
-                    feeder.top_up(version)  # replace dropped groups so the step can fill
+                    feeder.top_up(version, k)  # replace dropped groups so the step can fill
                 take_scored(settings.block_ms)
                 if control.poll() == "stopping":
                     break
@@ -237,28 +300,11 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             break
         t_data = time.perf_counter()
 
-        # advantages
+        # advantages, loss, step (Learner.step: micro-batches normalised by global-batch counts)
         samples, rewards = flatten_batch(batch)
-        advantages = advantage_fn(rewards).reshape(-1)  # (B,)
-        num_tokens = max(1, sum(len(s.rollout.completion_ids) // 4 for s in samples))
-
-        # loss: token-mean over the global batch, accumulated over micro-batches
-        optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        loss_total = 0.0
-        mb = spec.algorithm.micro_batch_size
-        for lo in range(0, len(samples), mb):
-            ids, attn, behaviour, adv, mask = micro_batch_inputs(samples[lo : lo + mb], advantages[lo : lo + mb], pad_id, device)
-            logprobs = token_logprobs(model, ids, attn, spec.sampling.temperature)
-            out = loss_fn(LossInputs(logprobs, behaviour, adv, mask), rho=spec.algorithm.rho, num_tokens=num_tokens)
-            out.loss.backward()
-            loss_total += float(out.loss.detach())
-            for key, v in out.metrics.items():
-                sums[key] = max(sums.get(key, v), v) if key.endswith("max") else sums.get(key, 0.0) + v
-
-        # step
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.algorithm.max_grad_norm))
-        optimizer.step()
+        stale = [staleness(version, s.rollout.policy_version) for s in samples]
+        lr_scale = staleness_lr_scale(float(np.mean(stale))) if spec.algorithm.staleness_lr else 1.0
+        step_metrics = learner.step(samples, rewards, lr_scale)
         trained_version = version
         version += 1
         step += 1
@@ -269,31 +315,25 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         publish_s = publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions)
 
         # ledger + metrics, then ack what this step consumed
-        stale = [staleness(trained_version, g.gen_version_min) for g in batch for _ in g.samples]
-        used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version,
-                 "staleness": staleness(trained_version, s.rollout.policy_version)} for s in samples]
+        t_ledger = time.perf_counter()
+        used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version, "staleness": st}
+                for s, st in zip(samples, stale, strict=True)]
         ledger.record_used(used + dropped)
         metrics = {
-            "loss": loss_total,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "grad_norm": grad_norm,
-            "lr": spec.algorithm.lr,
-            "is/mean": sums["is/sum"] / num_tokens,
-            "is/max": sums["is/max"],
-            "is/truncated_frac": sums["is/truncated_sum"] / num_tokens,
-            "mismatch_kl": sums["mismatch_kl/sum"] / num_tokens,
+            **step_metrics,
             "off_policy/mean": float(np.mean(stale)),
             "off_policy/max": float(max(stale)),
             "off_policy/dropped": float(len(dropped)),
-            "tokens": float(num_tokens),
-            "samples": float(len(samples)),
+            "staleness/bound": float(k),
             "time/wait_s": t_data - t_start,
             "time/train_s": t_train - t_data,
             "time/publish_s": publish_s,
+            "time/ledger_s": time.perf_counter() - t_ledger,
             "time/step_s": time.perf_counter() - t_start,
-            "throughput/samples_per_s": len(samples) / (time.perf_counter() - t_start),
         }
+        metrics["throughput/samples_per_s"] = len(samples) / metrics["time/step_s"]
+        if adaptive is not None:  # the bound for the next step, from this step's drift
+            k = adaptive.update(metrics)
         ledger.record_train_step(job_id, step, version, metrics)
         ledger.set_job_step(job_id, step)
         streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries + assembler.strays)
@@ -303,8 +343,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
             streams.trim_acked(stream, group)
         log.info(
-            "step %d: reward %.3f loss %.4f is_mean %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
-            step, metrics["reward/mean"], loss_total, metrics["is/mean"], metrics["off_policy/mean"],
+            "step %d: reward %.3f loss %.4f is_mean %.3f ess %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
+            step, metrics["reward/mean"], metrics["loss"], metrics["is/mean"], metrics["is/ess"], metrics["off_policy/mean"],
             int(metrics["off_policy/max"]), len(dropped), metrics["time/wait_s"], metrics["time/train_s"],
         )
         if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
