@@ -32,6 +32,25 @@ def demo(
 
 
 @app.command()
+def bench(
+    which: str = typer.Argument("async", help="async: T_gen, T_train, sync vs async step time; parity: learning curves."),
+    steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
+    seeds: int = typer.Option(3, help="parity: number of seeds."),
+    out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
+) -> None:
+    """Benchmarks measured in one run on this machine; results under results/."""
+    logging.basicConfig(level=logging.WARNING)
+    from broker.bench import bench_async, bench_parity
+
+    if which == "async":
+        bench_async(steps=steps or 20, out_dir=out)
+    elif which == "parity":
+        bench_parity(steps=steps or 40, seeds=tuple(range(seeds)), out_dir=out)
+    else:
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity")
+
+
+@app.command()
 def submit(spec_file: Path, api: str = typer.Option(API, help="Job API base URL.")) -> None:
     """Submit a job spec (JSON file)."""
     r = httpx.post(f"{api}/jobs", json=json.loads(spec_file.read_text()), timeout=30)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
-Loss = Literal["aipo", "ppo_clip", "gspo"]
+Loss = Literal["aipo", "ppo_clip", "gspo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 REWARDS = ("exact_match", "math_verify")
 TASKS = ("arithmetic", "gsm8k")
@@ -49,7 +49,7 @@ class AlgorithmSpec(_Strict):
         "grpo", description="Advantage estimator: grpo (group z-score), group_mean (AIPO / Dr.GRPO), rloo."
     )
     loss: Loss = Field(
-        "aipo", description="Policy loss: aipo (truncated IS), ppo_clip (low/high clip), gspo (sequence ratio)."
+        "aipo", description="Policy loss: aipo (truncated IS), ppo_clip (low/high clip), gspo (sequence ratio), reinforce (no correction)."
     )
     aggregation: Aggregation = Field(
         "token-mean", description="How per-token losses are averaged over the global batch."

@@ -199,6 +199,15 @@ def aipo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     return TokenLoss(per_token, {"is/truncated_sum": truncated})
 
 
+def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
+    """Plain REINFORCE with no off-policy correction: loss_t = - A * log pi(a_t) (Williams 1992).
+
+    The ablation for stale samples: it treats behaviour-policy samples as if they were on-policy.
+    """
+    per_token = -inp.advantages[:, None] * inp.logprobs
+    return TokenLoss(per_token, {"is/truncated_sum": torch.zeros((), dtype=inp.logprobs.dtype)})
+
+
 def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """PPO clipped surrogate against the behaviour policy, with DAPO clip-higher.
 
@@ -251,6 +260,7 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
 
 
 LOSSES: dict[str, Callable[[LossInputs, LossConfig], TokenLoss]] = {
+    "reinforce": reinforce_loss,
     "aipo": aipo_loss,
     "ppo_clip": ppo_clip_loss,
     "gspo": gspo_loss,

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 def load_policy(spec: JobSpec, device: str):
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    model = AutoModelForCausalLM.from_pretrained(spec.model_path, torch_dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32).to(device)
     model.train()
     return model, tokenizer
 

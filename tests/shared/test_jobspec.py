@@ -115,7 +115,7 @@ def test_unknown_field_is_named(spec: dict, field: str) -> None:
         ("algorithm.max_grad_norm", 0.0),
         ("algorithm.micro_batch_size", 0),
         ("algorithm.advantage", "ppo"),
-        ("algorithm.loss", "reinforce"),
+        ("algorithm.loss", "dpo"),
         ("algorithm.aggregation", "mean"),
         ("adaptive_staleness.k_min", -1),
         ("adaptive_staleness.threshold", 0.0),

@@ -407,6 +407,8 @@ def _slow_per_token(loss, lp, beh, adv, lengths, cfg):
                     for t in range(n)
                 ]
             )
+        elif loss == "reinforce":
+            rows.append([-a * lp[b, t] for t in range(n)])
         elif loss == "ppo_clip":
             row = []
             for t in range(n):
@@ -467,7 +469,8 @@ def test_matches_slow_reference(loss, agg):
     lp1 = lp.clone().requires_grad_(True)
     out = policy_loss(LossInputs(lp1, beh, adv, mask, ref_logprobs=ref), cfg, _norm(mask, max_len))
     (grad,) = torch.autograd.grad(out.loss, lp1)
-    assert out.metrics["is/truncated_sum" if loss != "gspo" else "is/truncated_seq_sum"] > 0
+    if loss != "reinforce":  # reinforce never truncates
+        assert out.metrics["is/truncated_sum" if loss != "gspo" else "is/truncated_seq_sum"] > 0
 
     lp2 = lp.clone().requires_grad_(True)
     rows = _slow_per_token(loss, lp2, beh, adv, lengths, cfg)
@@ -529,7 +532,7 @@ def test_registry_lookup_lists_valid_names():
     assert lookup(ADVANTAGE_ESTIMATORS, "grpo", "advantage estimator") is grpo_advantages
     assert lookup(LOSSES, "aipo", "loss") is aipo_loss
     with pytest.raises(
-        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip'\]"
+        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"
     ):
         lookup(LOSSES, "ppo", "loss")
 
@@ -558,7 +561,7 @@ def test_loss_config_from_spec_and_unknown_names():
     # the dataclass defaults are the job spec's defaults
     assert LossConfig.from_spec(jobspec.AlgorithmSpec()) == LossConfig()
     with pytest.raises(
-        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip'\]"
+        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"
     ):
         LossConfig(loss="ppo")
     with pytest.raises(ValueError, match="unknown aggregation"):
