@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from shared.schema import Manifest, SamplingParams
 
 
+class TransferError(RuntimeError):
+    """A weight version could not be fetched or verified; the engine still holds the old weights."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One completion of one prompt."""
@@ -86,9 +90,23 @@ class Engine:
         res = self._llm.collective_rpc(
             "asyncrl_load_version", args=(transport, address, manifest.model_dump(mode="json"))
         )[0]
+        if not res["ok"]:
+            raise TransferError(f"policy v{manifest.version} from {transport}://{address}: {res['error']}")
         self._llm.reset_prefix_cache()
         res["total_s"] = time.perf_counter() - t0
         return res
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token[t+1] | token[:t+1]) for t = 0..P-2 under the engine's current weights."""
+        from vllm import SamplingParams as VSamplingParams
+
+        out = self._llm.generate(
+            [{"prompt_token_ids": list(token_ids)}],
+            VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
+            use_tqdm=False,
+        )[0]
+        # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
+        return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
 
     def close(self) -> None:
         """Shut the engine-core process down now rather than at interpreter exit."""

@@ -11,21 +11,38 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
+
 from broker.runtime import ControlWatcher, open_job
 from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
-from generator_svc.engine import Engine
+from generator_svc.engine import Engine, TransferError
 from shared.logs import set_context
-from shared.schema import PolicyAnnouncement, PromptGroup, Rollout, pack_f32, pack_i32
+from shared.schema import (
+    PolicyAnnouncement,
+    PromptGroup,
+    Rollout,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)
 from shared.settings import GeneratorSettings
 
 log = logging.getLogger(__name__)
 
 
+class WeightVerificationError(RuntimeError):
+    """The engine's weights after a swap do not reproduce the trainer's probe."""
+
+
 class PolicyFollower:
     """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
 
-    def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str):
+    def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str,
+                 verify_atol: float = 1e-3, load_retries: int = 2):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
+        self.verify_atol, self.load_retries = verify_atol, load_retries
+        self.fingerprint: str | None = None
         self.version = -1
         self.loaded_at: float | None = None
         self._last_beat = 0.0
@@ -42,33 +59,74 @@ class PolicyFollower:
                 self.newest = m
 
     def sync(self, min_version: int, wait_s: float) -> None:
-        """Load the newest announced version; block until one >= min_version is announced."""
+        """Load the newest announced version; block until one >= min_version is loaded.
+
+        A transfer that fails (trainer restarting, version evicted, connection cut midway) leaves
+        the old weights in the engine; it is retried, moving on to newer versions as they appear.
+        """
         deadline = time.monotonic() + wait_s
         self.poll()
-        while self.newest is None or self.newest.manifest.version < min_version:
+        while True:
+            if self.newest is not None and self.newest.manifest.version > self.version:
+                try:
+                    self._load(self.newest)
+                except TransferError as exc:
+                    log.warning("%s; still serving v%d", exc, self.version)
+                    if self.version >= min_version:
+                        return  # the old weights are good enough for now: retry at the next sync
+                    if time.monotonic() > deadline:
+                        raise
+                    self.poll(block_ms=500)
+                    continue
+            if self.version >= min_version:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"policy version {min_version} was not announced within {wait_s:.0f} s")
+                raise TimeoutError(f"policy version {min_version} was not loaded within {wait_s:.0f} s")
             self.poll(block_ms=500)
-        if self.newest.manifest.version > self.version:
-            self._load(self.newest)
 
     def beat(self, every_s: float = 5.0, force: bool = False) -> None:
         """Heartbeat hash entry: which version this generator serves, since when, and that it lives."""
         if force or time.monotonic() - self._last_beat >= every_s:
-            self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": self.loaded_at})
+            self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": self.loaded_at,
+                                                       "fingerprint": self.fingerprint})
             self._last_beat = time.monotonic()
 
     def _load(self, ann: PolicyAnnouncement) -> None:
-        res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
-        self.version = ann.manifest.version
-        set_context(policy_version=self.version)
-        self.ledger.record_generator_load(self.streams.job_id, self.version, self.generator_id)
+        """Pull, swap and verify one version; retried, and never used unverified."""
+        v = ann.manifest.version
+        for attempt in range(self.load_retries + 1):
+            res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
+            gap = self._probe_gap(ann)
+            if gap <= self.verify_atol:
+                break
+            log.error("policy v%d: probe logprobs differ by %.3g (> %.3g) after the swap (attempt %d)",
+                      v, gap, self.verify_atol, attempt + 1)
+        else:
+            raise WeightVerificationError(
+                f"policy v{v}: the weights in the engine do not reproduce the trainer's probe "
+                f"(max |logprob gap| {gap:.3g} > {self.verify_atol:.3g}) after {self.load_retries + 1} loads"
+            )
+        self.version = v
+        set_context(policy_version=v)
+        fingerprint = self.engine.fingerprint()
+        self.ledger.record_generator_load(self.streams.job_id, v, self.generator_id, fingerprint)
         self.loaded_at = time.time()
+        self.fingerprint = fingerprint
         self.beat(force=True)
         log.info(
-            "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs",
-            self.version, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"],
+            "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs; probe gap %.2g; engine fingerprint %s",
+            v, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"], gap, fingerprint,
         )
+
+    def _probe_gap(self, ann: PolicyAnnouncement) -> float:
+        if not ann.probe_ids:
+            return 0.0  # an announcement without a probe (older trainer): checksums only
+        ids = unpack_i32(ann.probe_ids).tolist()
+        got = np.asarray(self.engine.score(ids), dtype=np.float64)
+        want = unpack_f32(ann.probe_logprobs).astype(np.float64)
+        if got.shape != want.shape or not np.all(np.isfinite(got)):
+            return float("inf")
+        return float(np.max(np.abs(got - want))) if got.size else 0.0
 
 
 def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -> list[Rollout]:
@@ -137,7 +195,7 @@ def run(settings: GeneratorSettings) -> None:
 
 def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
     streams, ledger, gid = ctx.streams, ctx.ledger, settings.generator_id
-    policy = PolicyFollower(streams, engine, ledger, gid)
+    policy = PolicyFollower(streams, engine, ledger, gid, settings.verify_atol, settings.load_retries)
     control = ControlWatcher(streams)
     log.info("generator %s ready", gid)
     while True:

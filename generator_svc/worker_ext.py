@@ -43,17 +43,22 @@ class WeightSyncExtension:
     """Mixed into vLLM's Worker; methods are called by name through `LLM.collective_rpc`."""
 
     def asyncrl_load_version(self, transport: str, address: str, manifest: dict) -> dict:
+        """Fetch and verify the whole version first; only then touch the engine's weights. A failed
+        or interrupted transfer returns {"ok": False, ...} and leaves the old weights in place (an
+        exception here would take the engine process down with it)."""
         m = Manifest.model_validate(manifest)
         t0 = time.perf_counter()
         client = make_client(transport)
         try:
             buf = client.fetch(address, m)
+        except Exception as exc:  # noqa: BLE001 - any transfer failure: report, keep serving old weights
+            return {"ok": False, "version": m.version, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             client.close()
         t1 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(tensors_from_buffer(buf, m)))
         t2 = time.perf_counter()
-        return {"version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}
+        return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}
 
     def asyncrl_fingerprint(self) -> str:
         """xxh3 over the engine's own parameters (after any repacking), in name order."""

@@ -138,10 +138,17 @@ class Manifest(BaseModel):
 
 # trainer_svc -> every generator_svc (plain XREAD)
 class PolicyAnnouncement(Message):
+    """A new weight version. `probe_ids`/`probe_logprobs` are a functional fingerprint: the
+    trainer's logprobs of a fixed token sequence under these weights, which a generator reproduces
+    after loading to prove the weights actually in its engine are these (whatever the engine's
+    internal layout: vLLM fuses and repacks tensors, so byte checksums cannot see inside it)."""
+
     kind: ClassVar[str] = "policy"
     manifest: Manifest
     transport: str  # transport name, e.g. "tcp"
     address: str  # transport-specific endpoint, e.g. "127.0.0.1:5555"
+    probe_ids: bytes = b""  # int32 LE, (P,)
+    probe_logprobs: bytes = b""  # float32 LE, (P-1,): log p(probe[t+1] | probe[:t+1])
 
 
 # broker API -> all services

@@ -63,6 +63,10 @@ class GeneratorSettings(CommonSettings):
     dtype: str = Field("float32", description="Engine dtype; float32 keeps behaviour logprobs exact on CPU.")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start on CPU).")
     metrics_port: int = Field(0, ge=0, description="Prometheus port; 0 disables.")
+    verify_atol: float = Field(
+        1e-3, gt=0, description="Max |logprob| gap on the policy's probe after a swap (fp32: 1e-3; bf16: ~0.1)."
+    )
+    load_retries: int = Field(2, ge=0, description="Re-fetch and reload this often before a swap counts as failed.")
 
 
 class RewardSettings(CommonSettings):

@@ -30,7 +30,15 @@ from broker.streams import (
 )
 from shared.jobspec import JobSpec
 from shared.logs import set_context
-from shared.schema import Control, PolicyAnnouncement, Scored, unpack_f32, unpack_i32
+from shared.schema import (
+    Control,
+    PolicyAnnouncement,
+    Scored,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)
 from shared.settings import TrainerSettings
 from shared.tasks import load_task
 from shared.transport import WeightServer, build_manifest, make_server
@@ -73,6 +81,23 @@ def flatten_weights(model: torch.nn.Module) -> tuple[list[tuple[str, list[int], 
     return entries, torch.cat(parts).numpy()
 
 
+def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[float]]:
+    """A fixed pseudo-random token sequence and its logprobs under `model` (the functional
+    fingerprint generators check after a swap). The same sequence for every version of a job."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(20250530)
+    ids = torch.randint(min(4, vocab - 1), vocab, (1, length), generator=g)
+    bos = model.config.bos_token_id
+    if bos is not None:
+        ids[0, 0] = bos
+    was_training = model.training
+    model.eval()  # no dropout in the fingerprint
+    with torch.no_grad():
+        lp = token_logprobs(model, ids.to(model.device), torch.ones_like(ids).to(model.device))
+    model.train(was_training)
+    return ids[0].tolist(), lp[0].float().cpu().tolist()
+
+
 def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int
 ) -> float:
@@ -81,11 +106,13 @@ def publish_weights(
     manifest = build_manifest(version, entries, buf)
     server.serve(manifest, buf)
     ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
+    probe_ids, probe_lp = probe(model)
     streams.publish(
         POLICY,
         PolicyAnnouncement(
-            job_id=job_id, msg_id=f"v{version}", policy_version=version,
+            job_id=job_id, msg_id=f"{job_id}/v{version}", policy_version=version,
             manifest=manifest, transport=server.name, address=server.address,
+            probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
         ),
     )
     # A version older than the ones the server still holds cannot be fetched: drop its announcement.
