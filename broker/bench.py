@@ -177,14 +177,15 @@ def bench_parity(workdir: str = "runs/parity", steps: int = 40, seeds: tuple[int
             run = run_job(wd / f"seed{seed}", spec, progress=False)
             ledger = Ledger(run.db_url)
             evals = ledger.evals(run.job_id)
-            t0 = ledger.get_job(run.job_id)["created_at"]
             steps_rows = ledger.train_steps(run.job_id)
-            start = steps_rows[0]["created_at"] if steps_rows else t0
+            if run.state != "finished" or not steps_rows:
+                raise RuntimeError(f"parity run {mode} seed {seed} ended {run.state}: {run.error}")
+            start = steps_rows[0]["created_at"]
             curves[mode].append({
                 "seed": seed, "state": run.state,
                 "held_out": [(e["step"], e["reward_mean"]) for e in evals],
                 "held_out_time_s": [((e["created_at"] - start).total_seconds(), e["reward_mean"]) for e in evals],
-                "wall_s_to_final": (steps_rows[-1]["created_at"] - start).total_seconds() if steps_rows else None,
+                "wall_s_to_final": (steps_rows[-1]["created_at"] - start).total_seconds(),
             })
     result: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "steps": steps,
                               "seeds": list(seeds)}

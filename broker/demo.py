@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -187,8 +188,11 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
     # Steady state: the first step also waits for the engines to start.
     steady = steps[1:] or steps
     step_s = sum(s["metrics"]["time/step_s"] for s in steady)
+    swaps = [dt for v, dt in ledger.swap_latencies(job_id).items() if v > 0]
     summary: dict[str, Any] = {
         "job_id": job_id,
+        "generators": len({r["generator_id"] for r in ledger.generator_loads(job_id)}),
+        "swap_latency_s_median": statistics.median(swaps) if swaps else None,
         "wall_s": wall_s,
         "steps": len(steps),
         "reward_per_step": [round(s["metrics"]["reward/mean"], 3) for s in steps],
@@ -220,6 +224,9 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
         console.print("held-out reward: " + " -> ".join(f"{r:.2f} (step {s})" for s, r in summary["held_out"]))
     console.print(f"staleness of trained samples (versions: count): {hist}")
     console.print(f"samples by status: {counts}")
+    if swaps:
+        console.print(f"weight swap, publish -> every generator ({summary['generators']}) serving it: "
+                      f"median {statistics.median(swaps):.3f} s, max {max(swaps):.3f} s")
     console.print(
         f"throughput (steady state): {summary['samples_per_s']:.1f} samples/s, "
         f"{summary['tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step; wall time {wall_s:.0f} s"

@@ -754,6 +754,16 @@ class Ledger:
         with self._read() as s:
             return [dict(r) for r in s.execute(stmt).mappings()]
 
+    def swap_latencies(self, job_id: str) -> dict[int, float]:
+        """Per version: seconds from its publication until the LAST generator that loaded it had
+        it loaded (the time until every generator serves it). Versions nobody loaded are absent."""
+        published = {r["version"]: r["created_at"] for r in self.policy_versions(job_id)}
+        last: dict[int, Any] = {}
+        for r in self.generator_loads(job_id):
+            if r["version"] in published:
+                last[r["version"]] = max(last.get(r["version"], r["loaded_at"]), r["loaded_at"])
+        return {v: (t - published[v]).total_seconds() for v, t in sorted(last.items())}
+
     # -- train steps and evals -------------------------------------------------------------------
 
     def record_train_step(
