@@ -77,6 +77,8 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
         spec = {"name": f"it-{mode}", "model_path": str(tiny_model), "mode": mode, "max_staleness": k,
                 "steps": STEPS, "group_size": 4, "prompts_per_step": 4, "eval_every": 2,
                 "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}
+        if mode == "async":  # the adaptive bound runs inside the loop and is logged per step
+            spec["adaptive_staleness"] = {"k_min": 0, "k_max": k, "metric": "ess", "threshold": 0.5}
         r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
@@ -110,6 +112,10 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
 
     steps = ledger.train_steps(job_id)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:  # per-step algorithm and staleness metrics
+        m = s["metrics"]
+        assert 0 < m["is/ess"] <= 1.0 + 1e-6 and m["entropy"] > 0 and "mismatch_kl" in m
+        assert 0 <= m["staleness/bound"] <= (0 if mode == "sync" else k)
     trained = ledger.samples(job_id, status="trained")
     # every trained sample has its row, reward and the step's trainer version
     assert len(trained) == STEPS * 4 * 4 == sum(s["metrics"]["samples"] for s in steps)
