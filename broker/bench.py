@@ -154,6 +154,25 @@ def _report_async(r: dict[str, Any], out: Path) -> None:
     (out / "async.md").write_text("\n".join(md) + "\n")
 
 
+def bench_swap(workdir: str = "runs/swap", steps: int = 12, generators: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
+    """Seconds from the end of a trainer step (its version published) until every generator
+    serves that version, on the demo model, for 1 and 2 generators (median over versions)."""
+    wd = Path(workdir).resolve()
+    wd.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(wd, 0)
+    out: dict[str, Any] = {}
+    for g in generators:
+        console.print(f"[bold]swap latency[/], {g} generator(s)")
+        spec = {"name": f"swap-{g}", "model_path": str(model), "steps": steps, "eval_every": 0,
+                "algorithm": {"lr": 1e-4}, "sampling": {"max_tokens": 8}}
+        run = run_job(wd, spec, generators=g, progress=False)
+        if run.state != "finished":
+            raise RuntimeError(f"swap run with {g} generators ended {run.state}: {run.error}")
+        lat = [dt for v, dt in Ledger(run.db_url).swap_latencies(run.job_id).items() if v > 0]
+        out[str(g)] = {"median_s": statistics.median(lat), "max_s": max(lat), "versions": len(lat)}
+    return out
+
+
 PARITY_MODES: dict[str, dict[str, Any]] = {
     "sync": {"mode": "sync"},
     "async_k1": {"mode": "async", "max_staleness": 1},

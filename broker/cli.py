@@ -33,21 +33,33 @@ def demo(
 
 @app.command()
 def bench(
-    which: str = typer.Argument("async", help="async: T_gen, T_train, sync vs async step time; parity: learning curves."),
+    which: str = typer.Argument(
+        "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer."
+    ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
-    from broker.bench import bench_async, bench_parity
+    from broker.bench import bench_async, bench_parity, bench_swap
 
     if which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
         bench_parity(steps=steps or 40, seeds=tuple(range(seeds)), out_dir=out)
+    elif which == "transfer":
+        from broker.bench_transfer import bench_transfer
+
+        result = bench_transfer(out_dir=out)
+        result["swap_latency_s"] = bench_swap(steps=steps or 12)
+        (Path(out) / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
+        with open(Path(out) / "transfer.md", "a") as f:
+            f.write("\nSeconds from a trainer step's publish until every generator serves it (median, max): "
+                    + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
+                                for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer")
 
 
 @app.command()

@@ -18,6 +18,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from importlib import import_module
 from typing import Any, Protocol
 
 import msgpack
@@ -238,7 +239,14 @@ class TcpWeightClient:
         pass
 
 
-TRANSPORTS = {"tcp": (TcpWeightServer, TcpWeightClient)}
+TRANSPORTS: dict[str, tuple[Any, Any]] = {
+    "tcp": (TcpWeightServer, TcpWeightClient),
+    # imported on first use (it loads ucxx): `shared` stays importable without ucxx
+    "ucx": (
+        lambda **kw: import_module("shared.transport_ucx").UcxWeightServer(**kw),
+        lambda **kw: import_module("shared.transport_ucx").UcxWeightClient(**kw),
+    ),
+}
 
 
 def _transport(name: str) -> tuple[type, type]:

@@ -1,7 +1,8 @@
-"""Weight transport: manifests with chunk checksums, and the TCP server/client pair."""
+"""Weight transport: manifests with chunk checksums, and every server/client pair (tcp, ucx)."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ from shared.schema import Manifest
 from shared.transport import (
     ChecksumError,
     TcpWeightClient,
-    TcpWeightServer,
+    WeightServer,
     bad_chunks,
     build_manifest,
     chunk_checksums,
@@ -20,6 +21,7 @@ from shared.transport import (
     make_server,
     version_checksum,
 )
+from shared.transport_ucx import UcxWeightClient
 
 CHUNK = 1000  # small on purpose: the buffer below spans dozens of chunks, the last one partial
 
@@ -53,25 +55,44 @@ def close_soon(srv) -> None:
     threading.Thread(target=srv.close, daemon=True).start()
 
 
+CLIENTS: dict[str, type] = {"tcp": TcpWeightClient, "ucx": UcxWeightClient}
+NO_UCXX = importlib.util.find_spec("ucxx") is None
+TRANSPORT_NAMES = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(NO_UCXX, reason="ucxx not installed"))]
+
+
+@pytest.fixture(params=TRANSPORT_NAMES)
+def transport(request) -> str:
+    """Every transfer test runs once per transport: both must pass the same tests."""
+    return request.param
+
+
 @pytest.fixture
-def server() -> Iterator[TcpWeightServer]:
-    srv = TcpWeightServer(port=0, keep=3)
+def server(transport: str) -> Iterator[WeightServer]:
+    srv = make_server(transport, port=0, keep=3)
     try:
         yield srv
     finally:
         close_soon(srv)
 
 
-class CountingClient(TcpWeightClient):
-    """Records every (offset, length) range requested from the server."""
+@pytest.fixture
+def client_cls(transport: str) -> type:
+    return CLIENTS[transport]
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.ranges: list[tuple[int, int]] = []
 
-    def _fetch_range(self, sock, version, out, offset) -> None:
-        self.ranges.append((offset, len(out)))
-        super()._fetch_range(sock, version, out, offset)
+def counting_client(base: type, **kw):
+    """A `base` client that records every (offset, length) range requested from the server."""
+
+    class CountingClient(base):
+        def __init__(self, **kw) -> None:
+            super().__init__(**kw)
+            self.ranges: list[tuple[int, int]] = []
+
+        def _fetch_range(self, sock, version, out, offset) -> None:
+            self.ranges.append((offset, len(out)))
+            super()._fetch_range(sock, version, out, offset)
+
+    return CountingClient(**kw)
 
 
 # -- manifests --------------------------------------------------------------------------------
@@ -126,13 +147,13 @@ def test_bad_chunks_finds_exactly_the_corrupted_chunks() -> None:
     assert chunk_checksums(bad, CHUNK)[4] == m.chunk_checksums[4]
 
 
-# -- TCP transfer -------------------------------------------------------------------------------
+# -- transfer (every transport) -----------------------------------------------------------------
 
 
-def test_fetch_returns_identical_bytes(server: TcpWeightServer) -> None:
+def test_fetch_returns_identical_bytes(server, client_cls: type) -> None:
     m, buf, tensors = version(0)
     server.serve(m, buf)
-    client = CountingClient()
+    client = counting_client(client_cls)
     got = client.fetch(server.address, m)
     assert got.dtype == np.uint8 and got.tobytes() == buf.tobytes()
     assert client.ranges == [(0, m.total_bytes)]  # one request, no re-fetches
@@ -141,7 +162,7 @@ def test_fetch_returns_identical_bytes(server: TcpWeightServer) -> None:
         np.testing.assert_array_equal(t, tensors[entry.name])
 
 
-def test_transit_corruption_is_refetched(server: TcpWeightServer) -> None:
+def test_transit_corruption_is_refetched(server, client_cls: type) -> None:
     m, buf, _ = version(0)
     server.serve(m, buf)
     last = len(m.chunk_checksums) - 1
@@ -150,7 +171,7 @@ def test_transit_corruption_is_refetched(server: TcpWeightServer) -> None:
         b[5 * CHUNK + 17] ^= 0xFF
         b[-3:] = 0 if buf[-3:].any() else 1  # the short last chunk
 
-    client = CountingClient()
+    client = counting_client(client_cls)
     got = client.fetch(server.address, m, corrupt_hook=corrupt)
     assert got.tobytes() == buf.tobytes()
     assert client.ranges == [
@@ -160,45 +181,45 @@ def test_transit_corruption_is_refetched(server: TcpWeightServer) -> None:
     ]
 
 
-def test_persistent_corruption_raises_checksum_error(server: TcpWeightServer) -> None:
+def test_persistent_corruption_raises_checksum_error(server, client_cls: type) -> None:
     m, buf, _ = version(0)
     wrong = buf.copy()
     wrong[7 * CHUNK + 1] ^= 0x01  # the server itself holds a buffer that does not match
     server.serve(m, wrong)
-    client = CountingClient(retries=2)
+    client = counting_client(client_cls, retries=2)
     with pytest.raises(ChecksumError, match=r"version 0: chunks \[7\]"):
         client.fetch(server.address, m)
     assert client.ranges == [(0, m.total_bytes)] + [(7 * CHUNK, CHUNK)] * 2
 
 
-def test_unserved_version_is_a_clear_error(server: TcpWeightServer) -> None:
+def test_unserved_version_is_a_clear_error(server, client_cls: type) -> None:
     m0, buf0, _ = version(0)
     server.serve(m0, buf0)
     m7, _, _ = version(7)
     with pytest.raises(RuntimeError, match=r"version 7 not served; have \[0\]"):
-        TcpWeightClient().fetch(server.address, m7)
+        client_cls().fetch(server.address, m7)
 
 
-def test_manifest_larger_than_served_buffer_is_a_clear_error(server: TcpWeightServer) -> None:
+def test_manifest_larger_than_served_buffer_is_a_clear_error(server, client_cls: type) -> None:
     m, buf, _ = version(0)
     server.serve(m, buf)
     bigger = m.model_copy(update={"total_bytes": m.total_bytes + 8})
     with pytest.raises(RuntimeError, match="outside"):
-        TcpWeightClient().fetch(server.address, bigger)
+        client_cls().fetch(server.address, bigger)
 
 
-def test_serve_rejects_a_buffer_of_the_wrong_size(server: TcpWeightServer) -> None:
+def test_serve_rejects_a_buffer_of_the_wrong_size(server) -> None:
     m, buf, _ = version(0)
     with pytest.raises(ValueError, match="does not match"):
         server.serve(m, buf[:-1])
 
 
-def test_server_keeps_only_the_last_versions(server: TcpWeightServer) -> None:
+def test_server_keeps_only_the_last_versions(server, client_cls: type) -> None:
     served = {v: version(v) for v in range(5)}
     for m, buf, _ in served.values():
         server.serve(m, buf)
     assert server.store.versions() == [2, 3, 4]
-    client = TcpWeightClient()
+    client = client_cls()
     for v in (0, 1):
         with pytest.raises(RuntimeError, match=f"version {v} not served; have \\[2, 3, 4\\]"):
             client.fetch(server.address, served[v][0])
@@ -207,7 +228,7 @@ def test_server_keeps_only_the_last_versions(server: TcpWeightServer) -> None:
         assert client.fetch(server.address, m).tobytes() == buf.tobytes()
 
 
-def test_concurrent_fetches(server: TcpWeightServer) -> None:
+def test_concurrent_fetches(server, client_cls: type) -> None:
     versions = [version(v) for v in (1, 2)]
     for m, buf, _ in versions:
         server.serve(m, buf)
@@ -220,7 +241,7 @@ def test_concurrent_fetches(server: TcpWeightServer) -> None:
         try:
             start.wait(timeout=10)
             for _ in range(5):
-                results[i] = TcpWeightClient(timeout_s=10).fetch(server.address, m).tobytes()
+                results[i] = client_cls(timeout_s=10).fetch(server.address, m).tobytes()
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
@@ -235,8 +256,8 @@ def test_concurrent_fetches(server: TcpWeightServer) -> None:
         assert results[i] == versions[i % 2][1].tobytes()
 
 
-def test_address_uses_advertise_host() -> None:
-    srv = TcpWeightServer(port=0, advertise_host="trainer.internal")
+def test_address_uses_advertise_host(transport: str) -> None:
+    srv = make_server(transport, port=0, advertise_host="trainer.internal")
     try:
         assert srv.address == f"trainer.internal:{srv.port}"
     finally:
@@ -246,13 +267,13 @@ def test_address_uses_advertise_host() -> None:
 # -- registry ------------------------------------------------------------------------------------
 
 
-def test_make_server_and_client_by_name() -> None:
-    srv = make_server("tcp", port=0, keep=1)
+def test_make_server_and_client_by_name(transport: str) -> None:
+    srv = make_server(transport, port=0, keep=1)
     try:
-        assert srv.name == "tcp"
+        assert srv.name == transport
         m, buf, _ = version(3)
         srv.serve(m, buf)
-        client = make_client("tcp")
+        client = make_client(transport)
         assert client.fetch(srv.address, m).tobytes() == buf.tobytes()
         client.close()
     finally:
@@ -265,10 +286,10 @@ def test_unknown_transport_lists_valid_names(factory) -> None:
         factory("nccl")
 
 
-def test_close_stops_serving() -> None:
-    srv = TcpWeightServer(port=0)
+def test_close_stops_serving(transport: str, client_cls: type) -> None:
+    srv = make_server(transport, port=0)
     m, buf, _ = version(0)
     srv.serve(m, buf)
     srv.close()
     with pytest.raises(OSError):
-        TcpWeightClient(timeout_s=2).fetch(srv.address, m)
+        client_cls(timeout_s=2).fetch(srv.address, m)
