@@ -82,7 +82,7 @@ class TrainerSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINER_", extra="ignore", frozen=True)
 
     consumer_id: str = Field(default_factory=_default_worker_id)
-    transport: str = Field("tcp", description="Weight transport name (see shared.transport.TRANSPORTS).")
+    transport: str = Field("ucx", description="Weight transport: ucx (shared memory, RDMA, NVLink) or tcp (plain sockets, the fallback).")
     bind_host: str = Field("127.0.0.1", description="Interface the weight server listens on.")
     bind_port: int = Field(0, ge=0, le=65535, description="Weight server port; 0 picks a free one.")
     advertise_host: str | None = Field(None, description="Host generators connect to; default bind_host.")
