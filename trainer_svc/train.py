@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,14 +72,18 @@ def load_policy(spec: JobSpec, device: str):
     return model, tokenizer
 
 
-def flatten_weights(model: torch.nn.Module) -> tuple[list[tuple[str, list[int], str, int]], np.ndarray]:
-    """Every tensor of the HF state dict, back to back in one uint8 buffer (checkpoint names)."""
+def flatten_weights(model: torch.nn.Module, keep_device: bool = False) -> tuple[list[tuple[str, list[int], str, int]], Any]:
+    """Every tensor of the HF state dict, back to back in one uint8 buffer (checkpoint names).
+
+    Returns a host numpy array, or with `keep_device` a uint8 tensor on the model's device (so a
+    GPU trainer can serve device memory over UCX: cuda_ipc/NVLink or RDMA, no host bounce)."""
     entries, parts = [], []
     for name, t in model.state_dict().items():
-        t = t.detach().to("cpu").contiguous()
+        t = t.detach().contiguous()
         entries.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()))
         parts.append(t.reshape(-1).view(torch.uint8))
-    return entries, torch.cat(parts).numpy()
+    flat = torch.cat(parts)
+    return entries, (flat if keep_device else flat.cpu().numpy())
 
 
 def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[float]]:
@@ -102,8 +107,9 @@ def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int
 ) -> float:
     t0 = time.perf_counter()
-    entries, buf = flatten_weights(model)
-    manifest = build_manifest(version, entries, buf)
+    on_gpu = next(model.parameters()).is_cuda and server.name == "ucx"
+    entries, buf = flatten_weights(model, keep_device=on_gpu)
+    manifest = build_manifest(version, entries, buf.cpu().numpy() if on_gpu else buf)  # checksums on host bytes
     server.serve(manifest, buf)
     ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
     probe_ids, probe_lp = probe(model)

@@ -54,3 +54,20 @@ def test_adaptive_bound_rejects_bad_configuration():
         AdaptiveStaleness(0, 2, metric="entropy")
     with pytest.raises(ValueError, match="k_min <= k_max"):
         AdaptiveStaleness(3, 2)
+
+
+def test_learner_applies_the_staleness_lr_scale(tmp_path):
+    from shared.jobspec import JobSpec
+    from trainer_svc.bench import fake_batch
+    from trainer_svc.tiny_model import build_tiny_model
+    from trainer_svc.train import Learner, flatten_batch
+
+    path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
+    spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
+                   algorithm={"lr": 1e-3, "staleness_lr": True})
+    learner = Learner(spec, "cpu")
+    samples, rewards = flatten_batch(fake_batch(2, 4, 4, learner.model.config.vocab_size))
+    metrics = learner.step(samples, rewards, lr_scale=staleness_lr_scale(2.0))
+    assert metrics["lr"] == pytest.approx(5e-4)
+    assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert learner.step(samples, rewards, lr_scale=1.0)["lr"] == pytest.approx(1e-3)
