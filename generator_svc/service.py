@@ -43,6 +43,7 @@ class PolicyFollower:
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
         self.verify_atol, self.load_retries = verify_atol, load_retries
         self.fingerprint: str | None = None
+        self.loaded_run: str | None = None
         self.version = -1
         self.loaded_at: float | None = None
         self._last_beat = 0.0
@@ -55,8 +56,16 @@ class PolicyFollower:
     def poll(self, block_ms: int | None = None) -> None:
         self.last_id, msgs = self.streams.read_broadcast(POLICY, self.last_id, PolicyAnnouncement, block_ms=block_ms)
         for m in msgs:
-            if self.newest is None or m.manifest.version > self.newest.manifest.version:
+            # A restarted trainer (new run id) may count versions from wherever its checkpoint left
+            # them, even lower than ours: its announcements win by arrival order, not by number.
+            if (self.newest is None or m.manifest.version > self.newest.manifest.version
+                    or m.trainer_run != self.newest.trainer_run):
                 self.newest = m
+
+    def stale(self) -> bool:
+        """Whether the newest announcement is not what the engine holds."""
+        n = self.newest
+        return n is not None and (n.manifest.version > self.version or n.trainer_run != self.loaded_run)
 
     def sync(self, min_version: int, wait_s: float) -> None:
         """Load the newest announced version; block until one >= min_version is loaded.
@@ -67,7 +76,7 @@ class PolicyFollower:
         deadline = time.monotonic() + wait_s
         self.poll()
         while True:
-            if self.newest is not None and self.newest.manifest.version > self.version:
+            if self.stale():
                 try:
                     self._load(self.newest)
                 except TransferError as exc:
@@ -107,6 +116,7 @@ class PolicyFollower:
                 f"(max |logprob gap| {gap:.3g} > {self.verify_atol:.3g}) after {self.load_retries + 1} loads"
             )
         self.version = v
+        self.loaded_run = ann.trainer_run
         set_context(policy_version=v)
         fingerprint = self.engine.fingerprint()
         self.ledger.record_generator_load(self.streams.job_id, v, self.generator_id, fingerprint)
@@ -211,7 +221,7 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
         )
         if not deliveries:
             policy.poll()
-            if policy.newest is not None and policy.newest.manifest.version > policy.version:
+            if policy.stale():
                 policy.sync(0, settings.job_wait_s)  # idle: pick up new weights early
             continue
         groups: list[PromptGroup] = [d.message for d in deliveries]  # type: ignore[misc]

@@ -147,6 +147,7 @@ class PolicyAnnouncement(Message):
     manifest: Manifest
     transport: str  # transport name, e.g. "tcp"
     address: str  # transport-specific endpoint, e.g. "127.0.0.1:5555"
+    trainer_run: str = ""  # id of the trainer process that published it; a new one means a restart
     probe_ids: bytes = b""  # int32 LE, (P,)
     probe_logprobs: bytes = b""  # float32 LE, (P-1,): log p(probe[t+1] | probe[:t+1])
 

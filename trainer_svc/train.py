@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +105,8 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 
 
 def publish_weights(
-    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int
+    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
+    run_id: str = "",
 ) -> float:
     t0 = time.perf_counter()
     on_gpu = next(model.parameters()).is_cuda and server.name == "ucx"
@@ -117,7 +119,7 @@ def publish_weights(
         POLICY,
         PolicyAnnouncement(
             job_id=job_id, msg_id=f"{job_id}/v{version}", policy_version=version,
-            manifest=manifest, transport=server.name, address=server.address,
+            manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
             probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
         ),
     )
@@ -253,9 +255,10 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         keep=settings.keep_versions, advertise_host=settings.advertise_host,
     )
     version = 0
+    run_id = uuid.uuid4().hex[:8]  # this trainer process; generators follow a restart by it
     set_context(policy_version=version)
     ledger.set_job_state(job_id, "running")
-    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions)
+    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
     evals: dict[str, EvalRound] = {}
     ready: list[Group] = []  # complete groups waiting for a batch slot
 
@@ -345,7 +348,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         t_train = time.perf_counter()
 
         # publish weights
-        publish_s = publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions)
+        publish_s = publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
 
         # ledger + metrics, then ack what this step consumed
         t_ledger = time.perf_counter()

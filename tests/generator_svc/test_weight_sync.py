@@ -67,11 +67,11 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     server = TcpWeightServer(keep=3)
 
-    def publish(v: int, srv=None) -> None:
+    def publish(v: int, srv=None, run: str = "run-1") -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-        publish_weights(model, v, srv or server, streams, ledger, job_id, keep=3)
+        publish_weights(model, v, srv or server, streams, ledger, job_id, keep=3, run_id=run)
 
     def loads(gen: str) -> list[int]:
         return sorted(r["version"] for r in ledger.generator_loads(job_id) if r["generator_id"] == gen)
@@ -106,10 +106,10 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         assert fa and fa == fb  # two engines hold bit-identical weights
         assert fingerprint("gen-a", 1) != fa
 
-        # the trainer restarts: a new server on another port serves the next version
+        # the trainer restarts (new process, resumed at the next version): new server, new port
         server.close()
         server2 = TcpWeightServer(keep=3)
-        publish(3, server2)
+        publish(3, server2, run="run-2")
         wait_for(lambda: 3 in loads("gen-a") and 3 in loads("gen-b"), "both to follow the restarted trainer")
         assert fingerprint("gen-a", 3) == fingerprint("gen-b", 3)
 
@@ -124,7 +124,7 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         assert {h["version"] for h in streams.heartbeats().values()} == {3}
         assert not sup.failed()
         srv.close()
-        publish(5, server2)  # and recover on the next good version
+        publish(5, server2, run="run-2")  # and recover on the next good version
         wait_for(lambda: 5 in loads("gen-a") and 5 in loads("gen-b"), "recovery on v5")
 
         # a version whose probe the engine cannot reproduce: refused, reported, never recorded
@@ -138,7 +138,7 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         lp[3] += 0.5  # what a silently wrong load would look like from the outside
         streams.publish(POLICY, PolicyAnnouncement(
             job_id=job_id, msg_id=f"{job_id}/v6", policy_version=6, manifest=manifest, transport="tcp",
-            address=server2.address, probe_ids=pack_i32(ids), probe_logprobs=pack_f32(lp)))
+            address=server2.address, trainer_run="run-2", probe_ids=pack_i32(ids), probe_logprobs=pack_f32(lp)))
         deadline = time.monotonic() + 120
         while any(p.popen.poll() is None for p in sup.procs) and time.monotonic() < deadline:
             time.sleep(0.2)
