@@ -17,7 +17,7 @@ import socketserver
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import import_module
 from typing import Any, Protocol
 
@@ -79,6 +79,24 @@ def bad_chunks(buf: Buffer, manifest: Manifest) -> list[int]:
     if len(got) != len(manifest.chunk_checksums):
         return list(range(len(manifest.chunk_checksums)))
     return [i for i, (a, b) in enumerate(zip(got, manifest.chunk_checksums, strict=True)) if a != b]
+
+
+def verify_and_repair(
+    buf: np.ndarray, manifest: Manifest, refetch: Callable[[int, int], None], retries: int
+) -> np.ndarray:
+    """Check every chunk of a fetched buffer; re-fetch only the bad byte ranges [lo, hi) with
+    `refetch`, up to `retries` rounds. Returns the verified buffer or raises ChecksumError."""
+    for attempt in range(retries + 1):
+        bad = bad_chunks(buf, manifest)
+        if not bad:
+            return buf
+        if attempt == retries:
+            break
+        log.warning("version %d: %d corrupted chunk(s) %s; re-fetching", manifest.version, len(bad), bad[:8])
+        cb = manifest.chunk_bytes
+        for i in bad:
+            refetch(i * cb, min((i + 1) * cb, manifest.total_bytes))
+    raise ChecksumError(f"version {manifest.version}: chunks {bad[:8]} still corrupted after {retries} re-fetches")
 
 
 class WeightServer(Protocol):
@@ -222,18 +240,9 @@ class TcpWeightClient:
             self._fetch_range(sock, manifest.version, view, 0)
             if corrupt_hook is not None:  # tests inject transit corruption here
                 corrupt_hook(buf)
-            for attempt in range(self.retries + 1):
-                bad = bad_chunks(buf, manifest)
-                if not bad:
-                    return buf
-                if attempt == self.retries:
-                    break
-                log.warning("version %d: %d corrupted chunk(s) %s; re-fetching", manifest.version, len(bad), bad[:8])
-                cb = manifest.chunk_bytes
-                for i in bad:
-                    lo, hi = i * cb, min((i + 1) * cb, manifest.total_bytes)
-                    self._fetch_range(sock, manifest.version, view[lo:hi], lo)
-        raise ChecksumError(f"version {manifest.version}: chunks {bad[:8]} still corrupted after {self.retries} re-fetches")
+            return verify_and_repair(
+                buf, manifest, lambda lo, hi: self._fetch_range(sock, manifest.version, view[lo:hi], lo), self.retries
+            )
 
     def close(self) -> None:
         pass

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from shared.schema import Manifest
-from shared.transport import Buffer, ChecksumError, _recv_msg, _send_msg, _Store, bad_chunks
+from shared.transport import Buffer, _recv_msg, _send_msg, _Store, verify_and_repair
 
 log = logging.getLogger(__name__)
 
@@ -382,25 +382,9 @@ class UcxWeightClient:
             self._fetch_range(sock, manifest.version, buf, 0)
             if corrupt_hook is not None:  # tests inject transit corruption here
                 corrupt_hook(buf)
-            for attempt in range(self.retries + 1):
-                bad = bad_chunks(buf, manifest)
-                if not bad:
-                    return buf
-                if attempt == self.retries:
-                    break
-                log.warning(
-                    "version %d: %d corrupted chunk(s) %s; re-fetching",
-                    manifest.version,
-                    len(bad),
-                    bad[:8],
-                )
-                cb = manifest.chunk_bytes
-                for i in bad:
-                    lo, hi = i * cb, min((i + 1) * cb, manifest.total_bytes)
-                    self._fetch_range(sock, manifest.version, buf[lo:hi], lo)
-        raise ChecksumError(
-            f"version {manifest.version}: chunks {bad[:8]} still corrupted after {self.retries} re-fetches"
-        )
+            return verify_and_repair(
+                buf, manifest, lambda lo, hi: self._fetch_range(sock, manifest.version, buf[lo:hi], lo), self.retries
+            )
 
     def close(self) -> None:
         pass  # connections live for one fetch; the process's UCX worker stops at exit
