@@ -26,8 +26,12 @@ class Feeder:
     """Group ids (and so every msg_id derived from them) start with the job id: they are the
     ledger's idempotency keys and must be unique across all jobs sharing one database."""
 
-    def __init__(self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem]):
+    def __init__(
+        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem], run_id: str = ""
+    ):
         self.streams = streams
+        # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
+        self.prefix = f"{streams.job_id}/{run_id}" if run_id else streams.job_id
         self.spec = spec
         self.train = list(train)
         self.test = list(test)
@@ -56,7 +60,7 @@ class Feeder:
         msgs = []
         while len(self.in_flight) + len(msgs) < cap:
             p = self._next_problem()
-            gid = f"{self.streams.job_id}/g{self.seq}"
+            gid = f"{self.prefix}/g{self.seq}"
             self.seq += 1
             msgs.append(
                 PromptGroup(
@@ -81,7 +85,7 @@ class Feeder:
 
     def feed_eval(self, version: int) -> str:
         """Feed one greedy sample of every held-out problem; returns the round's id (see `eval_round`)."""
-        rnd = f"{self.streams.job_id}/e{self.eval_rounds}"
+        rnd = f"{self.prefix}/e{self.eval_rounds}"
         self.eval_rounds += 1
         msgs = [
             PromptGroup(

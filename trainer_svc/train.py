@@ -247,7 +247,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     )
     for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
         streams.ensure_group(stream, group)
-    feeder = Feeder(streams, spec, train_set, test_set)
+    run_id = uuid.uuid4().hex[:8]  # this trainer process: generators follow a restart by it
+    feeder = Feeder(streams, spec, train_set, test_set, run_id)
     assembler = GroupAssembler()
     control = ControlWatcher(streams)
     server = make_server(
@@ -255,7 +256,6 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         keep=settings.keep_versions, advertise_host=settings.advertise_host,
     )
     version = 0
-    run_id = uuid.uuid4().hex[:8]  # this trainer process; generators follow a restart by it
     set_context(policy_version=version)
     ledger.set_job_state(job_id, "running")
     publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
