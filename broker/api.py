@@ -2,31 +2,258 @@
 
 Errors are JSON objects with an `error` message that says what to do; an invalid job spec is a 422
 listing each offending field.
+
+Auth: every `/jobs` route needs `Authorization: Bearer <token>` once any token is configured
+(`BROKER_TOKENS`, `BROKER_READ_ONLY_TOKENS`, `BROKER_TOKEN_FILE`); a read-only token may only
+read (GET). With no token configured the API is open and says so in a start-up warning.
+`/health` and `/metrics` (Prometheus) are always open.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from broker.ledger import Ledger
+from broker.ledger import JOB_STATES, Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
 from shared.jobspec import JobSpec, format_validation_error
 from shared.schema import Control
 from shared.settings import BrokerSettings
 
+log = logging.getLogger(__name__)
+
+Role = Literal["rw", "ro"]
+TERMINAL_STATES = frozenset({"finished", "stopped", "failed", "cancelled"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Module level: FastAPI resolves the dependency annotations below from this module's globals.
+# auto_error=False: `authorize` answers a missing token itself (401, or nothing when auth is off).
+bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from BROKER_TOKENS (read-write) or BROKER_READ_ONLY_TOKENS (GET only).",
+)
+# Job gauges cover the newest jobs only: the ledger has no query by state, and a scrape must
+# stay cheap.
+METRICS_JOB_LIMIT = 1000
+
+
+def load_token_file(path: Path) -> list[tuple[str, Role]]:
+    """Parse a token file: one `TOKEN` (read-write) or `TOKEN ro` (read-only) per line.
+
+    Blank lines and `#` comments (whole-line, or after the token) are skipped; `TOKEN rw` is also
+    accepted. Errors name the line but never echo a token.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line is neither `TOKEN` nor `TOKEN ro`.
+    """
+    entries: list[tuple[str, Role]] = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        fields = line.split()
+        for i, f in enumerate(fields):
+            if f.startswith("#"):
+                del fields[i:]
+                break
+        if not fields:
+            continue
+        if len(fields) == 1:
+            entries.append((fields[0], "rw"))
+        elif len(fields) == 2 and fields[1] in ("ro", "rw"):
+            entries.append((fields[0], "ro" if fields[1] == "ro" else "rw"))
+        elif len(fields) == 2:  # the second word is not echoed: it may be a mistyped token
+            raise ValueError(f"{path}:{n}: the word after the token must be `ro` or nothing")
+        else:
+            raise ValueError(
+                f"{path}:{n}: expected `TOKEN` (read-write) or `TOKEN ro` (read-only), "
+                f"got {len(fields)} words"
+            )
+    return entries
+
+
+def configured_tokens(settings: BrokerSettings) -> dict[str, Role]:
+    """Every configured token and its role, from the settings and the token file.
+
+    Raises:
+        ValueError: the token file names no token, or a token is given both roles.
+    """
+    entries: list[tuple[str, Role]] = [(t, "rw") for t in settings.tokens]
+    entries += [(t, "ro") for t in settings.read_only_tokens]
+    if settings.token_file is not None:
+        from_file = load_token_file(settings.token_file)
+        if not from_file:
+            # An empty file must not silently leave the API open.
+            raise ValueError(
+                f"token file {settings.token_file} has no token; add one or unset BROKER_TOKEN_FILE"
+            )
+        entries += from_file
+    tokens: dict[str, Role] = {}
+    for token, role in entries:
+        if tokens.setdefault(token, role) != role:
+            raise ValueError(
+                "a token is configured both read-write and read-only; give each token one role"
+            )
+    return tokens
+
+
+class TokenChecker:
+    """Constant-time lookup of a presented bearer token's role."""
+
+    def __init__(self, tokens: dict[str, Role]) -> None:
+        # Comparing SHA-256 digests keeps every comparison the same length, so timing reveals
+        # neither a configured token's length nor a prefix; bytes also accept any header text.
+        self._digests = [(hashlib.sha256(t.encode()).digest(), role) for t, role in tokens.items()]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def role(self, presented: str) -> Role | None:
+        """The presented token's role, or None when it matches no configured token."""
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: Role | None = None
+        for expected, role in self._digests:  # no early exit: every token is compared
+            if hmac.compare_digest(digest, expected):
+                found = role
+        return found
+
+
+class JobCollector:
+    """Job gauges read from the ledger at scrape time, for jobs not yet in a terminal state."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def describe(self) -> list[Metric]:
+        # Without describe, registering would call collect and so query the ledger.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        step = GaugeMetricFamily(
+            "asyncrl_job_step", "Last completed trainer step.", labels=["job_id"]
+        )
+        reward = GaugeMetricFamily(
+            "asyncrl_job_reward_mean", "reward/mean of the last train step.", labels=["job_id"]
+        )
+        staleness = GaugeMetricFamily(
+            "asyncrl_job_staleness_mean",
+            "off_policy/mean of the last train step.",
+            labels=["job_id"],
+        )
+        # A gauge: a status's count falls as samples move on (generated -> scored -> trained).
+        samples = GaugeMetricFamily(
+            "asyncrl_samples", "Samples in the ledger by status.", labels=["job_id", "status"]
+        )
+        live = [st for st in JOB_STATES if st not in TERMINAL_STATES]
+        for job in self.ledger.list_jobs(limit=METRICS_JOB_LIMIT, states=live):
+            job_id = job["id"]
+            last = self.ledger.last_train_step(job_id)
+            step.add_metric([job_id], last["step"] if last else job["step"])
+            metrics = (last["metrics"] or {}) if last else {}
+            for family, key in ((reward, "reward/mean"), (staleness, "off_policy/mean")):
+                if isinstance(metrics.get(key), (int, float)):
+                    family.add_metric([job_id], float(metrics[key]))
+            for status, n in self.ledger.status_counts(job_id).items():
+                samples.add_metric([job_id, status], n)
+        yield from (step, reward, staleness, samples)
+
 
 def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = None) -> FastAPI:
+    """The job API app.
+
+    Raises:
+        ValueError, OSError: the token configuration is unusable (see `configured_tokens`).
+    """
     settings = settings or BrokerSettings()
+    checker = TokenChecker(configured_tokens(settings))
+    if not checker.enabled:
+        log.warning(
+            "job API is open: no bearer token configured (BROKER_TOKENS, BROKER_READ_ONLY_TOKENS, "
+            "BROKER_TOKEN_FILE); anyone who can reach it can submit and stop jobs"
+        )
     ledger = ledger or Ledger(settings.database_url)
     redis_url, _ = resolve_redis_url(settings.redis_url)
     redis_client = connect(redis_url)
     app = FastAPI(title="asyncrl job API", version="0.1.0")
+
+    async def authorize(
+        request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+    ) -> None:
+        """Raise 401 without a valid token, 403 when a read-only token asks to write."""
+        if not checker.enabled:
+            return
+        if creds is None:
+            raise HTTPException(
+                401,
+                "missing bearer token; send `Authorization: Bearer <token>`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        role = checker.role(creds.credentials)
+        if role is None:
+            raise HTTPException(
+                401,
+                "invalid bearer token",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        if role == "ro" and request.method not in READ_METHODS:
+            raise HTTPException(
+                403,
+                f"this token is read-only; {request.method} {request.url.path} needs a read-write token",
+                headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'},
+            )
+
+    # Every job route authenticates; the role needed follows from the HTTP method, so a route added
+    # here later cannot forget either check.
+    jobs = APIRouter(dependencies=[Security(authorize)])
+
+    registry = CollectorRegistry()  # per app: several apps in one process must not share series
+    requests_total = Counter(
+        "asyncrl_http_requests",
+        "Job API requests.",
+        ["method", "route", "status"],
+        registry=registry,
+    )
+    request_seconds = Histogram(
+        "asyncrl_http_request_duration_seconds",
+        "Job API request latency.",
+        ["method", "route"],
+        registry=registry,
+    )
+    registry.register(JobCollector(ledger))
+
+    @app.middleware("http")
+    async def _observe(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.perf_counter()
+        status = 500  # if the handler raises
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            # The route template, not the path: job ids and 404 probes must not multiply series.
+            route = getattr(request.scope.get("route"), "path", "<unmatched>")
+            requests_total.labels(request.method, route, str(status)).inc()
+            request_seconds.labels(request.method, route).observe(time.perf_counter() - start)
 
     def streams(job_id: str) -> JobStreams:
         return JobStreams(redis_client, job_id, prefix=settings.stream_prefix)
@@ -41,30 +268,43 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
         fields = format_validation_error(exc)
         summary = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
-        return JSONResponse(status_code=422, content={"error": f"invalid job spec: {summary}", "fields": fields})
+        return JSONResponse(
+            status_code=422, content={"error": f"invalid job spec: {summary}", "fields": fields}
+        )
 
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"error": exc.detail})
+        return JSONResponse(
+            status_code=exc.status_code, content={"error": exc.detail}, headers=exc.headers
+        )
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"ok": True, "redis": bool(redis_client.ping()), "ledger_revision": ledger.current_revision()}
+        return {
+            "ok": True,
+            "redis": bool(redis_client.ping()),
+            "ledger_revision": ledger.current_revision(),
+        }
 
-    @app.post("/jobs", status_code=201)
+    @app.get("/metrics", response_class=Response)
+    def metrics() -> Response:
+        """Prometheus exposition: request counts and latency, and gauges of the unfinished jobs."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @jobs.post("/jobs", status_code=201)
     def submit(spec: JobSpec) -> dict[str, Any]:
         job_id = uuid.uuid4().hex[:12]
         ledger.create_job(job_id, spec.name, spec.model_dump(mode="json"))
         return {"id": job_id, "state": "submitted", "spec": spec.model_dump(mode="json")}
 
-    @app.get("/jobs")
+    @jobs.get("/jobs")
     def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
         return [
             {k: j[k] for k in ("id", "name", "state", "step", "created_at", "updated_at")}
             for j in ledger.list_jobs(limit=limit)
         ]
 
-    @app.get("/jobs/{job_id}")
+    @jobs.get("/jobs/{job_id}")
     def job_status(job_id: str) -> dict[str, Any]:
         job = job_or_404(job_id)
         steps = ledger.train_steps(job_id)
@@ -90,16 +330,22 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
             "generators": generators,
         }
 
-    @app.post("/jobs/{job_id}/stop", status_code=202)
+    @jobs.post("/jobs/{job_id}/stop", status_code=202)
     def stop(job_id: str) -> dict[str, Any]:
         job = job_or_404(job_id)
-        if job["state"] in ("finished", "stopped", "failed", "cancelled"):
+        if job["state"] in TERMINAL_STATES:
             raise HTTPException(409, f"job '{job_id}' is already {job['state']}; nothing to stop")
         streams(job_id).publish(
-            CONTROL, Control(job_id=job_id, msg_id=f"stop-{uuid.uuid4().hex[:8]}", policy_version=0, command="stop")
+            CONTROL,
+            Control(
+                job_id=job_id,
+                msg_id=f"stop-{uuid.uuid4().hex[:8]}",
+                policy_version=0,
+                command="stop",
+            ),
         )
         ledger.set_job_state(job_id, "stopping")
         return {"id": job_id, "state": "stopping"}
 
+    app.include_router(jobs)
     return app
-

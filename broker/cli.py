@@ -13,6 +13,15 @@ import typer
 app = typer.Typer(help="Asynchronous RL post-training: demo and job control.", no_args_is_help=True)
 
 API = os.environ.get("ASYNCRL_API", "http://127.0.0.1:8000")
+TOKEN = typer.Option(
+    None,
+    envvar="ASYNCRL_TOKEN",
+    help="Bearer token for the job API (read-write for submit and stop).",
+)
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 @app.command()
@@ -63,25 +72,35 @@ def bench(
 
 
 @app.command()
-def submit(spec_file: Path, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+def submit(
+    spec_file: Path,
+    api: str = typer.Option(API, help="Job API base URL."),
+    token: str | None = TOKEN,
+) -> None:
     """Submit a job spec (JSON file)."""
-    r = httpx.post(f"{api}/jobs", json=json.loads(spec_file.read_text()), timeout=30)
+    r = httpx.post(
+        f"{api}/jobs", json=json.loads(spec_file.read_text()), headers=_auth(token), timeout=30
+    )
     typer.echo(json.dumps(r.json(), indent=2))
     raise typer.Exit(0 if r.status_code == 201 else 1)
 
 
 @app.command()
-def status(job_id: str, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+def status(
+    job_id: str, api: str = typer.Option(API, help="Job API base URL."), token: str | None = TOKEN
+) -> None:
     """Show a job's state, step and last metrics."""
-    r = httpx.get(f"{api}/jobs/{job_id}", timeout=30)
+    r = httpx.get(f"{api}/jobs/{job_id}", headers=_auth(token), timeout=30)
     typer.echo(json.dumps(r.json(), indent=2, default=str))
     raise typer.Exit(0 if r.status_code == 200 else 1)
 
 
 @app.command()
-def stop(job_id: str, api: str = typer.Option(API, help="Job API base URL.")) -> None:
+def stop(
+    job_id: str, api: str = typer.Option(API, help="Job API base URL."), token: str | None = TOKEN
+) -> None:
     """Ask a running job to stop after its current step."""
-    r = httpx.post(f"{api}/jobs/{job_id}/stop", timeout=30)
+    r = httpx.post(f"{api}/jobs/{job_id}/stop", headers=_auth(token), timeout=30)
     typer.echo(json.dumps(r.json(), indent=2))
     raise typer.Exit(0 if r.status_code == 202 else 1)
 

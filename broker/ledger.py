@@ -458,9 +458,14 @@ class Ledger:
             row = s.execute(select(_jobs).where(_jobs.c.id == job_id)).mappings().first()
         return dict(row) if row is not None else None
 
-    def list_jobs(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Newest first."""
+    def list_jobs(self, limit: int = 100, states: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Newest first; only jobs in `states` when given."""
         stmt = select(_jobs).order_by(_jobs.c.created_at.desc(), _jobs.c.id.desc()).limit(limit)
+        if states is not None:
+            states = tuple(states)
+            for state in states:
+                _check(state, JOB_STATES, "job state")
+            stmt = stmt.where(_jobs.c.state.in_(states))
         with self._read() as s:
             return [dict(r) for r in s.execute(stmt).mappings()]
 
@@ -786,6 +791,15 @@ class Ledger:
         )
         with self._write() as s:
             s.execute(stmt)
+
+    def last_train_step(self, job_id: str) -> dict[str, Any] | None:
+        """The job's newest train step, or None before the first."""
+        stmt = (
+            select(_train_steps).where(_train_steps.c.job_id == job_id).order_by(_train_steps.c.step.desc()).limit(1)
+        )
+        with self._read() as s:
+            row = s.execute(stmt).mappings().first()
+        return dict(row) if row is not None else None
 
     def train_steps(self, job_id: str) -> list[dict[str, Any]]:
         """A job's train steps ordered by step."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 def _default_worker_id() -> str:
@@ -97,3 +99,36 @@ class BrokerSettings(CommonSettings):
 
     host: str = Field("127.0.0.1", description="API bind address.")
     port: int = Field(8000, ge=1, le=65535, description="API port.")
+    # NoDecode: the environment holds a comma-separated string, not the JSON list
+    # pydantic-settings would expect.
+    tokens: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        repr=False,
+        description="Read-write bearer tokens, comma-separated (BROKER_TOKENS). With no token "
+        "configured anywhere the API is open to anyone who can reach it.",
+    )
+    read_only_tokens: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        repr=False,
+        description="Bearer tokens allowed only GET requests, comma-separated "
+        "(BROKER_READ_ONLY_TOKENS).",
+    )
+    token_file: Path | None = Field(
+        None,
+        description="File of tokens, one per line: `TOKEN` (read-write) or `TOKEN ro` (read-only); "
+        "`#` comments and blank lines are ignored (BROKER_TOKEN_FILE). Read once at start-up.",
+    )
+
+    @field_validator("tokens", "read_only_tokens", mode="before")
+    @classmethod
+    def _split_tokens(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.split(",")
+        if not (isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value)):
+            return value  # pydantic rejects it with its own message
+        tokens = tuple(t.strip() for t in value if t.strip())
+        if any(len(t.split()) != 1 for t in tokens):
+            raise ValueError(
+                "a bearer token cannot contain whitespace; separate tokens with commas"
+            )
+        return tokens
