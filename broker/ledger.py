@@ -49,6 +49,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    insert,
     or_,
     select,
     update,
@@ -76,7 +77,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-JOB_STATES = ("submitted", "running", "stopping", "stopped", "finished", "failed", "cancelled")
+JOB_STATES = ("submitted", "running", "paused", "stopping", "stopped", "finished", "failed", "cancelled")
 SAMPLE_KINDS = ("train", "eval")
 SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated")
 # Terminal sample statuses: the trainer (or evaluator) used the sample; it is never used twice.
@@ -244,7 +245,20 @@ class Eval(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
 
 
+class JobChange(Base):
+    """Who changed what on a job, and when (live knobs, pause/resume, stop, cancel)."""
+
+    __tablename__ = "job_changes"
+
+    id: Mapped[int] = mapped_column(_RowId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String, index=True)
+    actor: Mapped[str] = mapped_column(String)
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
+
+
 _jobs = cast(Table, Job.__table__)
+_job_changes = cast(Table, JobChange.__table__)
 _policy_versions = cast(Table, PolicyVersion.__table__)
 _generator_loads = cast(Table, GeneratorLoad.__table__)
 _samples = cast(Table, Sample.__table__)
@@ -791,6 +805,21 @@ class Ledger:
         )
         with self._write() as s:
             s.execute(stmt)
+
+    def record_change(self, job_id: str, actor: str, changes: dict[str, Any]) -> None:
+        """Append an audit record: `actor` did `changes` (e.g. {"lr": 1e-5} or {"command": "pause"})."""
+        with self._write() as s:
+            s.execute(insert(_job_changes).values(job_id=job_id, actor=actor, changes=changes, created_at=_utcnow()))
+
+    def job_changes(self, job_id: str) -> list[dict[str, Any]]:
+        """A job's audit records, oldest first."""
+        stmt = select(_job_changes).where(_job_changes.c.job_id == job_id).order_by(_job_changes.c.id)
+        with self._read() as s:
+            return [dict(r) for r in s.execute(stmt).mappings()]
+
+    def update_spec(self, job_id: str, spec: dict[str, Any]) -> None:
+        """Replace a job's stored spec (live knob changes, so a restarted service picks them up)."""
+        self._update_job(job_id, spec=spec)
 
     def last_train_step(self, job_id: str) -> dict[str, Any] | None:
         """The job's newest train step, or None before the first."""

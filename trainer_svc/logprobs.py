@@ -58,11 +58,20 @@ def pad_batch(
     return input_ids, attention_mask, completion_mask
 
 
+def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits[:, :-1] / temperature, in float32; temperature a scalar or one per row (B,)."""
+    t = torch.as_tensor(temperature, dtype=torch.float32)
+    if bool((t <= 0).any()):
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return logits / (t.to(logits.device).view(-1, 1, 1) if t.ndim else t.item())  # (B, L-1, V)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each next token: ``log softmax(logits_t / temperature)[x_{t+1}]``.
 
@@ -72,15 +81,13 @@ def token_logprobs(
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
         attention_mask: (B, L), 1 for real tokens.
-        temperature: > 0; the sampler's temperature, so these match the behaviour policy.
+        temperature: > 0; the sampler's temperature, so these match the behaviour policy. A
+            scalar, or one per row (B,) when samples were drawn at different temperatures.
 
     Returns:
         (B, L-1) float32; entries at padding are meaningless, mask them with ``completion_mask``.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    logits = logits.float() / temperature  # (B, L-1, V)
+    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
     # gather - logsumexp avoids materialising a second (B, L-1, V) log_softmax tensor.
     return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -90,7 +97,7 @@ def token_logprobs_and_entropy(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus the entropy of each next-token distribution, from one forward pass.
 
@@ -102,16 +109,13 @@ def token_logprobs_and_entropy(
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
         attention_mask: (B, L), 1 for real tokens.
-        temperature: > 0, as in `token_logprobs`.
+        temperature: > 0, scalar or per row, as in `token_logprobs`.
 
     Returns:
         ``logprobs`` (B, L-1) float32 with grad as in `token_logprobs`, and ``entropy`` (B, L-1)
         float32, detached, in nats; both meaningless at padding (mask with ``completion_mask``).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    logits = logits.float() / temperature  # (B, L-1, V)
+    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
     lse = torch.logsumexp(logits, dim=-1)  # (B, L-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - lse

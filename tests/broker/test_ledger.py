@@ -18,8 +18,8 @@ from sqlalchemy import inspect, text
 from broker.ledger import Base, Ledger
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0001"
-TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals"}
+HEAD = "0002"
+TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes"}
 
 
 def sample(msg_id: str, *, job_id: str = "job", gen_version: int = 0, **extra: Any) -> dict:
@@ -439,3 +439,23 @@ def test_two_ledgers_write_concurrently(ledger_url: str) -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
+    old = Ledger(ledger_url, migrate=False)
+    old.upgrade("0001")  # a database created by the first release
+    old.create_job("j1", "old", {"model_path": "m"})
+    old.record_generated([sample("j1/g0/0", job_id="j1")])
+    old.close()
+    new = Ledger(ledger_url)  # upgrades to head on open
+    assert new.current_revision() == HEAD
+    assert new.get_job("j1")["name"] == "old" and new.status_counts("j1") == {"generated": 1}
+    new.record_change("j1", "rw token 1a2b", {"lr": 1e-5})
+    new.record_change("j1", "anonymous", {"command": "pause"})
+    assert [(c["actor"], c["changes"]) for c in new.job_changes("j1")] == [
+        ("rw token 1a2b", {"lr": 1e-5}),
+        ("anonymous", {"command": "pause"}),
+    ]
+    new.set_job_state("j1", "paused")
+    assert new.list_jobs(states=["paused"])[0]["id"] == "j1"
+    new.close()
