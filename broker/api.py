@@ -32,11 +32,13 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from pydantic import ValidationError
 
 from broker.ledger import JOB_STATES, Ledger
 from broker.redis_server import resolve_redis_url
+from broker.status_page import status_router
 from broker.streams import CONTROL, JobStreams, connect
-from shared.jobspec import JobSpec, format_validation_error
+from shared.jobspec import JobPatch, JobSpec, format_validation_error
 from shared.schema import Control
 from shared.settings import BrokerSettings
 
@@ -197,7 +199,9 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
     async def authorize(
         request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
     ) -> None:
-        """Raise 401 without a valid token, 403 when a read-only token asks to write."""
+        """Raise 401 without a valid token, 403 when a read-only token asks to write. Leaves
+        `request.state.actor` naming the caller for the audit log (never the token itself)."""
+        request.state.actor = "anonymous"
         if not checker.enabled:
             return
         if creds is None:
@@ -213,6 +217,7 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
                 "invalid bearer token",
                 headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
             )
+        request.state.actor = f"{role} token {hashlib.sha256(creds.credentials.encode()).hexdigest()[:8]}"
         if role == "ro" and request.method not in READ_METHODS:
             raise HTTPException(
                 403,
@@ -330,22 +335,79 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
             "generators": generators,
         }
 
-    @jobs.post("/jobs/{job_id}/stop", status_code=202)
-    def stop(job_id: str) -> dict[str, Any]:
+    def control(request: Request, job_id: str, command: str, state: str | None, **extra: Any) -> None:
+        """Tell every service of the job (control stream), record who did it, move the job's state."""
+        msg = Control(job_id=job_id, msg_id=f"{command}-{uuid.uuid4().hex[:8]}", policy_version=0,
+                      command=command, **extra)  # type: ignore[arg-type]
+        streams(job_id).publish(CONTROL, msg)
+        ledger.record_change(job_id, request.state.actor, {"command": command, **extra})
+        if state is not None:
+            ledger.set_job_state(job_id, state)
+
+    def live_job(job_id: str, action: str) -> dict[str, Any]:
         job = job_or_404(job_id)
         if job["state"] in TERMINAL_STATES:
-            raise HTTPException(409, f"job '{job_id}' is already {job['state']}; nothing to stop")
-        streams(job_id).publish(
-            CONTROL,
-            Control(
-                job_id=job_id,
-                msg_id=f"stop-{uuid.uuid4().hex[:8]}",
-                policy_version=0,
-                command="stop",
-            ),
-        )
-        ledger.set_job_state(job_id, "stopping")
+            raise HTTPException(409, f"job '{job_id}' is already {job['state']}; cannot {action} it")
+        return job
+
+    @jobs.post("/jobs/{job_id}/stop", status_code=202)
+    def stop(job_id: str, request: Request) -> dict[str, Any]:
+        """Drain: the trainer finishes its current step, then every service of the job exits."""
+        live_job(job_id, "stop")
+        control(request, job_id, "stop", "stopping")
         return {"id": job_id, "state": "stopping"}
 
+    @jobs.post("/jobs/{job_id}/cancel", status_code=202)
+    def cancel(job_id: str, request: Request) -> dict[str, Any]:
+        """Immediate: services exit without finishing the step or evaluating."""
+        live_job(job_id, "cancel")
+        control(request, job_id, "cancel", "cancelled")
+        return {"id": job_id, "state": "cancelled"}
+
+    @jobs.post("/jobs/{job_id}/pause", status_code=202)
+    def pause(job_id: str, request: Request) -> dict[str, Any]:
+        """Generation, scoring and training stop taking new work; nothing in flight is lost."""
+        job = live_job(job_id, "pause")
+        if job["state"] == "paused":
+            raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
+        control(request, job_id, "pause", "paused")
+        return {"id": job_id, "state": "paused"}
+
+    @jobs.post("/jobs/{job_id}/resume", status_code=202)
+    def resume(job_id: str, request: Request) -> dict[str, Any]:
+        job = live_job(job_id, "resume")
+        if job["state"] != "paused":
+            raise HTTPException(409, f"job '{job_id}' is {job['state']}, not paused; nothing to resume")
+        control(request, job_id, "resume", "running")
+        return {"id": job_id, "state": "running"}
+
+    @jobs.patch("/jobs/{job_id}")
+    def patch(job_id: str, change: JobPatch, request: Request) -> dict[str, Any]:
+        """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
+        apply them at their next step. The stored spec is updated so a restarted service keeps them."""
+        job = live_job(job_id, "change")
+        changes = change.changes()
+        if not changes:
+            raise HTTPException(422, "nothing to change: give at least one of " + ", ".join(JobPatch.model_fields))
+        try:
+            spec = JobSpec.model_validate(change.apply(job["spec"]))
+        except ValidationError as exc:
+            fields = format_validation_error(exc)
+            summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
+            return JSONResponse(status_code=422, content={"error": f"the change makes the spec invalid: {summary}",
+                                                          "fields": fields})  # type: ignore[return-value]
+        if "max_staleness" in changes and spec.mode == "sync":
+            raise HTTPException(422, "max_staleness has no effect in sync mode (the bound is 0)")
+        ledger.update_spec(job_id, spec.model_dump(mode="json"))
+        control(request, job_id, "set", None, settings=changes)
+        return {"id": job_id, "changed": changes, "spec": spec.model_dump(mode="json")}
+
+    @jobs.get("/jobs/{job_id}/changes")
+    def changes(job_id: str) -> list[dict[str, Any]]:
+        """The audit log: who changed what, when."""
+        job_or_404(job_id)
+        return ledger.job_changes(job_id)
+
     app.include_router(jobs)
+    app.include_router(status_router(ledger, authorize))
     return app

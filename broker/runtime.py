@@ -57,23 +57,41 @@ def open_job(settings: CommonSettings) -> JobContext:
 
 
 class ControlWatcher:
-    """Follows `{job}:control` (broadcast) and folds it into one state: running, paused or stopping.
+    """Follows `{job}:control` (broadcast) and folds it into a state — running, paused, stopping
+    (finish the current step, then exit) or cancelled (exit now) — plus the live knobs set so far.
 
-    Reads from the start of the stream, so a service that joins late sees a stop issued before it.
+    `exit_on` names the commands that stop this service. A user's `stop` is for the trainer (it
+    finishes its step and the final evaluation, which needs generators and rewarders still up);
+    the trainer then ends the job with `drain`, which every service obeys. `cancel` stops all now.
+    Reads from the start of the stream, so a service that joins late sees what came before it.
     """
 
-    def __init__(self, streams: JobStreams):
+    def __init__(self, streams: JobStreams, exit_on: tuple[str, ...] = ("stop", "drain")):
         self._streams = streams
+        self._exit_on = exit_on
         self._last_id = "0"
         self.state = "running"
+        self.settings: dict[str, float] = {}
+        self.changed = False  # set when `settings` changed since the caller last cleared it
 
     def poll(self, block_ms: int | None = None) -> str:
         self._last_id, msgs = self._streams.read_broadcast(CONTROL, self._last_id, Control, block_ms=block_ms)
         for m in msgs:
-            if m.command == "pause" and self.state == "running":
+            if self.state in ("stopping", "cancelled"):
+                break  # terminal for this service
+            if m.command == "pause":
                 self.state = "paused"
-            elif m.command == "resume" and self.state == "paused":
+            elif m.command == "resume":
                 self.state = "running"
-            elif m.command in ("stop", "drain"):
+            elif m.command in self._exit_on:
                 self.state = "stopping"
+            elif m.command == "cancel":
+                self.state = "cancelled"
+            elif m.command == "set":
+                self.settings.update(m.settings)
+                self.changed = True
         return self.state
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("stopping", "cancelled")

@@ -158,6 +158,7 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             completion=s.text,
             finish_reason=s.finish_reason,
             answer=group.answer,
+            temperature=group.sampling.temperature,
         )
         for i, s in enumerate(samples)
     ]
@@ -206,18 +207,20 @@ def run(settings: GeneratorSettings) -> None:
 def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
     streams, ledger, gid = ctx.streams, ctx.ledger, settings.generator_id
     policy = PolicyFollower(streams, engine, ledger, gid, settings.verify_atol, settings.load_retries)
-    control = ControlWatcher(streams)
+    control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
+    batch_groups = ctx.spec.generation_batch or settings.batch_groups
     log.info("generator %s ready", gid)
     while True:
         policy.beat()
-        state = control.poll()
-        if state == "stopping":
+        control.poll()
+        if control.done:
             break
-        if state == "paused":
+        if control.state == "paused":
             control.poll(block_ms=settings.block_ms)
             continue
         deliveries: list[Delivery] = streams.consume(
-            PROMPTS, GROUP_GENERATORS, gid, PromptGroup, count=settings.batch_groups, block_ms=settings.block_ms
+            PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=settings.block_ms,
+            count=int(control.settings.get("generation_batch", batch_groups)),  # a live knob
         )
         if not deliveries:
             policy.poll()

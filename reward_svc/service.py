@@ -25,10 +25,13 @@ def run(settings: RewardSettings) -> None:
     streams, ledger = ctx.streams, ctx.ledger
     reward_fn = get_reward_fn(ctx.spec.reward)
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
-    control = ControlWatcher(streams)
+    control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     cid = settings.consumer_id
     log.info("reward %s ready (%s)", cid, ctx.spec.reward)
-    while control.poll() != "stopping":
+    while True:
+        control.poll()
+        if control.done:
+            break
         if control.state == "paused":
             control.poll(block_ms=settings.block_ms)
             continue

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Make sure the local Redis (6379) and PostgreSQL (5432) the tests use are running; install them
-# from Debian's packages if they are missing. Idempotent; does nothing when both already answer.
+# Make sure the local Redis (6379) and PostgreSQL (5432) the tests use are running, and that
+# Debian's chromium (the status page's browser test) is installed; install what is missing from
+# Debian's packages. Idempotent; does nothing when all are already there.
 set -euo pipefail
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 apt_install() {
@@ -8,6 +9,8 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
 }
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+[ -x /usr/bin/chromium ] || apt_install chromium
 
 if ! port_open 6379; then
   command -v redis-server >/dev/null || apt_install redis-server

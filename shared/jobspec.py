@@ -111,6 +111,9 @@ class JobSpec(_Strict):
     prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
     eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the end).")
+    generation_batch: int | None = Field(
+        None, ge=1, le=100_000, description="Prompt groups per generate call; unset: the generator's GEN_BATCH_GROUPS."
+    )
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
 
     @property
@@ -126,6 +129,33 @@ class JobSpec(_Strict):
     def max_groups_in_flight(self) -> int:
         """Prompt groups the feeder may have outstanding: (k + 1) * batch (DESIGN.md, backpressure)."""
         return (self.staleness_bound + 1) * self.prompts_per_step
+
+
+class JobPatch(_Strict):
+    """The knobs that may change while a job runs; services apply them at their next step."""
+
+    lr: float | None = Field(None, gt=0.0, le=1.0, description="New learning rate.")
+    max_staleness: int | None = Field(None, ge=0, le=64, description="New staleness bound k (async jobs).")
+    temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature of new rollouts.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass of new rollouts.")
+    generation_batch: int | None = Field(None, ge=1, le=100_000, description="Prompt groups per generate call.")
+
+    def changes(self) -> dict[str, float]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+    def apply(self, spec: dict) -> dict:
+        """The spec (as a dict) with these changes; validate the result with JobSpec."""
+        out = {**spec, "algorithm": dict(spec.get("algorithm") or {}), "sampling": dict(spec.get("sampling") or {})}
+        c = self.changes()
+        if "lr" in c:
+            out["algorithm"]["lr"] = c["lr"]
+        for key in ("temperature", "top_p"):
+            if key in c:
+                out["sampling"][key] = c[key]
+        for key in ("max_staleness", "generation_batch"):
+            if key in c:
+                out[key] = c[key]
+        return out
 
 
 def format_validation_error(exc: Exception) -> list[dict]:

@@ -94,6 +94,7 @@ class Rollout(Message):
     completion: str
     finish_reason: str | None = None
     answer: str
+    temperature: float = Field(1.0, ge=0.0)  # sampled at; the trainer rescales its logits alike
 
     def completion_array(self) -> np.ndarray:
         return unpack_i32(self.completion_ids)
@@ -155,8 +156,9 @@ class PolicyAnnouncement(Message):
 # broker API -> all services
 class Control(Message):
     kind: ClassVar[str] = "control"
-    command: Literal["pause", "resume", "stop", "drain"]
+    command: Literal["pause", "resume", "stop", "drain", "cancel", "set"]
     reason: str = ""
+    settings: dict[str, float] = Field(default_factory=dict)  # "set": live knobs (JobPatch fields)
 
 
 # any consumer -> {job}:dead

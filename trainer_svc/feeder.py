@@ -41,6 +41,8 @@ class Feeder:
         self.seq = 0  # groups fed so far: the group id's counter
         self.in_flight: set[str] = set()
         self.eval_rounds = 0
+        self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
+        self.top_p = spec.sampling.top_p
 
     def _next_problem(self) -> Problem:
         if self.cursor >= len(self.order):
@@ -73,7 +75,7 @@ class Feeder:
                     prompt=p.prompt,
                     answer=p.answer,
                     n=self.spec.group_size,
-                    sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens),
+                    sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=s.max_tokens),
                 )
             )
         self.streams.publish_many(PROMPTS, msgs)

@@ -173,6 +173,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
         self.cfg = LossConfig.from_spec(a)
+        self.lr = a.lr  # a live knob: PATCH /jobs/{id} may change it between steps
         self.ref_model = None
         if a.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
             self.ref_model, _ = load_policy(spec, device)
@@ -180,7 +181,7 @@ class Learner:
 
     def step(self, samples: list[Scored], rewards: torch.Tensor, lr_scale: float = 1.0) -> dict[str, float]:
         """samples in group order; rewards (G, n). Returns the step's metrics."""
-        spec, temp = self.spec, self.spec.sampling.temperature
+        spec = self.spec
         advantages = self.advantage_fn(rewards).reshape(-1)  # (B,)
         norm = BatchNorm.from_lengths([len(s.rollout.completion_ids) // 4 for s in samples],
                                       max_len=spec.sampling.max_tokens)
@@ -191,6 +192,8 @@ class Learner:
             ids, attn, behaviour, adv, mask = micro_batch_inputs(
                 samples[lo : lo + mb], advantages[lo : lo + mb], self.pad_id, self.device
             )
+            # each sample's own sampling temperature: the behaviour policy it was drawn from
+            temp = torch.tensor([s.rollout.temperature for s in samples[lo : lo + mb]])
             logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp)
             ref = None
             if self.ref_model is not None:
@@ -201,7 +204,7 @@ class Learner:
             out.loss.backward()
             sums = accumulate(sums, out.metrics)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
-        lr = spec.algorithm.lr * lr_scale
+        lr = self.lr * lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -301,12 +304,26 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     step = 0
     while step < spec.steps:
         t_start = time.perf_counter()
-        if control.poll() == "stopping":
-            log.info("stop requested; finishing at step %d", step)
+        control.poll()
+        if control.done:
+            log.info("%s requested at step %d", control.state, step)
             break
         if control.state == "paused":
             control.poll(block_ms=settings.block_ms)
             continue
+        if control.changed:  # live knobs (PATCH /jobs/{id}), applied from this step on
+            control.changed = False
+            knobs = control.settings
+            if "lr" in knobs:
+                learner.lr = float(knobs["lr"])
+            if "max_staleness" in knobs and spec.mode == "async":
+                k = int(knobs["max_staleness"])
+                if adaptive is not None:
+                    adaptive.k = min(max(k, adaptive.k_min), adaptive.k_max)
+                    k = adaptive.k
+            feeder.temperature = float(knobs.get("temperature", feeder.temperature))
+            feeder.top_p = float(knobs.get("top_p", feeder.top_p))
+            log.info("live knobs applied: %s", knobs)
 
         # feed: keep (k + 1) * batch groups in flight
         feeder.top_up(version, k)
@@ -330,9 +347,12 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 if dropped:
                     feeder.top_up(version, k)  # replace dropped groups so the step can fill
                 take_scored(settings.block_ms)
-                if control.poll() == "stopping":
+                control.poll()
+                if control.done:
                     break
-        if len(batch) < spec.prompts_per_step:
+        while control.state == "paused":  # no step advances while paused; nothing is dropped either
+            control.poll(block_ms=settings.block_ms)
+        if control.done or len(batch) < spec.prompts_per_step:
             break
         t_data = time.perf_counter()
 
@@ -386,6 +406,11 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
             start_eval(step)
 
+    if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
+        ledger.set_job_state(job_id, "cancelled")
+        log.info("trainer cancelled at step %d (version %d)", step, version)
+        server.close()
+        return
     # final held-out evaluation, then wait for every outstanding round
     start_eval(step)
     deadline = time.monotonic() + settings.job_wait_s
@@ -394,6 +419,6 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     ledger.set_job_state(job_id, "finished" if step >= spec.steps else "stopped")
     # The job is over for every service of it: generators and rewarders exit on this.
     streams.publish(CONTROL, Control(job_id=job_id, msg_id=f"end-{step}", policy_version=version,
-                                     command="stop", reason=f"trainer finished at step {step}"))
+                                     command="drain", reason=f"trainer finished at step {step}"))
     log.info("trainer done at step %d (version %d)", step, version)
     server.close()

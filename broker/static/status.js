@@ -1,0 +1,265 @@
+// The status page: polls the job API every 2 s and draws the charts on <canvas>; no libraries.
+"use strict";
+(() => {
+  const POLL_MS = 2000;
+  const HEARTBEAT_STALE_S = 30;
+  const TOKEN_KEY = "asyncrl-status-token";
+  const COLORS = { train: "#2563eb", eval: "#dc2626", mean: "#7c3aed", max: "#f59e0b", rate: "#059669", time: "#0891b2" };
+
+  // ?token= is kept for this tab only and dropped from the address bar (history, screenshots).
+  const params = new URLSearchParams(location.search);
+  let token = params.get("token");
+  if (token !== null) {
+    sessionStorage.setItem(TOKEN_KEY, token);
+    params.delete("token");
+    history.replaceState(null, "", location.pathname + (params.toString() ? `?${params}` : ""));
+  } else {
+    token = sessionStorage.getItem(TOKEN_KEY);
+  }
+  let selected = params.get("job");
+  let timer = null;
+  let busy = false, again = false; // one refresh at a time; a click during one queues another
+  let last = null; // the last rendered {job, data}, redrawn on resize
+
+  const $ = (id) => document.getElementById(id);
+
+  function el(tag, props = {}, ...children) {
+    const node = document.createElement(tag);
+    Object.assign(node, props);
+    for (const c of children) node.append(c instanceof Node ? c : String(c ?? ""));
+    return node;
+  }
+
+  async function getJSON(path) {
+    const headers = token ? { Authorization: `Bearer ${token}` } : {};
+    const resp = await fetch(path, { headers, cache: "no-store" });
+    const body = await resp.json().catch(() => ({}));
+    if (!resp.ok) {
+      let msg = `${resp.status} ${path}: ${body.error || resp.statusText}`;
+      if (resp.status === 401) msg += " (open this page as /status?token=<token>)";
+      throw new Error(msg);
+    }
+    return body;
+  }
+
+  function fmt(v) {
+    if (v === null || v === undefined || Number.isNaN(v)) return "–";
+    if (typeof v !== "number") return String(v);
+    const a = Math.abs(v);
+    if (Number.isInteger(v) && a < 1e6) return String(v);
+    if (a >= 1000) return v.toFixed(0);
+    if (a >= 10) return v.toFixed(1);
+    if (a === 0) return "0";
+    return Number(v.toPrecision(3)).toString();
+  }
+
+  function ago(seconds) {
+    if (seconds < 60) return `${Math.max(0, seconds).toFixed(0)} s ago`;
+    if (seconds < 3600) return `${(seconds / 60).toFixed(0)} min ago`;
+    return `${(seconds / 3600).toFixed(1)} h ago`;
+  }
+
+  function niceTicks(lo, hi, n) {
+    const span = hi - lo;
+    const mag = 10 ** Math.floor(Math.log10(span / n));
+    const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => span / s <= n) || span / n;
+    const ticks = [];
+    for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) ticks.push(v);
+    return ticks;
+  }
+
+  // series: [{name, color, points: [[x, y|null], ...], dots}]; a null y breaks the line.
+  function drawChart(canvas, series, opts = {}) {
+    const dpr = window.devicePixelRatio || 1;
+    const w = canvas.clientWidth, h = canvas.clientHeight;
+    canvas.width = Math.round(w * dpr);
+    canvas.height = Math.round(h * dpr);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, w, h);
+    ctx.font = "11px system-ui, sans-serif";
+    const pts = series.flatMap((s) => s.points.filter((p) => p[1] !== null && Number.isFinite(p[1])));
+    if (pts.length === 0) {
+      ctx.fillStyle = "#6b7280";
+      ctx.textAlign = "center";
+      ctx.fillText("no data yet", w / 2, h / 2);
+      return;
+    }
+    let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
+    let [y0, y1] = [Math.min(...pts.map((p) => p[1])), Math.max(...pts.map((p) => p[1]))];
+    if (opts.zero) y0 = Math.min(0, y0);
+    if (x0 === x1) { x0 -= 1; x1 += 1; }
+    if (y0 === y1) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+    const pad = (y1 - y0) * 0.05;
+    y1 += pad;
+    if (!(opts.zero && y0 === 0)) y0 -= pad;
+    const L = 44, R = 10, T = 20, B = 22;
+    const sx = (x) => L + ((x - x0) / (x1 - x0)) * (w - L - R);
+    const sy = (y) => h - B - ((y - y0) / (y1 - y0)) * (h - T - B);
+
+    // grid and axes
+    ctx.strokeStyle = "#e5e7eb";
+    ctx.fillStyle = "#6b7280";
+    ctx.lineWidth = 1;
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    for (const t of niceTicks(y0, y1, 4)) {
+      ctx.beginPath(); ctx.moveTo(L, sy(t)); ctx.lineTo(w - R, sy(t)); ctx.stroke();
+      ctx.fillText(fmt(Number(t.toPrecision(6))), L - 4, sy(t));
+    }
+    ctx.textAlign = "center";
+    ctx.textBaseline = "top";
+    for (const t of niceTicks(x0, x1, 6).filter(Number.isInteger)) {
+      ctx.fillText(String(t), sx(t), h - B + 5);
+    }
+    ctx.strokeStyle = "#9ca3af";
+    ctx.beginPath(); ctx.moveTo(L, T); ctx.lineTo(L, h - B); ctx.lineTo(w - R, h - B); ctx.stroke();
+
+    // lines, then a legend with each series' latest value
+    let lx = w - R;
+    ctx.textBaseline = "middle";
+    for (const s of [...series].reverse()) {
+      ctx.strokeStyle = ctx.fillStyle = s.color;
+      ctx.lineWidth = 1.8;
+      ctx.beginPath();
+      let pen = false;
+      for (const [x, y] of s.points) {
+        if (y === null || !Number.isFinite(y)) { pen = false; continue; }
+        if (pen) ctx.lineTo(sx(x), sy(y)); else ctx.moveTo(sx(x), sy(y));
+        pen = true;
+      }
+      ctx.stroke();
+      const solo = s.points.filter((p) => p[1] !== null);
+      if (s.dots || solo.length === 1) {
+        for (const [x, y] of solo) { ctx.beginPath(); ctx.arc(sx(x), sy(y), 3, 0, 2 * Math.PI); ctx.fill(); }
+      }
+      const latest = solo.length ? solo[solo.length - 1][1] : null;
+      const label = `${s.name} ${fmt(latest)}`;
+      ctx.textAlign = "right";
+      ctx.fillText(label, lx, 9);
+      lx -= ctx.measureText(label).width + 14;
+      ctx.fillRect(lx + 4, 5, 8, 8);
+      lx -= 4;
+    }
+  }
+
+  function column(steps, key) {
+    return steps.map((s) => [s.step, s[key]]);
+  }
+
+  function renderCharts() {
+    if (!last) return;
+    const { steps, evals } = last.data;
+    drawChart($("chart-reward"), [
+      { name: "train reward/mean", color: COLORS.train, points: column(steps, "reward/mean") },
+      { name: "held-out", color: COLORS.eval, points: evals.map((e) => [e.step, e.reward_mean]), dots: true },
+    ]);
+    drawChart($("chart-staleness"), [
+      { name: "off_policy/mean", color: COLORS.mean, points: column(steps, "off_policy/mean") },
+      { name: "off_policy/max", color: COLORS.max, points: column(steps, "off_policy/max") },
+    ], { zero: true });
+    drawChart($("chart-throughput"), [
+      { name: "samples/s", color: COLORS.rate, points: column(steps, "throughput/samples_per_s") },
+    ], { zero: true });
+    drawChart($("chart-steptime"), [
+      { name: "time/step_s", color: COLORS.time, points: column(steps, "time/step_s") },
+    ], { zero: true });
+  }
+
+  function renderJobs(jobs, current) {
+    const body = $("jobs").tBodies[0];
+    body.replaceChildren(...jobs.map((j) => {
+      const link = el("a", { href: `?job=${encodeURIComponent(j.id)}` }, el("code", {}, j.id));
+      const row = el("tr", { className: j.id === current ? "selected" : "" },
+        el("td", {}, link), el("td", {}, j.name), el("td", {}, el("span", { className: `state ${j.state}` }, j.state)),
+        el("td", {}, j.step));
+      row.addEventListener("click", (ev) => {
+        ev.preventDefault();
+        selected = j.id;
+        history.pushState(null, "", `?job=${encodeURIComponent(j.id)}`);
+        refresh();
+      });
+      return row;
+    }));
+    $("no-jobs").hidden = jobs.length > 0;
+  }
+
+  function fillDl(dl, entries) {
+    dl.replaceChildren(...entries.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, fmt(v))]));
+    if (entries.length === 0) dl.append(el("dt", { className: "muted" }, "none yet"));
+  }
+
+  function renderGenerators(generators) {
+    const now = Date.now() / 1000;
+    const rows = Object.entries(generators).sort(([a], [b]) => a.localeCompare(b)).map(([gid, g]) => {
+      const hb = g.heartbeat;
+      const versions = g.versions_loaded || [];
+      const shown = versions.length > 6 ? `…, ${versions.slice(-6).join(", ")}` : versions.join(", ");
+      const loaded = g.last_loaded_at ? new Date(g.last_loaded_at).toLocaleTimeString() : "–";
+      let beat = el("span", { className: "muted" }, "none");
+      if (hb && typeof hb.ts === "number") {
+        const age = now - hb.ts;
+        beat = el("span", { className: age > HEARTBEAT_STALE_S ? "stale" : "" }, ago(age));
+      }
+      return el("tr", {}, el("td", {}, el("code", {}, gid)), el("td", {}, hb ? fmt(hb.version) : "–"),
+        el("td", {}, `${shown} (${versions.length})`), el("td", {}, loaded), el("td", {}, beat));
+    });
+    if (rows.length === 0) rows.push(el("tr", {}, el("td", { colSpan: 5, className: "muted" }, "no generator has reported yet")));
+    $("generators").tBodies[0].replaceChildren(...rows);
+  }
+
+  function renderJob(job, data) {
+    $("job").hidden = false;
+    $("job-name").textContent = job.name;
+    $("job-id").textContent = job.id;
+    $("job-state").textContent = job.state;
+    $("job-state").className = `state ${job.state}`;
+    $("job-step").textContent = `step ${job.step}`;
+    $("job-error").hidden = !job.error;
+    $("job-error").textContent = job.error || "";
+    document.title = `${job.name} (${job.state}) · asyncrl status`;
+    last = { job, data };
+    renderCharts();
+    renderGenerators(job.generators || {});
+    fillDl($("samples"), Object.entries(job.samples || {}));
+    fillDl($("staleness"), Object.entries(job.staleness || {}).map(([lag, n]) => [`${lag} behind`, n]));
+    fillDl($("last-metrics"), Object.entries(job.last_metrics || {}).sort(([a], [b]) => a.localeCompare(b)));
+  }
+
+  function setError(message) {
+    $("error").hidden = !message;
+    $("error").textContent = message || "";
+  }
+
+  async function refresh() {
+    if (busy) { again = true; return; }
+    busy = true;
+    clearTimeout(timer);
+    try {
+      const jobs = await getJSON("/jobs?limit=50");
+      const id = selected || (jobs.length ? jobs[0].id : null);
+      renderJobs(jobs, id);
+      if (id) {
+        const path = encodeURIComponent(id);
+        const [job, data] = await Promise.all([getJSON(`/jobs/${path}`), getJSON(`/status/data/${path}`)]);
+        renderJob(job, data);
+      } else {
+        $("job").hidden = true;
+      }
+      setError(null);
+      $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    } catch (err) {
+      setError(err.message);
+    } finally {
+      busy = false;
+      if (again) { again = false; refresh(); } else timer = setTimeout(refresh, POLL_MS);
+    }
+  }
+
+  window.addEventListener("popstate", () => {
+    selected = new URLSearchParams(location.search).get("job");
+    refresh();
+  });
+  window.addEventListener("resize", renderCharts);
+  refresh();
+})();

@@ -1,0 +1,97 @@
+"""The status page: an HTML view of the jobs served by the job API at `/` and `/status`.
+
+The page (`broker/static/`, no external assets: the machines are offline) polls the JSON API
+every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series).
+
+Auth: the page and its assets are always open (they hold no data); every data request carries
+the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
+sessionStorage, drops it from the address bar, and sends it as `Authorization: Bearer`. A token in
+a URL can still land in browser history and proxy logs; use a read-only token for the page.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Security
+from fastapi.responses import FileResponse, HTMLResponse
+
+from broker.ledger import Ledger
+
+STATIC_DIR = Path(__file__).parent / "static"
+# Only these files are served: a name from the URL never reaches the filesystem.
+ASSETS = {
+    "status.js": "text/javascript; charset=utf-8",
+    "status.css": "text/css; charset=utf-8",
+}
+# The per-step metrics the page plots, as the trainer names them.
+STEP_METRICS = (
+    "reward/mean",
+    "off_policy/mean",
+    "off_policy/max",
+    "throughput/samples_per_s",
+    "time/step_s",
+)
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None for a missing, non-numeric or non-finite metric."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
+    """A job's plotted series: one row per train step (STEP_METRICS, null where absent) and evals."""
+    steps = [
+        {
+            "step": row["step"],
+            "policy_version": row["policy_version"],
+            **{k: _number((row["metrics"] or {}).get(k)) for k in STEP_METRICS},
+        }
+        for row in ledger.train_steps(job_id)
+    ]
+    evals = [
+        {
+            "step": e["step"],
+            "reward_mean": _number(e["reward_mean"]),
+            "n": e["n"],
+            "policy_version_min": e["policy_version_min"],
+            "policy_version_max": e["policy_version_max"],
+        }
+        for e in ledger.evals(job_id)
+    ]
+    return {"job_id": job_id, "steps": steps, "evals": evals}
+
+
+def status_router(ledger: Ledger, authorize: Callable[..., Awaitable[None]]) -> APIRouter:
+    """Routes of the status page; `authorize` is the job API's bearer-token dependency."""
+    router = APIRouter(tags=["status page"])
+    page = (STATIC_DIR / "status.html").read_text()
+
+    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @router.get("/status", response_class=HTMLResponse)
+    def status_page() -> HTMLResponse:
+        """The status page (HTML); `?job=<id>` selects a job, `?token=<token>` authenticates."""
+        return HTMLResponse(page)
+
+    @router.get("/status/static/{name}", include_in_schema=False)
+    def asset(name: str) -> FileResponse:
+        if name not in ASSETS:
+            raise HTTPException(404, f"no status page asset '{name}'")
+        return FileResponse(STATIC_DIR / name, media_type=ASSETS[name])
+
+    # Out of the OpenAPI schema: the page's own feed, not part of the public /jobs API.
+    @router.get(
+        "/status/data/{job_id}", dependencies=[Security(authorize)], include_in_schema=False
+    )
+    def status_data(job_id: str) -> dict[str, Any]:
+        """Per-step series of a job: `steps` (STEP_METRICS by step) and held-out `evals`."""
+        if ledger.get_job(job_id) is None:
+            raise HTTPException(404, f"no job '{job_id}'; GET /jobs lists the known ones")
+        return step_series(ledger, job_id)
+
+    return router

@@ -1,0 +1,244 @@
+"""The status page: its routes over TestClient, and the rendered page in a real headless Chromium.
+
+Real Redis (127.0.0.1:6379, a unique key prefix per test) and a SQLite ledger in tmp_path.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from broker.api import create_app
+from broker.ledger import Ledger
+from broker.streams import JobStreams, connect
+from shared.settings import BrokerSettings
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+CHROMIUM = Path("/usr/bin/chromium")
+RW, RO = "rw-status-secret", "ro-status-secret"
+TRAIN_BLUE = (0x25, 0x63, 0xEB)  # COLORS.train in broker/static/status.js
+
+
+def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny") -> str:
+    """A running job with five train steps, two evals and one generator load."""
+    ledger.create_job(job_id, name, {"name": name})
+    ledger.set_job_state(job_id, "running")
+    for step in range(1, 6):
+        ledger.record_train_step(
+            job_id,
+            step,
+            step,
+            {
+                "reward/mean": 0.1 * step,
+                "off_policy/mean": 0.5 + 0.1 * step,
+                "off_policy/max": float(step % 3 + 1),
+                "throughput/samples_per_s": 20.0 + step,
+                "time/step_s": 1.5,
+                "loss": 0.3,
+            },
+        )
+        ledger.set_job_step(job_id, step)
+    ledger.record_eval(job_id, 2, 1, 2, 0.25, 32)
+    ledger.record_eval(job_id, 4, 3, 4, 0.45, 32)
+    ledger.record_generator_load(job_id, 5, "gen-0")
+    return job_id
+
+
+@pytest.fixture
+def make_app(tmp_path: Path) -> Iterator[Callable[..., tuple[FastAPI, Ledger, JobStreams]]]:
+    """Builds an app on a fresh ledger; returns (app, ledger, streams of job-abc123)."""
+    prefix = f"test-{uuid4().hex}:"
+    r = connect(REDIS_URL)
+    ledgers: list[Ledger] = []
+
+    def make(**settings: Any) -> tuple[FastAPI, Ledger, JobStreams]:
+        ledger = Ledger(f"sqlite:///{tmp_path}/ledger-{len(ledgers)}.db")
+        ledgers.append(ledger)
+        app = create_app(
+            BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, **settings), ledger=ledger
+        )
+        return app, ledger, JobStreams(r, "job-abc123", prefix=prefix)
+
+    try:
+        yield make
+    finally:
+        for ledger in ledgers:
+            ledger.close()
+        keys = list(r.scan_iter(match=f"{prefix}*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+@pytest.mark.parametrize("path", ["/", "/status"])
+def test_page_is_html_with_its_script(make_app, path: str) -> None:
+    app, _, _ = make_app()
+    with TestClient(app) as client:
+        resp = client.get(path)
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/html")
+        assert '<script src="/status/static/status.js"></script>' in resp.text
+        js = client.get("/status/static/status.js")
+        assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+        assert "/status/data/" in js.text and "Authorization" in js.text
+        assert client.get("/status/static/status.css").status_code == 200
+
+
+def test_page_has_no_external_assets(make_app) -> None:
+    app, _, _ = make_app()
+    with TestClient(app) as client:
+        bodies = [
+            client.get(p).text
+            for p in ("/status", "/status/static/status.js", "/status/static/status.css")
+        ]
+    for body in bodies:
+        assert not re.search(r"https?://", body)
+
+
+def test_only_known_assets_are_served(make_app) -> None:
+    app, _, _ = make_app()
+    with TestClient(app) as client:
+        for name in ("status.html", "..%2Fapi.py", "nope.js"):
+            assert client.get(f"/status/static/{name}").status_code == 404
+
+
+def test_data_endpoint_returns_the_series(make_app) -> None:
+    app, ledger, _ = make_app()
+    job_id = populate(ledger)
+    ledger.record_train_step(job_id, 6, 6, {"reward/mean": float("nan"), "off_policy/max": "x"})
+    with TestClient(app) as client:
+        resp = client.get(f"/status/data/{job_id}")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["job_id"] == job_id
+    steps = body["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert steps[0] == {
+        "step": 1,
+        "policy_version": 1,
+        "reward/mean": pytest.approx(0.1),
+        "off_policy/mean": pytest.approx(0.6),
+        "off_policy/max": 2.0,
+        "throughput/samples_per_s": 21.0,
+        "time/step_s": 1.5,
+    }
+    # Missing, non-finite (stored as null) and non-numeric metrics all come back as null.
+    assert steps[5]["reward/mean"] is None and steps[5]["off_policy/max"] is None
+    assert steps[5]["time/step_s"] is None
+    assert [(e["step"], e["reward_mean"], e["n"]) for e in body["evals"]] == [
+        (2, 0.25, 32),
+        (4, 0.45, 32),
+    ]
+    assert body["evals"][1]["policy_version_min"] == 3
+
+
+def test_data_endpoint_unknown_job_is_404(make_app) -> None:
+    app, _, _ = make_app()
+    with TestClient(app) as client:
+        resp = client.get("/status/data/nope")
+    assert resp.status_code == 404
+    assert resp.json() == {"error": "no job 'nope'; GET /jobs lists the known ones"}
+
+
+def test_with_tokens_page_is_open_but_data_needs_one(make_app) -> None:
+    app, ledger, _ = make_app(tokens=RW, read_only_tokens=RO)
+    job_id = populate(ledger)
+    with TestClient(app) as client:
+        assert client.get("/status").status_code == 200
+        assert client.get("/status/static/status.js").status_code == 200
+        resp = client.get(f"/status/data/{job_id}")
+        assert resp.status_code == 401 and "bearer token" in resp.json()["error"]
+        bad = client.get(f"/status/data/{job_id}", headers={"Authorization": "Bearer wrong"})
+        assert bad.status_code == 401
+        for token in (RW, RO):
+            ok = client.get(f"/status/data/{job_id}", headers={"Authorization": f"Bearer {token}"})
+            assert ok.status_code == 200 and len(ok.json()["steps"]) == 5
+
+
+# -- the real page in a real browser ------------------------------------------------------------
+
+
+@pytest.fixture
+def served(make_app) -> Iterator[tuple[str, str]]:
+    """The API (tokens on) served by uvicorn on a free port; yields (base URL, job id)."""
+    app, ledger, streams = make_app(tokens=RW, read_only_tokens=RO)
+    job_id = populate(ledger)
+    streams.heartbeat("gen-0", {"version": 5})
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # handed to uvicorn: no race for the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start within 10 s"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", job_id
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def chromium(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    profile = tmp_path / f"profile-{uuid4().hex[:8]}"
+    cmd = [
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1200,900",
+        "--virtual-time-budget=5000",
+        *args,
+        url,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.integration
+def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> None:
+    assert CHROMIUM.exists(), "install Debian's chromium: scripts/services.sh does"
+    base, job_id = served
+    # A read-only token in the URL is forwarded by the page's JS as `Authorization: Bearer`.
+    url = f"{base}/status?job={job_id}&token={RO}"
+
+    dump = chromium(tmp_path, url, "--dump-dom")
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    dom = dump.stdout
+    assert f'<code id="job-id">{job_id}</code>' in dom
+    assert '<span id="job-name">gsm8k-tiny</span>' in dom
+    assert re.search(r'<div id="error" class="error" hidden="?"?>', dom), "the page shows an error"
+    assert "gen-0" in dom  # the generators table, heartbeat from Redis
+    assert re.search(r"<dt>trained</dt>|<dt>reward/mean</dt>", dom)
+
+    shot = tmp_path / "shot.png"
+    run = chromium(tmp_path, url, f"--screenshot={shot}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.exists() and shot.stat().st_size > 10_000
+    img = np.asarray(Image.open(shot).convert("RGB"))
+    assert img.shape[:2] == (900, 1200)
+    colours = np.unique(img.reshape(-1, 3), axis=0)
+    assert len(colours) > 50, f"a near-blank screenshot: {len(colours)} colours"
+    # The reward chart drew its train series (its legend swatch is this exact colour).
+    assert (np.abs(img.astype(int) - TRAIN_BLUE).max(axis=-1) <= 2).sum() >= 40
