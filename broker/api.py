@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request, Response, Security
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -34,7 +34,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
-from broker.ledger import JOB_STATES, Ledger
+from broker.ledger import JOB_STATES, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
 from broker.redis_server import resolve_redis_url
 from broker.status_page import status_router
 from broker.streams import CONTROL, JobStreams, connect
@@ -270,12 +270,12 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
         return job
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         fields = format_validation_error(exc)
         summary = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
-        return JSONResponse(
-            status_code=422, content={"error": f"invalid job spec: {summary}", "fields": fields}
-        )
+        in_body = any(e.get("loc", ("",))[0] == "body" for e in exc.errors())
+        what = ("invalid job spec" if req.url.path == "/jobs" else "invalid request body") if in_body else "invalid request"
+        return JSONResponse(status_code=422, content={"error": f"{what}: {summary}", "fields": fields})
 
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
@@ -303,7 +303,8 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
         return {"id": job_id, "state": "submitted", "spec": spec.model_dump(mode="json")}
 
     @jobs.get("/jobs")
-    def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
+    def list_jobs(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+        # Bounded: a limit past SQLite's 64-bit INTEGER was a 500; a negative one meant "all".
         return [
             {k: j[k] for k in ("id", "name", "state", "step", "created_at", "updated_at")}
             for j in ledger.list_jobs(limit=limit)
@@ -407,6 +408,48 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
         """The audit log: who changed what, when."""
         job_or_404(job_id)
         return ledger.job_changes(job_id)
+
+    @jobs.get("/jobs/{job_id}/samples")
+    def job_samples(
+        job_id: str,
+        status: Annotated[str | None, Query(description=f"One of: {', '.join(SAMPLE_STATUSES)}.")] = None,
+        kind: Annotated[str | None, Query(description=f"One of: {', '.join(SAMPLE_KINDS)}.")] = None,
+        # bounded: the ledger's integers are 64-bit (an unbounded int was a 500, found by schemathesis)
+        min_step: Annotated[int | None, Query(ge=0, le=2**62, description="Lowest trainer_version (the step that used the sample).")] = None,
+        max_step: Annotated[int | None, Query(ge=0, le=2**62, description="Highest trainer_version.")] = None,
+        min_staleness: Annotated[int | None, Query(ge=0, le=2**62)] = None,
+        max_staleness: Annotated[int | None, Query(ge=0, le=2**62)] = None,
+        min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+        max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+        offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    ) -> dict[str, Any]:
+        """Browse a job's samples, oldest first. Bounds are inclusive; a bound on step, staleness
+        or reward leaves out samples without that value yet. `total` counts every match."""
+        job_or_404(job_id)
+        fields = ("msg_id", "group_id", "sample_index", "kind", "prompt_index", "generator_id",
+                  "gen_version_min", "gen_version_max", "trainer_version", "staleness", "reward",
+                  "status", "completion", "num_completion_tokens", "created_at")
+        for name, value, valid in (("status", status, SAMPLE_STATUSES), ("kind", kind, SAMPLE_KINDS)):
+            if value is not None and value not in valid:
+                raise HTTPException(422, f"unknown {name} '{value}'; valid: {', '.join(valid)}")
+        filters: dict[str, Any] = {
+            "status": status,
+            "kind": kind,
+            "min_trainer_version": min_step,
+            "max_trainer_version": max_step,
+            "min_staleness": min_staleness,
+            "max_staleness": max_staleness,
+            "min_reward": min_reward,
+            "max_reward": max_reward,
+        }
+        rows = ledger.samples(job_id, **filters, limit=limit, offset=offset)
+        return {
+            "total": ledger.count_samples(job_id, **filters),
+            "limit": limit,
+            "offset": offset,
+            "items": [{k: row[k] for k in fields} for row in rows],
+        }
 
     app.include_router(jobs)
     app.include_router(status_router(ledger, authorize))

@@ -1,27 +1,85 @@
-"""`asyncrl` command line (typer): the demo and thin clients of the job API."""
+"""`asyncrl` command line (typer): the demo and thin clients of the job API.
+
+The job commands only speak HTTP to the API (`--api`, default `$ASYNCRL_API`); an error answer
+prints the API's `error` message on stderr and exits 1.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
+import time
 from pathlib import Path
+from typing import Any, NoReturn
 
 import httpx
 import typer
+from httpx import TransportError
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Column, Table
+from rich.text import Text
 
 app = typer.Typer(help="Asynchronous RL post-training: demo and job control.", no_args_is_help=True)
 
-API = os.environ.get("ASYNCRL_API", "http://127.0.0.1:8000")
+API = typer.Option(
+    "http://127.0.0.1:8000", "--api", envvar="ASYNCRL_API", help="Job API base URL."
+)
 TOKEN = typer.Option(
     None,
     envvar="ASYNCRL_TOKEN",
-    help="Bearer token for the job API (read-write for submit and stop).",
+    help="Bearer token for the job API (read-write for submit, stop and the other changes).",
 )
+# Mirrors broker.api.TERMINAL_STATES (a test checks it); importing the API here would load
+# FastAPI, Redis and SQLAlchemy for a thin HTTP client.
+TERMINAL_STATES = frozenset({"finished", "stopped", "failed", "cancelled"})
+TIMEOUT_S = 30.0
 
 
 def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _call(method: str, api: str, path: str, token: str | None, **kwargs: Any) -> Any:
+    """One API request; returns the decoded JSON body.
+
+    Exits 1 with the API's `error` message on an error status, or when the API is unreachable.
+    """
+    url = api.rstrip("/") + path
+    # httpx.get/post/patch rather than httpx.request: tests/broker/test_api_auth.py replaces the
+    # module's per-method functions to relay requests to an in-process app.
+    send = getattr(httpx, method.lower())
+    try:
+        r = send(url, headers=_auth(token), timeout=TIMEOUT_S, **kwargs)
+    except TransportError as exc:
+        _fail(f"cannot reach the job API at {api} ({exc}); set --api or ASYNCRL_API")
+    if r.is_error:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        message = body.get("error") if isinstance(body, dict) else None
+        _fail(str(message) if message else f"{method} {url}: HTTP {r.status_code} {r.text[:200]}")
+    return r.json()
+
+
+def _echo_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _cell(value: Any, digits: int = 3) -> Text:
+    """Table cell text; user data goes in as Text so that rich markup in it is not interpreted."""
+    if value is None:
+        return Text("-", style="dim")
+    if isinstance(value, float):
+        return Text(f"{value:.{digits}f}")
+    return Text(str(value))
 
 
 @app.command()
@@ -72,37 +130,192 @@ def bench(
 
 
 @app.command()
-def submit(
-    spec_file: Path,
-    api: str = typer.Option(API, help="Job API base URL."),
+def submit(spec_file: Path, api: str = API, token: str | None = TOKEN) -> None:
+    """Submit a job spec (JSON file)."""
+    try:
+        spec = json.loads(spec_file.read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"cannot read the job spec {spec_file}: {exc}")
+    _echo_json(_call("POST", api, "/jobs", token, json=spec))
+
+
+@app.command("list")
+def list_jobs(
+    limit: int = typer.Option(100, min=1, help="Newest jobs shown."),
+    api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Submit a job spec (JSON file)."""
-    r = httpx.post(
-        f"{api}/jobs", json=json.loads(spec_file.read_text()), headers=_auth(token), timeout=30
+    """The newest jobs: id, name, state, step, created and updated times."""
+    jobs = _call("GET", api, "/jobs", token, params={"limit": limit})
+    table = Table("id", "name", "state", "step", "created", "updated")
+    for job in jobs:
+        table.add_row(*(_cell(job[k]) for k in ("id", "name", "state", "step", "created_at", "updated_at")))
+    Console().print(table)
+
+
+def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[str, Any]:
+    """Redraw the job's progress every `interval` seconds until it reaches a terminal state."""
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        TextColumn("{task.fields[state]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TextColumn("held-out {task.fields[held_out]}"),
+        TextColumn("staleness {task.fields[staleness]}"),
     )
-    typer.echo(json.dumps(r.json(), indent=2))
-    raise typer.Exit(0 if r.status_code == 201 else 1)
+    job = _call("GET", api, f"/jobs/{job_id}", token)  # an unknown job fails before drawing
+    with progress:
+        task = progress.add_task(job_id, total=None, state="", reward="-", held_out="-", staleness="-")
+        while True:
+            metrics = job.get("last_metrics") or {}
+            evals = job.get("evals") or []
+            progress.update(
+                task,
+                description=escape(f"{job['name']} {job_id}"),
+                completed=job["step"],
+                total=(job.get("spec") or {}).get("steps"),
+                state=job["state"],
+                reward=_cell(metrics.get("reward/mean")).plain,
+                held_out=_cell(evals[-1]["reward_mean"] if evals else None).plain,
+                staleness=_cell(metrics.get("off_policy/mean"), digits=2).plain,
+            )
+            if job["state"] in TERMINAL_STATES:
+                return job
+            time.sleep(interval)
+            job = _call("GET", api, f"/jobs/{job_id}", token)
 
 
 @app.command()
 def status(
-    job_id: str, api: str = typer.Option(API, help="Job API base URL."), token: str | None = TOKEN
+    job_id: str,
+    watch: bool = typer.Option(
+        False, "--watch", help="Live progress until the job ends; exits 1 if it failed."
+    ),
+    interval: float = typer.Option(1.0, min=0.1, help="--watch: seconds between refreshes."),
+    api: str = API,
+    token: str | None = TOKEN,
 ) -> None:
-    """Show a job's state, step and last metrics."""
-    r = httpx.get(f"{api}/jobs/{job_id}", headers=_auth(token), timeout=30)
-    typer.echo(json.dumps(r.json(), indent=2, default=str))
-    raise typer.Exit(0 if r.status_code == 200 else 1)
+    """Show a job's state, step and last metrics (JSON), or watch it live."""
+    if not watch:
+        _echo_json(_call("GET", api, f"/jobs/{job_id}", token))
+        return
+    job = _watch(job_id, api, token, interval)
+    typer.echo(f"job {job_id} {job['state']} at step {job['step']}")
+    if job["state"] == "failed":
+        _fail(job.get("error") or "the job failed")
 
 
 @app.command()
-def stop(
-    job_id: str, api: str = typer.Option(API, help="Job API base URL."), token: str | None = TOKEN
-) -> None:
+def stop(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
     """Ask a running job to stop after its current step."""
-    r = httpx.post(f"{api}/jobs/{job_id}/stop", headers=_auth(token), timeout=30)
-    typer.echo(json.dumps(r.json(), indent=2))
-    raise typer.Exit(0 if r.status_code == 202 else 1)
+    _echo_json(_call("POST", api, f"/jobs/{job_id}/stop", token))
+
+
+@app.command()
+def pause(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
+    """Pause a job: no new generation, scoring or training; nothing in flight is lost."""
+    _echo_json(_call("POST", api, f"/jobs/{job_id}/pause", token))
+
+
+@app.command()
+def resume(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
+    """Resume a paused job."""
+    _echo_json(_call("POST", api, f"/jobs/{job_id}/resume", token))
+
+
+@app.command()
+def cancel(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
+    """Cancel a job now, without finishing the step or evaluating."""
+    _echo_json(_call("POST", api, f"/jobs/{job_id}/cancel", token))
+
+
+@app.command("set")
+def set_knobs(
+    job_id: str,
+    lr: float | None = typer.Option(None, help="Learning rate."),
+    max_staleness: int | None = typer.Option(None, help="Staleness bound k (async jobs)."),
+    temperature: float | None = typer.Option(None, help="Sampling temperature of new rollouts."),
+    top_p: float | None = typer.Option(None, help="Nucleus mass of new rollouts."),
+    generation_batch: int | None = typer.Option(None, help="Prompt groups per generate call."),
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Change live knobs of a running job; the services apply them at their next step."""
+    given = {
+        "lr": lr,
+        "max_staleness": max_staleness,
+        "temperature": temperature,
+        "top_p": top_p,
+        "generation_batch": generation_batch,
+    }
+    changes = {k: v for k, v in given.items() if v is not None}
+    if not changes:
+        _fail("nothing to change: give at least one of " + ", ".join(f"--{k.replace('_', '-')}" for k in given))
+    result = _call("PATCH", api, f"/jobs/{job_id}", token, json=changes)
+    _echo_json({"id": result["id"], "changed": result["changed"]})
+
+
+@app.command()
+def samples(
+    job_id: str,
+    status: str | None = typer.Option(None, help="generated, scored, trained, dropped or evaluated."),
+    kind: str | None = typer.Option(None, help="train or eval."),
+    min_step: int | None = typer.Option(None, help="Lowest step (trainer_version) that used the sample."),
+    max_step: int | None = typer.Option(None, help="Highest step (trainer_version) that used the sample."),
+    min_staleness: int | None = typer.Option(None),
+    max_staleness: int | None = typer.Option(None),
+    min_reward: float | None = typer.Option(None),
+    max_reward: float | None = typer.Option(None),
+    limit: int = typer.Option(20, help="Rows shown (the API allows 1..1000)."),
+    offset: int = typer.Option(0, help="Rows skipped, oldest first."),
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Browse a job's samples (oldest first) as a table."""
+    params = {
+        "status": status,
+        "kind": kind,
+        "min_step": min_step,
+        "max_step": max_step,
+        "min_staleness": min_staleness,
+        "max_staleness": max_staleness,
+        "min_reward": min_reward,
+        "max_reward": max_reward,
+        "limit": limit,
+        "offset": offset,
+    }
+    page = _call(
+        "GET", api, f"/jobs/{job_id}/samples", token, params={k: v for k, v in params.items() if v is not None}
+    )
+    items = page["items"]
+    shown = f"{offset + 1}-{offset + len(items)}" if items else "none"
+    table = Table(
+        Column("msg_id", overflow="fold"),
+        "kind",
+        "status",
+        "step",
+        "stale",
+        "reward",
+        "tokens",
+        # Takes the width left over, one line per sample.
+        Column("completion", ratio=1, min_width=20, no_wrap=True, overflow="ellipsis"),
+        caption=f"samples {shown} of {page['total']}",
+        expand=True,
+    )
+    for s in items:
+        table.add_row(
+            _cell(s["msg_id"]),
+            _cell(s["kind"]),
+            _cell(s["status"]),
+            _cell(s["trainer_version"]),
+            _cell(s["staleness"]),
+            _cell(s["reward"]),
+            _cell(s["num_completion_tokens"]),
+            # One line per sample: newlines shown as the \n escape.
+            _cell(s["completion"].replace("\n", "\\n")),
+        )
+    Console().print(table)
 
 
 if __name__ == "__main__":

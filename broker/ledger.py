@@ -58,6 +58,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.schema import MetaData
+from sqlalchemy.sql.elements import ColumnElement
 
 __all__ = [
     "JOB_STATES",
@@ -320,6 +321,40 @@ def _check(value: str, allowed: Sequence[str], what: str) -> None:
 def _chunks(items: Sequence[Any], size: int = _IN_CHUNK) -> Iterator[Sequence[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _sample_filters(
+    job_id: str,
+    *,
+    status: str | None,
+    kind: str | None,
+    min_trainer_version: int | None,
+    max_trainer_version: int | None,
+    min_staleness: int | None,
+    max_staleness: int | None,
+    min_reward: float | None,
+    max_reward: float | None,
+) -> list[ColumnElement[bool]]:
+    """WHERE conditions shared by `Ledger.samples` and `Ledger.count_samples`."""
+    c = _samples.c
+    where: list[ColumnElement[bool]] = [c.job_id == job_id]
+    if status is not None:
+        _check(status, SAMPLE_STATUSES, "sample status")
+        where.append(c.status == status)
+    if kind is not None:
+        _check(kind, SAMPLE_KINDS, "sample kind")
+        where.append(c.kind == kind)
+    bounds: tuple[tuple[Any, float | None, float | None], ...] = (
+        (c.trainer_version, min_trainer_version, max_trainer_version),
+        (c.staleness, min_staleness, max_staleness),
+        (c.reward, min_reward, max_reward),
+    )
+    for column, lo, hi in bounds:
+        if lo is not None:
+            where.append(column >= lo)
+        if hi is not None:
+            where.append(column <= hi)
+    return where
 
 
 def _normalise_url(url: str | URL) -> URL:
@@ -657,20 +692,69 @@ class Ledger:
         *,
         status: str | None = None,
         kind: str | None = None,
+        min_trainer_version: int | None = None,
+        max_trainer_version: int | None = None,
+        min_staleness: int | None = None,
+        max_staleness: int | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
         limit: int | None = None,
         offset: int = 0,
     ) -> list[dict[str, Any]]:
-        """A job's samples in insertion order, optionally filtered by status and kind."""
-        stmt = select(_samples).where(_samples.c.job_id == job_id)
-        if status is not None:
-            _check(status, SAMPLE_STATUSES, "sample status")
-            stmt = stmt.where(_samples.c.status == status)
-        if kind is not None:
-            _check(kind, SAMPLE_KINDS, "sample kind")
-            stmt = stmt.where(_samples.c.kind == kind)
-        stmt = stmt.order_by(_samples.c.id).offset(offset).limit(limit)
+        """A job's samples in insertion order (row id, so pages are stable), optionally filtered.
+
+        Bounds are inclusive; a bound on trainer_version, staleness or reward excludes samples
+        where that column is still null (not yet used, or not yet scored).
+
+        Raises:
+            ValueError: unknown status or kind.
+        """
+        where = _sample_filters(
+            job_id,
+            status=status,
+            kind=kind,
+            min_trainer_version=min_trainer_version,
+            max_trainer_version=max_trainer_version,
+            min_staleness=min_staleness,
+            max_staleness=max_staleness,
+            min_reward=min_reward,
+            max_reward=max_reward,
+        )
+        stmt = select(_samples).where(*where).order_by(_samples.c.id).offset(offset).limit(limit)
         with self._read() as s:
             return [dict(r) for r in s.execute(stmt).mappings()]
+
+    def count_samples(
+        self,
+        job_id: str,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        min_trainer_version: int | None = None,
+        max_trainer_version: int | None = None,
+        min_staleness: int | None = None,
+        max_staleness: int | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+    ) -> int:
+        """How many samples `samples` returns for the same filters without limit and offset.
+
+        Raises:
+            ValueError: unknown status or kind.
+        """
+        where = _sample_filters(
+            job_id,
+            status=status,
+            kind=kind,
+            min_trainer_version=min_trainer_version,
+            max_trainer_version=max_trainer_version,
+            min_staleness=min_staleness,
+            max_staleness=max_staleness,
+            min_reward=min_reward,
+            max_reward=max_reward,
+        )
+        with self._read() as s:
+            return int(s.execute(select(func.count()).select_from(_samples).where(*where)).scalar_one())
 
     def status_counts(self, job_id: str) -> dict[str, int]:
         """Number of a job's samples per status (statuses with none are absent)."""

@@ -17,6 +17,7 @@ from broker.runtime import ControlWatcher, open_job
 from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
 from generator_svc.engine import Engine, TransferError
 from shared.logs import set_context
+from shared.metrics import GeneratorMetrics, serve_metrics
 from shared.schema import (
     PolicyAnnouncement,
     PromptGroup,
@@ -39,9 +40,10 @@ class PolicyFollower:
     """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
 
     def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str,
-                 verify_atol: float = 1e-3, load_retries: int = 2):
+                 verify_atol: float = 1e-3, load_retries: int = 2, metrics: GeneratorMetrics | None = None):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
         self.verify_atol, self.load_retries = verify_atol, load_retries
+        self.metrics = metrics or GeneratorMetrics(job_id=streams.job_id)
         self.fingerprint: str | None = None
         self.loaded_run: str | None = None
         self.version = -1
@@ -123,6 +125,7 @@ class PolicyFollower:
         self.loaded_at = time.time()
         self.fingerprint = fingerprint
         self.beat(force=True)
+        self.metrics.loaded(v, res["total_s"])
         log.info(
             "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs; probe gap %.2g; engine fingerprint %s",
             v, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"], gap, fingerprint,
@@ -186,6 +189,7 @@ def ledger_row(r: Rollout) -> dict:
 def run(settings: GeneratorSettings) -> None:
     ctx = open_job(settings)
     streams, spec = ctx.streams, ctx.spec
+    metrics = GeneratorMetrics(serve_metrics(settings.metrics_port, "generator"), ctx.job_id)
     gid = settings.generator_id
     set_context(generator_id=gid)
     streams.ensure_group(PROMPTS, GROUP_GENERATORS)
@@ -199,14 +203,14 @@ def run(settings: GeneratorSettings) -> None:
         enforce_eager=settings.enforce_eager,
     )
     try:
-        _serve(settings, ctx, engine)
+        _serve(settings, ctx, engine, metrics)
     finally:
         engine.close()
 
 
-def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
+def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorMetrics) -> None:
     streams, ledger, gid = ctx.streams, ctx.ledger, settings.generator_id
-    policy = PolicyFollower(streams, engine, ledger, gid, settings.verify_atol, settings.load_retries)
+    policy = PolicyFollower(streams, engine, ledger, gid, settings.verify_atol, settings.load_retries, metrics)
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     batch_groups = ctx.spec.generation_batch or settings.batch_groups
     log.info("generator %s ready", gid)
@@ -238,6 +242,7 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine) -> None:
         streams.publish_many(ROLLOUTS, rollouts)
         streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id for d in deliveries])
         ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
+        metrics.generated(len(rollouts), ntok, dt)
         log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
                  policy.version, len(groups), len(rollouts), ntok, dt, ntok / max(dt, 1e-9))
     log.info("generator %s stopping", gid)

@@ -14,6 +14,7 @@ import time
 from broker.runtime import ControlWatcher, open_job
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
 from reward_svc.rewards import get_reward_fn
+from shared.metrics import RewardMetrics, serve_metrics
 from shared.schema import Rollout, Scored
 from shared.settings import RewardSettings
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 def run(settings: RewardSettings) -> None:
     ctx = open_job(settings)
     streams, ledger = ctx.streams, ctx.ledger
+    metrics = RewardMetrics(serve_metrics(settings.metrics_port, "reward"), ctx.job_id)
     reward_fn = get_reward_fn(ctx.spec.reward)
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
@@ -47,6 +49,7 @@ def run(settings: RewardSettings) -> None:
             reward = float(reward_fn(r.completion, r.answer))
             if not math.isfinite(reward):
                 streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {reward} is not finite")
+                metrics.dead_letter(ROLLOUTS)
                 continue
             scored.append(Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id,
                                  policy_version=r.policy_version, rollout=r, reward=reward))
@@ -54,5 +57,6 @@ def run(settings: RewardSettings) -> None:
         ledger.record_scored([(s.msg_id, s.reward) for s in scored])
         streams.publish_many(SCORED, scored)
         streams.ack(ROLLOUTS, GROUP_REWARDERS, ok_ids)
+        metrics.scored([s.reward for s in scored])
         log.debug("scored %d in %.3fs", len(scored), time.perf_counter() - t0)
     log.info("reward %s stopping", cid)

@@ -32,6 +32,7 @@ from broker.streams import (
 )
 from shared.jobspec import JobSpec
 from shared.logs import set_context
+from shared.metrics import TrainerMetrics, serve_metrics
 from shared.schema import (
     Control,
     PolicyAnnouncement,
@@ -237,6 +238,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     if settings.threads:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(spec.seed)
+    prom = TrainerMetrics(serve_metrics(settings.metrics_port, "trainer"), job_id)
     learner = Learner(spec, settings.device)
     model = learner.model
     k = spec.staleness_bound
@@ -391,6 +393,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if adaptive is not None:  # the bound for the next step, from this step's drift
             k = adaptive.update(metrics)
         ledger.record_train_step(job_id, step, version, metrics)
+        prom.step(step, version, metrics)
         ledger.set_job_step(job_id, step)
         streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries + assembler.strays)
         assembler.strays.clear()

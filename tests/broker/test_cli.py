@@ -1,0 +1,203 @@
+"""The `asyncrl` job commands against a real job API server (uvicorn on a free port)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from broker import api as broker_api
+from broker.api import create_app
+from broker.cli import TERMINAL_STATES, app
+from broker.ledger import Ledger
+from broker.streams import connect
+from shared.settings import BrokerSettings
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+SPEC = {"name": "tiny", "model_path": "models/tiny", "group_size": 4, "steps": 3, "max_staleness": 1}
+RW = "rw-secret-token"
+
+
+class Api:
+    def __init__(self, url: str, ledger: Ledger, runner: CliRunner) -> None:
+        self.url, self.ledger, self.runner = url, ledger, runner
+
+    def cli(self, *args: str, **env: str) -> Any:
+        # Wide columns so that rich tables keep ids on one line.
+        env = {"ASYNCRL_API": self.url, "ASYNCRL_TOKEN": RW, "COLUMNS": "200", **env}
+        return self.runner.invoke(app, list(args), env=env)
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(self.url + path, headers={"Authorization": f"Bearer {RW}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def submit(self, tmp_path: Path) -> str:
+        spec_file = tmp_path / f"spec-{uuid4().hex[:6]}.json"
+        spec_file.write_text(json.dumps(SPEC))
+        result = self.cli("submit", str(spec_file))
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["id"]
+
+
+@pytest.fixture
+def api(tmp_path) -> Iterator[Api]:
+    prefix = f"test-{uuid4().hex}:"
+    ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
+    settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, tokens=RW)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings, ledger=ledger), log_level="warning", lifespan="off")
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; the server serves this socket
+    port = sock.getsockname()[1]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
+        time.sleep(0.02)
+    try:
+        yield Api(f"http://127.0.0.1:{port}", ledger, CliRunner())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+        ledger.close()
+        r = connect(REDIS_URL)
+        keys = list(r.scan_iter(match=f"{prefix}*"))
+        if keys:
+            r.delete(*keys)
+
+
+def test_terminal_states_match_the_api():
+    assert TERMINAL_STATES == broker_api.TERMINAL_STATES
+
+
+def test_submit_list_and_control_a_job(api, tmp_path):
+    job = api.submit(tmp_path)
+    result = api.cli("list")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if job in line)
+    assert "tiny" in row and "submitted" in row
+
+    for command, state in (("pause", "paused"), ("resume", "running")):
+        result = api.cli(command, job)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout) == {"id": job, "state": state}
+    result = api.cli("set", job, "--lr", "1e-5", "--generation-batch", "3")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"id": job, "changed": {"lr": 1e-5, "generation_batch": 3}}
+    assert api.get(f"/jobs/{job}")["spec"]["algorithm"]["lr"] == 1e-5
+
+    changes = [c["changes"] for c in api.get(f"/jobs/{job}/changes")]
+    assert changes == [
+        {"command": "pause"},
+        {"command": "resume"},
+        {"command": "set", "settings": {"lr": 1e-5, "generation_batch": 3}},
+    ]
+    result = api.cli("cancel", job)
+    assert result.exit_code == 0 and json.loads(result.stdout)["state"] == "cancelled", result.output
+    result = api.cli("status", job)
+    assert result.exit_code == 0 and json.loads(result.stdout)["state"] == "cancelled", result.output
+
+
+def test_samples_prints_a_table_of_the_filtered_page(api, tmp_path):
+    job = api.submit(tmp_path)
+    base = {"job_id": job, "sample_index": 0, "prompt_index": 1, "generator_id": "gen-0",
+            "gen_version_min": 0, "num_prompt_tokens": 5, "num_completion_tokens": 9}
+    api.ledger.record_generated([
+        {**base, "msg_id": f"msg-{i}", "group_id": f"g{i}", "completion": f"[bold]answer {i}[/bold]\nok"}
+        for i in range(5)
+    ])
+    api.ledger.record_scored([(f"msg-{i}", i / 4) for i in range(5)])
+    api.ledger.record_used([{"msg_id": f"msg-{i}", "status": "trained", "trainer_version": 2} for i in range(4)])
+
+    result = api.cli("samples", job, "--status", "trained", "--min-reward", "0.25", "--limit", "2")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "msg-1" in out and "msg-2" in out and "msg-3" not in out and "msg-0" not in out
+    assert "samples 1-2 of 3" in out
+    assert "[bold]answer 1[/bold]\\nok" in out  # completions are shown literally, on one line
+    row = next(line for line in out.splitlines() if "msg-2" in line)
+    assert all(cell in row for cell in ("train", "trained", "0.500"))
+
+    result = api.cli("samples", job, "--status", "trained", "--limit", "2", "--offset", "2")
+    assert result.exit_code == 0, result.output
+    assert "msg-2" in result.stdout and "msg-3" in result.stdout and "samples 3-4 of 4" in result.stdout
+
+
+def test_status_watch_returns_when_the_job_ends(api, tmp_path):
+    job = api.submit(tmp_path)
+    api.ledger.set_job_state(job, "running")
+    api.ledger.record_train_step(job, 3, 3, {"reward/mean": 0.625, "off_policy/mean": 0.5})
+    api.ledger.set_job_step(job, 3)
+    api.ledger.record_eval(job, 3, 3, 3, 0.75, 8)
+    finisher = threading.Timer(1.0, api.ledger.set_job_state, args=(job, "finished"))
+    start = time.monotonic()
+    finisher.start()
+    try:
+        result = api.cli("status", job, "--watch", "--interval", "0.2")
+    finally:
+        finisher.cancel()
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 0, result.output
+    assert 1.0 <= elapsed < 10, elapsed
+    out = result.stdout
+    assert f"job {job} finished at step 3" in out
+    assert "3/3" in out and "reward 0.625" in out and "held-out 0.750" in out and "staleness 0.50" in out
+
+    # Already ended: the first poll returns.
+    start = time.monotonic()
+    result = api.cli("status", job, "--watch")
+    assert result.exit_code == 0 and time.monotonic() - start < 5, result.output
+
+    failed = api.submit(tmp_path)
+    api.ledger.set_job_state(failed, "failed", error="trainer: CUDA out of memory")
+    result = api.cli("status", failed, "--watch")
+    assert result.exit_code == 1 and "CUDA out of memory" in result.stderr, result.output
+
+
+def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
+    for args in (("status", "nope"), ("status", "nope", "--watch"), ("pause", "nope"), ("samples", "nope"),
+                 ("set", "nope", "--lr", "1e-5"), ("stop", "nope")):
+        result = api.cli(*args)
+        assert result.exit_code == 1, (args, result.output)
+        assert "error: no job 'nope'; GET /jobs lists the known ones" in result.stderr, (args, result.output)
+        assert result.stdout == ""
+
+    job = api.submit(tmp_path)
+    result = api.cli("resume", job)
+    assert result.exit_code == 1 and "not paused; nothing to resume" in result.stderr
+    result = api.cli("samples", job, "--limit", "0")
+    assert result.exit_code == 1 and "limit" in result.stderr
+    result = api.cli("set", job, "--top-p", "2")
+    assert result.exit_code == 1 and "top_p" in result.stderr
+    result = api.cli("set", job)
+    assert result.exit_code == 1 and "--lr" in result.stderr
+    result = api.cli("pause", job, ASYNCRL_TOKEN="wrong")
+    assert result.exit_code == 1 and "invalid bearer token" in result.stderr
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**SPEC, "group_size": "many"}))
+    result = api.cli("submit", str(bad))
+    assert result.exit_code == 1 and "group_size" in result.stderr
+    bad.write_text("{not json")
+    result = api.cli("submit", str(bad))
+    assert result.exit_code == 1 and "cannot read the job spec" in result.stderr
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    result = api.cli("list", "--api", closed)
+    assert result.exit_code == 1 and "cannot reach the job API" in result.stderr
