@@ -403,6 +403,12 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
         control(request, job_id, "set", None, settings=changes)
         return {"id": job_id, "changed": changes, "spec": spec.model_dump(mode="json")}
 
+    @jobs.get("/jobs/{job_id}/checkpoints")
+    def checkpoints(job_id: str) -> list[dict[str, Any]]:
+        """Committed HF-format checkpoints of the job (step, policy version, path)."""
+        job_or_404(job_id)
+        return ledger.checkpoints(job_id)
+
     @jobs.get("/jobs/{job_id}/changes")
     def changes(job_id: str) -> list[dict[str, Any]]:
         """The audit log: who changed what, when."""

@@ -246,6 +246,18 @@ class Eval(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
 
 
+class Checkpoint(Base):
+    """A committed trainer checkpoint (an HF-format directory) of one job at one step."""
+
+    __tablename__ = "checkpoints"
+
+    job_id: Mapped[str] = mapped_column(String, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
+
+
 class JobChange(Base):
     """Who changed what on a job, and when (live knobs, pause/resume, stop, cancel)."""
 
@@ -260,6 +272,7 @@ class JobChange(Base):
 
 _jobs = cast(Table, Job.__table__)
 _job_changes = cast(Table, JobChange.__table__)
+_checkpoints = cast(Table, Checkpoint.__table__)
 _policy_versions = cast(Table, PolicyVersion.__table__)
 _generator_loads = cast(Table, GeneratorLoad.__table__)
 _samples = cast(Table, Sample.__table__)
@@ -889,6 +902,22 @@ class Ledger:
         )
         with self._write() as s:
             s.execute(stmt)
+
+    def record_checkpoint(self, job_id: str, step: int, policy_version: int, path: str) -> None:
+        """Record a committed checkpoint (idempotent per job and step)."""
+        stmt = (
+            self._insert(_checkpoints)
+            .values(job_id=job_id, step=step, policy_version=policy_version, path=path, created_at=_utcnow())
+            .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        )
+        with self._write() as s:
+            s.execute(stmt)
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """A job's checkpoints, oldest first."""
+        stmt = select(_checkpoints).where(_checkpoints.c.job_id == job_id).order_by(_checkpoints.c.step)
+        with self._read() as s:
+            return [dict(r) for r in s.execute(stmt).mappings()]
 
     def record_change(self, job_id: str, actor: str, changes: dict[str, Any]) -> None:
         """Append an audit record: `actor` did `changes` (e.g. {"lr": 1e-5} or {"command": "pause"})."""

@@ -114,6 +114,9 @@ class JobSpec(_Strict):
     generation_batch: int | None = Field(
         None, ge=1, le=100_000, description="Prompt groups per generate call; unset: the generator's GEN_BATCH_GROUPS."
     )
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."
+    )
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
 
     @property

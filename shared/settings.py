@@ -90,6 +90,7 @@ class TrainerSettings(CommonSettings):
     advertise_host: str | None = Field(None, description="Host generators connect to; default bind_host.")
     keep_versions: int = Field(3, ge=1, description="Weight versions kept servable for slow generators.")
     threads: int = Field(0, ge=0, description="torch.set_num_threads; 0 leaves the default.")
+    checkpoint_dir: str = Field("runs/checkpoints", description="Checkpoints go to <dir>/<job id>/step-NNNNNN.")
     device: str = Field("cpu", description="Torch device for training.")
     metrics_port: int = Field(0, ge=0)
 

@@ -62,7 +62,8 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     prefix = f"it-{uuid.uuid4().hex[:8]}:"
     port = _free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     sup = Supervisor(tmp_path / "logs", env)
     api = f"http://127.0.0.1:{port}"
     k = 1
@@ -163,7 +164,8 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
     prefix = f"lc-{uuid.uuid4().hex[:8]}:"
     port = _free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
     sup = Supervisor(tmp_path / "logs", env)
     api = f"http://127.0.0.1:{port}"
     ledger = Ledger(db_url)
@@ -213,6 +215,12 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
         assert final.get("dropped", 0) == 0 and final["trained"] == job()["step"] * 4 * 4
         actions = [c["changes"].get("command") for c in ledger.job_changes(job_id)]
         assert actions == ["pause", "set", "resume", "stop"]
+        # the stop left a committed, loadable HF checkpoint of the final step
+        (ck,) = httpx.get(f"{api}/jobs/{job_id}/checkpoints", timeout=30).json()
+        assert ck["step"] == job()["step"] and os.path.exists(os.path.join(ck["path"], "COMMIT"))
+        from transformers import AutoModelForCausalLM
+
+        assert AutoModelForCausalLM.from_pretrained(ck["path"]).config.vocab_size > 0
     finally:
         sup.stop_all()
 

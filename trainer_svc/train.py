@@ -8,10 +8,14 @@ start the next batch after the new weights are published.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -127,6 +131,22 @@ def publish_weights(
     # A version older than the ones the server still holds cannot be fetched: drop its announcement.
     streams.trim_broadcast(POLICY, keep)
     return time.perf_counter() - t0
+
+
+def save_checkpoint(learner: Learner, root: str, job_id: str, step: int, version: int, ledger) -> Path:
+    """The policy as an HF-format directory (model + tokenizer), written atomically: a temporary
+    directory, a COMMIT marker written last, then one rename; only then recorded in the ledger."""
+    final = Path(root) / job_id / f"step-{step:06d}"
+    if not (final / "COMMIT").exists():
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        learner.model.save_pretrained(tmp)
+        learner.tokenizer.save_pretrained(tmp)
+        (tmp / "COMMIT").write_text(json.dumps({"job_id": job_id, "step": step, "policy_version": version}))
+        shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed save
+        os.replace(tmp, final)
+    ledger.record_checkpoint(job_id, step, version, str(final.resolve()))
+    return final
 
 
 @dataclass
@@ -414,6 +434,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         log.info("trainer cancelled at step %d (version %d)", step, version)
         server.close()
         return
+    if step > 0:  # the final policy, for evaluation and export
+        save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger)
     # final held-out evaluation, then wait for every outstanding round
     start_eval(step)
     deadline = time.monotonic() + settings.job_wait_s

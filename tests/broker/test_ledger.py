@@ -18,8 +18,8 @@ from sqlalchemy import inspect, text
 from broker.ledger import Base, Ledger
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0002"
-TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes"}
+HEAD = "0003"
+TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
 
 
 def sample(msg_id: str, *, job_id: str = "job", gen_version: int = 0, **extra: Any) -> dict:
@@ -459,3 +459,13 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     new.set_job_state("j1", "paused")
     assert new.list_jobs(states=["paused"])[0]["id"] == "j1"
     new.close()
+
+
+def test_checkpoints(ledger: Ledger) -> None:
+    ledger.record_checkpoint("j", 10, 10, "/ck/j/step-000010")
+    ledger.record_checkpoint("j", 10, 10, "/elsewhere")  # idempotent per (job, step)
+    ledger.record_checkpoint("j", 20, 20, "/ck/j/step-000020")
+    assert [(c["step"], c["path"]) for c in ledger.checkpoints("j")] == [
+        (10, "/ck/j/step-000010"),
+        (20, "/ck/j/step-000020"),
+    ]
