@@ -58,23 +58,10 @@ def _inject_malformed(streams: JobStreams, job_id: str) -> int:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
-    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    prefix = f"it-{uuid.uuid4().hex[:8]}:"
-    port = _free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
-    sup = Supervisor(tmp_path / "logs", env)
-    api = f"http://127.0.0.1:{port}"
+    sup, api, redis_url, prefix = _stack(tmp_path, db_url, "it")
     k = 1
     try:
-        sup.start("broker", "broker")
-        for _ in range(200):
-            try:
-                if httpx.get(f"{api}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        _start_broker(sup, api)
         spec = {"name": f"it-{mode}", "model_path": str(tiny_model), "mode": mode, "max_staleness": k,
                 "steps": STEPS, "group_size": 4, "prompts_per_step": 4, "eval_every": 2,
                 "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}
@@ -160,14 +147,7 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
 
 def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
     """Pause really stops steps and loses nothing; PATCHed knobs apply at the next step; stop drains."""
-    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    prefix = f"lc-{uuid.uuid4().hex[:8]}:"
-    port = _free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
-    sup = Supervisor(tmp_path / "logs", env)
-    api = f"http://127.0.0.1:{port}"
+    sup, api, _, _ = _stack(tmp_path, db_url, "lc")
     ledger = Ledger(db_url)
 
     def job() -> dict:
@@ -181,8 +161,7 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
             time.sleep(0.3)
 
     try:
-        sup.start("broker", "broker")
-        wait(lambda: _healthy(api), "broker up", 60)
+        _start_broker(sup, api)
         spec = {"name": "live", "model_path": str(tiny_model), "steps": 500, "group_size": 4, "prompts_per_step": 4,
                 "eval_every": 0, "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8},
                 "algorithm": {"lr": 1e-4}}
@@ -223,6 +202,26 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
         assert AutoModelForCausalLM.from_pretrained(ck["path"]).config.vocab_size > 0
     finally:
         sup.stop_all()
+
+
+def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
+    """A supervisor whose processes share the real Redis (a fresh key prefix), the ledger, and a
+    broker port: (supervisor, API base URL, Redis URL, stream prefix)."""
+    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
+    prefix = f"{tag}-{uuid.uuid4().hex[:8]}:"
+    port = _free_port()
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
+           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    return Supervisor(tmp_path / "logs", env), f"http://127.0.0.1:{port}", redis_url, prefix
+
+
+def _start_broker(sup: Supervisor, api: str, timeout: float = 60) -> None:
+    sup.start("broker", "broker")
+    deadline = time.monotonic() + timeout
+    while not _healthy(api):
+        assert not sup.failed() and time.monotonic() < deadline, f"broker did not come up:\n{sup.tail('broker')}"
+        time.sleep(0.2)
 
 
 def _healthy(api: str) -> bool:
