@@ -13,8 +13,8 @@ import time
 
 from broker.runtime import ControlWatcher, open_job
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
-from reward_svc.rewards import get_reward_fn
 from shared.metrics import RewardMetrics, serve_metrics
+from shared.rewards import get_reward_fn
 from shared.schema import Rollout, Scored
 from shared.settings import RewardSettings
 

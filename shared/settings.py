@@ -133,3 +133,19 @@ class BrokerSettings(CommonSettings):
                 "a bearer token cannot contain whitespace; separate tokens with commas"
             )
         return tokens
+
+
+class AdminSettings(CommonSettings):
+    """The Celery admin worker (`celery -A broker.admin worker`) and the API that submits to it."""
+
+    model_config = SettingsConfigDict(env_prefix="ADMIN_", extra="ignore", frozen=True)
+
+    celery_broker_url: str | None = Field(
+        None, description="Celery broker; unset: REDIS_URL (admin tasks use their own keys, off the rollout streams)."
+    )
+    celery_backend_url: str | None = Field(None, description="Celery result backend; unset: the broker URL.")
+    queue: str = Field("admin", description="Queue the admin tasks go to; the worker consumes only this one.")
+    key_prefix: str = Field("asyncrl-admin:", description="Prefix of every Celery key in Redis.")
+    export_dir: str = Field("runs/exports", description="Where exports go when the request names no folder.")
+    eval_timeout_s: float = Field(1800.0, gt=0, description="A checkpoint evaluation running longer is killed.")
+    eval_max_model_len: int = Field(512, ge=16, description="Context length of the evaluation engine.")

@@ -30,6 +30,7 @@ LIGHT_MODULES = (
     "shared.settings",
     "shared.transport",
     "shared.tasks",
+    "shared.rewards",
     "broker.streams",
     "broker.ledger",
     "broker.api",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from reward_svc.rewards import REWARD_FUNCTIONS, exact_match, get_reward_fn, math_verify
+from shared.rewards import REWARD_FUNCTIONS, exact_match, get_reward_fn, math_verify
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""Reward functions, selected by name from the job spec. Pure: (completion text, reference answer) -> float."""
+"""Reward functions, selected by name from the job spec. Pure: (completion text, reference answer) -> float.
+
+In `shared` (no torch, vLLM or Redis) because the reward service scores with them and so does the
+broker's offline checkpoint evaluation.
+"""
 
 from __future__ import annotations
 
