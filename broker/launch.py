@@ -2,20 +2,33 @@
 
 Processes only talk through Redis and the ledger; this module just starts them with the right
 environment, watches them, and stops them (SIGTERM, then SIGKILL after a grace period).
+
+`python -m broker.launch --generators 2` starts the broker API, two generators, the reward
+service and the trainer (`--admin` adds the Celery admin worker); `--roles` picks a subset for
+one node of a multi-node layout. Nothing is restarted: the first process that fails stops the
+rest and the launcher exits 1 with that process's log tail. See `deploy/README.md`.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib.util
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("broker.launch")  # also under `python -m`
 
 
 @dataclass
@@ -32,8 +45,16 @@ class Supervisor:
         self.env = env
         self.procs: list[Proc] = []
 
-    def start(self, name: str, module: str, env: dict[str, str] | None = None, cpus: set[int] | None = None) -> Proc:
-        """Start `python -m module` with the supervisor's env plus `env`, optionally pinned to `cpus`."""
+    def start(
+        self,
+        name: str,
+        module: str,
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
+        args: Sequence[str] = (),
+    ) -> Proc:
+        """Start `python -m module *args` with the supervisor's env plus `env`, optionally pinned
+        to `cpus`, in its own process group, stdout and stderr appended to `<logdir>/<name>.log`."""
         log_path = self.logdir / f"{name}.log"
         fh = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         full_env = {**os.environ, **self.env, **(env or {})}
@@ -46,7 +67,8 @@ class Supervisor:
                 os.sched_setaffinity(0, pin)
 
         popen = subprocess.Popen(
-            [sys.executable, "-m", module], env=full_env, stdout=fh, stderr=subprocess.STDOUT, preexec_fn=preexec
+            [sys.executable, "-m", module, *args], env=full_env, stdout=fh, stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
         )
         fh.close()
         p = Proc(name, popen, log_path)
@@ -80,6 +102,9 @@ class Supervisor:
         return True
 
     def stop_all(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every running process, wait up to `grace_s` in all, then SIGKILL the process
+        groups of those still running. Children a stopped process left behind in its group (an
+        engine core, a process pool) are killed too, so nothing outlives the supervisor."""
         for p in self.procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -89,11 +114,257 @@ class Supervisor:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0fs; killing", p.name, grace_s)
-                os.killpg(p.popen.pid, signal.SIGKILL)
+                _killpg(p.popen.pid)
                 p.popen.wait()
+        for p in self.procs:
+            _killpg(p.popen.pid)  # leftovers only: every leader has exited by now
+
+    def kill_all(self) -> None:
+        """SIGKILL every process group now (a second Ctrl-C while stopping)."""
+        for p in self.procs:
+            _killpg(p.popen.pid)
 
     def tail(self, name: str, lines: int = 30) -> str:
         for p in self.procs:
             if p.name == name and p.log_path.exists():
                 return "\n".join(p.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+
+def _killpg(pgid: int) -> None:
+    # ProcessLookupError: the group is gone; PermissionError: only zombies are left in it (macOS).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# --- the `python -m broker.launch` command ---------------------------------------------------
+
+ROLES = ("broker", "generator", "reward", "trainer", "admin")
+DEFAULT_ROLES = ("broker", "generator", "reward", "trainer")
+# Processes that serve until they are stopped; the others exit when their job ends.
+LONG_LIVED = ("broker", "admin")
+
+
+@dataclass(frozen=True)
+class Service:
+    """One process the launcher starts: `python -m module *args` with `env` on top of its own."""
+
+    name: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+
+
+def plan(
+    roles: Sequence[str],
+    generators: int,
+    env: dict[str, str],
+    host: str | None = None,
+) -> list[Service]:
+    """The processes for `roles` on this box, broker first.
+
+    Args:
+        roles: names from `ROLES`.
+        generators: generator replicas (when "generator" is in `roles`).
+        env: the environment the services will see (for GEN_METRICS_PORT, ADMIN_QUEUE, LOG_LEVEL).
+        host: consumer-name prefix; default this machine's hostname, so names stay unique when
+            other nodes run replicas of the same job.
+
+    Raises:
+        ValueError: an unknown role, or several generators asked to share one metrics port.
+    """
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown role(s) {', '.join(unknown)}; valid: {', '.join(ROLES)}")
+    host = host or socket.gethostname()
+    out: list[Service] = []
+    if "broker" in roles:
+        out.append(Service("broker", "broker"))
+    if "generator" in roles:
+        base_port = int(env.get("GEN_METRICS_PORT", "0") or 0)
+        for i in range(generators):
+            gen_env = {"GEN_GENERATOR_ID": f"{host}-gen-{i}"}
+            if base_port:  # one port per replica: GEN_METRICS_PORT, +1, +2, ...
+                gen_env["GEN_METRICS_PORT"] = str(base_port + i)
+            out.append(Service(f"generator-{i}", "generator_svc", gen_env))
+    if "reward" in roles:
+        out.append(Service("reward", "reward_svc"))
+    if "trainer" in roles:
+        out.append(Service("trainer", "trainer_svc"))
+    if "admin" in roles:
+        queue = env.get("ADMIN_QUEUE", "admin")
+        level = env.get("LOG_LEVEL", "INFO")
+        out.append(Service("admin", "celery", args=(
+            "-A", "broker.admin", "worker", "-Q", queue, "--concurrency", "1", "--loglevel", level,
+            "-n", f"admin@{host}",
+        )))
+    return out
+
+
+def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5) -> int:
+    """Watch `sup`'s processes until one fails, the job's services are all done, or `stop` is set.
+
+    Returns:
+        1 when a process exited non-zero (or a long-lived one exited at all), 0 when every job
+        service (generator, reward, trainer) exited 0, 130 when `stop` was set. Stops nothing:
+        the caller calls `sup.stop_all()`.
+    """
+    while not stop.wait(poll_s):
+        for p in sup.procs:
+            code = p.popen.poll()
+            if code is None:
+                continue
+            if code != 0 or p.name in LONG_LIVED:
+                log.error("%s exited with code %s; stopping the rest. Last lines of %s:\n%s",
+                          p.name, code, p.log_path, sup.tail(p.name))
+                return 1
+        job_procs = [p for p in sup.procs if p.name not in LONG_LIVED]
+        if job_procs and all(p.popen.poll() == 0 for p in job_procs):
+            log.info("every job service exited 0: the job is over")
+            return 0
+    return 130
+
+
+def wait_healthy(
+    url: str, sup: Supervisor, name: str, timeout_s: float, stop: threading.Event | None = None
+) -> None:
+    """Poll `url` until it answers 200 (or `stop` is set).
+
+    Raises:
+        RuntimeError: process `name` exited first.
+        TimeoutError: no answer within `timeout_s`.
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (stop and stop.is_set()):
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if sup.wait(name, 0) is not None:
+            raise RuntimeError(f"{name} exited before {url} answered:\n{sup.tail(name)}")
+        time.sleep(0.2)
+    if stop and stop.is_set():
+        return
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s; see {sup.logdir / name}.log")
+
+
+def _submit(api: str, spec_path: Path) -> str:
+    """Submit a job spec file to the API; returns the job id."""
+    import httpx
+
+    from broker.api import configured_tokens
+    from shared.settings import BrokerSettings
+
+    rw = [t for t, role in configured_tokens(BrokerSettings()).items() if role == "rw"]
+    headers = {"Authorization": f"Bearer {rw[0]}"} if rw else {}
+    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=headers, timeout=30)
+    if resp.status_code != 201:
+        raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+    return str(resp.json()["id"])
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m broker.launch",
+        description="Start the broker API, N generators, the reward service and the trainer (and "
+        "optionally the Celery admin worker) on this box as supervised processes, one log each. "
+        "Settings come from the environment (see deploy/env.example). Ctrl-C or SIGTERM stops "
+        "them all: SIGTERM, a grace period, then SIGKILL; a second Ctrl-C kills at once.",
+    )
+    ap.add_argument("--generators", type=int, default=1, help="generator replicas (default 1)")
+    ap.add_argument("--roles", default=",".join(DEFAULT_ROLES),
+                    help=f"comma-separated subset of {','.join(ROLES)} (default %(default)s)")
+    ap.add_argument("--admin", action="store_true", help="also start the Celery admin worker")
+    ap.add_argument("--job-id", help="serve this job (sets JOB_ID); default: JOB_ID, else the newest submitted job")
+    ap.add_argument("--spec", type=Path, help="submit this job spec once the API is up and serve it")
+    ap.add_argument("--logdir", type=Path, help="default runs/launch/<timestamp>")
+    ap.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
+    ap.add_argument("--start-timeout", type=float, default=120.0,
+                    help="seconds to wait for the broker's /health (default 120)")
+    ap.add_argument("--private-redis", action="store_true",
+                    help="with no REDIS_URL and no Redis on 127.0.0.1:6379, start a private "
+                    "redis-server for this run (its data is lost when the launcher exits)")
+    args = ap.parse_args(argv)
+    args.roles = [r.strip() for r in args.roles.split(",") if r.strip()] + (["admin"] if args.admin else [])
+    if args.generators < 0:
+        ap.error("--generators must be 0 or more")
+    if args.spec and args.job_id:
+        ap.error("give --spec or --job-id, not both")
+    if args.spec and "broker" not in args.roles:
+        ap.error("--spec submits through this box's API: keep 'broker' in --roles")
+    if "admin" in args.roles and importlib.util.find_spec("broker.admin") is None:
+        ap.error("the admin worker needs broker/admin.py, which this checkout does not have")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m broker.launch`; returns the exit code (0 job done, 1 a process failed, 130 stopped)."""
+    from broker.redis_server import resolve_redis_url
+    from shared.logs import setup_logging
+    from shared.settings import BrokerSettings
+
+    args = _parse(argv)
+    setup_logging("launch", os.environ.get("LOG_LEVEL", "INFO"))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    try:
+        services = plan(args.roles, args.generators, dict(os.environ))
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    # Resolved once here: services left to find Redis themselves could each start a private one.
+    redis_url, private = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=args.private_redis)
+    env = {"REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    if args.job_id:
+        env["JOB_ID"] = args.job_id
+    logdir = args.logdir or Path("runs/launch") / time.strftime("%Y%m%d-%H%M%S")
+    sup = Supervisor(logdir, env)
+    log.info("redis %s%s; logs in %s", redis_url, " (private server)" if private else "", sup.logdir.resolve())
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set():
+            log.warning("second %s: killing every process now", signal.Signals(signum).name)
+            sup.kill_all()
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 1
+    try:
+        rest = services
+        if services and services[0].name == "broker":
+            sup.start("broker", "broker")
+            bs = BrokerSettings()
+            host = "127.0.0.1" if bs.host in ("0.0.0.0", "::", "") else bs.host
+            api = f"http://{host}:{bs.port}"
+            wait_healthy(f"{api}/health", sup, "broker", args.start_timeout, stop)
+            log.info("broker API at %s (status page %s/)", api, api)
+            if args.spec and not stop.is_set():
+                sup.env["JOB_ID"] = _submit(api, args.spec)
+                log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
+            rest = services[1:]
+        for s in rest:
+            if stop.is_set():
+                break
+            sup.start(s.name, s.module, s.env, args=s.args)
+        code = 130 if stop.is_set() else supervise(sup, stop)
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+    finally:
+        if code != 0:
+            log.info("stopping %d process(es) (SIGTERM, then SIGKILL after %.0f s)", len(sup.procs), args.grace)
+        sup.stop_all(args.grace)
+        for p in sup.procs:
+            log.info("%-12s exit %-4s log %s", p.name, p.popen.returncode, p.log_path)
+        if private:
+            private.close()
+    log.info("logs in %s", sup.logdir.resolve())
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The one-box launcher: the process plan, supervision, and a clean stop (SIGTERM, grace, SIGKILL).
+
+Fast cases run trivial modules written into the test's folder; the CLI cases run the real
+`python -m broker.launch` with the real broker and reward service against the real Redis (a fresh
+key prefix) and a SQLite ledger: no model, no vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.launch import Supervisor, main, plan, supervise
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Exits 0 on SIGTERM, like a service; leaves a grandchild in its process group and writes its pid.
+POLITE = """
+import signal, subprocess, sys, time
+child = subprocess.Popen(["sleep", "300"])
+open(sys.argv[1], "w").write(str(child.pid))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+while True:
+    time.sleep(0.1)
+"""
+# Ignores SIGTERM: only SIGKILL stops it.
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_for(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch) -> Path:
+    (tmp_path / "polite_mod.py").write_text(POLITE)
+    (tmp_path / "stubborn_mod.py").write_text(STUBBORN)
+    (tmp_path / "ok_mod.py").write_text("print('done')\n")
+    (tmp_path / "bad_mod.py").write_text("raise SystemExit('boom')\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return tmp_path
+
+
+def test_stop_all_terms_then_kills_and_leaves_no_process_group_behind(modules, tmp_path):
+    sup = Supervisor(tmp_path / "logs", {})
+    pidfile = tmp_path / "grandchild.pid"
+    polite = sup.start("polite", "polite_mod", args=[str(pidfile)])
+    stubborn = sup.start("stubborn", "stubborn_mod")
+    _wait_for(lambda: pidfile.exists() and pidfile.read_text() and "ready" in sup.tail("stubborn"))
+    grandchild = int(pidfile.read_text())
+    t0 = time.monotonic()
+    sup.stop_all(grace_s=1.5)
+    took = time.monotonic() - t0
+    assert polite.popen.returncode == 0  # it took the SIGTERM
+    assert stubborn.popen.returncode == -signal.SIGKILL  # it needed the SIGKILL, after the grace
+    assert 1.0 < took < 10
+    _wait_for(lambda: not _alive(grandchild), 5)  # the polite one's orphan went with its group
+    assert sup.failed() == [stubborn]
+
+
+def test_supervise_returns_on_failure_on_job_end_and_on_stop(modules, tmp_path):
+    stop = threading.Event()
+    done = Supervisor(tmp_path / "a", {})
+    done.start("generator-0", "ok_mod")
+    done.start("trainer", "ok_mod")
+    assert supervise(done, stop, poll_s=0.05) == 0
+
+    bad = Supervisor(tmp_path / "b", {})
+    bad.start("reward", "stubborn_mod")
+    bad.start("trainer", "bad_mod")
+    assert supervise(bad, stop, poll_s=0.05) == 1
+    bad.stop_all(grace_s=0.5)
+
+    # A long-lived process (the API) that exits, even with 0, is a failure: control is gone.
+    api_gone = Supervisor(tmp_path / "c", {})
+    api_gone.start("broker", "ok_mod")
+    api_gone.start("trainer", "stubborn_mod")
+    assert supervise(api_gone, stop, poll_s=0.05) == 1
+    api_gone.stop_all(grace_s=0.5)
+
+    running = Supervisor(tmp_path / "d", {})
+    running.start("broker", "stubborn_mod")
+    threading.Timer(0.3, stop.set).start()
+    assert supervise(running, stop, poll_s=0.05) == 130
+    running.stop_all(grace_s=0.5)
+
+
+def test_plan_names_unique_generators_and_the_admin_worker():
+    services = plan(["broker", "generator", "reward", "trainer", "admin"], 3,
+                    {"GEN_METRICS_PORT": "9100", "ADMIN_QUEUE": "evals"}, host="box1")
+    assert [s.name for s in services] == ["broker", "generator-0", "generator-1", "generator-2",
+                                          "reward", "trainer", "admin"]
+    gens = [s for s in services if s.module == "generator_svc"]
+    assert [g.env["GEN_GENERATOR_ID"] for g in gens] == ["box1-gen-0", "box1-gen-1", "box1-gen-2"]
+    assert [g.env["GEN_METRICS_PORT"] for g in gens] == ["9100", "9101", "9102"]
+    admin = services[-1]
+    assert admin.module == "celery" and admin.args[:4] == ("-A", "broker.admin", "worker", "-Q")
+    assert admin.args[4] == "evals"
+    # metrics off: no port is handed out
+    assert "GEN_METRICS_PORT" not in plan(["generator"], 1, {})[0].env
+    with pytest.raises(ValueError, match="unknown role.*valid: broker"):
+        plan(["brokr"], 1, {})
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--generators", "-1"])
+    with pytest.raises(SystemExit):
+        main(["--spec", "x.json", "--roles", "trainer"])
+    assert "keep 'broker' in --roles" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launcher_env(tmp_path) -> tuple[dict[str, str], int]:
+    port = _free_port()
+    env = {**os.environ, "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
+           "STREAM_PREFIX": f"launch-{uuid.uuid4().hex[:8]}:", "BROKER_PORT": str(port),
+           "JOB_ID": f"no-such-job-{uuid.uuid4().hex[:6]}"}
+    return env, port
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.timeout(120)
+def test_cli_starts_the_real_services_and_stops_them_on_sigterm(tmp_path):
+    env, port = _launcher_env(tmp_path)
+    env["REWARD_JOB_WAIT_S"] = "600"  # the reward service waits for its job until stopped
+    logdir = tmp_path / "logs"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "broker.launch", "--roles", "broker,reward", "--logdir", str(logdir),
+         "--grace", "15"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        def up() -> bool:
+            assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
+            try:
+                ok = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+            # a logged line: the reward service is past start-up and handles SIGTERM
+            reward_log = logdir / "reward.log"
+            return ok and reward_log.exists() and reward_log.stat().st_size > 0
+
+        _wait_for(up, 60)
+        kids = _children(launcher.pid)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, out
+    assert not [k for k in kids if _alive(k)], out
+    assert (logdir / "broker.log").exists() and (logdir / "reward.log").exists()
+    assert f"logs in {logdir}" in out
+    assert "reward interrupted" in (logdir / "reward.log").read_text()  # SIGTERM, not SIGKILL
+
+
+@pytest.mark.timeout(120)
+def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
+    env, port = _launcher_env(tmp_path)
+    env["REWARD_JOB_WAIT_S"] = "0"  # the job does not exist: the reward service fails at once
+    res = subprocess.run(
+        [sys.executable, "-m", "broker.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
+    )
+    assert res.returncode == 1, res.stderr
+    assert "reward exited with code 1" in res.stderr
+    assert "no job 'no-such-job" in res.stderr  # the tail of its log
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)  # the API went down with it
