@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -34,6 +34,7 @@ from shared.schema import (
 )
 
 M = TypeVar("M", bound=Message)
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,41 @@ PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD = "prompts", "rollouts", "score
 GROUP_GENERATORS, GROUP_REWARDERS, GROUP_TRAINERS = "generators", "rewarders", "trainers"
 
 
+class _Retry(Retry):
+    """redis-py's Retry, except that authentication failures are not retried.
+
+    redis-py's AuthenticationError (wrong password, unknown or disabled ACL user) subclasses
+    ConnectionError, so the plain Retry would back off for seconds on a credential that cannot
+    start working; a credential error must surface at once, on the first command.
+    """
+
+    def call_with_retry(
+        self,
+        do: Callable[[], R],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> R:
+        def retryable(exc: Exception) -> bool:
+            return not isinstance(exc, AuthenticationError) and (is_retryable is None or is_retryable(exc))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def connect(url: str) -> redis.Redis:
-    """A client that retries transient connection errors with backoff (a value object, not sleeps)."""
+    """A client that retries transient connection errors with backoff (a value object, not sleeps).
+
+    `url` is any redis-py URL: `redis://[[user]:password@]host:port/db` for AUTH (a user name
+    means an ACL user, none the `default` user / requirepass), `rediss://...` for TLS with the
+    certificate options as query parameters, e.g.
+    `rediss://host:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_certfile=c.pem&ssl_keyfile=k.pem`
+    (`ssl_cert_reqs=none` turns verification off; `ssl_check_hostname=false` skips the name
+    check only). Wrong credentials raise redis.exceptions.AuthenticationError on the first
+    command, without retries.
+    """
     return redis.Redis.from_url(
         url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
         socket_keepalive=True,
@@ -84,6 +115,9 @@ class JobStreams:
         self.max_message_bytes = max_message_bytes
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
+        # Called with (stream, code) for every dead-lettered entry: services count them in their
+        # metrics (shared.metrics *.dead_letter). Set by the service after construction.
+        self.on_dead_letter: Callable[[str, str], None] | None = None
         self._last_claim: dict[tuple[str, str], float] = {}
 
     def key(self, stream: str) -> str:
@@ -207,23 +241,31 @@ class JobStreams:
             raw = fields.get(FIELD.decode())
         try:
             if raw is None:
-                raise DecodeError(f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})")
+                raise DecodeError(
+                    f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})", "malformed"
+                )
             msg = decode(raw, expected, max_bytes=self.max_message_bytes)
             if msg.job_id != self.job_id:
-                raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'")
+                raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job")
         except DecodeError as exc:
-            self.dead_letter(stream, group, eid_s, exc.reason, raw if isinstance(raw, bytes) else b"")
+            self.dead_letter(stream, group, eid_s, exc.reason, raw if isinstance(raw, bytes) else b"", code=exc.code)
             return None
         if deliveries > self.max_deliveries:
             self.dead_letter(
-                stream, group, eid_s, f"delivered {deliveries} times (limit {self.max_deliveries})", raw
+                stream, group, eid_s, f"delivered {deliveries} times (limit {self.max_deliveries})", raw,
+                code="max_deliveries",
             )
             return None
         return Delivery(eid_s, msg, deliveries)
 
-    def dead_letter(self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"") -> None:
-        """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered."""
-        log.error("dead-lettering %s %s: %s", self.key(stream), entry_id, reason)
+    def dead_letter(
+        self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *, code: str = "rejected"
+    ) -> None:
+        """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered.
+
+        `code` is a short fixed word for metrics (shared.schema.REJECT_CODES or the consumer's own).
+        """
+        log.error("dead-lettering %s %s (%s): %s", self.key(stream), entry_id, code, reason)
         dl = DeadLetter(
             job_id=self.job_id,
             msg_id=f"{stream}/{entry_id}",
@@ -231,11 +273,14 @@ class JobStreams:
             stream=stream,
             entry_id=entry_id,
             reason=reason,
+            code=code,
             raw=raw[: min(len(raw), 64 * 1024)],
         )
         self.r.xadd(self.key(DEAD), {FIELD: encode(dl), b"reason": reason.encode()[:1024]})
         if group is not None:
             self.ack(stream, group, [entry_id])
+        if self.on_dead_letter is not None:
+            self.on_dead_letter(stream, code)
 
     def ack(self, stream: str, group: str, entry_ids: list[str]) -> int:
         if not entry_ids:
@@ -291,13 +336,15 @@ class JobStreams:
                 raw = fields.get(FIELD)
                 try:
                     if raw is None:
-                        raise DecodeError("entry has no 'd' field")
+                        raise DecodeError("entry has no 'd' field", "malformed")
                     msg = decode(raw, expected, max_bytes=self.max_message_bytes)
                     if msg.job_id != self.job_id:
-                        raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'")
+                        raise DecodeError(
+                            f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job"
+                        )
                     msgs.append(msg)
                 except DecodeError as exc:
-                    self.dead_letter(stream, None, last_id, exc.reason, raw or b"")
+                    self.dead_letter(stream, None, last_id, exc.reason, raw or b"", code=exc.code)
         return last_id, msgs
 
     def latest(self, stream: str, expected: type[M]) -> tuple[str, M] | None:

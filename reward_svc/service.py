@@ -2,7 +2,10 @@
 
 Loop: read rollouts (consumer group `rewarders`) -> score each with the job's reward function ->
 ledger (status `scored`, keyed by msg_id) -> publish to `{job}:scored` -> ack.
-A reward that is not a finite number sends that rollout to the dead-letter stream, with the reason.
+A rollout with no completion tokens, or whose reward is not a finite number, goes to the
+dead-letter stream with the reason; every dead letter is counted by reason in the metrics. A reward
+function that raises is the per-message boundary: logged, left unacked, so redelivery (and after
+`max_deliveries`, the dead-letter stream) decides; the service keeps scoring the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def run(settings: RewardSettings) -> None:
     streams, ledger = ctx.streams, ctx.ledger
     metrics = RewardMetrics(serve_metrics(settings.metrics_port, "reward"), ctx.job_id)
     reward_fn = get_reward_fn(ctx.spec.reward)
+    streams.on_dead_letter = metrics.dead_letter  # malformed, oversized, too often delivered
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     cid = settings.consumer_id
@@ -46,10 +50,21 @@ def run(settings: RewardSettings) -> None:
         scored, ok_ids = [], []
         for d in deliveries:
             r: Rollout = d.message  # type: ignore[assignment]
-            reward = float(reward_fn(r.completion, r.answer))
+            if not r.completion_ids:
+                # No token to carry a gradient, and a zero-length sequence divides by zero in the
+                # per-sequence loss aggregations.
+                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
+                                    "empty completion: the rollout has no completion tokens", code="empty_completion")
+                continue
+            try:
+                reward = float(reward_fn(r.completion, r.answer))
+            except Exception:  # the per-message boundary (STYLE 8): redelivery or the dead stream decides
+                log.exception("reward %s failed on %s (delivery %d); left pending", ctx.spec.reward, r.msg_id,
+                              d.deliveries)
+                continue
             if not math.isfinite(reward):
-                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {reward} is not finite")
-                metrics.dead_letter(ROLLOUTS)
+                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {reward} is not finite",
+                                    code="non_finite_reward")
                 continue
             scored.append(Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id,
                                  policy_version=r.policy_version, rollout=r, reward=reward))

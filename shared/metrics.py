@@ -57,6 +57,17 @@ def _registry(registry: CollectorRegistry | None) -> CollectorRegistry:
     return registry if registry is not None else CollectorRegistry()
 
 
+def _dead_letters(r: CollectorRegistry, service: str) -> Counter:
+    # `reason` is a fixed code (shared.schema.REJECT_CODES or the consumer's own, e.g.
+    # non_finite_reward), never free text: label values must stay few.
+    return Counter(
+        f"asyncrl_{service}_dead_letters",
+        "Messages this process sent to the dead-letter stream, by source stream and reason code.",
+        ["job_id", "stream", "reason"],
+        registry=r,
+    )
+
+
 class GeneratorMetrics:
     """Generate calls and weight loads of one generator process."""
 
@@ -89,6 +100,8 @@ class GeneratorMetrics:
             buckets=_SLOW_BUCKETS,
             registry=r,
         ).labels(job_id)
+        self._job_id = job_id
+        self._dead = _dead_letters(r, "generator")
 
     def generated(self, samples: int, tokens: int, seconds: float) -> None:
         """One generate call: `samples` completions holding `tokens` tokens in `seconds`."""
@@ -100,6 +113,10 @@ class GeneratorMetrics:
         """A weight version now served, loaded in `seconds`."""
         self._version.set(version)
         self._load_s.observe(seconds)
+
+    def dead_letter(self, stream: str, reason: str) -> None:
+        """One entry of `stream` dead-lettered for `reason` (a code, e.g. prompt_too_long)."""
+        self._dead.labels(self._job_id, stream, reason).inc()
 
 
 class RewardMetrics:
@@ -114,12 +131,7 @@ class RewardMetrics:
         self._mean = Gauge(
             "asyncrl_reward_mean", "reward/mean of the last scored batch.", ["job_id"], registry=r
         ).labels(job_id)
-        self._dead = Counter(
-            "asyncrl_dead_letters",
-            "Messages this process sent to the dead-letter stream, by source stream.",
-            ["job_id", "stream"],
-            registry=r,
-        )
+        self._dead = _dead_letters(r, "reward")
 
     def scored(self, rewards: list[float]) -> None:
         """One batch's finite rewards; an empty batch leaves the mean as it was."""
@@ -127,8 +139,9 @@ class RewardMetrics:
         if rewards:
             self._mean.set(sum(rewards) / len(rewards))
 
-    def dead_letter(self, stream: str) -> None:
-        self._dead.labels(self._job_id, stream).inc()
+    def dead_letter(self, stream: str, reason: str) -> None:
+        """One entry of `stream` dead-lettered for `reason` (a code, e.g. non_finite_reward)."""
+        self._dead.labels(self._job_id, stream, reason).inc()
 
 
 class TrainerMetrics:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal, TypeVar, overload
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -21,12 +21,28 @@ _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
 
-class DecodeError(ValueError):
-    """A stream entry that cannot be turned into a valid message; `reason` says why."""
+# Why an entry was rejected, as a short fixed word: the dead-letter record and the per-reason
+# metrics carry it (a metric label must not be free text); `reason` holds the details.
+REJECT_CODES = (
+    "not_bytes",  # the entry's payload is not a byte string
+    "oversized",  # over the configured MAX_MESSAGE_BYTES
+    "malformed",  # not msgpack at all, or truncated
+    "not_a_map",  # msgpack, but not a map
+    "schema_version",  # a schema version this build does not speak
+    "unknown_kind",
+    "wrong_kind",  # a valid message on a stream that carries another kind
+    "invalid",  # fails validation (missing/extra field, out-of-range value, inconsistent arrays)
+)
 
-    def __init__(self, reason: str):
+
+class DecodeError(ValueError):
+    """A stream entry that cannot be turned into a valid message; `reason` says why, `code` is
+    one of REJECT_CODES."""
+
+    def __init__(self, reason: str, code: str = "invalid"):
         super().__init__(reason)
         self.reason = reason
+        self.code = code
 
 
 def pack_i32(values: Any) -> bytes:
@@ -95,6 +111,22 @@ class Rollout(Message):
     finish_reason: str | None = None
     answer: str
     temperature: float = Field(1.0, ge=0.0)  # sampled at; the trainer rescales its logits alike
+
+    @model_validator(mode="after")
+    def _arrays_consistent(self) -> Rollout:
+        # The trainer indexes logprobs by completion position: a mismatch would be a shape error
+        # deep inside a training step, so it is rejected here, at the stream boundary.
+        for name in ("prompt_ids", "completion_ids", "logprobs"):
+            if len(getattr(self, name)) % 4:
+                raise ValueError(f"{name} holds {len(getattr(self, name))} bytes, not a whole number of 4-byte values")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"{len(self.logprobs) // 4} logprobs for {len(self.completion_ids) // 4} completion tokens; "
+                "there must be one behaviour logprob per sampled token"
+            )
+        if self.sample_index >= self.group_size:
+            raise ValueError(f"sample_index {self.sample_index} is outside a group of {self.group_size}")
+        return self
 
     def completion_array(self) -> np.ndarray:
         return unpack_i32(self.completion_ids)
@@ -167,6 +199,7 @@ class DeadLetter(Message):
     stream: str
     entry_id: str
     reason: str
+    code: str = ""  # one of REJECT_CODES, or a consumer's own ("max_deliveries", "non_finite_reward", ...)
     raw: bytes = b""
 
 
@@ -193,27 +226,31 @@ def decode(raw: bytes, expected: None = None, *, max_bytes: int = ...) -> Messag
 def decode(raw: Any, expected: type[Message] | None = None, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Decode and validate one message. Raises DecodeError with a reason; never unpickles."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
-        raise DecodeError(f"payload is {type(raw).__name__}, expected bytes")
+        raise DecodeError(f"payload is {type(raw).__name__}, expected bytes", "not_bytes")
     if len(raw) > max_bytes:
-        raise DecodeError(f"message of {len(raw)} bytes exceeds the limit of {max_bytes} bytes")
+        raise DecodeError(f"message of {len(raw)} bytes exceeds the limit of {max_bytes} bytes", "oversized")
     try:
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}") from None
+        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}", "malformed") from None
     if not isinstance(body, dict):
-        raise DecodeError(f"message is a msgpack {type(body).__name__}, expected a map")
+        raise DecodeError(f"message is a msgpack {type(body).__name__}, expected a map", "not_a_map")
     version = body.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise DecodeError(f"schema_version {version!r} is not supported (this build speaks {SCHEMA_VERSION})")
+        raise DecodeError(
+            f"schema_version {version!r} is not supported (this build speaks {SCHEMA_VERSION})", "schema_version"
+        )
     kind = body.pop("kind", None)
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise DecodeError(f"unknown message kind {kind!r}; valid kinds: {sorted(MESSAGE_TYPES)}")
+        raise DecodeError(f"unknown message kind {kind!r}; valid kinds: {sorted(MESSAGE_TYPES)}", "unknown_kind")
     if expected is not None and cls is not expected:
-        raise DecodeError(f"message kind '{kind}' on a stream that carries '{expected.kind}'")
+        raise DecodeError(f"message kind '{kind}' on a stream that carries '{expected.kind}'", "wrong_kind")
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        raise DecodeError(f"invalid {kind}: {where}: {first.get('msg')} ({exc.error_count()} error(s))") from None
+        raise DecodeError(
+            f"invalid {kind}: {where}: {first.get('msg')} ({exc.error_count()} error(s))", "invalid"
+        ) from None

@@ -52,8 +52,11 @@ def test_generator_metrics_scraped() -> None:
     m.generated(samples=8, tokens=120, seconds=0.3)
     m.generated(samples=8, tokens=80, seconds=2.0)
     m.loaded(version=3, seconds=0.04)
+    m.dead_letter("prompts", "prompt_too_long")
     got = _scrape(port)
     assert got[("asyncrl_service_info", (("service", "generator"),))] == 1.0
+    too_long = (("job_id", "j1"), ("reason", "prompt_too_long"), ("stream", "prompts"))
+    assert got[("asyncrl_generator_dead_letters_total", too_long)] == 1
     assert got[("asyncrl_generator_samples_total", JOB)] == 16
     assert got[("asyncrl_generator_tokens_total", JOB)] == 200
     assert got[("asyncrl_generator_generate_seconds_count", JOB)] == 2
@@ -73,12 +76,15 @@ def test_reward_metrics_scraped() -> None:
     m = RewardMetrics(registry, "j1")
     m.scored([1.0, 0.0, 0.5, 0.5])
     m.scored([])  # an all-dead-lettered batch leaves the mean alone
-    m.dead_letter("rollouts")
-    m.dead_letter("rollouts")
+    m.dead_letter("rollouts", "non_finite_reward")
+    m.dead_letter("rollouts", "non_finite_reward")
+    m.dead_letter("rollouts", "malformed")
     got = _scrape(port)
     assert got[("asyncrl_reward_scored_total", JOB)] == 4
     assert got[("asyncrl_reward_mean", JOB)] == 0.5
-    assert got[("asyncrl_dead_letters_total", (("job_id", "j1"), ("stream", "rollouts")))] == 2
+    dead = (("job_id", "j1"), ("reason", "non_finite_reward"), ("stream", "rollouts"))
+    assert got[("asyncrl_reward_dead_letters_total", dead)] == 2
+    assert got[("asyncrl_reward_dead_letters_total", (("job_id", "j1"), ("reason", "malformed"), ("stream", "rollouts")))] == 1
 
 
 def test_trainer_metrics_scraped() -> None:
