@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response, Security
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -32,15 +33,15 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from broker.ledger import JOB_STATES, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
+from broker.ledger import ADMIN_TASK_KINDS, JOB_STATES, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
 from broker.redis_server import resolve_redis_url
 from broker.status_page import status_router
 from broker.streams import CONTROL, JobStreams, connect
 from shared.jobspec import JobPatch, JobSpec, format_validation_error
 from shared.schema import Control
-from shared.settings import BrokerSettings
+from shared.settings import AdminSettings, BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +179,41 @@ class JobCollector:
         yield from (step, reward, staleness, samples)
 
 
-def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = None) -> FastAPI:
+def _task_view(task: dict[str, Any] | None) -> dict[str, Any]:
+    """An admin task as the API shows it (JSON-ready)."""
+    assert task is not None
+    out = dict(task)
+    for key in ("created_at", "started_at", "finished_at"):
+        if out.get(key) is not None:
+            out[key] = out[key].isoformat()
+    return out
+
+
+class ExportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=500,
+        description="Folder under the worker's ADMIN_EXPORT_DIR (relative, no '..'); "
+        "default <job id>/step-NNNNNN.",
+    )
+
+
+def create_app(
+    settings: BrokerSettings | None = None,
+    ledger: Ledger | None = None,
+    admin: AdminSettings | None = None,
+) -> FastAPI:
     """The job API app.
 
     Raises:
         ValueError, OSError: the token configuration is unusable (see `configured_tokens`).
     """
     settings = settings or BrokerSettings()
+    admin = admin or AdminSettings()
+    celery_app: Any = None  # built at the first admin task: most API uses never need it
     checker = TokenChecker(configured_tokens(settings))
     if not checker.enabled:
         log.warning(
@@ -456,6 +485,80 @@ def create_app(settings: BrokerSettings | None = None, ledger: Ledger | None = N
             "offset": offset,
             "items": [{k: row[k] for k in fields} for row in rows],
         }
+
+    # -- admin tasks (Celery): evaluate or export a checkpoint --------------------------------
+
+    def submit_admin(request: Request, job_id: str, step: int, kind: str, params: dict[str, Any]) -> JSONResponse:
+        """Record the task in the ledger, then enqueue it. The same request again while the first
+        is queued, running or done answers that task (200) instead of starting another: client
+        retries are safe. A failed task may be submitted again."""
+        nonlocal celery_app
+        job_or_404(job_id)
+        if not any(c["step"] == step for c in ledger.checkpoints(job_id)):
+            steps = [c["step"] for c in ledger.checkpoints(job_id)]
+            raise HTTPException(404, f"job '{job_id}' has no checkpoint at step {step}; "
+                                     f"GET /jobs/{job_id}/checkpoints lists them ({steps or 'none yet'})")
+        params = {"job_id": job_id, "step": step, **params}
+        for t in ledger.admin_tasks(job_id, kind=kind):
+            if t["params"] == params and t["state"] != "failed":
+                return JSONResponse(status_code=200, content=_task_view(t))
+        from broker.admin import TASK_NAMES, make_celery  # Celery loads only when used
+
+        if celery_app is None:
+            celery_app = make_celery(admin)
+        task_id = uuid.uuid4().hex
+        ledger.create_admin_task(task_id, job_id, kind, params, request.state.actor)
+        try:
+            # A few quick retries, then answer: a request must not hang on a dead queue.
+            celery_app.send_task(TASK_NAMES[kind], kwargs=params, task_id=task_id, queue=admin.queue,
+                                 retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5})
+        except Exception as exc:  # the broker is down: say so, and leave no task waiting forever
+            ledger.finish_admin_task(task_id, error=f"could not enqueue: {exc}")
+            raise HTTPException(503, f"the admin task queue is unreachable ({type(exc).__name__}); "
+                                     "check ADMIN_CELERY_BROKER_URL / REDIS_URL and retry") from exc
+        return JSONResponse(status_code=202, content=_task_view(ledger.get_admin_task(task_id)))
+
+    @jobs.post("/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202)
+    def evaluate_checkpoint(job_id: str, step: Annotated[int, PathParam(ge=0, le=2**62)], request: Request) -> JSONResponse:
+        """Evaluate the checkpoint on the job's held-out set (greedy, the trainer's protocol) in
+        the admin worker; the result lands in the ledger's evals (source `checkpoint`) and in
+        GET /tasks/{task_id}."""
+        return submit_admin(request, job_id, step, "evaluate", {})
+
+    @jobs.post("/jobs/{job_id}/checkpoints/{step}/export", status_code=202)
+    def export_checkpoint(
+        job_id: str, step: Annotated[int, PathParam(ge=0, le=2**62)], request: Request, body: ExportRequest | None = None
+    ) -> JSONResponse:
+        """Copy the checkpoint's HF-format files (no trainer state) to a folder under the worker's
+        ADMIN_EXPORT_DIR, verified and renamed into place."""
+        name = body.name if body is not None else None
+        if name is not None:
+            from broker.admin import export_destination
+
+            try:
+                export_destination(admin, job_id, step, name)
+            except ValueError as exc:
+                raise HTTPException(422, str(exc)) from None
+        return submit_admin(request, job_id, step, "export", {"name": name})
+
+    @jobs.get("/jobs/{job_id}/tasks")
+    def job_tasks(
+        job_id: str,
+        kind: Annotated[str | None, Query(description=f"One of: {', '.join(ADMIN_TASK_KINDS)}.")] = None,
+    ) -> list[dict[str, Any]]:
+        """The job's admin tasks, oldest first."""
+        job_or_404(job_id)
+        if kind is not None and kind not in ADMIN_TASK_KINDS:
+            raise HTTPException(422, f"unknown kind '{kind}'; valid: {', '.join(ADMIN_TASK_KINDS)}")
+        return [_task_view(t) for t in ledger.admin_tasks(job_id, kind=kind)]
+
+    @jobs.get("/tasks/{task_id}")
+    def task_status(task_id: str) -> dict[str, Any]:
+        """One admin task: queued, running, succeeded (with its result) or failed (with the error)."""
+        task = ledger.get_admin_task(task_id)
+        if task is None:
+            raise HTTPException(404, f"no admin task '{task_id}'; GET /jobs/{{job_id}}/tasks lists a job's tasks")
+        return _task_view(task)
 
     app.include_router(jobs)
     app.include_router(status_router(ledger, authorize))

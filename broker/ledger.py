@@ -61,10 +61,14 @@ from sqlalchemy.schema import MetaData
 from sqlalchemy.sql.elements import ColumnElement
 
 __all__ = [
+    "ADMIN_TASK_KINDS",
+    "ADMIN_TASK_STATES",
+    "EVAL_SOURCES",
     "JOB_STATES",
     "SAMPLE_KINDS",
     "SAMPLE_STATUSES",
     "USED_STATUSES",
+    "AdminTask",
     "Base",
     "Eval",
     "GeneratorLoad",
@@ -84,6 +88,9 @@ SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated")
 # Terminal sample statuses: the trainer (or evaluator) used the sample; it is never used twice.
 USED_STATUSES = ("trained", "dropped", "evaluated")
 _UNUSED_STATUSES = ("generated", "scored")
+EVAL_SOURCES = ("pipeline", "checkpoint")
+ADMIN_TASK_KINDS = ("evaluate", "export")
+ADMIN_TASK_STATES = ("queued", "running", "succeeded", "failed")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -233,12 +240,17 @@ class TrainStep(Base):
 
 
 class Eval(Base):
-    """A held-out evaluation result; one per (job, step), a re-run replaces it."""
+    """A held-out evaluation result; one per (job, step, source), a re-run replaces it.
+
+    `source` is `pipeline` for the trainer's round through the running generators, `checkpoint`
+    for an offline evaluation of the step's checkpoint (the admin worker's task).
+    """
 
     __tablename__ = "evals"
 
     job_id: Mapped[str] = mapped_column(String, primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    source: Mapped[str] = mapped_column(String, primary_key=True, server_default="pipeline")
     policy_version_min: Mapped[int] = mapped_column(Integer)
     policy_version_max: Mapped[int] = mapped_column(Integer)
     reward_mean: Mapped[float] = mapped_column(Float)
@@ -256,6 +268,26 @@ class Checkpoint(Base):
     policy_version: Mapped[int] = mapped_column(Integer)
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
+
+
+class AdminTask(Base):
+    """A long admin task (Celery) on a job: what was asked, by whom, and how it ended."""
+
+    __tablename__ = "admin_tasks"
+
+    id: Mapped[str] = mapped_column(String, primary_key=True)  # the Celery task id
+    job_id: Mapped[str] = mapped_column(String, index=True)
+    kind: Mapped[str] = mapped_column(String)  # one of ADMIN_TASK_KINDS
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String)  # one of ADMIN_TASK_STATES
+    actor: Mapped[str] = mapped_column(String)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Deliveries that started the task: above 1 after a worker died mid-task (acks_late).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class JobChange(Base):
@@ -278,6 +310,7 @@ _generator_loads = cast(Table, GeneratorLoad.__table__)
 _samples = cast(Table, Sample.__table__)
 _train_steps = cast(Table, TrainStep.__table__)
 _evals = cast(Table, Eval.__table__)
+_admin_tasks = cast(Table, AdminTask.__table__)
 
 _SAMPLE_COLUMNS = frozenset(c.name for c in _samples.columns) - {"id"}
 _SAMPLE_REQUIRED = frozenset(
@@ -954,33 +987,122 @@ class Ledger:
             return [dict(r) for r in s.execute(stmt).mappings()]
 
     def record_eval(
-        self, job_id: str, step: int, vmin: int, vmax: int, reward_mean: float, n: int
+        self,
+        job_id: str,
+        step: int,
+        vmin: int,
+        vmax: int,
+        reward_mean: float,
+        n: int,
+        source: str = "pipeline",
     ) -> None:
         """Upsert a held-out evaluation of the policy at `step` (policy versions vmin..vmax)."""
+        _check(source, EVAL_SOURCES, "eval source")
+        with self._write() as s:
+            s.execute(self._eval_upsert(job_id, step, vmin, vmax, reward_mean, n, source))
+
+    def _eval_upsert(
+        self, job_id: str, step: int, vmin: int, vmax: int, reward_mean: float, n: int, source: str
+    ) -> Any:
         ins = self._insert(_evals).values(
             job_id=job_id,
             step=step,
+            source=source,
             policy_version_min=vmin,
             policy_version_max=vmax,
             reward_mean=float(reward_mean),
             n=n,
             created_at=_utcnow(),
         )
-        stmt = ins.on_conflict_do_update(
-            index_elements=["job_id", "step"],
+        return ins.on_conflict_do_update(
+            index_elements=["job_id", "step", "source"],
             set_={
                 c: ins.excluded[c]
-                for c in ("policy_version_min", "policy_version_max", "reward_mean", "n")
+                for c in ("policy_version_min", "policy_version_max", "reward_mean", "n", "created_at")
             },
         )
-        with self._write() as s:
-            s.execute(stmt)
 
-    def evals(self, job_id: str) -> list[dict[str, Any]]:
-        """A job's evaluations ordered by step."""
-        stmt = select(_evals).where(_evals.c.job_id == job_id).order_by(_evals.c.step)
+    def evals(self, job_id: str, source: str | None = None) -> list[dict[str, Any]]:
+        """A job's evaluations ordered by step (pipeline before checkpoint within a step)."""
+        stmt = select(_evals).where(_evals.c.job_id == job_id)
+        if source is not None:
+            stmt = stmt.where(_evals.c.source == source)
+        stmt = stmt.order_by(_evals.c.step, _evals.c.source.desc())
         with self._read() as s:
             return [dict(r) for r in s.execute(stmt).mappings()]
+
+    # -- admin tasks ----------------------------------------------------------------------------
+
+    def create_admin_task(
+        self, task_id: str, job_id: str, kind: str, params: dict[str, Any], actor: str
+    ) -> bool:
+        """Record a submitted admin task as `queued`; False (nothing changed) if the id exists."""
+        _check(kind, ADMIN_TASK_KINDS, "admin task kind")
+        stmt = (
+            self._insert(_admin_tasks)
+            .values(id=task_id, job_id=job_id, kind=kind, params=params, state="queued", actor=actor,
+                    attempts=0, created_at=_utcnow())
+            .on_conflict_do_nothing(index_elements=["id"])
+            .returning(_admin_tasks.c.id)
+        )
+        with self._write() as s:
+            return s.execute(stmt).first() is not None
+
+    def get_admin_task(self, task_id: str) -> dict[str, Any] | None:
+        with self._read() as s:
+            row = s.execute(select(_admin_tasks).where(_admin_tasks.c.id == task_id)).mappings().first()
+        return dict(row) if row is not None else None
+
+    def admin_tasks(self, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+        """A job's admin tasks, oldest first."""
+        stmt = select(_admin_tasks).where(_admin_tasks.c.job_id == job_id)
+        if kind is not None:
+            stmt = stmt.where(_admin_tasks.c.kind == kind)
+        with self._read() as s:
+            return [dict(r) for r in s.execute(stmt.order_by(_admin_tasks.c.created_at)).mappings()]
+
+    def start_admin_task(self, task_id: str) -> dict[str, Any] | None:
+        """Mark a task `running` and count the attempt, unless it already succeeded.
+
+        Returns the row as it was before (None if unknown). A redelivered task whose first run
+        succeeded (the worker died before acking) finds `succeeded` and must not run again.
+        """
+        with self._write() as s:
+            row = s.execute(select(_admin_tasks).where(_admin_tasks.c.id == task_id)).mappings().first()
+            if row is None or row["state"] == "succeeded":
+                return dict(row) if row is not None else None
+            s.execute(
+                update(_admin_tasks)
+                .where(_admin_tasks.c.id == task_id)
+                .values(state="running", attempts=_admin_tasks.c.attempts + 1, started_at=_utcnow(),
+                        error=None)
+            )
+            return dict(row)
+
+    def finish_admin_task(
+        self,
+        task_id: str,
+        *,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+        eval_row: dict[str, Any] | None = None,
+    ) -> None:
+        """End a task: `succeeded` with `result`, or `failed` with `error`.
+
+        `eval_row` (keyword arguments of `record_eval`) is written in the same transaction, so an
+        evaluation's result and its task's success are one effect: both or neither.
+        """
+        state = "failed" if error is not None else "succeeded"
+        with self._write() as s:
+            if eval_row is not None:
+                row = {"source": "checkpoint", **eval_row}
+                _check(row["source"], EVAL_SOURCES, "eval source")
+                s.execute(self._eval_upsert(**row))
+            s.execute(
+                update(_admin_tasks)
+                .where(_admin_tasks.c.id == task_id)
+                .values(state=state, result=_json_safe(result), error=error, finished_at=_utcnow())
+            )
 
 
 def _alembic_config(connection: Connection) -> Config:

@@ -143,7 +143,6 @@ class AdminSettings(CommonSettings):
     celery_broker_url: str | None = Field(
         None, description="Celery broker; unset: REDIS_URL (admin tasks use their own keys, off the rollout streams)."
     )
-    celery_backend_url: str | None = Field(None, description="Celery result backend; unset: the broker URL.")
     queue: str = Field("admin", description="Queue the admin tasks go to; the worker consumes only this one.")
     key_prefix: str = Field("asyncrl-admin:", description="Prefix of every Celery key in Redis.")
     export_dir: str = Field("runs/exports", description="Where exports go when the request names no folder.")

@@ -18,7 +18,7 @@ from sqlalchemy import inspect, text
 from broker.ledger import Base, Ledger
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0003"
+HEAD = "0004"
 TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
 
 
