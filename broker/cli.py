@@ -318,5 +318,85 @@ def samples(
     Console().print(table)
 
 
+# -- admin tasks (the job API hands them to the Celery worker) ------------------------------
+
+
+def _checkpoint_step(job_id: str, step: int | None, api: str, token: str | None) -> int:
+    """`step`, or the newest checkpoint's step when it is None."""
+    if step is not None:
+        return step
+    checkpoints = _call("GET", api, f"/jobs/{job_id}/checkpoints", token)
+    if not checkpoints:
+        _fail(f"job {job_id} has no checkpoint yet (the trainer writes one every checkpoint_every steps and at the end)")
+    return int(checkpoints[-1]["step"])
+
+
+def _follow_task(task: dict[str, Any], wait: bool, interval: float, api: str, token: str | None) -> None:
+    """Print the task; with `wait`, poll it until it ends (exit 1 if it failed) and print the result."""
+    if not wait:
+        _echo_json(task)
+        return
+    console = Console(stderr=True)
+    with console.status(f"{task['kind']} task {task['id']}: {task['state']}") as spinner:
+        while task["state"] not in ("succeeded", "failed"):
+            time.sleep(interval)
+            task = _call("GET", api, f"/tasks/{task['id']}", token)
+            spinner.update(f"{task['kind']} task {task['id']}: {task['state']} (attempt {task['attempts']})")
+    if task["state"] == "failed":
+        _fail(f"{task['kind']} task {task['id']} failed: {task['error']}")
+    _echo_json(task)
+
+
+WAIT = typer.Option(False, "--wait", help="Wait for the task to end and print its result; exits 1 if it failed.")
+INTERVAL = typer.Option(1.0, min=0.1, help="--wait: seconds between polls.")
+STEP = typer.Option(None, "--step", help="Checkpoint step; default the newest checkpoint.")
+
+
+@app.command("eval")
+def evaluate(
+    job_id: str,
+    step: int | None = STEP,
+    wait: bool = WAIT,
+    interval: float = INTERVAL,
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Evaluate a checkpoint on the job's held-out set (admin worker; result in the ledger)."""
+    step = _checkpoint_step(job_id, step, api, token)
+    task = _call("POST", api, f"/jobs/{job_id}/checkpoints/{step}/evaluate", token)
+    _follow_task(task, wait, interval, api, token)
+
+
+@app.command()
+def export(
+    job_id: str,
+    step: int | None = STEP,
+    name: str | None = typer.Option(
+        None, help="Folder under the worker's ADMIN_EXPORT_DIR; default <job id>/step-NNNNNN."
+    ),
+    wait: bool = WAIT,
+    interval: float = INTERVAL,
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Export a checkpoint as an HF-format model directory (admin worker)."""
+    step = _checkpoint_step(job_id, step, api, token)
+    body = {"name": name} if name is not None else None
+    task = _call("POST", api, f"/jobs/{job_id}/checkpoints/{step}/export", token, json=body)
+    _follow_task(task, wait, interval, api, token)
+
+
+@app.command()
+def task(
+    task_id: str,
+    wait: bool = WAIT,
+    interval: float = INTERVAL,
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Show an admin task (queued, running, succeeded with its result, failed with the error)."""
+    _follow_task(_call("GET", api, f"/tasks/{task_id}", token), wait, interval, api, token)
+
+
 if __name__ == "__main__":
     app()

@@ -21,7 +21,7 @@ from broker.api import create_app
 from broker.cli import TERMINAL_STATES, app
 from broker.ledger import Ledger
 from broker.streams import connect
-from shared.settings import BrokerSettings
+from shared.settings import AdminSettings, BrokerSettings
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SPEC = {"name": "tiny", "model_path": "models/tiny", "group_size": 4, "steps": 3, "max_staleness": 1}
@@ -56,7 +56,8 @@ def api(tmp_path) -> Iterator[Api]:
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
     settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, tokens=RW)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, ledger=ledger), log_level="warning", lifespan="off")
+        uvicorn.Config(create_app(settings, ledger=ledger, admin=AdminSettings(redis_url=REDIS_URL, key_prefix=prefix)),
+                       log_level="warning", lifespan="off")
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; the server serves this socket
@@ -201,3 +202,28 @@ def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     result = api.cli("list", "--api", closed)
     assert result.exit_code == 1 and "cannot reach the job API" in result.stderr
+
+
+def test_eval_and_export_pick_the_newest_checkpoint_and_report_the_task(api, tmp_path):
+    job = api.submit(tmp_path)
+    result = api.cli("eval", job)
+    assert result.exit_code == 1 and "has no checkpoint yet" in result.stderr
+    for step in (2, 4):
+        api.ledger.record_checkpoint(job, step, step, str(tmp_path / f"step-{step}"))
+    # The API enqueues on the admin queue (no worker here: the tasks stay queued).
+    result = api.cli("eval", job)
+    assert result.exit_code == 0, result.output
+    task = json.loads(result.stdout)
+    assert task["kind"] == "evaluate" and task["params"]["step"] == 4 and task["state"] == "queued"
+    result = api.cli("export", job, "--step", "2", "--name", "release/a")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["params"] == {"job_id": job, "step": 2, "name": "release/a"}
+    result = api.cli("export", job, "--name", "../x")
+    assert result.exit_code == 1 and "relative folder name" in result.stderr
+    result = api.cli("task", task["id"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["id"] == task["id"], result.output
+    api.ledger.finish_admin_task(task["id"], error="RuntimeError: no engine")
+    result = api.cli("task", task["id"], "--wait")
+    assert result.exit_code == 1 and "failed: RuntimeError: no engine" in result.stderr
+    result = api.cli("task", "nope")
+    assert result.exit_code == 1 and "no admin task" in result.stderr
