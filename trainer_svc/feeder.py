@@ -8,8 +8,9 @@ generator can never run further ahead than the staleness budget allows (DESIGN.m
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker.streams import PROMPTS, JobStreams
 from shared.jobspec import JobSpec
@@ -22,12 +23,22 @@ def eval_round(group_id: str) -> str:
     return group_id.rsplit("/", 1)[0]
 
 
+def group_seq(group_id: str) -> int:
+    """The feed counter of a training group id `{prefix}/g{seq}`: the order groups were fed in,
+    across trainer restarts too (a resumed feeder continues the count)."""
+    return int(group_id.rsplit("/", 1)[1].removeprefix("g"))
+
+
 class Feeder:
     """Group ids (and so every msg_id derived from them) start with the job id: they are the
-    ledger's idempotency keys and must be unique across all jobs sharing one database."""
+    ledger's idempotency keys and must be unique across all jobs sharing one database.
+
+    `journal`, when given, is called with `state()` after every publish, so a restarted trainer
+    knows exactly what its predecessor fed (trainer_svc.checkpoint.FeedJournal)."""
 
     def __init__(
-        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem], run_id: str = ""
+        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem], run_id: str = "",
+        journal: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.streams = streams
         # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
@@ -35,19 +46,47 @@ class Feeder:
         self.spec = spec
         self.train = list(train)
         self.test = list(test)
+        self.journal = journal
         self.rng = random.Random(spec.seed)
         self.order: list[int] = []
+        self.epochs = 0  # shuffles so far: with the seed, they rebuild `rng` and `order` (restore)
         self.cursor = 0  # position in `order`; a new shuffled epoch starts when it runs out
         self.seq = 0  # groups fed so far: the group id's counter
         self.in_flight: set[str] = set()
         self.eval_rounds = 0
+        self.open_evals: dict[str, int] = {}  # eval round id -> the step it evaluates, until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
         self.top_p = spec.sampling.top_p
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue feeding where this feeder is (JSON-safe)."""
+        return {
+            "seq": self.seq, "epochs": self.epochs, "cursor": self.cursor, "eval_rounds": self.eval_rounds,
+            "in_flight": sorted(self.in_flight, key=group_seq), "open_evals": dict(self.open_evals),
+            "temperature": self.temperature, "top_p": self.top_p,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state()` of a feeder of the same job (same seed and task)."""
+        self.rng = random.Random(self.spec.seed)
+        self.order = []
+        for _ in range(int(state["epochs"])):  # replay the shuffles: same rng state, same order
+            self.order = list(range(len(self.train)))
+            self.rng.shuffle(self.order)
+        self.epochs = int(state["epochs"])
+        self.cursor = int(state["cursor"])
+        self.seq = int(state["seq"])
+        self.eval_rounds = int(state["eval_rounds"])
+        self.in_flight = set(state["in_flight"])
+        self.open_evals = {str(k): int(v) for k, v in state["open_evals"].items()}
+        self.temperature = float(state["temperature"])
+        self.top_p = float(state["top_p"])
 
     def _next_problem(self) -> Problem:
         if self.cursor >= len(self.order):
             self.order = list(range(len(self.train)))
             self.rng.shuffle(self.order)
+            self.epochs += 1
             self.cursor = 0
         p = self.train[self.order[self.cursor]]
         self.cursor += 1
@@ -80,15 +119,22 @@ class Feeder:
             )
         self.streams.publish_many(PROMPTS, msgs)
         self.in_flight.update(m.group_id for m in msgs)
+        if msgs and self.journal is not None:  # after the XADD: a journaled group was really fed
+            self.journal(self.state())
         return len(msgs)
 
     def done(self, group_id: str) -> None:
         self.in_flight.discard(group_id)
 
-    def feed_eval(self, version: int) -> str:
-        """Feed one greedy sample of every held-out problem; returns the round's id (see `eval_round`)."""
+    def eval_done(self, rnd: str) -> None:
+        self.open_evals.pop(rnd, None)
+
+    def feed_eval(self, version: int, step: int = 0) -> str:
+        """Feed one greedy sample of every held-out problem for the policy after `step`; returns the
+        round's id (see `eval_round`)."""
         rnd = f"{self.prefix}/e{self.eval_rounds}"
         self.eval_rounds += 1
+        self.open_evals[rnd] = step
         msgs = [
             PromptGroup(
                 job_id=self.streams.job_id,
@@ -105,6 +151,8 @@ class Feeder:
             for p in self.test
         ]
         self.streams.publish_many(PROMPTS, msgs)
+        if self.journal is not None:
+            self.journal(self.state())
         return rnd
 
 

@@ -8,10 +8,7 @@ start the next batch after the new weights are published.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +46,7 @@ from shared.schema import (
 from shared.settings import TrainerSettings
 from shared.tasks import load_task
 from shared.transport import WeightServer, build_manifest, make_server
+from trainer_svc import checkpoint
 from trainer_svc.algorithms import (
     ADVANTAGE_ESTIMATORS,
     BatchNorm,
@@ -61,7 +59,7 @@ from trainer_svc.algorithms import (
     policy_loss,
     staleness,
 )
-from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round
+from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round, group_seq
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
@@ -71,9 +69,11 @@ log = logging.getLogger(__name__)
 # --- setup helpers ------------------------------------------------------------------------------
 
 
-def load_policy(spec: JobSpec, device: str):
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.float32).to(device)
+def load_policy(spec: JobSpec, device: str, path: str | Path | None = None):
+    """The policy and tokenizer from `path` (a checkpoint), else the job's model."""
+    path = path or spec.model_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.train()
     return model, tokenizer
 
@@ -112,7 +112,8 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
     run_id: str = "",
-) -> float:
+) -> tuple[float, str]:
+    """Serve and announce version `version`; returns (seconds, the version's checksum)."""
     t0 = time.perf_counter()
     on_gpu = next(model.parameters()).is_cuda and server.name == "ucx"
     entries, buf = flatten_weights(model, keep_device=on_gpu)
@@ -130,22 +131,20 @@ def publish_weights(
     )
     # A version older than the ones the server still holds cannot be fetched: drop its announcement.
     streams.trim_broadcast(POLICY, keep)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, manifest.checksum
 
 
-def save_checkpoint(learner: Learner, root: str, job_id: str, step: int, version: int, ledger) -> Path:
-    """The policy as an HF-format directory (model + tokenizer), written atomically: a temporary
-    directory, a COMMIT marker written last, then one rename; only then recorded in the ledger."""
-    final = Path(root) / job_id / f"step-{step:06d}"
-    if not (final / "COMMIT").exists():
-        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        learner.model.save_pretrained(tmp)
-        learner.tokenizer.save_pretrained(tmp)
-        (tmp / "COMMIT").write_text(json.dumps({"job_id": job_id, "step": step, "policy_version": version}))
-        shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed save
-        os.replace(tmp, final)
+def save_checkpoint(
+    learner: Learner, root: str, job_id: str, step: int, version: int, ledger, state: dict[str, Any]
+) -> Path:
+    """The policy as an HF-format directory (model + tokenizer) plus `trainer_state/` (optimizer,
+    RNG, `state`: step, cursors, ...), written atomically (trainer_svc/checkpoint.py); only then
+    recorded in the ledger."""
+    final = checkpoint.step_dir(root, job_id, step)
+    stats = checkpoint.save(final, learner.model, learner.tokenizer, learner.optimizer,
+                            {"job_id": job_id, "step": step, "policy_version": version, **state})
     ledger.record_checkpoint(job_id, step, version, str(final.resolve()))
+    log.info("checkpoint %s: %.1f MB in %.2fs", final, stats["bytes"] / 1e6, stats["seconds"])
     return final
 
 
@@ -185,10 +184,10 @@ class Learner:
     not depend on the micro-batch size) -> clip -> step. Used by the loop below and by the bench.
     """
 
-    def __init__(self, spec: JobSpec, device: str):
+    def __init__(self, spec: JobSpec, device: str, model_path: str | Path | None = None):
         self.spec = spec
         self.device = device
-        self.model, self.tokenizer = load_policy(spec, device)
+        self.model, self.tokenizer = load_policy(spec, device, model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         a = spec.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
@@ -200,8 +199,11 @@ class Learner:
             self.ref_model, _ = load_policy(spec, device)
             self.ref_model.eval().requires_grad_(False)
 
-    def step(self, samples: list[Scored], rewards: torch.Tensor, lr_scale: float = 1.0) -> dict[str, float]:
-        """samples in group order; rewards (G, n). Returns the step's metrics."""
+    def step(
+        self, samples: list[Scored], rewards: torch.Tensor, lr_scale: float = 1.0, lr: float | None = None
+    ) -> dict[str, float]:
+        """samples in group order; rewards (G, n). The step size is `lr` if given (a re-done step's
+        recorded lr), else the base lr times `lr_scale`. Returns the step's metrics."""
         spec = self.spec
         advantages = self.advantage_fn(rewards).reshape(-1)  # (B,)
         norm = BatchNorm.from_lengths([len(s.rollout.completion_ids) // 4 for s in samples],
@@ -225,7 +227,7 @@ class Learner:
             out.loss.backward()
             sums = accumulate(sums, out.metrics)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
-        lr = self.lr * lr_scale
+        lr = self.lr * lr_scale if lr is None else lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -255,53 +257,96 @@ def run(settings: TrainerSettings) -> None:
 
 
 def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams) -> None:
+    t_boot = time.perf_counter()
     if settings.threads:
         torch.set_num_threads(settings.threads)
     torch.manual_seed(spec.seed)
     prom = TrainerMetrics(serve_metrics(settings.metrics_port, "trainer"), job_id)
-    learner = Learner(spec, settings.device)
+    # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
+    resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
+    learner = Learner(spec, settings.device, resume.checkpoint if resume else None)
     model = learner.model
     k = spec.staleness_bound
     adaptive = None
     if spec.adaptive_staleness is not None and spec.mode == "async":
         a = spec.adaptive_staleness
         adaptive = AdaptiveStaleness(a.k_min, a.k_max, a.metric, a.threshold, a.patience)
+    if not spec.checkpoint_every:
+        log.warning("checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
+                    "and Redis holds every trained sample until the job ends")
     train_set, test_set = load_task(
         spec.task.name, seed=spec.seed, n_train=spec.task.n_train, n_test=spec.task.n_test,
         path=spec.task.path, test_path=spec.task.test_path,
     )
     for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
         streams.ensure_group(stream, group)
-    run_id = uuid.uuid4().hex[:8]  # this trainer process: generators follow a restart by it
-    feeder = Feeder(streams, spec, train_set, test_set, run_id)
+    # A new run id per trainer process, resumed or not. Announcements carry it, so generators drop
+    # the dead trainer's weight server and reload from this one even though the version numbers
+    # repeat (the re-done steps re-publish them). New group ids carry it too: the feed counter
+    # continues from the journal, and the run id keeps them apart from any group a predecessor fed
+    # after its last journal write. The predecessor's in-flight groups keep their ids.
+    run_id = uuid.uuid4().hex[:8]
+    feeder = Feeder(streams, spec, train_set, test_set, run_id,
+                    journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
+    scored_in = checkpoint.singleton_consumer(streams)
     assembler = GroupAssembler()
     control = ControlWatcher(streams)
     server = make_server(
         settings.transport, host=settings.bind_host, port=settings.bind_port,
         keep=settings.keep_versions, advertise_host=settings.advertise_host,
     )
-    version = 0
-    set_context(policy_version=version)
-    ledger.set_job_state(job_id, "running")
-    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
     evals: dict[str, EvalRound] = {}
+    eval_steps: set[int] = set()  # steps whose held-out round was fed (by this run or a predecessor)
     ready: list[Group] = []  # complete groups waiting for a batch slot
+    held: list[str] = []  # scored entries of trained steps, acked once a checkpoint covers them
+    replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
+    step = version = 0
+    if resume is not None:
+        step, version, replay = resume.step, resume.version, dict(resume.replay)
+        if resume.feeder is not None:
+            feeder.restore(resume.feeder)
+        feeder.in_flight |= {g for ids in replay.values() for g in ids}
+        eval_steps = set(resume.eval_steps)
+        for rnd, at in feeder.open_evals.items():
+            evals[rnd] = EvalRound(step=at, expected=len(test_set))
 
-    def start_eval(step: int) -> None:
-        evals[feeder.feed_eval(version)] = EvalRound(step=step, expected=len(test_set))
+    def apply_knobs(knobs: dict[str, float]) -> None:
+        nonlocal k
+        if "lr" in knobs:
+            learner.lr = float(knobs["lr"])
+        if "max_staleness" in knobs and spec.mode == "async":
+            k = int(knobs["max_staleness"])
+            if adaptive is not None:
+                adaptive.k = min(max(k, adaptive.k_min), adaptive.k_max)
+                k = adaptive.k
+        feeder.temperature = float(knobs.get("temperature", feeder.temperature))
+        feeder.top_p = float(knobs.get("top_p", feeder.top_p))
+        log.info("live knobs applied: %s", knobs)
 
-    def take_scored(block_ms: int) -> int:
-        """Read scored samples; route complete groups to `ready` or their eval round."""
-        got = 0
-        for d in streams.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512, block_ms=block_ms):
+    def trainer_state() -> dict[str, Any]:
+        """The loop's state at a step boundary, for the checkpoint (JSON)."""
+        return {"run_id": run_id, "k": k, "lr": learner.lr, "knobs": dict(control.settings),
+                "adaptive": None if adaptive is None else {"k": adaptive.k, "calm": adaptive.calm},
+                "feeder": feeder.state()}
+
+    def settle_unknown(g: Group, why: str) -> None:
+        """A complete group this run did not feed (or a round it did not start): dropped with the
+        reason, or, when it is a late copy of a sample already used, only acked."""
+        ledger.record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+                            for m in g.samples])  # record_used leaves used samples as they are
+        streams.ack(SCORED, GROUP_TRAINERS, g.entries)
+        log.warning("group %s: %s", g.group_id, why)
+
+    def route(deliveries: list) -> int:
+        """Scored samples -> complete groups -> `ready`, their eval round, or settled as unknown."""
+        for d in deliveries:
             g = assembler.add(d.entry_id, d.message)  # type: ignore[arg-type]
-            got += 1
             if g is None:
                 continue
             if g.purpose == "eval":
                 rnd = evals.get(eval_round(g.group_id))
-                if rnd is None:  # a round this trainer did not start (e.g. before a restart)
-                    assembler.strays += g.entries
+                if rnd is None:
+                    settle_unknown(g, "eval round not started by a trainer run this one resumed from")
                     continue
                 s = next(iter(g.samples.values()))
                 rnd.rewards.append(s.reward)
@@ -309,6 +354,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 rnd.entries += g.entries
                 rnd.used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
                                  "staleness": staleness(version, s.rollout.policy_version)})
+            elif g.group_id not in feeder.in_flight:
+                settle_unknown(g, "not fed by a trainer run this one resumed from (fed after its last journal write)")
             else:
                 ready.append(g)
         for name, rnd in list(evals.items()):
@@ -320,10 +367,50 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 log.info("eval %s after step %d: held-out reward %.3f (versions %d..%d)",
                          name, rnd.step, mean, min(rnd.versions), max(rnd.versions))
                 del evals[name]
-        return got
+                feeder.eval_done(name)
+        return len(deliveries)
 
-    start_eval(0)
-    step = 0
+    def take_scored(block_ms: int) -> int:
+        return route(scored_in.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512,
+                                       block_ms=block_ms))
+
+    def start_eval(at: int) -> None:
+        if at in eval_steps:  # a predecessor fed it: its round is restored above, or recorded
+            return
+        eval_steps.add(at)
+        evals[feeder.feed_eval(version, at)] = EvalRound(step=at, expected=len(test_set))
+
+    # take over what a predecessor left pending (checkpoint.take_over), then restore the RNG last
+    taken = checkpoint.take_over(streams, SCORED, GROUP_TRAINERS, settings.consumer_id, Scored)
+    route(taken)
+    if replay:
+        have = {g.group_id for g in ready}
+        missing = sorted({g for ids in replay.values() for g in ids} - have, key=group_seq)
+        if missing:
+            raise RuntimeError(
+                f"cannot resume exactly: steps {sorted(replay)} trained {len(missing)} groups after the last "
+                f"checkpoint whose samples are no longer pending in Redis (first: {missing[0]}); Redis lost them "
+                "or they were dead-lettered after too many deliveries")
+    if resume is not None and resume.checkpoint is not None:
+        st = checkpoint.load_state(resume.checkpoint, learner.optimizer, settings.device)
+        k, learner.lr = int(st["k"]), float(st["lr"])
+        if adaptive is not None and st["adaptive"] is not None:
+            adaptive.k, adaptive.calm = int(st["adaptive"]["k"]), int(st["adaptive"]["calm"])
+        control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
+        since = {key: v for key, v in control.settings.items() if st["knobs"].get(key) != v}
+        control.changed = False
+        if since:
+            apply_knobs(since)
+    set_context(policy_version=version)
+    ledger.set_job_state(job_id, "running")
+    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
+    if resume is not None:
+        log.info("resumed from %s at step %d (version %d) in %.1fs: re-doing steps %s; %d groups in flight, "
+                 "%d pending entries taken over", resume.checkpoint or "the initial model", step, version,
+                 time.perf_counter() - t_boot, sorted(replay), len(feeder.in_flight), len(taken))
+
+    if step == 0:
+        start_eval(0)
     while step < spec.steps:
         t_start = time.perf_counter()
         control.poll()
@@ -335,25 +422,20 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             continue
         if control.changed:  # live knobs (PATCH /jobs/{id}), applied from this step on
             control.changed = False
-            knobs = control.settings
-            if "lr" in knobs:
-                learner.lr = float(knobs["lr"])
-            if "max_staleness" in knobs and spec.mode == "async":
-                k = int(knobs["max_staleness"])
-                if adaptive is not None:
-                    adaptive.k = min(max(k, adaptive.k_min), adaptive.k_max)
-                    k = adaptive.k
-            feeder.temperature = float(knobs.get("temperature", feeder.temperature))
-            feeder.top_p = float(knobs.get("top_p", feeder.top_p))
-            log.info("live knobs applied: %s", knobs)
+            apply_knobs(control.settings)
 
         # feed: keep (k + 1) * batch groups in flight
         feeder.top_up(version, k)
 
-        # consume: complete groups within the staleness bound; older ones are dropped and counted
+        # consume: complete groups within the staleness bound; older ones are dropped and counted.
+        # A step a predecessor trained after the checkpoint takes exactly its groups again.
         batch: list[Group] = []
         dropped: list[dict] = []
         drop_entries: list[str] = []
+        redo = replay.pop(step + 1, None)
+        if redo is not None:
+            batch = [g for g in ready if g.group_id in redo]
+            ready[:] = [g for g in ready if g.group_id not in redo]
         while len(batch) < spec.prompts_per_step:
             while ready and len(batch) < spec.prompts_per_step:
                 g = ready.pop(0)
@@ -376,13 +458,15 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             control.poll(block_ms=settings.block_ms)
         if control.done or len(batch) < spec.prompts_per_step:
             break
+        batch.sort(key=lambda g: group_seq(g.group_id))  # feed order: arrival order must not matter
         t_data = time.perf_counter()
 
         # advantages, loss, step (Learner.step: micro-batches normalised by global-batch counts)
         samples, rewards = flatten_batch(batch)
         stale = [staleness(version, s.rollout.policy_version) for s in samples]
         lr_scale = staleness_lr_scale(float(np.mean(stale))) if spec.algorithm.staleness_lr else 1.0
-        step_metrics = learner.step(samples, rewards, lr_scale)
+        redo_lr = resume.replay_lr.get(step + 1) if redo is not None and resume is not None else None
+        step_metrics = learner.step(samples, rewards, lr_scale, lr=redo_lr)
         trained_version = version
         version += 1
         step += 1
@@ -390,19 +474,35 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         t_train = time.perf_counter()
 
         # publish weights
-        publish_s = publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
+        publish_s, checksum = publish_weights(
+            model, version, server, streams, ledger, job_id, settings.keep_versions, run_id
+        )
+        if redo is not None:
+            assert resume is not None
+            before = resume.checksums.get(version)
+            if before == checksum:
+                log.info("re-done step %d reproduces version %d (checksum %s)", step, version, checksum)
+            else:
+                log.warning("re-done step %d gives version %d checksum %s, the predecessor published %s "
+                            "(non-deterministic kernels?)", step, version, checksum, before)
 
-        # ledger + metrics, then ack what this step consumed
+        # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         t_ledger = time.perf_counter()
         used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version, "staleness": st}
                 for s, st in zip(samples, stale, strict=True)]
-        ledger.record_used(used + dropped)
+        changed = ledger.record_used(used + dropped)
+        # Samples the ledger already had as used: a re-done step's own (expected), else trained twice.
+        twice = len(used) + len(dropped) - changed - (len(used) if redo is not None else 0)
+        if twice:
+            log.error("step %d: %d samples were already used in the ledger", step, twice)
         metrics = {
             **step_metrics,
             "off_policy/mean": float(np.mean(stale)),
             "off_policy/max": float(max(stale)),
             "off_policy/dropped": float(len(dropped)),
             "staleness/bound": float(k),
+            "ledger/trained_twice": float(twice),
+            "resume/redone": float(redo is not None),
             "time/wait_s": t_data - t_start,
             "time/train_s": t_train - t_data,
             "time/publish_s": publish_s,
@@ -415,7 +515,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         ledger.record_train_step(job_id, step, version, metrics)
         prom.step(step, version, metrics)
         ledger.set_job_step(job_id, step)
-        streams.ack(SCORED, GROUP_TRAINERS, [e for g in batch for e in g.entries] + drop_entries + assembler.strays)
+        held += [e for g in batch for e in g.entries]
+        streams.ack(SCORED, GROUP_TRAINERS, drop_entries + assembler.strays)
         assembler.strays.clear()
         for g in batch:
             feeder.done(g.group_id)
@@ -429,13 +530,21 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
             start_eval(step)
 
+        # checkpoint: every checkpoint_every steps; then the entries of the steps it covers are acked
+        if spec.checkpoint_every and step % spec.checkpoint_every == 0 and step < spec.steps:
+            save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+            streams.ack(SCORED, GROUP_TRAINERS, held)
+            held.clear()
+
     if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
         ledger.set_job_state(job_id, "cancelled")
         log.info("trainer cancelled at step %d (version %d)", step, version)
         server.close()
         return
     if step > 0:  # the final policy, for evaluation and export
-        save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger)
+        save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+        streams.ack(SCORED, GROUP_TRAINERS, held)
+        held.clear()
     # final held-out evaluation, then wait for every outstanding round
     start_eval(step)
     deadline = time.monotonic() + settings.job_wait_s

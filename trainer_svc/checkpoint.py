@@ -1,0 +1,298 @@
+"""Trainer checkpoints and exact resume.
+
+One checkpoint, `<root>/<job>/step-NNNNNN/`:
+
+    config.json, model.safetensors, tokenizer files   the policy in HF format, at the top level, so
+                                                      the directory loads with from_pretrained and
+                                                      vLLM and exports as it is
+    trainer_state/optimizer.pt   AdamW state_dict (tensors and numbers; torch.load(weights_only=True))
+    trainer_state/rng.pt         torch CPU (and CUDA) generator states, numpy's MT19937 key
+    trainer_state/trainer.json   step, policy version, run id, staleness bound and the adaptive
+                                 controller, base lr, live knobs applied so far, python and numpy
+                                 RNG scalars, the feeder's state (data cursor, in-flight groups,
+                                 open eval rounds)
+    COMMIT                       written last (then one rename): a directory without it is a
+                                 crashed save and is removed at the next start
+
+There is no LR scheduler to save: the lr is a live knob the loop sets on the param groups every
+step (saved as `lr`). Next to the step directories, `feed-journal.json` holds the feeder's state
+after every publish (atomic replace), so a restarted trainer knows what its predecessor fed after
+its last checkpoint.
+
+How resume stays exact (no sample skipped or trained twice). The ledger records a step's samples
+as `trained` when the step is done, and a checkpoint is only taken every N steps, so a trainer
+killed between checkpoints has trained steps the checkpoint does not hold. Rather than pay for a
+full checkpoint (weights + 2x optimizer state) every step, the trainer
+
+1. holds the XACK of every scored entry it trains on until a checkpoint covering that step is
+   committed: those entries stay pending in the `trainers` group (and trim_acked's MINID keeps
+   them in the stream). Redis memory for this is bounded by checkpoint_every steps of samples;
+2. on start, loads the newest committed checkpoint (or the job's initial state when there is none),
+   takes over every entry pending in `trainers` at once (the trainer is one process per job, so
+   anything pending at its start belongs to a dead predecessor; waiting `claim_idle_ms` for them
+   to go idle would stall the job for a minute), and
+3. re-does the steps the ledger shows trained after the checkpoint with exactly the groups the
+   ledger names, in feed order, at the lr it recorded. Same weights, optimizer state, data and lr
+   give the same update: the ledger keeps its single `trained` record per sample (record_used
+   only moves unused samples) and the re-published versions carry the checksums the predecessor
+   published (checked and logged; on CPU they match bit for bit).
+
+Groups the predecessor fed but had not trained stay in flight: the journal names them and they
+are consumed as usual, fresh or dropped by the staleness rule. A group nobody knows (fed in the
+instant between an XADD and the journal write) is dropped with a reason, never silently lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from broker.streams import Delivery, JobStreams
+from shared.schema import Message
+from trainer_svc.feeder import group_seq
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+STATE_DIR = "trainer_state"
+COMMIT = "COMMIT"
+JOURNAL = "feed-journal.json"
+# The trainer never reclaims from itself mid-run (its held entries may wait longer than any idle
+# timeout for the next checkpoint); it takes over a predecessor's entries once, at start.
+NEVER_MS = 2**62
+
+
+def step_dir(root: str | Path, job_id: str, step: int) -> Path:
+    return Path(root) / job_id / f"step-{step:06d}"
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, JSON scalars) of every generator the trainer may draw from."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda{i}"] = s
+    py_version, py_state, py_gauss = random.getstate()
+    scalars = {"python": [py_version, list(py_state), py_gauss],
+               "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
+    return tensors, scalars
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda{i}"] for i in range(len(tensors)) if f"cuda{i}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    py_version, py_state, py_gauss = scalars["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    np_name, np_pos, np_has_gauss, np_gauss = scalars["numpy"]
+    np.random.set_state((np_name, tensors["numpy_keys"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+
+
+# --- save / find / load -------------------------------------------------------------------------
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write JSON durably and atomically (temp file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, float]:
+    """Write one checkpoint atomically; returns {"bytes", "seconds"}. An existing committed
+    checkpoint at `final` is kept as it is (a step is saved once)."""
+    t0 = time.perf_counter()
+    if (final / COMMIT).exists():
+        return {"bytes": float(dir_bytes(final)), "seconds": 0.0}
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    sd = tmp / STATE_DIR
+    sd.mkdir()
+    torch.save(optimizer.state_dict(), sd / "optimizer.pt")
+    tensors, scalars = rng_state()
+    torch.save(tensors, sd / "rng.pt")
+    (sd / "trainer.json").write_text(json.dumps({"format": FORMAT, **state, "rng": scalars}))
+    _fsync_tree(tmp)
+    _write_json(tmp / COMMIT, {"format": FORMAT, "job_id": state.get("job_id"), "step": state["step"],
+                               "policy_version": state["policy_version"], "trainer_state": STATE_DIR})
+    shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed save
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power cut
+    finally:
+        os.close(fd)
+    return {"bytes": float(dir_bytes(final)), "seconds": time.perf_counter() - t0}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def latest(root: str | Path, job_id: str) -> Path | None:
+    """The newest committed checkpoint of the job that holds trainer state; removes uncommitted
+    leftovers (temp directories and directories without COMMIT: crashed saves)."""
+    job_dir = Path(root) / job_id
+    if not job_dir.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for d in job_dir.glob("step-*"):
+        if not d.is_dir():
+            continue
+        if ".tmp-" in d.name or not (d / COMMIT).exists():
+            log.warning("removing uncommitted checkpoint %s (a crashed save)", d)
+            shutil.rmtree(d, ignore_errors=True)
+            continue
+        if not (d / STATE_DIR / "trainer.json").exists():
+            continue  # an HF export without trainer state: not resumable
+        step = int(json.loads((d / COMMIT).read_text())["step"])
+        if best is None or step > best[0]:
+            best = (step, d)
+    return best[1] if best else None
+
+
+def load_state(path: Path, optimizer: torch.optim.Optimizer, device: str = "cpu") -> dict[str, Any]:
+    """Restore the optimizer and every RNG from a checkpoint; returns its trainer.json."""
+    sd = path / STATE_DIR
+    optimizer.load_state_dict(torch.load(sd / "optimizer.pt", map_location=device, weights_only=True))
+    state = json.loads((sd / "trainer.json").read_text())
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{sd}: trainer state format {state.get('format')!r}, this trainer reads {FORMAT}")
+    set_rng_state(torch.load(sd / "rng.pt", weights_only=True), state["rng"])
+    return state
+
+
+class FeedJournal:
+    """The feeder's newest state, replaced atomically after every publish (`Feeder(journal=...)`)."""
+
+    def __init__(self, root: str | Path, job_id: str):
+        self.path = Path(root) / job_id / JOURNAL
+
+    def write(self, state: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(self.path, state)
+
+    def read(self) -> dict[str, Any] | None:
+        return json.loads(self.path.read_text()) if self.path.exists() else None
+
+
+# --- resume plan --------------------------------------------------------------------------------
+
+
+def replay_plan(trained: list[dict[str, Any]], from_version: int) -> dict[int, list[str]]:
+    """step -> the group ids it trained (feed order), for every step after `from_version`.
+
+    `trained`: ledger rows (group_id, trainer_version) of trained samples; a step that produced
+    version v + 1 trained at trainer_version v. Raises ValueError if the steps are not contiguous
+    from from_version + 1 (the ledger and the checkpoint do not belong together).
+    """
+    by_step: dict[int, set[str]] = {}
+    for row in trained:
+        if row["trainer_version"] >= from_version:
+            by_step.setdefault(row["trainer_version"] + 1, set()).add(row["group_id"])
+    steps = sorted(by_step)
+    if steps != list(range(from_version + 1, from_version + 1 + len(steps))):
+        raise ValueError(f"ledger steps after version {from_version} are not contiguous: {steps}")
+    return {s: sorted(by_step[s], key=group_seq) for s in steps}
+
+
+@dataclass
+class Resume:
+    """Where a restarted trainer continues: a checkpoint (None: the job's initial state) plus the
+    steps its predecessor trained after it, to re-do with the same groups."""
+
+    checkpoint: Path | None
+    step: int
+    version: int
+    state: dict[str, Any]  # the checkpoint's trainer.json ({} without one)
+    feeder: dict[str, Any] | None  # the newest feeder state (journal, else the checkpoint's)
+    replay: dict[int, list[str]] = field(default_factory=dict)  # step -> group ids
+    replay_lr: dict[int, float] = field(default_factory=dict)  # step -> lr it was trained with
+    checksums: dict[int, str] = field(default_factory=dict)  # version -> published checksum
+    eval_steps: set[int] = field(default_factory=set)  # steps whose eval round was fed or recorded
+
+
+def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
+    """What the ledger, the checkpoints and the feed journal say about this job; None for a job no
+    trainer has worked on yet. Call before loading the model (the checkpoint holds it)."""
+    ckpt = latest(root, job_id)
+    journal = FeedJournal(root, job_id).read()
+    if ckpt is None and journal is None and ledger.last_train_step(job_id) is None:
+        return None
+    state: dict[str, Any] = json.loads((ckpt / STATE_DIR / "trainer.json").read_text()) if ckpt else {}
+    step, version = int(state.get("step", 0)), int(state.get("policy_version", 0))
+    if ckpt is not None:  # a save may have died between its rename and the ledger row
+        ledger.record_checkpoint(job_id, step, version, str(ckpt.resolve()))
+    trained = ledger.samples(job_id, status="trained", kind="train", min_trainer_version=version)
+    replay = replay_plan(trained, version)
+    metrics = {s["step"]: s["metrics"] for s in ledger.train_steps(job_id)}
+    replay_lr = {s: float(metrics[s]["lr"]) for s in replay if "lr" in (metrics.get(s) or {})}
+    feeder = journal if journal is not None else state.get("feeder")
+    eval_steps = {e["step"] for e in ledger.evals(job_id)}
+    if feeder is not None:
+        feeder = dict(feeder)
+        # In flight: what was fed and is not used yet (a group is used whole: trained or dropped in
+        # one ledger transaction), plus the groups the replayed steps consume again.
+        flying = list(feeder["in_flight"])
+        used = ledger.used_msg_ids(job_id, [f"{g}/0" for g in flying])
+        replayed = {g for ids in replay.values() for g in ids}
+        keep = {g for g in flying if f"{g}/0" not in used} | replayed
+        feeder["in_flight"] = sorted(keep, key=group_seq)
+        feeder["open_evals"] = {r: s for r, s in feeder["open_evals"].items() if s not in eval_steps}
+        eval_steps |= set(feeder["open_evals"].values())
+    checksums = {v["version"]: v["checksum"] for v in ledger.policy_versions(job_id)}
+    return Resume(ckpt, step, version, state, feeder, replay, replay_lr, checksums, eval_steps)
+
+
+# --- streams ------------------------------------------------------------------------------------
+
+
+def _like(streams: JobStreams, claim_idle_ms: int) -> JobStreams:
+    return JobStreams(streams.r, streams.job_id, prefix=streams.prefix, max_message_bytes=streams.max_message_bytes,
+                      claim_idle_ms=claim_idle_ms, max_deliveries=streams.max_deliveries)
+
+
+def singleton_consumer(streams: JobStreams) -> JobStreams:
+    """The trainer's view of its input stream: no idle reclaim (see NEVER_MS)."""
+    return _like(streams, NEVER_MS)
+
+
+def take_over(streams: JobStreams, stream: str, group: str, consumer: str, expected: type[Message]) -> list[Delivery]:
+    """Claim every entry pending in `group`, whoever holds it and however briefly idle.
+
+    Only for a consumer that is alone in its group by design (the trainer: one per job), at start,
+    before it reads anything: every pending entry then belongs to a dead predecessor. Each take-over
+    counts one delivery, so an entry survives max_deliveries - 1 restarts between checkpoints.
+    """
+    n = streams.pending_count(stream, group)
+    if n == 0:
+        return []
+    return _like(streams, 0).consume(stream, group, consumer, expected, count=n, block_ms=None)
