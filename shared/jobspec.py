@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Advantage = Literal["grpo", "group_mean", "rloo"]
 Loss = Literal["aipo", "ppo_clip", "gspo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-REWARDS = ("exact_match", "math_verify")
+REWARDS = ("exact_match", "math_verify", "python_exec")
 TASKS = ("arithmetic", "gsm8k")
 
 
@@ -93,7 +93,7 @@ class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
     model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
-    reward: Literal["exact_match", "math_verify"] = Field(
+    reward: Literal["exact_match", "math_verify", "python_exec"] = Field(
         "exact_match", description=f"Reward function by name, one of {REWARDS}."
     )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")

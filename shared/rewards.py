@@ -6,8 +6,10 @@ broker's offline checkpoint evaluation.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
+from shared.sandbox import run_python
 from shared.tasks import extract_answer
 
 RewardFn = Callable[[str, str], float]
@@ -39,7 +41,31 @@ def math_verify(completion: str, answer: str) -> float:
     return 1.0 if verify(gold, pred) else 0.0
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {"exact_match": exact_match, "math_verify": math_verify}
+_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(completion: str) -> str:
+    """The last fenced code block (```python, ```py or a bare ```) of a completion, else all of it."""
+    blocks = _CODE_BLOCK.findall(completion)
+    return blocks[-1] if blocks else completion
+
+
+def python_exec(completion: str, answer: str) -> float:
+    """1.0 if the completion's program, run in the sandbox (shared.sandbox: no network, CPU, memory,
+    process, file and wall-clock limits), exits normally and the last non-empty line of its stdout
+    equals the reference answer (numbers compared as in exact_match), else 0.0."""
+    res = run_python(extract_program(completion))
+    if not res.ok:
+        return 0.0
+    lines = [line.strip() for line in res.stdout.splitlines() if line.strip()]
+    return 1.0 if lines and _norm_number(lines[-1]) == _norm_number(answer) else 0.0
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math_verify": math_verify,
+    "python_exec": python_exec,
+}
 
 
 def get_reward_fn(name: str) -> RewardFn:

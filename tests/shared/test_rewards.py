@@ -1,7 +1,10 @@
 """Reward functions by name: exact match on the final number, math equivalence via math-verify."""
 
+import typing
+
 import pytest
 
+from shared.jobspec import REWARDS, JobSpec
 from shared.rewards import REWARD_FUNCTIONS, exact_match, get_reward_fn, math_verify
 
 
@@ -40,6 +43,14 @@ def test_math_verify(completion, answer, expected):
 
 def test_reward_registry_by_name():
     assert get_reward_fn("exact_match") is exact_match
-    assert set(REWARD_FUNCTIONS) == {"exact_match", "math_verify"}
-    with pytest.raises(ValueError, match="unknown reward function 'f1'; valid: \\['exact_match', 'math_verify'\\]"):
+    assert set(REWARD_FUNCTIONS) == {"exact_match", "math_verify", "python_exec"}
+    with pytest.raises(
+        ValueError, match="unknown reward function 'f1'; valid: \\['exact_match', 'math_verify', 'python_exec'\\]"
+    ):
         get_reward_fn("f1")
+
+
+def test_job_spec_names_every_reward_function():
+    # The spec's Literal is what the API validates; the registry is what the services run.
+    assert set(typing.get_args(JobSpec.model_fields["reward"].annotation)) == set(REWARD_FUNCTIONS)
+    assert set(REWARDS) == set(REWARD_FUNCTIONS)
