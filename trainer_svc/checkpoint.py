@@ -157,6 +157,11 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def step_of(path: Path) -> int:
+    """The step a committed checkpoint holds (from its COMMIT marker)."""
+    return int(json.loads((path / COMMIT).read_text())["step"])
+
+
 def latest(root: str | Path, job_id: str) -> Path | None:
     """The newest committed checkpoint of the job that holds trainer state; removes uncommitted
     leftovers (temp directories and directories without COMMIT: crashed saves)."""
@@ -173,7 +178,7 @@ def latest(root: str | Path, job_id: str) -> Path | None:
             continue
         if not (d / STATE_DIR / "trainer.json").exists():
             continue  # an HF export without trainer state: not resumable
-        step = int(json.loads((d / COMMIT).read_text())["step"])
+        step = step_of(d)
         if best is None or step > best[0]:
             best = (step, d)
     return best[1] if best else None
@@ -296,3 +301,18 @@ def take_over(streams: JobStreams, stream: str, group: str, consumer: str, expec
     if n == 0:
         return []
     return _like(streams, 0).consume(stream, group, consumer, expected, count=n, block_ms=None)
+
+
+def roll_back(path: Path | None, initial: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              device: str = "cpu") -> None:
+    """Put the weights and optimizer state of checkpoint `path` (None: the job's initial model and
+    an empty optimizer state) into the live model and optimizer, in place. RNG and cursors stay
+    as they are: this is the collapse guard's undo, not a resume."""
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(path or initial, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    if path is None:
+        optimizer.state.clear()
+    else:
+        optimizer.load_state_dict(torch.load(path / STATE_DIR / "optimizer.pt", map_location=device, weights_only=True))

@@ -60,6 +60,8 @@ from trainer_svc.algorithms import (
     staleness,
 )
 from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round, group_seq
+from trainer_svc.guard import GuardConfig
+from trainer_svc.guard import check as guard_check
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
@@ -300,6 +302,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     ready: list[Group] = []  # complete groups waiting for a batch slot
     held: list[str] = []  # scored entries of trained steps, acked once a checkpoint covers them
     replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
+    guard, rewards_seen, trips = GuardConfig(), [], 0  # collapse guard (trainer_svc/guard.py)
     step = version = 0
     if resume is not None:
         step, version, replay = resume.step, resume.version, dict(resume.replay)
@@ -327,7 +330,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         """The loop's state at a step boundary, for the checkpoint (JSON)."""
         return {"run_id": run_id, "k": k, "lr": learner.lr, "knobs": dict(control.settings),
                 "adaptive": None if adaptive is None else {"k": adaptive.k, "calm": adaptive.calm},
-                "feeder": feeder.state()}
+                "feeder": feeder.state(), "guard": {"rewards": rewards_seen, "trips": trips}}
 
     def settle_unknown(g: Group, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
@@ -370,6 +373,29 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 feeder.eval_done(name)
         return len(deliveries)
 
+    def roll_back(kind: str, reason: str) -> None:
+        """Collapse guard trip: back to the newest committed checkpoint, a lower lr (and a tighter
+        staleness bound if the importance weights blew up), recorded in the ledger."""
+        nonlocal k, trips, rewards_seen
+        trips += 1
+        if trips > guard.max_trips:
+            raise RuntimeError(f"collapse guard tripped {trips} times (last at step {step + 1}: {reason}); giving up")
+        ckpt = checkpoint.latest(settings.checkpoint_dir, job_id)
+        back_to = checkpoint.step_of(ckpt) if ckpt is not None else 0
+        checkpoint.roll_back(ckpt, spec.model_path, model, learner.optimizer, settings.device)
+        learner.lr *= guard.lr_factor
+        if kind == "is_blowup" and spec.mode == "async":
+            k = max(adaptive.k_min if adaptive is not None else 0, k - 1)
+            if adaptive is not None:
+                adaptive.k = k
+        if kind == "reward_collapse":
+            rewards_seen = []  # the batch's rewards do not change on a redo: start the window again
+        change = {"reason": reason, "kind": kind, "step": step + 1, "rolled_back_to_step": back_to,
+                  "discarded_steps": list(range(back_to + 1, step + 1)), "lr": learner.lr, "max_staleness": k}
+        ledger.record_change(job_id, "trainer collapse guard", change)
+        log.error("collapse guard: %s at step %d; rolled back to step %d, lr %.3g, staleness bound %d",
+                  reason, step + 1, back_to, learner.lr, k)
+
     def take_scored(block_ms: int) -> int:
         return route(scored_in.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512,
                                        block_ms=block_ms))
@@ -394,6 +420,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     if resume is not None and resume.checkpoint is not None:
         st = checkpoint.load_state(resume.checkpoint, learner.optimizer, settings.device)
         k, learner.lr = int(st["k"]), float(st["lr"])
+        rewards_seen, trips = list(st["guard"]["rewards"]), int(st["guard"]["trips"])
         if adaptive is not None and st["adaptive"] is not None:
             adaptive.k, adaptive.calm = int(st["adaptive"]["k"]), int(st["adaptive"]["calm"])
         control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
@@ -466,7 +493,16 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         stale = [staleness(version, s.rollout.policy_version) for s in samples]
         lr_scale = staleness_lr_scale(float(np.mean(stale))) if spec.algorithm.staleness_lr else 1.0
         redo_lr = resume.replay_lr.get(step + 1) if redo is not None and resume is not None else None
-        step_metrics = learner.step(samples, rewards, lr_scale, lr=redo_lr)
+        tripped = False
+        while True:  # the collapse guard looks at the update before anyone sees it
+            step_metrics = learner.step(samples, rewards, lr_scale, lr=redo_lr)
+            trip = None if redo is not None else guard_check(
+                step_metrics, [*rewards_seen, step_metrics["reward/mean"]], guard)
+            if trip is None:
+                break
+            roll_back(*trip)
+            tripped = True
+        rewards_seen.append(step_metrics["reward/mean"])
         trained_version = version
         version += 1
         step += 1
@@ -503,6 +539,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             "staleness/bound": float(k),
             "ledger/trained_twice": float(twice),
             "resume/redone": float(redo is not None),
+            "guard/trips": float(trips),
             "time/wait_s": t_data - t_start,
             "time/train_s": t_train - t_data,
             "time/publish_s": publish_s,
@@ -530,8 +567,9 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
             start_eval(step)
 
-        # checkpoint: every checkpoint_every steps; then the entries of the steps it covers are acked
-        if spec.checkpoint_every and step % spec.checkpoint_every == 0 and step < spec.steps:
+        # checkpoint: every checkpoint_every steps, and right after a roll-back (a resume must not
+        # re-do the discarded steps); then the entries of the steps it covers are acked
+        if (tripped or spec.checkpoint_every and step % spec.checkpoint_every == 0) and step < spec.steps:
             save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
             streams.ack(SCORED, GROUP_TRAINERS, held)
             held.clear()
