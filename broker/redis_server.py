@@ -14,12 +14,44 @@ import socket
 import subprocess
 import tempfile
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.connection import parse_url
 
 log = logging.getLogger(__name__)
 
 LOCAL_URL = "redis://127.0.0.1:6379/0"
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by `***`, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def check_redis_url(url: str) -> dict:
+    """Parse a Redis URL the way the client will, so a bad one fails at start-up with a reason.
+
+    Accepts `redis://` (plain), `rediss://` (TLS) and `unix://`, with `user:password@` for
+    AUTH/ACL and TLS options as query parameters (see broker.streams.connect).
+
+    Returns:
+        The connection options redis-py derives from it (password included: do not log them).
+
+    Raises:
+        ValueError: not a URL redis-py can connect with; the message names the URL (redacted).
+    """
+    try:
+        return parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"invalid REDIS_URL {redact_url(url)!r}: {exc}") from None
 
 
 def reachable(url: str, timeout: float = 0.5) -> bool:
@@ -89,8 +121,14 @@ class EmbeddedRedis:
 
 
 def resolve_redis_url(url: str | None, *, allow_embedded: bool = False) -> tuple[str, EmbeddedRedis | None]:
-    """REDIS_URL if given; else a reachable local Redis; else (if allowed) a private server."""
+    """REDIS_URL if given (checked, not contacted); else a reachable local Redis; else (if allowed)
+    a private server.
+
+    Raises:
+        ValueError: REDIS_URL is malformed (see `check_redis_url`).
+    """
     if url:
+        check_redis_url(url)
         return url, None
     if reachable(LOCAL_URL):
         return LOCAL_URL, None
