@@ -308,7 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parse(argv)
     setup_logging("launch", os.environ.get("LOG_LEVEL", "INFO"))
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    # One line per health poll (httpx) and per migration plugin (alembic, imported with the API's
+    # token helpers) otherwise; the services' own logs keep theirs.
+    for noisy in ("httpx", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         services = plan(args.roles, args.generators, dict(os.environ))
     except ValueError as exc:
