@@ -63,7 +63,7 @@ def make_celery(settings: AdminSettings) -> Celery:
         # Redelivery of an unacked task waits this long: it must exceed the longest task, or a
         # running evaluation would be handed to a second worker.
         broker_transport_options={"global_keyprefix": settings.key_prefix,
-                                  "visibility_timeout": int(settings.eval_timeout_s) + 600},
+                                  "visibility_timeout": settings.visibility_timeout_s or settings.eval_timeout_s + 600},
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )

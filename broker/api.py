@@ -176,7 +176,12 @@ class JobCollector:
                     family.add_metric([job_id], float(metrics[key]))
             for status, n in self.ledger.status_counts(job_id).items():
                 samples.add_metric([job_id, status], n)
-        yield from (step, reward, staleness, samples)
+        tasks = GaugeMetricFamily(
+            "asyncrl_admin_tasks", "Admin tasks (Celery) by kind and state.", labels=["kind", "state"]
+        )
+        for (kind, state), n in self.ledger.admin_task_counts().items():
+            tasks.add_metric([kind, state], n)
+        yield from (step, reward, staleness, samples, tasks)
 
 
 def _task_view(task: dict[str, Any] | None) -> dict[str, Any]:

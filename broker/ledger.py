@@ -1048,6 +1048,14 @@ class Ledger:
         with self._write() as s:
             return s.execute(stmt).first() is not None
 
+    def admin_task_counts(self) -> dict[tuple[str, str], int]:
+        """Admin tasks of every job by (kind, state): the worker's backlog and failures at a glance."""
+        stmt = select(_admin_tasks.c.kind, _admin_tasks.c.state, func.count()).group_by(
+            _admin_tasks.c.kind, _admin_tasks.c.state
+        )
+        with self._read() as s:
+            return {(kind, state): int(n) for kind, state, n in s.execute(stmt)}
+
     def get_admin_task(self, task_id: str) -> dict[str, Any] | None:
         with self._read() as s:
             row = s.execute(select(_admin_tasks).where(_admin_tasks.c.id == task_id)).mappings().first()

@@ -148,3 +148,9 @@ class AdminSettings(CommonSettings):
     export_dir: str = Field("runs/exports", description="Where exports go when the request names no folder.")
     eval_timeout_s: float = Field(1800.0, gt=0, description="A checkpoint evaluation running longer is killed.")
     eval_max_model_len: int = Field(512, ge=16, description="Context length of the evaluation engine.")
+    visibility_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="A task a dead worker left unacked is redelivered after this long; it must exceed "
+        "the longest task. Unset: ADMIN_EVAL_TIMEOUT_S + 600.",
+    )

@@ -192,6 +192,11 @@ def test_api_submits_tasks_and_answers_retries_with_the_same_task(api):
     # A failed task may be submitted again.
     ledger.finish_admin_task(ev.json()["id"], error="boom")
     assert c.post(f"/jobs/{job_id}/checkpoints/2/evaluate").status_code == 202
+    metrics = c.get("/metrics").text
+    for line in ('asyncrl_admin_tasks{kind="export",state="queued"} 2.0',
+                 'asyncrl_admin_tasks{kind="evaluate",state="failed"} 1.0',
+                 'asyncrl_admin_tasks{kind="evaluate",state="queued"} 1.0'):
+        assert line in metrics, metrics
 
 
 def test_api_admin_error_paths(api):
@@ -230,9 +235,10 @@ def test_api_reports_an_unreachable_queue_and_leaves_no_task_waiting(job):
 # -- a real worker process -------------------------------------------------------------------
 
 
-def _worker(admin: AdminSettings, log: Path) -> subprocess.Popen:
+def _worker(admin: AdminSettings, log: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {**os.environ, "REDIS_URL": REDIS_URL, "DATABASE_URL": admin.database_url,
-           "ADMIN_KEY_PREFIX": admin.key_prefix, "ADMIN_QUEUE": admin.queue, "ADMIN_EXPORT_DIR": admin.export_dir}
+           "ADMIN_KEY_PREFIX": admin.key_prefix, "ADMIN_QUEUE": admin.queue, "ADMIN_EXPORT_DIR": admin.export_dir,
+           **(extra or {})}
     cmd = [sys.executable, "-m", "celery", "-A", "broker.admin", "worker", "-Q", admin.queue,
            "--concurrency", "1", "--loglevel", "INFO", "--hostname", f"test-{uuid4().hex[:6]}@%h"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -268,3 +274,31 @@ def test_celery_worker_runs_export_and_evaluation(api, job, tmp_path):
     finally:
         os.killpg(worker.pid, 15)
         worker.wait(30)
+
+
+@pytest.mark.slow
+def test_a_task_whose_worker_is_killed_is_redelivered_and_has_one_effect(api, job, tmp_path):
+    """acks_late + reject_on_worker_lost: SIGKILL the worker (and its evaluation) mid-task; once
+    the visibility timeout passes a new worker runs the task again, to one ledger result."""
+    c, ledger, job_id = api
+    _, admin, _, _ = job
+    admin = admin.model_copy(update={"visibility_timeout_s": 5.0})
+    log = tmp_path / "worker.log"
+    first = _worker(admin, log, {"ADMIN_VISIBILITY_TIMEOUT_S": "5"})
+    task_id = c.post(f"/jobs/{job_id}/checkpoints/2/evaluate").json()["id"]
+    deadline = time.monotonic() + 120
+    while c.get(f"/tasks/{task_id}").json()["state"] != "running":
+        assert time.monotonic() < deadline and first.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    os.killpg(first.pid, 9)  # the worker, its pool process and the evaluation subprocess
+    first.wait(30)
+    assert c.get(f"/tasks/{task_id}").json()["state"] == "running"  # nobody finished it
+    time.sleep(6)  # past the visibility timeout
+    second = _worker(admin, log, {"ADMIN_VISIBILITY_TIMEOUT_S": "5"})
+    try:
+        done = _wait_task(c, task_id, log)
+        assert done["state"] == "succeeded" and done["attempts"] == 2, done
+        assert [e["source"] for e in ledger.evals(job_id)] == ["checkpoint"]
+    finally:
+        os.killpg(second.pid, 15)
+        second.wait(30)
