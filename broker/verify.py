@@ -36,12 +36,13 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, cast
 
 from rich.console import Console
 from rich.table import Table as RichTable
 from sqlalchemy import Table, and_, func, not_, or_, select
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.sql.elements import ColumnElement
 
 from broker.ledger import (
@@ -330,7 +331,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--job", help="job id (default: the newest job)")
     args = parser.parse_args(argv)
     console = Console()
-    ledger = Ledger(args.url, migrate=False)
+    url = make_url(args.url)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
+        console.print(f"no ledger at {url.database}")  # a checker must not create an empty one
+        return 2
+    ledger = Ledger(url, migrate=False)
     try:
         job_id = args.job
         if job_id is None:

@@ -206,3 +206,8 @@ def test_cli_exit_codes_and_table(ledger_url: str, capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "FAIL" in out and "step 2: 3 samples, 4 trained rows at v1" in out
     assert main(["--url", ledger_url, "--job", "nope"]) == 2
+
+
+def test_cli_does_not_create_a_missing_sqlite_ledger(tmp_path) -> None:
+    assert main(["--url", f"sqlite:///{tmp_path}/none/ledger.db"]) == 2
+    assert not (tmp_path / "none").exists()
