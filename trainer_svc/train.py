@@ -358,7 +358,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 rnd.used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
                                  "staleness": staleness(version, s.rollout.policy_version)})
             elif g.group_id not in feeder.in_flight:
-                settle_unknown(g, "not fed by a trainer run this one resumed from (fed after its last journal write)")
+                settle_unknown(g, "not in flight for this trainer run (fed by a predecessor after its last journal write)")
             else:
                 ready.append(g)
         for name, rnd in list(evals.items()):
