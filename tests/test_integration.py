@@ -7,10 +7,14 @@ runs; they must land in the dead-letter stream while the services keep going.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,10 +24,12 @@ from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, POLICY, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect
 from shared.schema import Control, encode
+from shared.settings import AdminSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 4
+ASYNCRL = str(Path(sys.executable).with_name("asyncrl"))  # the console script installed beside python
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +39,20 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
 
 
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory):
-    """One ledger for both runs: jobs sharing a database must not collide on sample keys."""
-    return os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def db_url(request, tmp_path_factory, postgres_database):
+    """One ledger per backend for every run in this module: jobs sharing a database must not
+    collide on sample keys. Every test runs against SQLite (the default) and PostgreSQL (production);
+    DATABASE_URL, when set, replaces both."""
+    if os.environ.get("DATABASE_URL"):
+        if request.param == "postgresql":
+            pytest.skip("DATABASE_URL is set: the run uses that database only")
+        yield os.environ["DATABASE_URL"]
+    elif request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
+    else:
+        with postgres_database() as url:
+            yield url
 
 
 def _free_port() -> int:
@@ -142,15 +158,32 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     assert all(d.reason for d in dead)
     reasons = " | ".join(d.reason for d in dead)
     assert "not valid msgpack" in reasons and "on a stream that carries 'rollout'" in reasons
+    if mode == "sync":  # the admin worker's offline evaluation measures what the pipeline measured
+        from broker.admin import evaluate
+
+        result, _ = evaluate(ledger, AdminSettings(database_url=db_url), job_id, STEPS)
+        (pipeline,) = [e for e in ledger.evals(job_id, source="pipeline") if e["step"] == STEPS]
+        assert result["n"] == pipeline["n"] == 16
+        # Same weights, same greedy protocol; only vLLM's batching differs (at most one flip).
+        assert abs(result["reward_mean"] - pipeline["reward_mean"]) <= 1 / 16 + 1e-9, (result, pipeline)
     streams.delete_all()
 
 
-def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
-    """Pause really stops steps and loses nothing; PATCHed knobs apply at the next step; stop drains."""
+def test_job_control_through_the_cli_and_admin_tasks(tmp_path, tiny_model, db_url):
+    """The user's path, every step through the `asyncrl` CLI (a real process each time): submit,
+    watch, pause (no step advances, nothing moves), change lr and max_staleness live (the next steps
+    use them, the ledger records who changed what), resume, evaluate the newest checkpoint and
+    export it through the Celery admin worker, stop (drains to a final checkpoint)."""
     sup, api, _, _ = _stack(tmp_path, db_url, "lc")
     ledger = Ledger(db_url)
+    cli_env = {**os.environ, "ASYNCRL_API": api, "COLUMNS": "200"}
 
-    def job() -> dict:
+    def cli(*args: str, timeout: float = 60) -> str:
+        proc = subprocess.run([ASYNCRL, *args], env=cli_env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"asyncrl {' '.join(args)}: {proc.stderr}\n{sup.tail('admin')}"
+        return proc.stdout
+
+    def job() -> dict:  # polled often: plain HTTP; every action below goes through the CLI
         return httpx.get(f"{api}/jobs/{job_id}", timeout=30).json()
 
     def wait(cond, what: str, timeout: float = 300) -> None:
@@ -158,19 +191,27 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
         while not cond():
             assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
             assert time.monotonic() < deadline, f"timed out: {what}\n{sup.tail('trainer')}"
-            time.sleep(0.3)
+            time.sleep(0.2)
 
+    watcher = None
     try:
         _start_broker(sup, api)
-        spec = {"name": "live", "model_path": str(tiny_model), "steps": 500, "group_size": 4, "prompts_per_step": 4,
-                "eval_every": 0, "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8},
-                "algorithm": {"lr": 1e-4}}
-        job_id = httpx.post(f"{api}/jobs", json=spec, timeout=30).json()["id"]
+        # Tiny steps take ~20 ms here: the job must outlast the test, which stops it.
+        spec = {"name": "live", "model_path": str(tiny_model), "steps": 1_000_000, "group_size": 4,
+                "prompts_per_step": 4, "eval_every": 0, "checkpoint_every": 50, "max_staleness": 1, "task": {"n_train": 64, "n_test": 8},
+                "sampling": {"max_tokens": 8}, "algorithm": {"lr": 1e-4}}
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        job_id = json.loads(cli("submit", str(tmp_path / "spec.json")))["id"]
+        # The live progress view runs for the whole job and must end by itself when the job stops.
+        watcher = subprocess.Popen([ASYNCRL, "status", job_id, "--watch", "--interval", "0.5"], env=cli_env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
             sup.start(name, module, {"JOB_ID": job_id})
+        sup.start("admin", "broker.admin")
         wait(lambda: job()["step"] >= 2, "two steps")
+        assert json.loads(cli("status", job_id))["state"] == "running"
 
-        assert httpx.post(f"{api}/jobs/{job_id}/pause", timeout=30).status_code == 202
+        assert json.loads(cli("pause", job_id))["state"] == "paused"
         time.sleep(2)  # a step in progress may finish
         paused_at = job()["step"]
         counts = ledger.status_counts(job_id)
@@ -178,30 +219,95 @@ def test_live_control_pause_resume_patch_stop(tmp_path, tiny_model, db_url):
         assert job()["step"] == paused_at and job()["state"] == "paused"  # no step advances while paused
         assert ledger.status_counts(job_id) == counts  # and nothing moves (generation stopped too)
 
-        r = httpx.patch(f"{api}/jobs/{job_id}", json={"lr": 5e-5, "temperature": 0.8}, timeout=30)
-        assert r.status_code == 200, r.text
-        assert httpx.post(f"{api}/jobs/{job_id}/resume", timeout=30).status_code == 202
+        changed = json.loads(cli("set", job_id, "--lr", "5e-5", "--max-staleness", "2", "--temperature", "0.8"))
+        assert changed["changed"] == {"lr": 5e-5, "max_staleness": 2, "temperature": 0.8}
+        assert cli("resume", job_id)
         wait(lambda: job()["step"] >= paused_at + 3, "steps after resume")
         steps = ledger.train_steps(job_id)
-        assert steps[-1]["metrics"]["lr"] == pytest.approx(5e-5)  # the live knob reached the trainer
-        assert all(s["metrics"]["lr"] == pytest.approx(1e-4) for s in steps if s["step"] <= paused_at)
+        # the live knobs reached the trainer at its next step, and not before the change
+        assert steps[-1]["metrics"]["lr"] == pytest.approx(5e-5) and steps[-1]["metrics"]["staleness/bound"] == 2
+        before = [s["metrics"] for s in steps if s["step"] <= paused_at]
+        assert all(m["lr"] == pytest.approx(1e-4) and m["staleness/bound"] == 1 for m in before)
+        (change,) = [c for c in ledger.job_changes(job_id) if c["changes"].get("command") == "set"]
+        assert change["changes"]["settings"] == {"lr": 5e-5, "max_staleness": 2, "temperature": 0.8}
+        assert change["actor"] == "anonymous" and change["created_at"] is not None
 
-        assert httpx.post(f"{api}/jobs/{job_id}/stop", timeout=30).status_code == 202
+        # evaluate the newest checkpoint, then export it, through the admin worker (Celery)
+        wait(lambda: len(ledger.checkpoints(job_id)) >= 2, "two checkpoints")
+        newest = ledger.checkpoints(job_id)[-1]["step"]
+        evaluated = json.loads(cli("eval", job_id, "--wait", "--interval", "0.5", timeout=300))
+        assert evaluated["state"] == "succeeded" and evaluated["result"]["n"] == 8
+        step_evaluated = evaluated["params"]["step"]
+        assert step_evaluated >= newest and step_evaluated % 50 == 0
+        (row,) = [e for e in job()["evals"] if e["source"] == "checkpoint"]
+        assert row["step"] == step_evaluated and row["reward_mean"] == pytest.approx(evaluated["result"]["reward_mean"])
+        exported = json.loads(cli("export", job_id, "--step", str(step_evaluated), "--wait", timeout=120))
+        assert exported["state"] == "succeeded", exported
+        from transformers import AutoModelForCausalLM
+
+        path = exported["result"]["path"]
+        assert AutoModelForCausalLM.from_pretrained(path).config.vocab_size > 0
+        assert not os.path.exists(os.path.join(path, "trainer_state"))
+
+        assert json.loads(cli("stop", job_id))["state"] == "stopping"
         wait(lambda: job()["state"] == "stopped", "drain to stopped", 120)
-        assert sup.wait_all(60, exclude=("broker",)), "services did not exit after stop"
+        assert sup.wait_all(60, exclude=("broker", "admin")), "services did not exit after stop"
+        out, err = watcher.communicate(timeout=30)
+        assert watcher.returncode == 0 and f"job {job_id} stopped at step" in out, err
         # nothing lost across the pause: every sample is accounted for, none dropped as stale
         final = ledger.status_counts(job_id)
         assert final.get("dropped", 0) == 0 and final["trained"] == job()["step"] * 4 * 4
         actions = [c["changes"].get("command") for c in ledger.job_changes(job_id)]
         assert actions == ["pause", "set", "resume", "stop"]
         # the stop left a committed, loadable HF checkpoint of the final step
-        (ck,) = httpx.get(f"{api}/jobs/{job_id}/checkpoints", timeout=30).json()
-        assert ck["step"] == job()["step"] and os.path.exists(os.path.join(ck["path"], "COMMIT"))
-        from transformers import AutoModelForCausalLM
+        assert job()["step"] == ledger.checkpoints(job_id)[-1]["step"]
+        assert os.path.exists(os.path.join(ledger.checkpoints(job_id)[-1]["path"], "COMMIT"))
+        assert [t["state"] for t in ledger.admin_tasks(job_id)] == ["succeeded", "succeeded"]
+    finally:
+        if watcher is not None and watcher.poll() is None:
+            watcher.kill()
+        sup.stop_all()
 
-        assert AutoModelForCausalLM.from_pretrained(ck["path"]).config.vocab_size > 0
+
+def test_two_generators_share_one_jobs_prompts(tmp_path, tiny_model):
+    """Horizontal generators: two processes in the `generators` consumer group of one job. Both
+    produce samples (small generate calls so neither takes every group), both load every version,
+    and no prompt group is generated twice."""
+    db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    sup, api, _, _ = _stack(tmp_path, db_url, "g2")
+    ledger = Ledger(db_url)
+    try:
+        _start_broker(sup, api)
+        spec = {"name": "two-gens", "model_path": str(tiny_model), "mode": "sync", "steps": STEPS, "group_size": 4,
+                "prompts_per_step": 4, "eval_every": 0, "generation_batch": 1,
+                "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}}
+        job_id = httpx.post(f"{api}/jobs", json=spec, timeout=30).json()["id"]
+        for i in range(2):
+            sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
+        sup.start("reward", "reward_svc", {"JOB_ID": job_id})
+        sup.start("trainer", "trainer_svc", {"JOB_ID": job_id})
+        deadline = time.monotonic() + 400
+        while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
+            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
+            assert time.monotonic() < deadline, sup.tail("trainer")
+            time.sleep(0.5)
+        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer")
+        assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"
     finally:
         sup.stop_all()
+    samples = ledger.samples(job_id, limit=10_000)
+    by_gen = {g: [s for s in samples if s["generator_id"] == g] for g in ("gen-0", "gen-1")}
+    assert all(by_gen.values()), {g: len(v) for g, v in by_gen.items()}  # both produced samples
+    keys = [(s["group_id"], s["sample_index"]) for s in samples]
+    assert len(keys) == len(set(keys))  # no group generated by both
+    for s in samples:  # a group is generated by one generator
+        assert {x["generator_id"] for x in samples if x["group_id"] == s["group_id"]} == {s["generator_id"]}
+    loaded: dict[str, set[int]] = {}
+    for row in ledger.generator_loads(job_id):
+        loaded.setdefault(row["generator_id"], set()).add(row["version"])
+    # sync mode: every version is served before its batch; an idle replica picks each one up too
+    assert loaded == {"gen-0": set(range(STEPS + 1)), "gen-1": set(range(STEPS + 1))}, loaded
+    assert ledger.status_counts(job_id)["trained"] == STEPS * 4 * 4
 
 
 def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
@@ -212,7 +318,9 @@ def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
     port = _free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
            "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+           # the API enqueues and the admin worker consumes under the same prefix
+           "ADMIN_KEY_PREFIX": f"{prefix}admin:", "ADMIN_EXPORT_DIR": str(tmp_path / "exports")}
     return Supervisor(tmp_path / "logs", env), f"http://127.0.0.1:{port}", redis_url, prefix
 
 

@@ -167,7 +167,8 @@ def test_openapi_declares_bearer_on_job_routes_only(api: Api) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     for path, ops in spec["paths"].items():
         for op in ops.values():
-            expected = [{"HTTPBearer": []}] if path.startswith("/jobs") else None
+            protected = path.startswith(("/jobs", "/tasks/"))
+            expected = [{"HTTPBearer": []}] if protected else None
             assert op.get("security") == expected, (path, op)
 
 
