@@ -11,6 +11,7 @@ read (GET). With no token configured the API is open and says so in a start-up w
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -442,6 +443,17 @@ def create_app(
         """Committed HF-format checkpoints of the job (step, policy version, path)."""
         job_or_404(job_id)
         return ledger.checkpoints(job_id)
+
+    @jobs.get("/jobs/{job_id}/verify")
+    def verify_job(job_id: str) -> dict[str, Any]:
+        """Check the ledger's invariants for the job (broker.verify): every sample in one state,
+        staleness = trainer version - generation version, nothing trained twice, step counts.
+        `ok` is false when any check has violations; in-flight samples are information only."""
+        job_or_404(job_id)
+        from broker.verify import verify
+
+        res = verify(ledger, job_id)
+        return {"ok": res.ok, **dataclasses.asdict(res)}
 
     @jobs.get("/jobs/{job_id}/changes")
     def changes(job_id: str) -> list[dict[str, Any]]:

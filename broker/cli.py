@@ -318,6 +318,23 @@ def samples(
     Console().print(table)
 
 
+@app.command()
+def verify(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
+    """Check the job's ledger invariants (nothing lost, nothing trained twice); exits 1 on violations."""
+    res = _call("GET", api, f"/jobs/{job_id}/verify", token)
+    table = Table("check", "violating rows", title=f"ledger of job {job_id} ({res['job_state']})")
+    for check, n in res["checks"].items():
+        table.add_row(_cell(check), Text(str(n), style="red" if n else "green"))
+    console = Console()
+    console.print(table)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(res["counts"].items()))
+    console.print(f"samples: {counts or 'none'}; in flight {res['in_flight']}; steps {res['steps']}")
+    for f in res["violations"] + res["info"]:
+        console.print(Text(f"{f['level']}: {f['check']}: {f['message']}", style="red" if f["level"] == "violation" else "dim"))
+    if not res["ok"]:
+        raise typer.Exit(1)
+
+
 # -- admin tasks (the job API hands them to the Celery worker) ------------------------------
 
 

@@ -227,3 +227,22 @@ def test_eval_and_export_pick_the_newest_checkpoint_and_report_the_task(api, tmp
     assert result.exit_code == 1 and "failed: RuntimeError: no engine" in result.stderr
     result = api.cli("task", "nope")
     assert result.exit_code == 1 and "no admin task" in result.stderr
+
+
+def test_verify_reports_the_ledger_invariants_and_fails_on_a_violation(api, tmp_path):
+    job = api.submit(tmp_path)
+    result = api.cli("verify", job)
+    assert result.exit_code == 0, result.output
+    assert "staleness" in result.stdout and "trained_once" in result.stdout
+    base = {"job_id": job, "sample_index": 0, "prompt_index": 1, "generator_id": "gen-0", "group_id": "g",
+            "gen_version_min": 3, "num_prompt_tokens": 5, "num_completion_tokens": 9, "completion": "x"}
+    api.ledger.record_generated([{**base, "msg_id": "m-0"}])
+    api.ledger.record_scored([("m-0", 1.0)])
+    # trained at version 4 from generation version 3 but recorded as 0 versions stale
+    api.ledger.record_used([{"msg_id": "m-0", "status": "trained", "trainer_version": 4, "staleness": 0}])
+    result = api.cli("verify", job)
+    assert result.exit_code == 1, result.output
+    assert "violation: staleness" in result.stdout
+    body = api.get(f"/jobs/{job}/verify")
+    assert body["ok"] is False and body["checks"]["staleness"] == 1 and body["counts"] == {"trained": 1}
+    assert api.cli("verify", "nope").exit_code == 1
