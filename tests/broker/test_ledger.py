@@ -446,10 +446,22 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     old.upgrade("0001")  # a database created by the first release
     old.create_job("j1", "old", {"model_path": "m"})
     old.record_generated([sample("j1/g0/0", job_id="j1")])
+    with old.engine.begin() as conn:  # an evaluation as 0001 stored it (no `source` column yet)
+        conn.execute(
+            text("INSERT INTO evals (job_id, step, policy_version_min, policy_version_max, reward_mean, n, "
+                 "created_at) VALUES (:j, 5, 4, 5, 0.75, 16, :t)"),
+            {"j": "j1", "t": datetime.now(timezone.utc)},
+        )
     old.close()
     new = Ledger(ledger_url)  # upgrades to head on open
     assert new.current_revision() == HEAD
     assert new.get_job("j1")["name"] == "old" and new.status_counts("j1") == {"generated": 1}
+    # 0004 re-keys evals by (job, step, source): the old row is the pipeline's, and a checkpoint
+    # evaluation of the same step is a second row beside it
+    (row,) = new.evals("j1")
+    assert (row["step"], row["source"], row["reward_mean"], row["n"]) == (5, "pipeline", 0.75, 16)
+    new.record_eval("j1", 5, 5, 5, 0.5, 16, source="checkpoint")
+    assert [e["source"] for e in new.evals("j1")] == ["pipeline", "checkpoint"]
     new.record_change("j1", "rw token 1a2b", {"lr": 1e-5})
     new.record_change("j1", "anonymous", {"command": "pause"})
     assert [(c["actor"], c["changes"]) for c in new.job_changes("j1")] == [
