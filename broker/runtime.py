@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass
 
 from broker.ledger import Ledger
-from broker.redis_server import resolve_redis_url
+from broker.redis_server import redact_url, resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
+from shared.entry import accept_drain, drain_requested
 from shared.jobspec import JobSpec
 from shared.logs import set_context
-from shared.schema import Control
+from shared.schema import Control, Rollout
 from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,16 @@ def open_job(settings: CommonSettings) -> JobContext:
         claim_idle_ms=settings.claim_idle_ms,
         max_deliveries=settings.max_deliveries,
     )
-    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], spec.name, url, settings.database_url)
+    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], spec.name, redact_url(url),
+             redact_url(settings.database_url))
     return JobContext(job["id"], spec, ledger, streams)
 
 
 class ControlWatcher:
     """Follows `{job}:control` (broadcast) and folds it into a state — running, paused, stopping
-    (finish the current step, then exit) or cancelled (exit now) — plus the live knobs set so far.
+    (finish the current step, then exit), cancelled (exit now) or terminating (this process got
+    SIGTERM: finish the current work and exit, the job goes on; shared.entry) — plus the live
+    knobs set so far. Creating one makes SIGTERM drain instead of interrupting.
 
     `exit_on` names the commands that stop this service. A user's `stop` is for the trainer (it
     finishes its step and the final evaluation, which needs generators and rewarders still up);
@@ -73,8 +77,13 @@ class ControlWatcher:
         self.state = "running"
         self.settings: dict[str, float] = {}
         self.changed = False  # set when `settings` changed since the caller last cleared it
+        accept_drain()
 
     def poll(self, block_ms: int | None = None) -> str:
+        if drain_requested() and self.state not in ("stopping", "cancelled"):
+            self.state = "terminating"
+        if self.state == "terminating":
+            return self.state  # a restart of this process: the job's commands are for the successor
         self._last_id, msgs = self._streams.read_broadcast(CONTROL, self._last_id, Control, block_ms=block_ms)
         for m in msgs:
             if self.state in ("stopping", "cancelled"):
@@ -94,4 +103,26 @@ class ControlWatcher:
 
     @property
     def done(self) -> bool:
-        return self.state in ("stopping", "cancelled")
+        return self.state in ("stopping", "cancelled", "terminating")
+
+
+def sample_row(r: Rollout) -> dict:
+    """The ledger row of one generated sample (status `generated`), from its rollout alone: the
+    generator writes it after publishing, the reward service again before scoring (msg_id keyed,
+    so whichever comes first inserts and the other is a no-op)."""
+    return {
+        "msg_id": r.msg_id,
+        "job_id": r.job_id,
+        "group_id": r.group_id,
+        "sample_index": r.sample_index,
+        "kind": r.purpose,
+        "prompt_index": r.prompt_index,
+        "generator_id": r.generator_id,
+        "gen_version_min": r.policy_version,
+        "gen_version_max": r.policy_version_max,
+        "num_prompt_tokens": len(r.prompt_ids) // 4,
+        "num_completion_tokens": len(r.completion_ids) // 4,
+        "completion": r.completion,
+        "finish_reason": r.finish_reason,
+        "status": "generated",
+    }

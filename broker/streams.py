@@ -44,6 +44,29 @@ PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD = "prompts", "rollouts", "score
 GROUP_GENERATORS, GROUP_REWARDERS, GROUP_TRAINERS = "generators", "rewarders", "trainers"
 
 
+# publish_if_owned: KEYS = (source stream, output stream); ARGV = group, consumer, field name, then
+# per source entry: its id, the number of messages n, n encoded messages.
+_PUBLISH_IF_OWNED = """
+local out = {}
+local i = 4
+while i <= #ARGV do
+  local eid, n = ARGV[i], tonumber(ARGV[i + 1])
+  local held = redis.call('XPENDING', KEYS[1], ARGV[1], eid, eid, 1, ARGV[2])
+  if #held == 1 then
+    for j = 1, n do
+      redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[i + 1 + j])
+    end
+    redis.call('XACK', KEYS[1], ARGV[1], eid)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+  i = i + 2 + n
+end
+return out
+"""
+
+
 class _Retry(Retry):
     """redis-py's Retry, except that authentication failures are not retried.
 
@@ -119,6 +142,7 @@ class JobStreams:
         # metrics (shared.metrics *.dead_letter). Set by the service after construction.
         self.on_dead_letter: Callable[[str, str], None] | None = None
         self._last_claim: dict[tuple[str, str], float] = {}
+        self._publish_script: Any = None
 
     def key(self, stream: str) -> str:
         return f"{self.prefix}{self.job_id}:{stream}"
@@ -188,6 +212,58 @@ class JobStreams:
                 if d is not None:
                     out.append(d)
         return out
+
+    def consume_own_pending(
+        self, stream: str, group: str, consumer: str, expected: type[Message], *, count: int = 64
+    ) -> list[Delivery]:
+        """Entries already delivered to `consumer` and not acked: what a restarted consumer of the
+        same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
+        nothing, before reading new entries; each read counts one delivery."""
+        key = self.key(stream)
+        try:
+            resp = self.r.xreadgroup(group, consumer, {key: "0"}, count=count)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group(stream, group)
+            return []
+        entries = [(eid, fields) for _key, es in resp or [] for eid, fields in es]
+        gone = [eid for eid, fields in entries if not fields]  # deleted while pending: nothing to redo
+        if gone:
+            self.ack(stream, group, [e.decode() if isinstance(e, bytes) else e for e in gone])
+        entries = [(eid, fields) for eid, fields in entries if fields]
+        counts = self._delivery_counts(key, group, [eid for eid, _ in entries])
+        out = []
+        for eid, fields in entries:
+            eid_s = eid.decode() if isinstance(eid, bytes) else eid
+            d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
+            if d is not None:
+                out.append(d)
+        if out:
+            log.warning("resuming %d entries %s left pending on %s", len(out), consumer, key)
+        return out
+
+    def publish_if_owned(
+        self, stream: str, batches: list[tuple[str, list[Message]]], source: str, group: str, consumer: str
+    ) -> list[bool]:
+        """For each (entry id of `source`, messages): if `consumer` still holds the entry pending in
+        `group`, XADD the messages to `stream` and XACK the entry, all in one atomic script;
+        returns which entries were published.
+
+        A consumer whose entry was reclaimed meanwhile (it looked dead: idle past claim_idle_ms),
+        or that was acked already, publishes nothing: the claimer's copy is the only one, so a
+        redelivered input never yields two different outputs. Atomic, so a crash leaves either
+        both the outputs and the ack or neither (AOF logs a script's effects as one MULTI/EXEC).
+        """
+        if not batches:
+            return []
+        args: list[Any] = [group, consumer, FIELD]
+        for entry_id, msgs in batches:
+            args += [entry_id, len(msgs), *(encode(m) for m in msgs)]
+        if self._publish_script is None:
+            self._publish_script = self.r.register_script(_PUBLISH_IF_OWNED)
+        done = self._publish_script(keys=[self.key(source), self.key(stream)], args=args)
+        return [bool(x) for x in done]
 
     def _reclaim(self, stream: str, group: str, consumer: str, expected: type[Message], count: int) -> list[Delivery]:
         now = time.monotonic()

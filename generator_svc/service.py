@@ -2,9 +2,18 @@
 
 Loop: read a batch of prompt groups (consumer group `generators`) -> make sure the engine holds at
 least the version each group was fed at (pull + verify + swap in place, between generate calls) ->
-one generate call at that single version -> ledger rows (status `generated`) -> publish rollouts ->
-ack the prompt groups. A prompt group the engine cannot take (a prompt that fills the context) goes
-to the dead-letter stream with the reason before the call; the rest of the batch is generated.
+one generate call at that single version -> publish each group's rollouts and ack its prompt entry
+in one atomic step, only if this generator still holds the entry -> ledger rows (status
+`generated`). A prompt group the engine cannot take (a prompt that fills the context) goes to the
+dead-letter stream with the reason before the call; the rest of the batch is generated.
+
+Partial rollouts across restarts. A restarted generator (same GEN_GENERATOR_ID) first generates the
+entries it left pending; another replica reclaims a dead one's after `claim_idle_ms`. Publishing is
+conditional on still holding the entry, so of two generations of one group (a reclaim raced a slow
+but live generator, or a kill fell between publish and ack) exactly one reaches the streams. The
+ledger write comes after the publish because only the published copy may be recorded; a kill in
+between loses nothing: the reward service writes the same row (msg_id keyed) before scoring.
+SIGTERM finishes the batch in hand (publish, ack), then exits 0.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from broker.runtime import ControlWatcher, open_job
+from broker.runtime import ControlWatcher, open_job, sample_row
 from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
 from generator_svc.engine import Engine, TransferError
 from shared.logs import set_context
@@ -210,23 +219,7 @@ def prompt_token_counter(model_path: str) -> Callable[[Sequence[str]], list[int]
     return lambda prompts: [len(ids) for ids in tok(list(prompts), add_special_tokens=True)["input_ids"]]
 
 
-def ledger_row(r: Rollout) -> dict:
-    return {
-        "msg_id": r.msg_id,
-        "job_id": r.job_id,
-        "group_id": r.group_id,
-        "sample_index": r.sample_index,
-        "kind": r.purpose,
-        "prompt_index": r.prompt_index,
-        "generator_id": r.generator_id,
-        "gen_version_min": r.policy_version,
-        "gen_version_max": r.policy_version_max,
-        "num_prompt_tokens": len(r.prompt_ids) // 4,
-        "num_completion_tokens": len(r.completion_ids) // 4,
-        "completion": r.completion,
-        "finish_reason": r.finish_reason,
-        "status": "generated",
-    }
+ledger_row = sample_row  # the ledger row of one rollout (broker.runtime)
 
 
 def run(settings: GeneratorSettings) -> None:
@@ -259,6 +252,7 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
     streams.on_dead_letter = metrics.dead_letter
     count_tokens = prompt_token_counter(ctx.spec.model_path)
     log.info("generator %s ready", gid)
+    resuming = True  # first the entries a predecessor of this name left pending
     while True:
         policy.beat()
         control.poll()
@@ -267,10 +261,14 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         if control.state == "paused":
             control.poll(block_ms=settings.block_ms)
             continue
-        deliveries: list[Delivery] = streams.consume(
-            PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=settings.block_ms,
-            count=int(control.settings.get("generation_batch", batch_groups)),  # a live knob
-        )
+        count = int(control.settings.get("generation_batch", batch_groups))  # a live knob
+        deliveries: list[Delivery] = []
+        if resuming:
+            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, count=count)
+            resuming = bool(deliveries)
+        if not deliveries:
+            deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=settings.block_ms,
+                                         count=count)
         if not deliveries:
             policy.poll()
             if policy.stale():
@@ -285,12 +283,17 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         t0 = time.perf_counter()
         results = engine.generate([g.prompt for g in groups], [g.sampling for g in groups], [g.n for g in groups])
         dt = time.perf_counter() - t0
-        rollouts = [r for g, s in zip(groups, results, strict=True) for r in rollouts_for(g, s, policy.version, gid)]
+        per_group = [rollouts_for(g, s, policy.version, gid) for g, s in zip(groups, results, strict=True)]
+        published = streams.publish_if_owned(
+            ROLLOUTS, [(d.entry_id, rs) for d, rs in zip(deliveries, per_group, strict=True)],
+            PROMPTS, GROUP_GENERATORS, gid)
+        rollouts = [r for rs, ok in zip(per_group, published, strict=True) if ok for r in rs]
+        if not all(published):  # reclaimed by another replica meanwhile: its copy is the one
+            log.warning("%d of %d groups were taken over by another generator; not published",
+                        published.count(False), len(groups))
         ledger.record_generated([ledger_row(r) for r in rollouts])
-        streams.publish_many(ROLLOUTS, rollouts)
-        streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id for d in deliveries])
         ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
         metrics.generated(len(rollouts), ntok, dt)
         log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
                  policy.version, len(groups), len(rollouts), ntok, dt, ntok / max(dt, 1e-9))
-    log.info("generator %s stopping", gid)
+    log.info("generator %s stopping (%s)", gid, control.state)

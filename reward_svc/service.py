@@ -1,7 +1,9 @@
 """Reward service: rollouts -> scored completions.
 
-Loop: read rollouts (consumer group `rewarders`) -> score each with the job's reward function ->
-ledger (status `scored`, keyed by msg_id) -> publish to `{job}:scored` -> ack.
+Loop: read rollouts (consumer group `rewarders`) -> ledger rows of the batch (inserted if the
+generator died before writing them; keyed by msg_id) -> score each with the job's reward function
+-> ledger (status `scored`) -> publish to `{job}:scored` -> ack. A restarted service of the same
+REWARD_CONSUMER_ID first scores what its predecessor left pending; SIGTERM finishes the batch.
 A rollout with no completion tokens, or whose reward is not a finite number, goes to the
 dead-letter stream with the reason; every dead letter is counted by reason in the metrics. A reward
 function that raises is the per-message boundary: logged, left unacked, so redelivery (and after
@@ -14,7 +16,7 @@ import logging
 import math
 import time
 
-from broker.runtime import ControlWatcher, open_job
+from broker.runtime import ControlWatcher, open_job, sample_row
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
 from shared.metrics import RewardMetrics, serve_metrics
 from shared.rewards import get_reward_fn
@@ -34,6 +36,7 @@ def run(settings: RewardSettings) -> None:
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     cid = settings.consumer_id
     log.info("reward %s ready (%s)", cid, ctx.spec.reward)
+    resuming = True  # first the entries a predecessor of this name left pending
     while True:
         control.poll()
         if control.done:
@@ -41,12 +44,20 @@ def run(settings: RewardSettings) -> None:
         if control.state == "paused":
             control.poll(block_ms=settings.block_ms)
             continue
-        deliveries = streams.consume(
-            ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=settings.batch, block_ms=settings.block_ms
-        )
+        deliveries = []
+        if resuming:
+            deliveries = streams.consume_own_pending(ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=settings.batch)
+            resuming = bool(deliveries)
+        if not deliveries:
+            deliveries = streams.consume(
+                ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=settings.batch, block_ms=settings.block_ms
+            )
         if not deliveries:
             continue
         t0 = time.perf_counter()
+        # Before any dead letter: the trainer settles a group once a member is dead-lettered, and
+        # its rows must exist by then (a generator killed after publishing never wrote them).
+        ledger.record_generated([sample_row(d.message) for d in deliveries])  # type: ignore[arg-type]
         scored, ok_ids = [], []
         for d in deliveries:
             r: Rollout = d.message  # type: ignore[assignment]
@@ -74,4 +85,4 @@ def run(settings: RewardSettings) -> None:
         streams.ack(ROLLOUTS, GROUP_REWARDERS, ok_ids)
         metrics.scored([s.reward for s in scored])
         log.debug("scored %d in %.3fs", len(scored), time.perf_counter() - t0)
-    log.info("reward %s stopping", cid)
+    log.info("reward %s stopping (%s)", cid, control.state)

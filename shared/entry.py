@@ -1,28 +1,64 @@
-"""The common body of every `python -m <service>`: settings, logging, then the heavy import."""
+"""The common body of every `python -m <service>`: settings, logging, then the heavy import.
+
+SIGTERM is a process restart (a supervisor, systemd, `docker stop`), not the user's stop of the
+job (that is `POST /jobs/{id}/stop`). Once a service's loop runs (it called `accept_drain`), the
+first SIGTERM only sets a process-local drain flag: the loop finishes what it holds (a generator
+its batch, the reward service its batch, the trainer its step and a checkpoint), then returns and
+the process exits 0, leaving the job running for a successor. Before that, and on a second SIGTERM,
+it raises `Terminated` at once. SIGINT (Ctrl-C) interrupts at once.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import signal
+import threading
 
 from pydantic_settings import BaseSettings
 
 from shared.logs import setup_logging
 
+_drain = threading.Event()
+_accepting = threading.Event()
 
-def _sigterm_to_keyboard_interrupt(signum, frame):  # SIGTERM stops a service like Ctrl-C does
-    raise KeyboardInterrupt
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before the service could drain (or a second one): stop now; the job stays running."""
+
+
+def accept_drain() -> None:
+    """Called by a service whose loop checks `drain_requested()`: from now on SIGTERM drains."""
+    _accepting.set()
+
+
+def drain_requested() -> bool:
+    """Whether this process got SIGTERM and should finish its current work and exit."""
+    return _drain.is_set()
+
+
+def request_drain() -> None:
+    """What the first SIGTERM does (tests call it directly)."""
+    _drain.set()
+
+
+def _on_sigterm(signum, frame):
+    if _accepting.is_set() and not _drain.is_set():
+        request_drain()
+        logging.getLogger("shared.entry").warning("SIGTERM: finishing the current work, then exiting")
+        return
+    raise Terminated
 
 
 def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> int:
     """Parse settings from the environment, set up logging, import `module:function` and run it.
 
-    Exit codes: 0 done, 1 failed (logged with traceback), 130 interrupted (SIGINT/SIGTERM).
+    Exit codes: 0 done or drained after SIGTERM, 1 failed (logged with traceback), 130 interrupted
+    (SIGINT, or SIGTERM before the loop ran).
     """
     settings = settings_cls()
     setup_logging(service, getattr(settings, "log_level", "INFO"))
-    signal.signal(signal.SIGTERM, _sigterm_to_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     log = logging.getLogger(service)
     try:
         module, func = target.split(":")
@@ -33,4 +69,6 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
     except Exception:
         log.exception("%s failed", service)
         return 1
+    if drain_requested():
+        log.info("%s drained after SIGTERM", service)
     return 0

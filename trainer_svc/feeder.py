@@ -12,9 +12,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.streams import PROMPTS, JobStreams
+from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from shared.jobspec import JobSpec
-from shared.schema import PromptGroup, SamplingParams, Scored
+from shared.schema import (
+    DeadLetter,
+    DecodeError,
+    Message,
+    PromptGroup,
+    Rollout,
+    SamplingParams,
+    Scored,
+    decode,
+)
 from shared.tasks import Problem
 
 
@@ -162,14 +171,25 @@ class Group:
     size: int
     entries: list[str] = field(default_factory=list)  # stream entry ids to ack
     samples: dict[str, Scored] = field(default_factory=dict)  # by msg_id: duplicates collapse
+    # sample index -> why it was dead-lettered (all of them for a dead prompt group): a group with
+    # dead members completes when every index has arrived or died, and is dropped with the reason
+    dead: dict[int, str] = field(default_factory=dict)
+    dead_purpose: str = "train"
 
     @property
     def complete(self) -> bool:
-        return len(self.samples) >= self.size
+        arrived = {s.rollout.sample_index for s in self.samples.values()}
+        return len(arrived | self.dead.keys()) >= self.size
 
     @property
     def purpose(self) -> str:
-        return next(iter(self.samples.values())).rollout.purpose
+        return next(iter(self.samples.values())).rollout.purpose if self.samples else self.dead_purpose
+
+    @property
+    def msg_ids(self) -> list[str]:
+        """Every sample's msg_id, arrived or not (a rollout's msg_id is `{group msg_id}/{index}`,
+        and a group's msg_id is its group id)."""
+        return [f"{self.group_id}/{i}" for i in range(self.size)]
 
     @property
     def gen_version_min(self) -> int:
@@ -202,9 +222,78 @@ class GroupAssembler:
             g = self.open[msg.group_id] = Group(msg.group_id, r.group_size)
         g.entries.append(entry_id)
         g.samples.setdefault(msg.msg_id, msg)
-        if g.complete:
-            self.closed[msg.group_id] = None
-            if len(self.closed) > self.remember:
-                del self.closed[next(iter(self.closed))]
-            return self.open.pop(msg.group_id)
+        return self._close_if_complete(g)
+
+    def mark_dead(self, dead: DeadMember) -> Group | None:
+        """A dead letter names a member of a group (or the whole prompt group): returns the group
+        when that completes it. A group that already completed is left alone: the dead copy was a
+        duplicate of a sample it has."""
+        if dead.group_id in self.closed:
+            return None
+        g = self.open.get(dead.group_id)
+        if g is None:
+            g = self.open[dead.group_id] = Group(dead.group_id, dead.size, dead_purpose=dead.purpose)
+        for i in range(dead.size) if dead.sample_index is None else (dead.sample_index,):
+            g.dead.setdefault(i, dead.reason)
+        return self._close_if_complete(g)
+
+    def _close_if_complete(self, g: Group) -> Group | None:
+        if not g.complete:
+            return None
+        self.closed[g.group_id] = None
+        if len(self.closed) > self.remember:
+            del self.closed[next(iter(self.closed))]
+        return self.open.pop(g.group_id)
+
+
+@dataclass(frozen=True)
+class DeadMember:
+    """What a dead letter means for the trainer: a group that can no longer complete as fed."""
+
+    group_id: str
+    size: int  # samples the group was fed with
+    sample_index: int | None  # None: the whole prompt group died before generation
+    purpose: str
+    reason: str  # "<code>: <reason>" from the dead letter
+
+
+# The payload each stream's dead letters carry (the entry's raw bytes), and how to read a group
+# member out of it.
+_DEAD_KINDS: dict[str, type[Message]] = {PROMPTS: PromptGroup, ROLLOUTS: Rollout, SCORED: Scored}
+
+
+def dead_member(dl: DeadLetter) -> DeadMember | None:
+    """The group member a dead letter names, or None when it names none (garbage, a broadcast
+    stream, or a payload cut at the dead letter's size limit)."""
+    kind = _DEAD_KINDS.get(dl.stream)
+    if kind is None or not dl.raw:
         return None
+    try:
+        msg = decode(dl.raw, kind)
+    except DecodeError:
+        return None
+    reason = f"{dl.code}: {dl.reason}" if dl.code else dl.reason
+    if isinstance(msg, PromptGroup):
+        return DeadMember(msg.group_id, msg.n, None, msg.purpose, reason)
+    r = msg.rollout if isinstance(msg, Scored) else msg
+    assert isinstance(r, Rollout)
+    return DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, reason)
+
+
+class DeadLetterWatch:
+    """Follows `{job}:dead` from its start (a restarted trainer re-reads it; settling a group is
+    idempotent) and yields the group members it names.
+
+    Without it, a prompt group dead-lettered by a generator (prompt too long, too many deliveries)
+    or a sample dead-lettered by the reward service (empty completion, non-finite reward) never
+    completes its group, its feeder slot never frees, and after (k + 1) * prompts_per_step of them
+    the trainer waits forever."""
+
+    def __init__(self, streams: JobStreams, job_id: str):
+        self.streams = streams
+        self.job_id = job_id
+        self.last_id = "0"
+
+    def poll(self) -> list[DeadMember]:
+        self.last_id, letters = self.streams.read_broadcast(DEAD, self.last_id, DeadLetter, count=1000)
+        return [m for m in map(dead_member, letters) if m is not None and m.group_id.startswith(self.job_id)]
