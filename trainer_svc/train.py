@@ -31,6 +31,7 @@ from broker.streams import (
     SCORED,
     JobStreams,
 )
+from shared.entry import Terminated
 from shared.jobspec import JobSpec
 from shared.logs import set_context
 from shared.metrics import TrainerMetrics, serve_metrics
@@ -59,7 +60,7 @@ from trainer_svc.algorithms import (
     policy_loss,
     staleness,
 )
-from trainer_svc.feeder import Feeder, Group, GroupAssembler, eval_round, group_seq
+from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, eval_round, group_seq
 from trainer_svc.guard import GuardConfig
 from trainer_svc.guard import check as guard_check
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
@@ -253,6 +254,8 @@ def run(settings: TrainerSettings) -> None:
     try:
         _train(settings, job_id, spec, ledger, streams)
     except BaseException as exc:
+        if isinstance(exc, Terminated):
+            raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
         state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
         ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
         raise
@@ -292,6 +295,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                     journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
     scored_in = checkpoint.singleton_consumer(streams)
     assembler = GroupAssembler()
+    dead_letters = DeadLetterWatch(streams, job_id)  # groups that can no longer complete
     control = ControlWatcher(streams)
     server = make_server(
         settings.transport, host=settings.bind_host, port=settings.bind_port,
@@ -340,11 +344,30 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         streams.ack(SCORED, GROUP_TRAINERS, g.entries)
         log.warning("group %s: %s", g.group_id, why)
 
+    def settle_dead(g: Group) -> None:
+        """A group with a dead-lettered member (or a dead prompt group) can never be used whole:
+        its samples are dropped with the reason, and its feeder or eval slot is freed."""
+        why = ("dead-lettered: " + "; ".join(sorted(set(g.dead.values()))))[:1000]
+        ledger.record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+                            for m in g.msg_ids])  # rows not written (nothing generated) change nothing
+        streams.ack(SCORED, GROUP_TRAINERS, g.entries)
+        name = eval_round(g.group_id)
+        if g.purpose == "eval" and name in evals:
+            evals[name].expected -= 1
+            if evals[name].expected <= 0:
+                del evals[name]
+                feeder.eval_done(name)
+        feeder.done(g.group_id)
+        log.warning("group %s: %s", g.group_id, why)
+
     def route(deliveries: list) -> int:
         """Scored samples -> complete groups -> `ready`, their eval round, or settled as unknown."""
         for d in deliveries:
             g = assembler.add(d.entry_id, d.message)  # type: ignore[arg-type]
             if g is None:
+                continue
+            if g.dead:
+                settle_dead(g)
                 continue
             if g.purpose == "eval":
                 rnd = evals.get(eval_round(g.group_id))
@@ -397,8 +420,16 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                   reason, step + 1, back_to, learner.lr, k)
 
     def take_scored(block_ms: int) -> int:
-        return route(scored_in.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512,
-                                       block_ms=block_ms))
+        n = route(scored_in.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512,
+                                    block_ms=block_ms))
+        freed = [g for g in map(assembler.mark_dead, dead_letters.poll()) if g is not None]
+        for g in freed:
+            settle_dead(g)
+        if freed:
+            route([])  # eval rounds the dead groups completed
+            if step < spec.steps and not control.done:
+                feeder.top_up(version, k)  # refill the freed slots
+        return n
 
     def start_eval(at: int) -> None:
         if at in eval_steps:  # a predecessor fed it: its round is restored above, or recorded
@@ -574,6 +605,13 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             streams.ack(SCORED, GROUP_TRAINERS, held)
             held.clear()
 
+    if control.state == "terminating":  # SIGTERM: a restart of this process, not the user's stop
+        if step > 0:
+            save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+            streams.ack(SCORED, GROUP_TRAINERS, held)
+        log.info("trainer terminated at step %d (version %d), checkpointed; the job stays running", step, version)
+        server.close()
+        return
     if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
         ledger.set_job_state(job_id, "cancelled")
         log.info("trainer cancelled at step %d (version %d)", step, version)
