@@ -1,0 +1,615 @@
+"""The performance suite: time-to-reward against TRL, generator efficiency, broker and ledger
+overhead, and scaling, measured in one run on this machine (`asyncrl bench suite`).
+
+Sections (each a function below; results/suite.json holds them under these keys):
+
+- `time_to_reward`: the tiny model after the demo's warm start (broker.demo.prepare_model), the
+  synthetic arithmetic task, 16 prompts x 8 samples per step, lr 1e-4, on the same two cores:
+  our system in async (k=1) and sync mode (broker.demo.run_job) versus TRL's GRPOTrainer in a
+  virtual environment of its own (broker/peers/trl_grpo.py). Held-out protocol for both: one
+  greedy completion of every held-out problem, exact match, after step 0 and every
+  `eval_every` steps; a policy's point on the curve is the end of the training step that
+  produced it, in seconds since the system (ours) or the process (TRL) was launched. TRL's
+  evaluation time is taken off its clock; ours runs inside the pipeline (on the generator) and
+  stays on ours. Time to target: the first evaluated policy at or above `target`.
+- `generator`: tokens/s of the generator inside a running job (ledger rows: completion tokens
+  per generate batch over the wall time between batches; the Prometheus counters give the
+  engine-only rate) divided by tokens/s of the engine alone (generator_svc.bench) on the same
+  model, settings, batch and core. The job is sized so that the generator is the bottleneck.
+- `broker`: broker.bench_broker (one hop with codec + ledger vs raw XADD and redis-benchmark).
+- `scaling`: seconds per step against generation length, group size and model size.
+- `peer_scaling`: TRL's seconds per step at the same generation lengths and model (no target:
+  a random-init model learns nothing; this is the cost of a step).
+- `gpu`: deploy/gpu_bench.py is the CUDA variant; recorded as unrun unless it was run.
+
+Presets: `ci` (the smallest complete result, what tests/test_bench_suite.py runs), `quick`
+(the default, well under 10 minutes once the TRL environment exists) and `full` (3 seeds,
+longer runs; the committed results/suite.*).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from broker.bench import _cores, _pinned, machine
+from broker.bench_broker import bench_broker
+from broker.demo import prepare_model, run_job
+from broker.ledger import Ledger
+from shared.tasks import load_task
+
+console = Console()
+
+TRL_VERSION = "1.16.0"  # works with torch 2.13 and Python 3.11 (verified here)
+TORCH_VERSION = "2.13.0"  # the local CPU wheel; pinned in every pip command so no CUDA build comes
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "trl_grpo.py"
+TTR_SPEC: dict[str, Any] = {
+    "group_size": 8, "prompts_per_step": 16, "algorithm": {"lr": 1e-4, "micro_batch_size": 64},
+    "sampling": {"temperature": 1.0, "max_tokens": 8}, "max_staleness": 1,
+    "task": {"n_train": 300, "n_test": 100},
+}
+# (layers, hidden, heads, intermediate): random-init models for the cost-of-a-step sections.
+MODELS: dict[str, tuple[int, int, int, int]] = {
+    "2x128": (2, 128, 4, 256), "4x256": (4, 256, 4, 768), "6x384": (6, 384, 6, 1024),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    ttr_steps: int
+    eval_every: int
+    seeds: tuple[int, ...]
+    scaling_steps: int
+    gen_steps: int
+    broker_samples: int
+    peer_steps: int
+
+
+PRESETS: dict[str, Preset] = {
+    "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
+                 peer_steps=4),
+    "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
+                    peer_steps=6),
+    "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
+                   broker_samples=100_000, peer_steps=10),
+}
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the services that run_job starts (they inherit ours)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model(wd: Path, name: str) -> Path:
+    """A random-init model of the MODELS shape `name` (cached)."""
+    layers, hidden, heads, inter = MODELS[name]
+    out = wd / f"model-{name}"
+    if not (out / "config.json").exists():
+        _pinned([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(out), "--layers", str(layers),
+                 "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(inter)], None)
+    return out
+
+
+def _first_at(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:
+    return next((p for p in curve if p["reward"] >= target), None)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[Ledger, str, float]:
+    t_launch = time.time()
+    with _environ(**(env or {})):
+        run = run_job(wd, spec, progress=False)
+    if run.state != "finished":
+        raise RuntimeError(f"job {spec['name']} ended {run.state}: {run.error}")
+    return Ledger(run.db_url), run.job_id, t_launch
+
+
+# --- TRL's environment ---------------------------------------------------------------------
+
+def trl_python(venv: Path) -> Path:
+    """The TRL venv's python, creating the venv when it lacks TRL_VERSION.
+
+    torch first, from the local CPU wheel, and pinned again with trl so pip never swaps it for a
+    CUDA build. Raises RuntimeError with pip's output when an install fails (no index, say).
+    """
+    py = venv / "bin" / "python"
+    probe = f"import torch, trl; assert trl.__version__ == '{TRL_VERSION}', trl.__version__"
+    if py.exists() and subprocess.run([str(py), "-c", probe], capture_output=True).returncode == 0:
+        return py
+    console.print(f"[bold]TRL environment[/] -> {venv} (torch=={TORCH_VERSION}, trl=={TRL_VERSION})")
+    steps = [["python3", "-m", "venv", str(venv)],
+             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"],
+             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"trl=={TRL_VERSION}"]]
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            noise = "is ignored: it is neither a file nor a directory"
+            err = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if noise not in ln)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
+    return py
+
+
+def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
+         evaluate: bool = True) -> dict[str, Any]:
+    """One TRL GRPOTrainer run on the task (both cores, 2 torch threads); its result JSON."""
+    train, test = load_task("arithmetic", seed=seed, n_train=TTR_SPEC["task"]["n_train"],
+                            n_test=TTR_SPEC["task"]["n_test"])
+    run_dir = wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}"
+    run_dir.mkdir(parents=True)
+    cfg = {
+        "model_path": str(model), "workdir": str(run_dir), "seed": seed, "steps": steps,
+        "train": [{"prompt": p.prompt, "answer": p.answer} for p in train],
+        "test": [{"prompt": p.prompt, "answer": p.answer} for p in test],
+        "group_size": TTR_SPEC["group_size"], "prompts_per_step": TTR_SPEC["prompts_per_step"],
+        "micro_batch_size": TTR_SPEC["algorithm"]["micro_batch_size"], "lr": TTR_SPEC["algorithm"]["lr"],
+        "temperature": TTR_SPEC["sampling"]["temperature"], "max_tokens": max_tokens,
+        "eval_every": eval_every, "evaluate": evaluate, "threads": len(os.sched_getaffinity(0)),
+    }
+    cfg["t_launch"] = time.time()
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([str(py), str(PEER_SCRIPT), "--config", str(run_dir / "config.json"),
+                           "--out", str(run_dir / "result.json")], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed (log {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads((run_dir / "result.json").read_text())
+
+
+# --- 1. time to reward ---------------------------------------------------------------------
+
+def _ours_ttr(wd: Path, model: Path, mode: str, seed: int, p: Preset, target: float) -> dict[str, Any]:
+    spec = {**TTR_SPEC, "name": f"suite-ttr-{mode}-{seed}", "model_path": str(model), "mode": mode,
+            "seed": seed, "steps": p.ttr_steps, "eval_every": p.eval_every}
+    ledger, job_id, t0 = _run(wd, spec)
+    steps = ledger.train_steps(job_id)
+    end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
+    curve = [{"step": e["step"], "reward": e["reward_mean"],
+              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)} for e in ledger.evals(job_id)]
+    steady = steps[2:] or steps
+    breakdown = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in
+                 ("wait_s", "train_s", "publish_s", "ledger_s")}
+    return _ttr_summary(curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], target,
+                        breakdown=breakdown)
+
+
+def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float,
+                 **extra: Any) -> dict[str, Any]:
+    """Time to target from a held-out curve and the end time of every step (both from launch)."""
+    step_s = _median([b["t_s"] - a["t_s"] for a, b in zip(step_ends[1:], step_ends[2:], strict=False)])
+    hit = _first_at(curve, target)
+    startup = step_ends[0]["t_s"] - (step_s or 0.0) if step_ends else None
+    return {
+        "curve": curve, "step_s_median": step_s, "startup_s": startup,
+        "time_to_target_s": hit["t_s"] if hit else None,
+        "steps_to_target": hit["step"] if hit else None,
+        # The same, less the start-up (engines, processes, imports): training time alone.
+        "train_s_to_target": hit["t_s"] - startup if hit and startup is not None else None,
+        "final_reward": curve[-1]["reward"] if curve else None, **extra,
+    }
+
+
+def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, target: float) -> dict[str, Any]:
+    model = prepare_model(wd, 0)
+    runs: dict[str, list[dict[str, Any]]] = {"ours_async": [], "ours_sync": [], "trl": []}
+    for seed in p.seeds:
+        for mode in ("async", "sync"):
+            console.print(f"[bold]time to reward[/]: ours, {mode}, seed {seed}")
+            runs[f"ours_{mode}"].append({"seed": seed, **_ours_ttr(wd, model, mode, seed, p, target)})
+        if trl_py is not None:
+            console.print(f"[bold]time to reward[/]: TRL GRPOTrainer, seed {seed}")
+            r = _trl(trl_py, wd, model, seed, steps=p.ttr_steps, eval_every=p.eval_every,
+                     max_tokens=TTR_SPEC["sampling"]["max_tokens"])
+            ends = [{"step": x["step"], "t_s": x["t_s"]} for x in r["train_reward"]]
+            runs["trl"].append({"seed": seed, **_ttr_summary(r["curve"], ends, target),
+                                "eval_s_total": r["eval_s_total"], "versions": {
+                                    k: r[k] for k in ("trl_version", "transformers_version", "torch_version")},
+                                "generation": r["generation"]})
+    summary = {}
+    for name, rs in runs.items():
+        hits = [r["time_to_target_s"] for r in rs]
+        summary[name] = {
+            "reached": sum(h is not None for h in hits), "runs": len(rs),
+            # A run that never reached the target counts as the whole run (a lower bound).
+            "time_to_target_s": _median([h if h is not None else r["curve"][-1]["t_s"] for h, r in zip(hits, rs, strict=True)]),
+            "train_s_to_target": _median([r["train_s_to_target"] for r in rs if r["train_s_to_target"] is not None]),
+            "steps_to_target": _median([r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]),
+            "startup_s": _median([r["startup_s"] for r in rs if r["startup_s"] is not None]),
+            "step_s_median": _median([r["step_s_median"] for r in rs if r["step_s_median"] is not None]),
+            "final_reward": _median([r["final_reward"] for r in rs if r["final_reward"] is not None]),
+        }
+
+    def ratio(key: str, ours: str) -> float | None:
+        a, b = summary["trl"].get(key), summary[ours].get(key)
+        return a / b if a and b else None
+
+    return {
+        "target": target, "seeds": list(p.seeds), "steps": p.ttr_steps, "eval_every": p.eval_every,
+        "protocol": "one greedy completion (max_tokens 8) per held-out problem (100), exact match; after step 0 "
+                    "and every eval_every steps; a point's time is the end of the step that produced the policy, "
+                    "seconds since launch; TRL's evaluation time is taken off its clock",
+        "shape": {k: TTR_SPEC[k] for k in ("group_size", "prompts_per_step")} | {"lr": 1e-4, "max_tokens": 8},
+        "runs": runs, "summary": summary,
+        "speedup_vs_trl": {m: ratio("time_to_target_s", f"ours_{m}") for m in ("async", "sync")},
+        "speedup_vs_trl_training_only": {m: ratio("train_s_to_target", f"ours_{m}") for m in ("async", "sync")},
+        "step_speed_vs_trl": {m: ratio("step_s_median", f"ours_{m}") for m in ("async", "sync")},
+    }
+
+
+# --- 2. generator efficiency ---------------------------------------------------------------
+
+class _Scraper:
+    """Polls a Prometheus endpoint in a thread; keeps the last values of the series it wants."""
+
+    def __init__(self, url: str, names: tuple[str, ...]):
+        self.url, self.names = url, names
+        self.values: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                text = httpx.get(self.url, timeout=1.0).text
+            except httpx.HTTPError:
+                continue
+            for name in self.names:
+                m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+                if m:
+                    self.values[name] = float(m.group(1))
+
+    def __enter__(self) -> _Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def _batch_rates(rows: list[dict[str, Any]], skip: int = 2) -> tuple[float | None, int]:
+    """Tokens/s over the wall time between generate batches (rows of one batch share a stamp)."""
+    batches: dict[float, int] = {}
+    for r in rows:
+        t = round(r["created_at"].timestamp(), 3)
+        batches[t] = batches.get(t, 0) + r["num_completion_tokens"]
+    ts = sorted(batches)[skip:]
+    if len(ts) < 3:
+        return None, len(ts)
+    # Tokens of every batch after the first, over the time from the first batch to the last.
+    return sum(batches[t] for t in ts[1:]) / (ts[-1] - ts[0]), len(ts)
+
+
+def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
+    model = _model(wd, "2x128")
+    max_tokens, prompts, n = 64, 16, 8
+    gen_core, _ = _cores()
+    console.print("[bold]generator efficiency[/]: the engine alone")
+    _pinned([sys.executable, "-m", "generator_svc.bench", "--model", str(model), "--prompts", str(prompts),
+             "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
+            gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+    alone = json.loads((wd / "gen_alone.json").read_text())
+    console.print("[bold]generator efficiency[/]: the generator inside a running job")
+    port = _free_port()
+    spec = {"name": "suite-generator", "model_path": str(model), "steps": p.gen_steps, "eval_every": 0,
+            "group_size": n, "prompts_per_step": prompts, "generation_batch": prompts, "max_staleness": 1,
+            "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
+    names = ("asyncrl_generator_tokens_total", "asyncrl_generator_generate_seconds_sum",
+             "asyncrl_generator_generate_seconds_count")
+    with _Scraper(f"http://127.0.0.1:{port}/metrics", names) as scraper:
+        ledger, job_id, _ = _run(wd, spec, {"GEN_METRICS_PORT": str(port)})
+    rate, batches = _batch_rates(ledger.samples(job_id, kind="train"))
+    prom = scraper.values
+    steps = ledger.train_steps(job_id)[2:]
+    engine_rate = (prom["asyncrl_generator_tokens_total"] / prom["asyncrl_generator_generate_seconds_sum"]
+                   if prom.get("asyncrl_generator_generate_seconds_sum") else None)
+    return {
+        "shape": {"model": "llama 2x128 random init", "prompts": prompts, "group_size": n, "max_tokens": max_tokens},
+        "standalone_tokens_per_s": alone["tokens_per_s"],
+        "in_system_tokens_per_s": rate, "batches_measured": batches,
+        "efficiency": rate / alone["tokens_per_s"] if rate else None,
+        "engine_only_tokens_per_s": engine_rate,
+        "engine_only_efficiency": engine_rate / alone["tokens_per_s"] if engine_rate else None,
+        "prometheus": prom,
+        # Near 1: the trainer waited for data, so the generator set the pace.
+        "trainer_wait_share": _median([s["metrics"]["time/wait_s"] / s["metrics"]["time/step_s"] for s in steps]),
+        "step_s_median": _median([s["metrics"]["time/step_s"] for s in steps]),
+        "job_id": job_id,
+    }
+
+
+# --- 4. scaling ----------------------------------------------------------------------------
+
+def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: int) -> dict[str, Any]:
+    model = _model(wd, model_name)
+    spec = {"name": f"suite-scale-{model_name}-{max_tokens}-{group}", "model_path": str(model), "steps": steps,
+            "eval_every": 0, "group_size": group, "prompts_per_step": 16, "generation_batch": 16,
+            "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
+    ledger, job_id, _ = _run(wd, spec)
+    rows = ledger.train_steps(job_id)
+    steady = rows[2:] if len(rows) > 3 else rows[1:]
+    med = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in ("step_s", "wait_s", "train_s")}
+    return {"model": model_name, "max_tokens": max_tokens, "group_size": group, "steps": len(rows),
+            "step_s": med["step_s"], "wait_s": med["wait_s"], "train_s": med["train_s"],
+            "tokens_per_step": _median([s["metrics"]["tokens"] for s in steady])}
+
+
+def scaling(wd: Path, p: Preset) -> dict[str, Any]:
+    center = ("2x128", 32, 8)
+    cache: dict[tuple[str, int, int], dict[str, Any]] = {}
+
+    def point(m: str, t: int, g: int) -> dict[str, Any]:
+        if (m, t, g) not in cache:
+            console.print(f"[bold]scaling[/]: model {m}, {t} tokens, groups of {g}")
+            cache[(m, t, g)] = _step_cost(wd, m, t, g, p.scaling_steps)
+        return cache[(m, t, g)]
+
+    out = {
+        "gen_length": [point(center[0], t, center[2]) for t in (16, 32, 64)],
+        "group_size": [point(center[0], center[1], g) for g in (4, 8, 16)],
+        "model_size": [point(m, center[1], center[2]) for m in MODELS],
+        "params": {m: _params(*MODELS[m]) for m in MODELS},
+        "note": "random-init models (completions run to max_tokens), lr 1e-6, async k=1, 16 prompts/step",
+    }
+    return out
+
+
+def _params(layers: int, hidden: int, heads: int, inter: int, vocab: int = 104) -> int:
+    """Parameter count of the tiny_model Llama shape (untied embeddings, RMSNorm)."""
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    return layers * per_layer + 2 * vocab * hidden + hidden
+
+
+def peer_scaling(wd: Path, p: Preset, trl_py: Path, ours: list[dict[str, Any]]) -> dict[str, Any]:
+    model = _model(wd, "2x128")
+    rows = []
+    for pt in ours:
+        t = pt["max_tokens"]
+        console.print(f"[bold]peer scaling[/]: TRL, {t} tokens")
+        r = _trl(trl_py, wd, model, 0, steps=p.peer_steps, eval_every=p.peer_steps, max_tokens=t, evaluate=False)
+        ends = [x["t_s"] for x in r["train_reward"]]
+        trl_s = _median([b - a for a, b in zip(ends[1:], ends[2:], strict=False)])
+        rows.append({"max_tokens": t, "ours_step_s": pt["step_s"], "trl_step_s": trl_s,
+                     "trl_over_ours": trl_s / pt["step_s"] if trl_s and pt["step_s"] else None})
+    return {"gen_length": rows, "model": "llama 2x128 random init", "group_size": 8, "prompts_per_step": 16}
+
+
+# --- the suite -----------------------------------------------------------------------------
+
+def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_dir: str = "results",
+              trl_venv: str = "runs/bench/trl-venv", target: float = 0.85,
+              postgres_url: str | None = None) -> dict[str, Any]:
+    """Run every section with `preset`; write suite.json, suite.md and PNGs to `out_dir`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset '{preset}'; valid: {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    t0 = time.monotonic()
+    wd = Path(workdir).resolve()
+    wd.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"preset": preset, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+                              "pinning": "ours: generator (vLLM OpenMP) on the first core, trainer (1 torch thread) "
+                                         "on the last; TRL: one process, 2 torch threads on both cores"}
+    trl_py: Path | None = None
+    try:
+        t_venv = time.monotonic()
+        trl_py = trl_python(Path(trl_venv).resolve())
+        result["trl_env"] = {"python": str(trl_py), "setup_s": time.monotonic() - t_venv, "error": None}
+    except RuntimeError as exc:
+        result["trl_env"] = {"python": None, "setup_s": None, "error": str(exc)}
+        console.print(f"[red]TRL environment unavailable[/]: {exc}")
+    result["time_to_reward"] = time_to_reward(wd, p, trl_py, target)
+    result["generator"] = generator_efficiency(wd, p)
+    console.print("[bold]broker and ledger overhead[/]")
+    pg = postgres_url if postgres_url is not None else os.environ.get("TEST_POSTGRES_URL")
+    result["broker"] = bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None)
+    result["scaling"] = scaling(wd, p)
+    # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
+    result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
+                              else {"gen_length": [], "error": result["trl_env"]["error"]})
+    result["gpu"] = {"status": "unrun", "script": "deploy/gpu_bench.py",
+                     "why": "no NVIDIA GPU on this machine"}
+    ttr = result["time_to_reward"]
+    # The keys of shared/notes/bench-results.md (results/bench.json row), at the top level.
+    result["time_to_reward_s"] = {"ours": ttr["summary"]["ours_async"]["time_to_target_s"],
+                                  "ours_sync": ttr["summary"]["ours_sync"]["time_to_target_s"],
+                                  "trl": ttr["summary"]["trl"]["time_to_target_s"]}
+    result["time_to_reward_vs_trl"] = ttr["speedup_vs_trl"]["async"]
+    result["generator_efficiency"] = result["generator"]["efficiency"]
+    result["broker_samples_per_s"] = result["broker"]["samples_per_s"]
+    result["broker_overhead_ms"] = result["broker"]["overhead_ms"]
+    result["wall_s"] = time.monotonic() - t0
+    write_report(result, Path(out_dir))
+    return result
+
+
+# --- report --------------------------------------------------------------------------------
+
+def _f(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
+    ttr, s = r["time_to_reward"], r["time_to_reward"]["summary"]
+    g, b = r["generator"], r["broker"]
+    rows = [
+        (f"time to held-out reward {ttr['target']}: ours async (s from launch)", _f(s["ours_async"]["time_to_target_s"], 1), ""),
+        ("... ours sync", _f(s["ours_sync"]["time_to_target_s"], 1), ""),
+        ("... TRL GRPOTrainer", _f(s["trl"]["time_to_target_s"], 1), ""),
+        ("speed-up vs TRL, async / sync (TRL time / ours)",
+         f"{_f(ttr['speedup_vs_trl']['async'], 2)} / {_f(ttr['speedup_vs_trl']['sync'], 2)}", ">= 3"),
+        ("... training time only (start-up left out), async / sync",
+         f"{_f(ttr['speedup_vs_trl_training_only']['async'], 2)} / {_f(ttr['speedup_vs_trl_training_only']['sync'], 2)}", ""),
+        ("start-up s: ours async / TRL", f"{_f(s['ours_async']['startup_s'], 1)} / {_f(s['trl']['startup_s'], 1)}", ""),
+        ("s per step: ours async / sync / TRL",
+         f"{_f(s['ours_async']['step_s_median'])} / {_f(s['ours_sync']['step_s_median'])} / {_f(s['trl']['step_s_median'])}", ""),
+        ("steps to target: ours async / sync / TRL",
+         f"{_f(s['ours_async']['steps_to_target'])} / {_f(s['ours_sync']['steps_to_target'])} / {_f(s['trl']['steps_to_target'])}", ""),
+        ("final held-out reward: ours async / sync / TRL",
+         f"{_f(s['ours_async']['final_reward'], 2)} / {_f(s['ours_sync']['final_reward'], 2)} / {_f(s['trl']['final_reward'], 2)}", ""),
+        ("generator tokens/s: in the system / engine alone",
+         f"{_f(g['in_system_tokens_per_s'], 0)} / {_f(g['standalone_tokens_per_s'], 0)}", ""),
+        ("generator efficiency (in system / alone)", _f(g["efficiency"]), ">= 0.95"),
+        ("... engine time only (Prometheus)", _f(g["engine_only_efficiency"]), ""),
+        (f"broker + ledger samples/s ({b['tokens_per_rollout']} tokens + logprobs, SQLite)",
+         _f(b["samples_per_s"], 0), ">= 20,000"),
+        ("broker + ledger ms per sample", _f(b["overhead_ms"], 4), "<= 0.5"),
+    ]
+    if b.get("ours_postgres"):
+        rows.append(("... with the PostgreSQL ledger (samples/s)", _f(b["ours_postgres"]["samples_per_s"], 0), ""))
+    rows.append(("raw XADD + XREADGROUP + XACK, same bytes (samples/s)", _f(b["raw_streams"]["samples_per_s"], 0), "medium"))
+    if b.get("redis_benchmark"):
+        rows.append(("redis-benchmark XADD, same size (samples/s)", _f(b["redis_benchmark"]["samples_per_s"], 0), "medium"))
+    return rows
+
+
+def write_report(r: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suite.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+    rows = _rows(r)
+    table = Table(title=f"performance suite ({r['preset']})")
+    for col in ("figure", "value", "target"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    md = [f"# Performance suite ({r['preset']} preset, {r['date']})", "",
+          "| figure | value | target |", "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows], ""]
+    sc = r["scaling"]
+    md += ["Seconds per step (median, steady state) against one knob at a time:", "",
+           "| knob | value | s/step | tokens/step | trainer waiting (s) | train (s) |", "|---|---|---|---|---|---|"]
+    for knob, key in (("generation length", "max_tokens"), ("group size", "group_size"), ("model", "model")):
+        axis = {"generation length": "gen_length", "group size": "group_size", "model": "model_size"}[knob]
+        for pt in sc[axis]:
+            label = f"{pt[key]} ({sc['params'][pt['model']]:,} params)" if key == "model" else pt[key]
+            md.append(f"| {knob} | {label} | {_f(pt['step_s'])} | {_f(pt['tokens_per_step'], 0)} | "
+                      f"{_f(pt['wait_s'])} | {_f(pt['train_s'])} |")
+    ps = r["peer_scaling"]
+    if ps.get("gen_length"):
+        md += ["", "Cost of a step, ours (async) vs TRL, same random-init model, 16 x 8 samples:", "",
+               "| generation length | ours s/step | TRL s/step | TRL / ours |", "|---|---|---|---|"]
+        md += [f"| {x['max_tokens']} | {_f(x['ours_step_s'])} | {_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |"
+               for x in ps["gen_length"]]
+    ttr = r["time_to_reward"]
+    trl_env = r.get("trl_env", {})
+    md += ["", f"Held-out protocol: {ttr['protocol']}. Seeds {ttr['seeds']}, {ttr['steps']} steps per run.",
+           f"TRL: {_trl_versions(ttr)}; environment {'ready' if trl_env.get('python') else 'unavailable: ' + str(trl_env.get('error'))[:200]}.",
+           f"GPU variant: {r['gpu']['script']} ({r['gpu']['status']}).",
+           f"Machine: {r['machine']}; {r['pinning']}. Suite wall time {r['wall_s']:.0f} s."]
+    (out / "suite.md").write_text("\n".join(md) + "\n")
+    _plots(r, out)
+
+
+def _trl_versions(ttr: dict[str, Any]) -> str:
+    runs = ttr["runs"]["trl"]
+    if not runs:
+        return "not run"
+    v = runs[0]["versions"]
+    return f"trl {v['trl_version']}, transformers {v['transformers_version']}, torch {v['torch_version']}, {runs[0]['generation']}"
+
+
+def _plots(r: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ttr = r["time_to_reward"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = {"ours_async": "ours, async k=1", "ours_sync": "ours, sync", "trl": "TRL GRPOTrainer"}
+    for i, (name, runs) in enumerate(ttr["runs"].items()):
+        for j, run in enumerate(runs):
+            ax.plot([c["t_s"] for c in run["curve"]], [c["reward"] for c in run["curve"]], "o-", color=f"C{i}",
+                    alpha=0.8, markersize=3, label=labels[name] if j == 0 else None)
+    ax.axhline(ttr["target"], color="grey", linestyle=":", label=f"target {ttr['target']}")
+    ax.set_xlabel("seconds since launch (start-up included)")
+    ax.set_ylabel("held-out reward (greedy, exact match)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="lower right")
+    ax.set_title("time to reward: same tiny model, task, samples per step and cores")
+    fig.tight_layout()
+    fig.savefig(out / "suite_reward_time.png", dpi=100)
+    plt.close(fig)
+
+    sc = r["scaling"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, (axis, key, xlabel) in zip(axes, (("gen_length", "max_tokens", "generation length (tokens)"),
+                                              ("group_size", "group_size", "group size"),
+                                              ("model_size", "model", "model parameters")), strict=True):
+        pts = sc[axis]
+        xs = [sc["params"][p["model"]] for p in pts] if key == "model" else [p[key] for p in pts]
+        ax.plot(xs, [p["step_s"] or 0 for p in pts], "o-", label="ours (async)")
+        if axis == "gen_length" and r["peer_scaling"].get("gen_length"):
+            ps = r["peer_scaling"]["gen_length"]
+            ax.plot([x["max_tokens"] for x in ps], [x["trl_step_s"] or 0 for x in ps], "s--", label="TRL")
+            ax.legend()
+        if key == "model":
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("s per step")
+        ax.set_ylim(bottom=0)
+    fig.suptitle("cost of a step (16 prompts per step)")
+    fig.tight_layout()
+    fig.savefig(out / "suite_scaling.png", dpi=100)
+    plt.close(fig)
+
+    b, g = r["broker"], r["generator"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    bars = [("ours\n(SQLite)", b["ours_sqlite"]["samples_per_s"])]
+    if b.get("ours_postgres"):
+        bars.append(("ours\n(PostgreSQL)", b["ours_postgres"]["samples_per_s"]))
+    bars.append(("raw\nXADD+READ", b["raw_streams"]["samples_per_s"]))
+    if b.get("redis_benchmark"):
+        bars.append(("redis-benchmark\nXADD", b["redis_benchmark"]["samples_per_s"]))
+    a1.bar([x for x, _ in bars], [y for _, y in bars],
+           color=["C0" if x.startswith("ours") else "C7" for x, _ in bars])
+    a1.axhline(20_000, color="grey", linestyle=":", label="target 20k/s")
+    a1.set_ylabel(f"samples/s ({b['tokens_per_rollout']}-token rollouts)")
+    a1.legend()
+    a2.bar(["engine alone", "in the system"], [g["standalone_tokens_per_s"], g["in_system_tokens_per_s"] or 0],
+           color=["C7", "C0"])
+    a2.set_ylabel("generator tokens/s")
+    a2.set_title(f"efficiency {_f(g['efficiency'])}")
+    fig.tight_layout()
+    fig.savefig(out / "suite_broker_generator.png", dpi=100)
+    plt.close(fig)

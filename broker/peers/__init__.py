@@ -1,0 +1,5 @@
+"""Peer systems the performance suite compares against (broker.bench_suite).
+
+Each peer runs in its own virtual environment that the suite creates, from a script here that
+imports nothing from this project: its inputs arrive as a JSON file, its results leave as one.
+"""

@@ -1,0 +1,186 @@
+"""TRL's GRPOTrainer on the suite's task: the peer side of the time-to-reward comparison.
+
+Runs with the Python of the TRL virtual environment that broker.bench_suite creates; it imports
+nothing from this project (the task, the held-out split and the reward's rule arrive in a JSON
+file), only torch, transformers, datasets and trl, and it writes one JSON result file.
+
+    <trl-venv>/bin/python broker/peers/trl_grpo.py --config cfg.json --out result.json
+
+Config keys: model_path, train and test (lists of {"prompt", "answer"}), group_size,
+prompts_per_step, micro_batch_size, steps, lr, max_tokens, temperature, eval_every, threads,
+seed, t_launch (epoch seconds at which the suite started this process: the clock's zero),
+workdir, and optionally evaluate (false: no held-out evaluation, for the cost of a step only).
+
+Training settings mirror the job spec of our side: fp32 (TRL's default bf16 off), no gradient
+checkpointing (its default on), AdamW at a constant lr without weight decay, one optimizer step
+per `prompts_per_step * group_size` completions, group z-score advantages (`scale_rewards=
+"group"`), token-mean loss over the batch (`loss_type="dapo"`, TRL's default), no KL (beta 0),
+sampling at `temperature` with no top-k/top-p, TRL's default generation (transformers
+`generate`).
+
+Held-out protocol (the same as the trainer's in-pipeline evaluation): one greedy completion of
+at most `max_tokens` tokens per held-out prompt, reward 1 when the last number in the completion
+equals the answer. It runs in a callback after step 0 (before any update) and every
+`eval_every` steps; its own time is taken off TRL's clock, so the curve shows training time only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+# The answer rule of shared.tasks.extract_answer + shared.rewards.exact_match, restated here
+# because this script cannot import the project (tests/test_bench_suite.py checks they agree).
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def _norm(s: str) -> str:
+    s = s.strip().replace(",", "")
+    try:
+        f = float(s)
+    except ValueError:
+        return s
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 when the last number in `completion` equals `answer` (as numbers), else 0.0."""
+    found = _NUMBER.findall(completion)
+    if not found:
+        return 0.0
+    got = found[-1].replace(",", "")
+    if "." in got:
+        got = got.rstrip("0").rstrip(".") or "0"
+    got = "0" if got == "-0" else got
+    return 1.0 if _norm(got) == _norm(answer) else 0.0
+
+
+def reward_exact_match(completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """TRL reward function: the dataset's `answer` column arrives as a keyword argument."""
+    return [exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    t_launch = float(cfg["t_launch"])
+    torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(int(cfg["seed"]))
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
+    test = cfg["test"]
+    max_tokens = int(cfg["max_tokens"])
+    curve: list[dict[str, float]] = []
+    train_log: list[dict[str, float]] = []
+    clock: dict[str, Any] = {"eval_s": 0.0, "first_step_start": None}
+    evaluating = bool(cfg.get("evaluate", True))  # False: the cost of a step only
+
+    @torch.no_grad()
+    def held_out(m: Any) -> float:  # a PreTrainedModel
+        was_training = m.training
+        m.eval()
+        side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        try:
+            batch = tokenizer([p["prompt"] for p in test], return_tensors="pt", padding=True)
+        finally:
+            tokenizer.padding_side = side
+        out = m.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        m.train(was_training)
+        return sum(exact_match(t, p["answer"]) for t, p in zip(texts, test, strict=True)) / len(test)
+
+    def evaluate(m: Any, step: int) -> None:
+        t0 = time.time()
+        reward = held_out(m)
+        t1 = time.time()
+        # Seconds of training since launch: evaluation time so far is not TRL's to pay.
+        curve.append({"step": step, "t_s": t0 - t_launch - clock["eval_s"], "reward": reward,
+                      "wall_s": t0 - t_launch})
+        clock["eval_s"] += t1 - t0
+
+    class HeldOut(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
+            clock["first_step_start"] = time.time() - t_launch
+            if evaluating:
+                evaluate(model, 0)
+
+        def on_step_end(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
+            step = state.global_step
+            if evaluating and (step % int(cfg["eval_every"]) == 0 or step == int(cfg["steps"])):
+                evaluate(model, step)
+
+        def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+            if logs and "reward" in logs:
+                train_log.append({"step": state.global_step, "reward": float(logs["reward"]),
+                                  "t_s": time.time() - t_launch - clock["eval_s"]})
+
+    per_step = int(cfg["prompts_per_step"]) * int(cfg["group_size"])
+    micro = min(int(cfg["micro_batch_size"]), per_step)
+    args = GRPOConfig(
+        output_dir=str(Path(cfg["workdir"]) / "trl-out"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=per_step // micro,
+        num_generations=int(cfg["group_size"]),
+        max_completion_length=max_tokens,
+        temperature=float(cfg["temperature"]),
+        top_p=1.0,
+        top_k=0,
+        learning_rate=float(cfg["lr"]),
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        scale_rewards="group",
+        loss_type="dapo",
+        max_steps=int(cfg["steps"]),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=int(cfg["seed"]),
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in cfg["train"]])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_exact_match, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[HeldOut()])
+    trainer.train()
+    return {
+        "trl_version": trl.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "generation": "transformers generate (TRL's default; its vLLM mode needs vllm<=0.31)",
+        "curve": curve,
+        "train_reward": train_log,
+        "startup_s": clock["first_step_start"],
+        "eval_s_total": clock["eval_s"],
+        "wall_s": time.time() - t_launch,
+        "steps": int(cfg["steps"]),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    a = p.parse_args()
+    result = run(json.loads(a.config.read_text()))
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
