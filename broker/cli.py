@@ -101,17 +101,23 @@ def demo(
 @app.command()
 def bench(
     which: str = typer.Argument(
-        "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer."
+        "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
+        "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
+    preset: str = typer.Option("quick", help="suite: ci, quick or full."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
     from broker.bench import bench_async, bench_parity, bench_swap
 
-    if which == "async":
+    if which == "suite":
+        from broker.bench_suite import run_suite
+
+        run_suite(preset, out_dir=out)
+    elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
         bench_parity(steps=steps or 40, seeds=tuple(range(seeds)), out_dir=out)
@@ -126,7 +132,7 @@ def bench(
                     + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite")
 
 
 @app.command()
