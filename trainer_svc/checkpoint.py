@@ -123,20 +123,24 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fh.fileno())
 
 
-def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, float]:
+def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[str, Any], state: dict[str, Any],
+         model_state: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Write one checkpoint atomically; returns {"bytes", "seconds"}. An existing committed
-    checkpoint at `final` is kept as it is (a step is saved once)."""
+    checkpoint at `final` is kept as it is (a step is saved once).
+
+    `optimizer`: the optimizer or its full `state_dict()`; `model_state`: the full HF-named
+    weights when `model` itself holds only a shard (FSDP2, gathered by trainer_svc/dist.py)."""
     t0 = time.perf_counter()
     if (final / COMMIT).exists():
         return {"bytes": float(dir_bytes(final)), "seconds": 0.0}
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
     sd = tmp / STATE_DIR
     sd.mkdir()
-    torch.save(optimizer.state_dict(), sd / "optimizer.pt")
+    torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(), sd / "optimizer.pt")
     tensors, scalars = rng_state()
     torch.save(tensors, sd / "rng.pt")
     (sd / "trainer.json").write_text(json.dumps({"format": FORMAT, **state, "rng": scalars}))
@@ -184,10 +188,25 @@ def latest(root: str | Path, job_id: str) -> Path | None:
     return best[1] if best else None
 
 
-def load_state(path: Path, optimizer: torch.optim.Optimizer, device: str = "cpu") -> dict[str, Any]:
-    """Restore the optimizer and every RNG from a checkpoint; returns its trainer.json."""
+def read_optimizer(path: Path) -> dict[str, Any]:
+    """A checkpoint's optimizer state (`optimizer.state_dict()` layout, on CPU; whatever the world
+    size that saved it)."""
+    return torch.load(path / STATE_DIR / "optimizer.pt", map_location="cpu", weights_only=True)
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The HF-named weights of a checkpoint or model directory, as loaded by from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def load_state(path: Path, optimizer: torch.optim.Optimizer | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Restore every RNG (and the optimizer, if given; a sharded trainer loads it through
+    `Learner.restore` instead) from a checkpoint; returns its trainer.json."""
     sd = path / STATE_DIR
-    optimizer.load_state_dict(torch.load(sd / "optimizer.pt", map_location=device, weights_only=True))
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(sd / "optimizer.pt", map_location=device, weights_only=True))
     state = json.loads((sd / "trainer.json").read_text())
     if state.get("format") != FORMAT:
         raise ValueError(f"{sd}: trainer state format {state.get('format')!r}, this trainer reads {FORMAT}")
@@ -301,18 +320,3 @@ def take_over(streams: JobStreams, stream: str, group: str, consumer: str, expec
     if n == 0:
         return []
     return _like(streams, 0).consume(stream, group, consumer, expected, count=n, block_ms=None)
-
-
-def roll_back(path: Path | None, initial: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              device: str = "cpu") -> None:
-    """Put the weights and optimizer state of checkpoint `path` (None: the job's initial model and
-    an empty optimizer state) into the live model and optimizer, in place. RNG and cursors stay
-    as they are: this is the collapse guard's undo, not a resume."""
-    from transformers import AutoModelForCausalLM
-
-    src = AutoModelForCausalLM.from_pretrained(path or initial, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    if path is None:
-        optimizer.state.clear()
-    else:
-        optimizer.load_state_dict(torch.load(path / STATE_DIR / "optimizer.pt", map_location=device, weights_only=True))

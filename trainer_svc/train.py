@@ -4,13 +4,18 @@ Setup helpers first, then `run`: one loop that reads top to bottom (feed, consum
 filter, advantages, loss, step, publish weights, ledger + metrics). Async and sync modes are the
 same loop; sync is max staleness 0 with an in-flight cap of one batch, so the generator can only
 start the next batch after the new weights are published.
+
+Under `torchrun` rank 0 runs this loop and the other ranks run `follow` (trainer_svc/dist.py:
+what is sharded, who does what); at world size 1 the loop is all there is.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from broker.streams import (
     SCORED,
     JobStreams,
 )
-from shared.entry import Terminated
+from shared.entry import Terminated, accept_drain
 from shared.jobspec import JobSpec
 from shared.logs import set_context
 from shared.metrics import TrainerMetrics, serve_metrics
@@ -39,6 +44,8 @@ from shared.schema import (
     Control,
     PolicyAnnouncement,
     Scored,
+    decode,
+    encode,
     pack_f32,
     pack_i32,
     unpack_f32,
@@ -60,6 +67,7 @@ from trainer_svc.algorithms import (
     policy_loss,
     staleness,
 )
+from trainer_svc.dist import Ranks, full_value
 from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, eval_round, group_seq
 from trainer_svc.guard import GuardConfig
 from trainer_svc.guard import check as guard_check
@@ -81,13 +89,17 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None):
     return model, tokenizer
 
 
-def flatten_weights(model: torch.nn.Module, keep_device: bool = False) -> tuple[list[tuple[str, list[int], str, int]], Any]:
-    """Every tensor of the HF state dict, back to back in one uint8 buffer (checkpoint names).
+def flatten_weights(
+    model: torch.nn.Module | Mapping[str, torch.Tensor], keep_device: bool = False
+) -> tuple[list[tuple[str, list[int], str, int]], Any]:
+    """Every tensor of the HF state dict (of `model`, or `model` is one), back to back in one
+    uint8 buffer (checkpoint names).
 
     Returns a host numpy array, or with `keep_device` a uint8 tensor on the model's device (so a
     GPU trainer can serve device memory over UCX: cuda_ipc/NVLink or RDMA, no host bounce)."""
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
     entries, parts = [], []
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         t = t.detach().contiguous()
         entries.append((name, list(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()))
         parts.append(t.reshape(-1).view(torch.uint8))
@@ -114,16 +126,19 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 
 def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
-    run_id: str = "",
+    run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
 ) -> tuple[float, str]:
-    """Serve and announce version `version`; returns (seconds, the version's checksum)."""
+    """Serve and announce version `version`; returns (seconds, the version's checksum).
+
+    `snapshot`: (full weights, probe) from `Learner.snapshot` when `model` is sharded; None takes
+    both from `model`."""
     t0 = time.perf_counter()
-    on_gpu = next(model.parameters()).is_cuda and server.name == "ucx"
-    entries, buf = flatten_weights(model, keep_device=on_gpu)
+    state, (probe_ids, probe_lp) = snapshot if snapshot is not None else (model.state_dict(), probe(model))
+    on_gpu = next(iter(state.values())).is_cuda and server.name == "ucx"
+    entries, buf = flatten_weights(state, keep_device=on_gpu)
     manifest = build_manifest(version, entries, buf.cpu().numpy() if on_gpu else buf)  # checksums on host bytes
     server.serve(manifest, buf)
     ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
-    probe_ids, probe_lp = probe(model)
     streams.publish(
         POLICY,
         PolicyAnnouncement(
@@ -144,8 +159,9 @@ def save_checkpoint(
     RNG, `state`: step, cursors, ...), written atomically (trainer_svc/checkpoint.py); only then
     recorded in the ledger."""
     final = checkpoint.step_dir(root, job_id, step)
-    stats = checkpoint.save(final, learner.model, learner.tokenizer, learner.optimizer,
-                            {"job_id": job_id, "step": step, "policy_version": version, **state})
+    weights, optimizer = learner.full_state()
+    stats = checkpoint.save(final, learner.model, learner.tokenizer, optimizer,
+                            {"job_id": job_id, "step": step, "policy_version": version, **state}, model_state=weights)
     ledger.record_checkpoint(job_id, step, version, str(final.resolve()))
     log.info("checkpoint %s: %.1f MB in %.2fs", final, stats["bytes"] / 1e6, stats["seconds"])
     return final
@@ -184,13 +200,23 @@ class Learner:
     """The policy, its optimizer and the algorithm: one optimizer step on one global batch.
 
     advantages -> loss over micro-batches (normalised by global-batch counts, so the gradient does
-    not depend on the micro-batch size) -> clip -> step. Used by the loop below and by the bench.
+    not depend on the micro-batch size, nor on how the batch is split across ranks) -> clip ->
+    step. Used by the loop below and by the bench.
+
+    With `ranks` of world size > 1 the model is sharded (FSDP2) and every method that touches it
+    is collective: rank 0 announces the call with its arguments (trainer_svc/dist.py), and `follow`
+    makes the same call on the other ranks.
     """
 
-    def __init__(self, spec: JobSpec, device: str, model_path: str | Path | None = None):
+    def __init__(self, spec: JobSpec, device: str, model_path: str | Path | None = None, ranks: Ranks | None = None):
+        self.ranks = ranks or Ranks(device=device)
+        self.ranks.announce("init", spec=spec.model_dump(mode="json"))
         self.spec = spec
-        self.device = device
-        self.model, self.tokenizer = load_policy(spec, device, model_path)
+        self.device = device = self.ranks.device
+        # Every rank builds the job's model; only rank 0 reads `model_path` (a checkpoint the other
+        # ranks may not see), and `wrap` hands its weights to them.
+        model, self.tokenizer = load_policy(spec, device, model_path if self.ranks.is_main else None)
+        self.model = self.ranks.wrap(model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         a = spec.algorithm
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
@@ -211,15 +237,19 @@ class Learner:
         advantages = self.advantage_fn(rewards).reshape(-1)  # (B,)
         norm = BatchNorm.from_lengths([len(s.rollout.completion_ids) // 4 for s in samples],
                                       max_len=spec.sampling.max_tokens)
+        self.ranks.announce("step", samples=[encode(s) for s in samples], rewards=rewards.tolist(),
+                            lr_scale=lr_scale, lr=lr)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        mb = spec.algorithm.micro_batch_size
-        for lo in range(0, len(samples), mb):
+        # This rank's share of the global batch, in micro-batches; None pads the count to that of
+        # the busiest rank (every FSDP forward is a collective) and contributes no gradient.
+        for part in self.ranks.micro_batches(len(samples), spec.algorithm.micro_batch_size):
+            lo, hi = part or (0, 1)
             ids, attn, behaviour, adv, mask = micro_batch_inputs(
-                samples[lo : lo + mb], advantages[lo : lo + mb], self.pad_id, self.device
+                samples[lo:hi], advantages[lo:hi], self.pad_id, self.device
             )
             # each sample's own sampling temperature: the behaviour policy it was drawn from
-            temp = torch.tensor([s.rollout.temperature for s in samples[lo : lo + mb]])
+            temp = torch.tensor([s.rollout.temperature for s in samples[lo:hi]])
             logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp)
             ref = None
             if self.ref_model is not None:
@@ -227,9 +257,16 @@ class Learner:
                     ref = token_logprobs(self.ref_model, ids, attn, temp)
             out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy),
                               self.cfg, norm)
-            out.loss.backward()
+            if part is None:
+                (out.loss * 0.0).backward()
+                sums = accumulate(sums, {k: -math.inf if k.endswith("max") else 0.0 for k in out.metrics})
+                continue
+            # This rank's share of the global sum; x N undoes the average of FSDP's gradient reduction.
+            (out.loss * self.ranks.world_size).backward()
             sums = accumulate(sums, out.metrics)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
+        sums = self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
+        grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                    spec.algorithm.max_grad_norm)))
         lr = self.lr * lr_scale if lr is None else lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -244,24 +281,85 @@ class Learner:
             "samples": float(len(samples)),
         }
 
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], tuple[list[int], list[float]]]:
+        """The full weights (on rank 0; {} on the others) and the probe fingerprint, for
+        `publish_weights`."""
+        self.ranks.announce("snapshot")
+        return self.ranks.model_state(self.model), probe(self.model)
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(full weights, full optimizer state in `optimizer.state_dict()` layout) on rank 0, for a
+        checkpoint; ({}, {}) on the others."""
+        self.ranks.announce("full_state")
+        return self.ranks.model_state(self.model), self.ranks.optimizer_state(self.model, self.optimizer)
+
+    def restore(self, path: str | Path | None, weights: bool = True) -> None:
+        """Checkpoint `path` (None: the job's initial model and an empty optimizer state) into the
+        live model (unless not `weights`) and optimizer, in place; rank 0 reads the files. RNG and
+        cursors stay as they are (the collapse guard's undo; a resume restores those itself)."""
+        self.ranks.announce("restore", path=None if path is None else str(path), weights=weights)
+        main = self.ranks.is_main
+        if weights:
+            self.ranks.load_model_state(self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {})
+        optimizer = None if path is None else checkpoint.read_optimizer(Path(path)) if main else {}
+        self.ranks.load_optimizer_state(self.model, self.optimizer, optimizer)
+
+
+# Ranks 1..N-1: what to do on each announcement of rank 0 (the Learner calls above).
+FOLLOW = {
+    "step": lambda learner, m: learner.step([decode(b, Scored) for b in m["samples"]], torch.tensor(m["rewards"]),
+                                            m["lr_scale"], m["lr"]),
+    "snapshot": lambda learner, m: learner.snapshot(),
+    "full_state": lambda learner, m: learner.full_state(),
+    "restore": lambda learner, m: learner.restore(m["path"], m["weights"]),
+    "tick": lambda learner, m: None,  # rank 0 is waiting (for data, or paused)
+}
+
+
+def follow(settings: TrainerSettings, ranks: Ranks) -> None:
+    """A rank other than 0: no Redis, no ledger, no weight server; rank 0's collective Learner
+    calls, in the order it announces them, until it announces `exit`."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    # torchrun passes a SIGTERM to every rank: rank 0 drains (finishes its step, checkpoints, then
+    # announces exit), and that needs this rank in the collectives until then.
+    accept_drain()
+    first = ranks.receive()
+    if first["op"] != "init":
+        raise RuntimeError(f"rank {ranks.rank}: expected the init announcement, got {first['op']!r}")
+    spec = JobSpec.model_validate(first["spec"])
+    torch.manual_seed(spec.seed)
+    learner = Learner(spec, settings.device, ranks=ranks)
+    while (m := ranks.receive())["op"] != "exit":
+        lookup(FOLLOW, m["op"], "announcement")(learner, m)
+
 
 # --- the loop -----------------------------------------------------------------------------------
 
 
 def run(settings: TrainerSettings) -> None:
-    ctx = open_job(settings)
-    job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
+    ranks = Ranks.from_env(settings.device)  # torchrun: join the process group; else world size 1
     try:
-        _train(settings, job_id, spec, ledger, streams)
-    except BaseException as exc:
-        if isinstance(exc, Terminated):
-            raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
-        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
-        ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
-        raise
+        if not ranks.is_main:
+            follow(settings, ranks)
+            return
+        ctx = open_job(settings)
+        job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
+        try:
+            _train(settings, job_id, spec, ledger, streams, ranks)
+        except BaseException as exc:
+            # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
+            if isinstance(exc, Terminated):
+                raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
+            state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+            ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
+            raise
+        ranks.announce("exit")
+    finally:
+        ranks.close()
 
 
-def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams) -> None:
+def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams, ranks: Ranks) -> None:
     t_boot = time.perf_counter()
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -269,7 +367,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     prom = TrainerMetrics(serve_metrics(settings.metrics_port, "trainer"), job_id)
     # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
     resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
-    learner = Learner(spec, settings.device, resume.checkpoint if resume else None)
+    learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)
     model = learner.model
     k = spec.staleness_bound
     adaptive = None
@@ -405,7 +503,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             raise RuntimeError(f"collapse guard tripped {trips} times (last at step {step + 1}: {reason}); giving up")
         ckpt = checkpoint.latest(settings.checkpoint_dir, job_id)
         back_to = checkpoint.step_of(ckpt) if ckpt is not None else 0
-        checkpoint.roll_back(ckpt, spec.model_path, model, learner.optimizer, settings.device)
+        learner.restore(ckpt)
         learner.lr *= guard.lr_factor
         if kind == "is_blowup" and spec.mode == "async":
             k = max(adaptive.k_min if adaptive is not None else 0, k - 1)
@@ -420,6 +518,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                   reason, step + 1, back_to, learner.lr, k)
 
     def take_scored(block_ms: int) -> int:
+        ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
         n = route(scored_in.consume(SCORED, GROUP_TRAINERS, settings.consumer_id, Scored, count=512,
                                     block_ms=block_ms))
         freed = [g for g in map(assembler.mark_dead, dead_letters.poll()) if g is not None]
@@ -430,6 +529,10 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             if step < spec.steps and not control.done:
                 feeder.top_up(version, k)  # refill the freed slots
         return n
+
+    def wait_paused() -> None:
+        ranks.keepalive()
+        control.poll(block_ms=settings.block_ms)
 
     def start_eval(at: int) -> None:
         if at in eval_steps:  # a predecessor fed it: its round is restored above, or recorded
@@ -449,7 +552,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 f"checkpoint whose samples are no longer pending in Redis (first: {missing[0]}); Redis lost them "
                 "or they were dead-lettered after too many deliveries")
     if resume is not None and resume.checkpoint is not None:
-        st = checkpoint.load_state(resume.checkpoint, learner.optimizer, settings.device)
+        learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
+        st = checkpoint.load_state(resume.checkpoint)
         k, learner.lr = int(st["k"]), float(st["lr"])
         rewards_seen, trips = list(st["guard"]["rewards"]), int(st["guard"]["trips"])
         if adaptive is not None and st["adaptive"] is not None:
@@ -461,7 +565,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             apply_knobs(since)
     set_context(policy_version=version)
     ledger.set_job_state(job_id, "running")
-    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id)
+    publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id, learner.snapshot())
     if resume is not None:
         log.info("resumed from %s at step %d (version %d) in %.1fs: re-doing steps %s; %d groups in flight, "
                  "%d pending entries taken over", resume.checkpoint or "the initial model", step, version,
@@ -476,7 +580,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             log.info("%s requested at step %d", control.state, step)
             break
         if control.state == "paused":
-            control.poll(block_ms=settings.block_ms)
+            wait_paused()
             continue
         if control.changed:  # live knobs (PATCH /jobs/{id}), applied from this step on
             control.changed = False
@@ -513,7 +617,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 if control.done:
                     break
         while control.state == "paused":  # no step advances while paused; nothing is dropped either
-            control.poll(block_ms=settings.block_ms)
+            wait_paused()
         if control.done or len(batch) < spec.prompts_per_step:
             break
         batch.sort(key=lambda g: group_seq(g.group_id))  # feed order: arrival order must not matter
@@ -542,7 +646,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
 
         # publish weights
         publish_s, checksum = publish_weights(
-            model, version, server, streams, ledger, job_id, settings.keep_versions, run_id
+            model, version, server, streams, ledger, job_id, settings.keep_versions, run_id, learner.snapshot()
         )
         if redo is not None:
             assert resume is not None

@@ -59,12 +59,12 @@ def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
     good_avg = learner.optimizer.state_dict()["state"][0]["exp_avg"].clone()
     learner.step(samples, rewards)  # the "bad" step
     assert not torch.equal(learner.model.state_dict()["lm_head.weight"], good["lm_head.weight"])
-    checkpoint.roll_back(final, spec.model_path, learner.model, learner.optimizer)
+    learner.restore(final)
     for n, t in learner.model.state_dict().items():
         assert torch.equal(t, good[n]), n
     assert torch.equal(learner.optimizer.state_dict()["state"][0]["exp_avg"], good_avg)
     assert checkpoint.step_of(final) == 1
     # without a checkpoint: the job's initial model and a fresh optimizer
-    checkpoint.roll_back(None, spec.model_path, learner.model, learner.optimizer)
+    learner.restore(None)
     assert learner.optimizer.state_dict()["state"] == {}
     assert learner.step(samples, rewards)["lr"] == pytest.approx(1e-2)  # and it trains on from there
