@@ -102,3 +102,13 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
             _numbers(pt, ("step_s", "tokens_per_step"), f"scaling.{axis}")
     assert saved["gpu"]["status"] in ("unrun", "run")
     _numbers(saved, ("generator_efficiency", "broker_samples_per_s", "broker_overhead_ms"), "top level")
+
+
+def test_gpu_variant_answers_help() -> None:
+    # deploy/gpu_bench.py is unrun here (no GPU); it must at least parse its arguments anywhere.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--lengths" in proc.stdout
