@@ -83,11 +83,12 @@ class Preset:
     gen_steps: int
     broker_samples: int
     peer_steps: int
+    gen_lengths: tuple[int, ...] = (16, 32, 64, 128, 192)
 
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
-                 peer_steps=4),
+                 peer_steps=4, gen_lengths=(16, 32, 64)),
     "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
                     peer_steps=6),
     "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
@@ -330,6 +331,7 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
              "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
             gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
     alone = json.loads((wd / "gen_alone.json").read_text())
+    loaded = _engine_alone_beside_load(wd, model, prompts, n, max_tokens, gen_core)
     console.print("[bold]generator efficiency[/]: the generator inside a running job")
     port = _free_port()
     spec = {"name": "suite-generator", "model_path": str(model), "steps": p.gen_steps, "eval_every": 0,
@@ -350,6 +352,11 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
         "in_system_tokens_per_s": rate, "batches_measured": batches,
         "efficiency": rate / alone["tokens_per_s"] if rate else None,
         "engine_only_tokens_per_s": engine_rate,
+        # Control: the engine alone again, while a one-thread torch training loop (the trainer's
+        # kind of load) runs on the other core. What it loses is what the hardware takes from
+        # the generator when the trainer computes beside it, not the service's own overhead.
+        "standalone_beside_load_tokens_per_s": loaded,
+        "efficiency_vs_loaded_alone": rate / loaded if rate and loaded else None,
         "engine_only_efficiency": engine_rate / alone["tokens_per_s"] if engine_rate else None,
         "prometheus": prom,
         # Near 1: the trainer waited for data, so the generator set the pace.
@@ -357,6 +364,38 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
         "step_s_median": _median([s["metrics"]["time/step_s"] for s in steps]),
         "job_id": job_id,
     }
+
+
+_LOAD = """
+import torch
+torch.set_num_threads(1)
+m = torch.nn.Sequential(torch.nn.Linear(256, 768), torch.nn.SiLU(), torch.nn.Linear(768, 256))
+opt = torch.optim.AdamW(m.parameters())
+x = torch.randn(2048, 256)
+while True:
+    opt.zero_grad()
+    m(x).square().mean().backward()
+    opt.step()
+"""
+
+
+def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_tokens: int,
+                              gen_core: int | None) -> float | None:
+    """Engine-alone tokens/s while a torch training loop keeps the other core busy (None on 1 core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if gen_core is None or len(cores) < 2:
+        return None
+    other = cores[-1]
+    console.print("[bold]generator efficiency[/]: the engine alone, a training loop on the other core")
+    load = subprocess.Popen([sys.executable, "-c", _LOAD], preexec_fn=lambda: os.sched_setaffinity(0, {other}))
+    try:
+        _pinned([sys.executable, "-m", "generator_svc.bench", "--model", str(model), "--prompts", str(prompts),
+                 "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_loaded.json")],
+                gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)})
+    finally:
+        load.kill()
+        load.wait()
+    return float(json.loads((wd / "gen_loaded.json").read_text())["tokens_per_s"])
 
 
 # --- 4. scaling ----------------------------------------------------------------------------
@@ -386,7 +425,7 @@ def scaling(wd: Path, p: Preset) -> dict[str, Any]:
         return cache[(m, t, g)]
 
     out = {
-        "gen_length": [point(center[0], t, center[2]) for t in (16, 32, 64)],
+        "gen_length": [point(center[0], t, center[2]) for t in p.gen_lengths],
         "group_size": [point(center[0], center[1], g) for g in (4, 8, 16)],
         "model_size": [point(m, center[1], center[2]) for m in MODELS],
         "params": {m: _params(*MODELS[m]) for m in MODELS},
@@ -495,6 +534,8 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
          f"{_f(g['in_system_tokens_per_s'], 0)} / {_f(g['standalone_tokens_per_s'], 0)}", ""),
         ("generator efficiency (in system / alone)", _f(g["efficiency"]), ">= 0.95"),
         ("... engine time only (Prometheus)", _f(g["engine_only_efficiency"]), ""),
+        ("... vs the engine alone beside a training loop on the other core",
+         f"{_f(g.get('efficiency_vs_loaded_alone'))} ({_f(g.get('standalone_beside_load_tokens_per_s'), 0)} tokens/s alone there)", ""),
         (f"broker + ledger samples/s ({b['tokens_per_rollout']} tokens + logprobs, SQLite)",
          _f(b["samples_per_s"], 0), ">= 20,000"),
         ("broker + ledger ms per sample", _f(b["overhead_ms"], 4), "<= 0.5"),

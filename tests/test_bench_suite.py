@@ -87,7 +87,7 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
     if trl:
         # None only when a side never reached the target within the run; then it is the run's end.
         assert ttr["speedup_vs_trl"]["async"] is not None and ttr["step_speed_vs_trl"]["async"] is not None
-        assert len(saved["peer_scaling"]["gen_length"]) == 3
+        assert len(saved["peer_scaling"]["gen_length"]) >= 3
         for pt in saved["peer_scaling"]["gen_length"]:
             _numbers(pt, ("ours_step_s", "trl_step_s", "trl_over_ours"), "peer_scaling")
 
@@ -97,7 +97,7 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
     _numbers(b, ("samples_per_s", "overhead_ms", "ours_over_raw"), "broker")
     _numbers(b["raw_streams"], ("samples_per_s",), "broker.raw_streams")
     for axis in ("gen_length", "group_size", "model_size"):
-        assert len(saved["scaling"][axis]) == 3, axis
+        assert len(saved["scaling"][axis]) >= 3, axis
         for pt in saved["scaling"][axis]:
             _numbers(pt, ("step_s", "tokens_per_step"), f"scaling.{axis}")
     assert saved["gpu"]["status"] in ("unrun", "run")
