@@ -175,7 +175,7 @@ def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[st
         task = progress.add_task(job_id, total=None, state="", reward="-", held_out="-", staleness="-")
         while True:
             metrics = job.get("last_metrics") or {}
-            evals = job.get("evals") or []
+            evals = [e for e in job.get("evals") or [] if e.get("source") == "pipeline"]
             progress.update(
                 task,
                 description=escape(f"{job['name']} {job_id}"),

@@ -182,7 +182,7 @@ def _watch(api: str, job_id: str, steps: int, sup: Supervisor, show: bool = True
 
 def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str, Any]:
     steps = ledger.train_steps(job_id)
-    evals = ledger.evals(job_id)
+    evals = ledger.evals(job_id, source="pipeline")
     hist = ledger.staleness_histogram(job_id)
     counts = ledger.status_counts(job_id)
     # Steady state: the first step also waits for the engines to start.

@@ -61,6 +61,7 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
             "n": e["n"],
             "policy_version_min": e["policy_version_min"],
             "policy_version_max": e["policy_version_max"],
+            "source": e["source"],  # pipeline (the trainer's rounds) or checkpoint (admin worker)
         }
         for e in ledger.evals(job_id)
     ]

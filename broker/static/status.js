@@ -150,10 +150,14 @@
   function renderCharts() {
     if (!last) return;
     const { steps, evals } = last.data;
-    drawChart($("chart-reward"), [
+    const held = (source) => evals.filter((e) => e.source === source).map((e) => [e.step, e.reward_mean]);
+    const series = [
       { name: "train reward/mean", color: COLORS.train, points: column(steps, "reward/mean") },
-      { name: "held-out", color: COLORS.eval, points: evals.map((e) => [e.step, e.reward_mean]), dots: true },
-    ]);
+      { name: "held-out", color: COLORS.eval, points: held("pipeline"), dots: true },
+    ];
+    const offline = held("checkpoint");
+    if (offline.length) series.push({ name: "checkpoint eval", color: COLORS.max, points: offline, dots: true });
+    drawChart($("chart-reward"), series);
     drawChart($("chart-staleness"), [
       { name: "off_policy/mean", color: COLORS.mean, points: column(steps, "off_policy/mean") },
       { name: "off_policy/max", color: COLORS.max, points: column(steps, "off_policy/max") },

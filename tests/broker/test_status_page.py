@@ -54,6 +54,7 @@ def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny
         ledger.set_job_step(job_id, step)
     ledger.record_eval(job_id, 2, 1, 2, 0.25, 32)
     ledger.record_eval(job_id, 4, 3, 4, 0.45, 32)
+    ledger.record_eval(job_id, 4, 4, 4, 0.5, 32, source="checkpoint")  # the admin worker's
     ledger.record_generator_load(job_id, 5, "gen-0")
     return job_id
 
@@ -139,9 +140,10 @@ def test_data_endpoint_returns_the_series(make_app) -> None:
     # Missing, non-finite (stored as null) and non-numeric metrics all come back as null.
     assert steps[5]["reward/mean"] is None and steps[5]["off_policy/max"] is None
     assert steps[5]["time/step_s"] is None
-    assert [(e["step"], e["reward_mean"], e["n"]) for e in body["evals"]] == [
-        (2, 0.25, 32),
-        (4, 0.45, 32),
+    assert [(e["step"], e["reward_mean"], e["n"], e["source"]) for e in body["evals"]] == [
+        (2, 0.25, 32, "pipeline"),
+        (4, 0.45, 32, "pipeline"),
+        (4, 0.5, 32, "checkpoint"),
     ]
     assert body["evals"][1]["policy_version_min"] == 3
 
