@@ -262,6 +262,9 @@ def test_chaos(tmp_path, tiny_model, capsys):
             p.popen.wait(max(1.0, deadline - time.monotonic()))
         assert [p.popen.returncode for p in live] == [0] * len(live), stack.unexpected_exits()
         t_end = time.time()
+    except BaseException:
+        rds.close()
+        raise
     finally:
         witness.stop()
         sup.stop_all()
@@ -269,7 +272,6 @@ def test_chaos(tmp_path, tiny_model, capsys):
     # -- the figures --------------------------------------------------------------------------
     measure_recovery([f for f in stack.faults if f.phase == "storm" or f.kind == "redis_restart"], ledger, job_id)
     missed = witness.missed()
-    rds.close()
     res = verify(ledger, job_id)
     acc = account(witness, ledger, streams, job_id, ckpt_dir, (K + 1) * P + spec.task.n_test)
     steps = sorted((s["step"], ts(s["created_at"])) for s in ledger.train_steps(job_id))
@@ -278,6 +280,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
                for name, span in phases.items()}
     duty_share = duty_outage / (phases["duty"][1] - phases["duty"][0])
     dead = streams.dead_letters(count=1_000_000)
+    rds.close()
     dead_by_code: dict[str, int] = {}
     for d in dead:
         dead_by_code[d.code] = dead_by_code.get(d.code, 0) + 1
