@@ -191,7 +191,8 @@ class Ranks:
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state in `optimizer.state_dict()` layout (params by index in
-        model.parameters() order) on rank 0, {} on the others."""
+        model.parameters() order) on rank 0, {} on the others. Like `state_dict()` it may share
+        tensors with the live state (the unsharded `step` counters): save it before the next step."""
         if not self.sharded:
             return optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import (

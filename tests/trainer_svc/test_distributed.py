@@ -1,0 +1,263 @@
+"""The trainer on 2 ranks (torchrun, FSDP2, gloo on CPU) against 1 rank.
+
+`test_two_ranks_step_like_one`: torchrun runs this file as a script (`_worker` below): the same
+spec and batch, a few steps, then the gathered weights and optimizer state; they must equal what
+one process in the test computes (fp32; loss within 1e-6, parameters within 1e-5). The batch has
+uneven completion lengths, so a per-rank loss normalisation would show, and an odd sample count,
+so one case pads a rank's micro-batches. A checkpoint written by the 2 ranks also resumes at
+world size 1, resumes on 2 ranks (rank 0 alone reads it) and rolls back (Learner.restore) on 2
+ranks.
+
+`test_job_on_two_ranks`: a short sync job with the real generator and reward services and the
+trainer under `torchrun --nproc-per-node 2`; the ledger shows every step, version, group and
+sample once, and one rank fed and published.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared.jobspec import JobSpec
+from shared.schema import Rollout, Scored, pack_f32, pack_i32
+
+STEPS = 2
+CASES = {"one-micro-batch-per-rank": 64, "padded": 4}  # micro_batch_size; 9 samples -> shares 5 and 4
+GROUPS, N, MAX_TOKENS = 3, 3, 6
+
+
+def _spec(model: str | Path, micro_batch_size: int) -> JobSpec:
+    return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
+                   algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e9})
+
+
+def _batch(vocab: int, seed: int = 0) -> tuple[list[Scored], torch.Tensor]:
+    """GROUPS x N samples in group order with completion lengths 1..MAX_TOKENS, and rewards (G, N)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for g in range(GROUPS):
+        for i in range(N):
+            t = int(rng.integers(1, MAX_TOKENS + 1))
+            r = Rollout(job_id="d", msg_id=f"d/g{g}/{i}", group_id=f"d/g{g}", policy_version=0, policy_version_max=0,
+                        prompt_index=g, sample_index=i, group_size=N, generator_id="d",
+                        prompt_ids=pack_i32([1, *rng.integers(4, vocab, int(rng.integers(2, 6)))]),
+                        completion_ids=pack_i32(rng.integers(4, vocab, t)), logprobs=pack_f32(-rng.random(t) * 3),
+                        completion="", answer="0")
+            samples.append(Scored(job_id="d", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r,
+                                  reward=float(rng.random())))
+    return samples, torch.tensor([s.reward for s in samples], dtype=torch.float32).view(GROUPS, N)
+
+
+def _worker(model: str, out: str) -> None:
+    """One rank under torchrun: rank 0 drives the Learner, the others run `follow`, per case."""
+    from shared.settings import TrainerSettings
+    from trainer_svc import checkpoint
+    from trainer_svc.dist import KEEPALIVE_S, Ranks
+    from trainer_svc.train import Learner, follow
+
+    torch.set_num_threads(1)
+    ranks = Ranks.from_env("cpu")
+    assert ranks.world_size == 2
+    if not ranks.is_main:
+        for _ in range(len(CASES) + 1):  # each case, then the resume
+            follow(TrainerSettings(threads=1), ranks)
+        ranks.close()
+        return
+    for case, mb in CASES.items():
+        learner = Learner(_spec(model, mb), "cpu", ranks=ranks)
+        samples, rewards = _batch(learner.model.config.vocab_size)
+        metrics, seconds = [], []
+        for _ in range(STEPS):
+            t0 = time.perf_counter()
+            metrics.append(learner.step(samples, rewards))
+            seconds.append(time.perf_counter() - t0)
+        ranks._last_sent -= KEEPALIVE_S + 1  # as if rank 0 had waited that long: a tick goes out
+        ranks.keepalive()
+        weights, optim = learner.full_state()
+        optim = copy.deepcopy(optim)  # like optimizer.state_dict(), it may share tensors with the live state
+        probe_lp = learner.snapshot()[1][1]
+        ckpt = checkpoint.step_dir(out, case, STEPS)
+        checkpoint.save(ckpt, learner.model, learner.tokenizer, optim, {"step": STEPS, "policy_version": STEPS},
+                        model_state=weights)
+        learner.step(samples, rewards)  # moves on, then rolls back to the checkpoint
+        learner.restore(ckpt)
+        back_w, back_o = learner.full_state()
+        restored = all(torch.equal(back_w[k], weights[k]) for k in weights) and all(
+            torch.equal(back_o["state"][i]["exp_avg"], s["exp_avg"]) for i, s in optim["state"].items())
+        torch.save({"weights": weights, "optim": optim}, Path(out) / f"{case}.pt")
+        (Path(out) / f"{case}.json").write_text(json.dumps(
+            {"metrics": metrics, "seconds": seconds, "probe": probe_lp, "restored": restored, "ckpt": str(ckpt)}))
+        ranks.announce("exit")
+    # resume on 2 ranks: rank 0 alone reads the checkpoint, rank 1 builds the base model
+    case = next(iter(CASES))
+    ckpt = checkpoint.step_dir(out, case, STEPS)
+    learner = Learner(_spec(model, CASES[case]), "cpu", ckpt, ranks)
+    learner.restore(ckpt, weights=False)
+    weights, optim = learner.full_state()
+    saved = checkpoint.read_optimizer(ckpt)
+    resumed = all(torch.equal(weights[k], v) for k, v in checkpoint.read_weights(ckpt).items()) and all(
+        torch.equal(optim["state"][i]["exp_avg_sq"], s["exp_avg_sq"]) for i, s in saved["state"].items())
+    (Path(out) / "resume.json").write_text(json.dumps({"resumed": resumed}))
+    ranks.announce("exit")
+    ranks.close()
+
+
+def _torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *args], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from trainer_svc.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
+                            intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
+
+
+@pytest.mark.slow
+def test_two_ranks_step_like_one(tmp_path, tiny_model):
+    from trainer_svc import checkpoint
+    from trainer_svc.train import Learner, probe
+
+    t0 = time.perf_counter()
+    proc = _torchrun(__file__, str(tiny_model), str(tmp_path))
+    wall_2 = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torch.set_num_threads(1)
+    for case, mb in CASES.items():
+        spec = _spec(tiny_model, mb)
+        one = Learner(spec, "cpu")
+        samples, rewards = _batch(one.model.config.vocab_size)
+        metrics, seconds = [], []
+        for _ in range(STEPS):
+            t1 = time.perf_counter()
+            metrics.append(one.step(samples, rewards))
+            seconds.append(time.perf_counter() - t1)
+        got = json.loads((tmp_path / f"{case}.json").read_text())
+        two = torch.load(tmp_path / f"{case}.pt", weights_only=True)
+        loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, got["metrics"], strict=True))
+        assert loss_diff <= 1e-6, (case, metrics, got["metrics"])
+        for a, b in zip(metrics, got["metrics"], strict=True):  # every metric reduced across ranks
+            assert set(a) == set(b)
+            for key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (case, key)
+        ref = one.model.state_dict()
+        assert set(two["weights"]) == set(ref)
+        param_diff = max(float((two["weights"][k] - ref[k]).abs().max()) for k in ref)
+        assert param_diff <= 1e-5, (case, param_diff)
+        assert any(not torch.equal(ref[k], v) for k, v in Learner(spec, "cpu").model.state_dict().items())  # it moved
+        ref_opt = one.optimizer.state_dict()
+        assert ref_opt["param_groups"][0]["params"] == two["optim"]["param_groups"][0]["params"]
+        for i, s in ref_opt["state"].items():
+            assert float(two["optim"]["state"][i]["step"]) == float(s["step"])
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(two["optim"]["state"][i][key], s[key], atol=1e-6, rtol=1e-5)
+        assert got["probe"] == pytest.approx(probe(one.model)[1], abs=1e-5)
+        assert got["restored"], "Learner.restore on 2 ranks did not bring back the checkpoint"
+        # the checkpoint the 2 ranks wrote resumes at world size 1 (HF weights + optimizer layout)
+        resumed = Learner(spec, "cpu", got["ckpt"])
+        resumed.restore(got["ckpt"], weights=False)
+        checkpoint.load_state(Path(got["ckpt"]))
+        for k, v in resumed.model.state_dict().items():
+            assert torch.equal(v, two["weights"][k]), k
+        m1, m2 = one.step(samples, rewards), resumed.step(samples, rewards)
+        assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+        print(f"\n{case} (micro-batch {mb}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
+              f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")
+    assert json.loads((tmp_path / "resume.json").read_text())["resumed"], "2 ranks did not resume the checkpoint"
+    print(f"2-rank worker wall time (torchrun start to exit, both cases) {wall_2:.1f}s")
+
+
+# --- a whole job ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_job_on_two_ranks(tmp_path, tiny_model):
+    from broker.launch import Supervisor
+    from broker.ledger import Ledger
+    from broker.redis_server import resolve_redis_url
+    from broker.streams import POLICY, JobStreams, connect
+    from shared.schema import PolicyAnnouncement
+
+    steps, p, n = 3, 2, 4
+    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
+    db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path / 'ledger.db'}"
+    prefix = f"dist-{uuid.uuid4().hex[:8]}:"
+    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "GEN_GENERATOR_ID": "gen-0",
+           "TRAINER_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    sup = Supervisor(tmp_path / "logs", env)
+    ledger = Ledger(db_url)
+    spec = JobSpec.model_validate({
+        "name": "dist", "model_path": str(tiny_model), "mode": "sync", "steps": steps, "group_size": n,
+        "prompts_per_step": p, "eval_every": 0, "checkpoint_every": 2,
+        "task": {"n_train": 32, "n_test": 4}, "sampling": {"max_tokens": 8}})
+    job_id = f"dist-{uuid.uuid4().hex[:8]}"
+    ledger.create_job(job_id, "dist", spec.model_dump(mode="json"))
+    t0 = time.monotonic()
+    try:
+        sup.start("generator", "generator_svc", {"JOB_ID": job_id})
+        sup.start("reward", "reward_svc", {"JOB_ID": job_id})
+        sup.start("trainer", "torch.distributed.run", {"JOB_ID": job_id},
+                  args=["--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "trainer_svc"])
+        deadline = time.monotonic() + 240
+        while ledger.get_job(job_id)["state"] not in ("finished", "failed", "stopped"):
+            assert not sup.failed(), "\n".join(f"{x.name}:\n{sup.tail(x.name, 60)}" for x in sup.failed())
+            assert time.monotonic() < deadline, sup.tail("trainer", 60)
+            time.sleep(0.3)
+        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer", 60)
+        assert sup.wait_all(60), "services did not exit after the job finished"
+        assert {x.name: x.popen.returncode for x in sup.procs} == {"generator": 0, "reward": 0, "trainer": 0}
+    finally:
+        sup.stop_all()
+    wall = time.monotonic() - t0
+    log = (tmp_path / "logs" / "trainer.log").read_text()
+    assert "rank 1 of 2 (gloo, cpu)" in log and "rank 0 of 2 (gloo, cpu)" in log, log[-3000:]
+
+    train_steps = ledger.train_steps(job_id)
+    assert [s["step"] for s in train_steps] == list(range(1, steps + 1))  # each step once
+    assert all(s["metrics"]["ledger/trained_twice"] == 0 for s in train_steps)
+    assert sorted(v["version"] for v in ledger.policy_versions(job_id)) == list(range(steps + 1))  # once each
+    # one publisher: every announcement still on the policy stream comes from one trainer run
+    streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
+    _, anns = streams.read_broadcast(POLICY, "0", PolicyAnnouncement)
+    assert anns and len({(a.trainer_run, a.address) for a in anns}) == 1
+    # the feeder ran once: one run id in every train group, each group fed once, n samples each
+    train = ledger.samples(job_id, kind="train")
+    groups: dict[str, set[int]] = {}
+    for s in train:
+        groups.setdefault(s["group_id"], set()).add(s["sample_index"])
+    assert len({g.rsplit("/", 1)[0] for g in groups}) == 1, sorted(groups)
+    assert all(idx == set(range(n)) for idx in groups.values()), groups
+    trained = [s for s in train if s["status"] == "trained"]
+    assert len(trained) == len({s["msg_id"] for s in trained}) == steps * p * n  # each sample trained once
+    assert len(groups) == steps * p  # sync: the feeder keeps one batch in flight, nothing else was fed
+    assert [c["step"] for c in ledger.checkpoints(job_id)] == [2, 3]
+    ckpt = Path(ledger.checkpoints(job_id)[-1]["path"])
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state" / "optimizer.pt").exists()
+    times = [s["metrics"]["time/train_s"] for s in train_steps]
+    print(f"\n2-rank job: {steps} steps in {wall:.1f}s (all services), train s/step {times}")
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:])
