@@ -127,7 +127,25 @@ class Witness(threading.Thread):
             self._halt.wait(self.interval_s)
 
     def missed(self) -> int:
+        """Entries XADDed that the witness never read (garbage included: an injected entry is
+        dead-lettered, acked and trimmed within milliseconds, so some go unseen)."""
         return int(self.streams.r.xinfo_stream(self.streams.key(PROMPTS))["entries-added"]) - self.seen
+
+    def missed_groups(self) -> int:
+        """Prompt groups the feeders fed that the witness never saw. Training groups carry a feed
+        counter that every trainer run continues (`{job}/{run}/g{seq}`), eval groups a round
+        counter and the problem index: every counter value up to the highest seen must be there."""
+        seqs, rounds, problems = set(), {}, set()
+        for gid in self.fed:
+            last, prev = gid.rsplit("/", 2)[-1], gid.rsplit("/", 2)[-2]
+            if last.startswith("g"):
+                seqs.add(int(last[1:]))
+            else:
+                rounds.setdefault(int(prev.removeprefix("e")), set()).add(last)
+                problems.add(last)
+        missing = len(set(range(max(seqs, default=-1) + 1)) - seqs)
+        missing += len(set(range(max(rounds, default=-1) + 1)) - rounds.keys())
+        return missing + sum(len(problems - got) for got in rounds.values())
 
     def stop(self) -> None:
         self._halt.set()
@@ -272,8 +290,10 @@ class Accounting:
 
 
 def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, checkpoint_dir: Path,
-            in_flight_bound: int) -> Accounting:
-    """What became of every prompt group the witness saw fed.
+            in_flight_bound: int, group_size: int) -> Accounting:
+    """What became of every prompt group fed: those the witness saw, plus any it missed that the
+    ledger knows (call `witness.missed_groups()` afterwards: it must be 0 for the count to be
+    complete).
 
     A group is **terminal** when every one of its n samples has a ledger row in a used status
     (trained, dropped with a reason, evaluated), or when a dead letter names it (the prompt group
@@ -290,6 +310,10 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
     rows: dict[str, list[dict]] = {}
     for s in ledger.samples(job_id):
         rows.setdefault(s["group_id"], []).append(s)
+    # A group generated and trimmed between two witness reads is known from its ledger rows; one
+    # with neither would leave a hole in the feed counters (Witness.missed_groups).
+    for gid, mine in rows.items():
+        witness.fed.setdefault(gid, (group_size if mine[0]["kind"] == "train" else 1, mine[0]["kind"], 0.0))
     dead: set[str] = set()
     for dl in streams.dead_letters(count=1_000_000):
         m = dead_member(dl)

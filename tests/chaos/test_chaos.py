@@ -271,9 +271,10 @@ def test_chaos(tmp_path, tiny_model, capsys):
 
     # -- the figures --------------------------------------------------------------------------
     measure_recovery([f for f in stack.faults if f.phase == "storm" or f.kind == "redis_restart"], ledger, job_id)
-    missed = witness.missed()
+    missed, seen_by_witness = witness.missed(), len(witness.fed)
     res = verify(ledger, job_id)
-    acc = account(witness, ledger, streams, job_id, ckpt_dir, (K + 1) * P + spec.task.n_test)
+    acc = account(witness, ledger, streams, job_id, ckpt_dir, (K + 1) * P + spec.task.n_test, N)
+    missed_groups = witness.missed_groups()
     steps = sorted((s["step"], ts(s["created_at"])) for s in ledger.train_steps(job_id))
     base = rate(steps, *phases["baseline"])
     figures = {name: (rate(steps, *span), stepping_share(ledger, job_id, *span), span[1] - span[0])
@@ -325,7 +326,9 @@ def test_chaos(tmp_path, tiny_model, capsys):
               f"{acc.in_flight_end} in flight at the stop (bound {acc.in_flight_bound}), **{len(acc.lost)} lost**, "
               f"{acc.dead_groups} dead-lettered groups; samples by status {acc.statuses}; trained twice: ledger "
               f"{acc.trained_twice_ledger}, `ledger/trained_twice` metric {acc.trained_twice_metric}; "
-              f"dead letters by code {dict(sorted(dead_by_code.items()))}; witness missed {missed} prompt entries; "
+              f"dead letters by code {dict(sorted(dead_by_code.items()))}; the prompt-stream witness read "
+              f"{seen_by_witness} groups ({missed} entries trimmed before it read them were known from the ledger), "
+              f"holes in the feed counters: {missed_groups}; "
               f"verify: {'ok' if res.ok else [v.message for v in res.violations]}.", "",
               "| phase | wall s | steps/s | effective (steps/s ÷ baseline) | trainer stepping share |",
               "|---|---|---|---|---|"]
@@ -341,7 +344,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
         print("\n" + table)
 
     assert res.ok, res.violations
-    assert missed == 0, "the witness missed prompt entries: the loss count would be incomplete"
+    assert missed_groups == 0, "the witness missed fed prompt groups: the loss count would be incomplete"
     assert acc.lost == [], acc.lost[:10]
     assert acc.trained_twice_ledger == 0 and acc.trained_twice_metric == 0
     assert acc.in_flight_end <= acc.in_flight_bound
