@@ -16,7 +16,9 @@ Who does what with N ranks:
   tokens ~ 1 MB). Pause, resume, stop and cancel are rank 0's decisions: while it waits it sends a
   `tick` now and then so a long pause never reaches the collective timeout, and `exit` at the end.
 - **ranks 1..N-1** hold no connection to anything but the process group: `receive` an
-  announcement, do the same Learner call rank 0 does, repeat until `exit`.
+  announcement, do the same Learner call rank 0 does, repeat until `exit`. They build the model
+  from the job's `model_path` (which every node needs); rank 0's weights reach them by broadcast,
+  so a checkpoint to resume from need only be readable by rank 0.
 
 What is sharded (FSDP2, one `fully_shard` unit per decoder layer plus the root): parameters,
 gradients and AdamW state, 1/N per rank. Each rank computes the loss on its contiguous share of
@@ -24,8 +26,9 @@ the global batch; the normalisation stays global (`BatchNorm` from every sample'
 each rank scales its loss by N before backward because the gradient reduce-scatter averages over
 ranks, so the summed update equals the single-process update. (FSDP2's
 `set_gradient_divide_factor(1.0)` would say "sum" directly, but it reduces with PREMUL_SUM, and
-gloo raises "Cannot use ReduceOp.PREMUL_SUM with Gloo".) FSDP2 runs on CPU with gloo (checked with torch 2.13: forward, backward,
-clip_grad_norm_, full state-dict gather and rank-0 broadcast all work), so DDP is not needed.
+gloo raises "Cannot use ReduceOp.PREMUL_SUM with Gloo".) FSDP2 runs on CPU with gloo (checked
+with torch 2.13: forward, backward, clip_grad_norm_, full state-dict gather and rank-0 broadcast
+all work), so DDP is not needed.
 Weights for publishing and checkpoints are gathered in full to rank 0 (CPU); optimizer state is
 gathered to rank 0 and saved in the single-process `optimizer.state_dict()` layout, so a
 checkpoint resumes at any world size. The frozen KL reference, if any, is replicated, not sharded.
@@ -87,7 +90,12 @@ class Ranks:
         return cls(rank, world, device)
 
     def close(self) -> None:
+        """Leave the process group together (on the clean path only: a rank that failed just
+        exits, and torchrun stops the rest). Without the barrier, a rank tearing gloo down while
+        another still finishes its last broadcast can abort ("terminate called without an active
+        exception")."""
         if self.sharded and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
     # --- rank 0 -> the others ------------------------------------------------------------------

@@ -339,24 +339,23 @@ def follow(settings: TrainerSettings, ranks: Ranks) -> None:
 
 def run(settings: TrainerSettings) -> None:
     ranks = Ranks.from_env(settings.device)  # torchrun: join the process group; else world size 1
-    try:
-        if not ranks.is_main:
-            follow(settings, ranks)
-            return
-        ctx = open_job(settings)
-        job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
-        try:
-            _train(settings, job_id, spec, ledger, streams, ranks)
-        except BaseException as exc:
-            # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
-            if isinstance(exc, Terminated):
-                raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
-            state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
-            ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
-            raise
-        ranks.announce("exit")
-    finally:
+    if not ranks.is_main:
+        follow(settings, ranks)
         ranks.close()
+        return
+    ctx = open_job(settings)
+    job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
+    try:
+        _train(settings, job_id, spec, ledger, streams, ranks)
+    except BaseException as exc:
+        # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
+        if isinstance(exc, Terminated):
+            raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
+        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+        ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
+        raise
+    ranks.announce("exit")
+    ranks.close()
 
 
 def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams, ranks: Ranks) -> None:
