@@ -11,6 +11,7 @@ apt_install() {
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 [ -x /usr/bin/chromium ] || apt_install chromium
+command -v systemd-analyze >/dev/null || apt_install systemd  # tests/test_deploy.py verifies the units
 
 if ! port_open 6379; then
   command -v redis-server >/dev/null || apt_install redis-server

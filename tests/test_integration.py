@@ -39,14 +39,15 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+# DATABASE_URL, when set, replaces both backends: the run uses that database only.
+BACKENDS = ["DATABASE_URL"] if os.environ.get("DATABASE_URL") else ["sqlite", "postgresql"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
 def db_url(request, tmp_path_factory, postgres_database):
     """One ledger per backend for every run in this module: jobs sharing a database must not
-    collide on sample keys. Every test runs against SQLite (the default) and PostgreSQL (production);
-    DATABASE_URL, when set, replaces both."""
-    if os.environ.get("DATABASE_URL"):
-        if request.param == "postgresql":
-            pytest.skip("DATABASE_URL is set: the run uses that database only")
+    collide on sample keys. Every test runs against SQLite (the default) and PostgreSQL (production)."""
+    if request.param == "DATABASE_URL":
         yield os.environ["DATABASE_URL"]
     elif request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from collections.abc import Iterator
 
@@ -56,8 +55,7 @@ def close_soon(srv) -> None:
 
 
 CLIENTS: dict[str, type] = {"tcp": TcpWeightClient, "ucx": UcxWeightClient}
-NO_UCXX = importlib.util.find_spec("ucxx") is None
-TRANSPORT_NAMES = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(NO_UCXX, reason="ucxx not installed"))]
+TRANSPORT_NAMES = ["tcp", "ucx"]  # ucxx is a base dependency: both always run
 
 
 @pytest.fixture(params=TRANSPORT_NAMES)
