@@ -370,6 +370,16 @@ def _follow_task(task: dict[str, Any], wait: bool, interval: float, api: str, to
     _echo_json(task)
 
 
+def _submit_admin(
+    job_id: str, step: int | None, action: str, body: dict | None, wait: bool, interval: float,
+    api: str, token: str | None,
+) -> None:
+    """POST /jobs/{job}/checkpoints/{step}/{action} (newest checkpoint when `step` is None), then follow it."""
+    step = _checkpoint_step(job_id, step, api, token)
+    task = _call("POST", api, f"/jobs/{job_id}/checkpoints/{step}/{action}", token, json=body)
+    _follow_task(task, wait, interval, api, token)
+
+
 WAIT = typer.Option(False, "--wait", help="Wait for the task to end and print its result; exits 1 if it failed.")
 INTERVAL = typer.Option(1.0, min=0.1, help="--wait: seconds between polls.")
 STEP = typer.Option(None, "--step", help="Checkpoint step; default the newest checkpoint.")
@@ -385,9 +395,7 @@ def evaluate(
     token: str | None = TOKEN,
 ) -> None:
     """Evaluate a checkpoint on the job's held-out set (admin worker; result in the ledger)."""
-    step = _checkpoint_step(job_id, step, api, token)
-    task = _call("POST", api, f"/jobs/{job_id}/checkpoints/{step}/evaluate", token)
-    _follow_task(task, wait, interval, api, token)
+    _submit_admin(job_id, step, "evaluate", None, wait, interval, api, token)
 
 
 @app.command()
@@ -403,10 +411,7 @@ def export(
     token: str | None = TOKEN,
 ) -> None:
     """Export a checkpoint as an HF-format model directory (admin worker)."""
-    step = _checkpoint_step(job_id, step, api, token)
-    body = {"name": name} if name is not None else None
-    task = _call("POST", api, f"/jobs/{job_id}/checkpoints/{step}/export", token, json=body)
-    _follow_task(task, wait, interval, api, token)
+    _submit_admin(job_id, step, "export", {"name": name} if name is not None else None, wait, interval, api, token)
 
 
 @app.command()

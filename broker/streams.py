@@ -232,13 +232,7 @@ class JobStreams:
         if gone:
             self.ack(stream, group, [e.decode() if isinstance(e, bytes) else e for e in gone])
         entries = [(eid, fields) for eid, fields in entries if fields]
-        counts = self._delivery_counts(key, group, [eid for eid, _ in entries])
-        out = []
-        for eid, fields in entries:
-            eid_s = eid.decode() if isinstance(eid, bytes) else eid
-            d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
-            if d is not None:
-                out.append(d)
+        out = self._decode_redelivered(key, stream, group, entries, expected)
         if out:
             log.warning("resuming %d entries %s left pending on %s", len(out), consumer, key)
         return out
@@ -289,15 +283,22 @@ class JobStreams:
                 if not self.r.xrange(key, min=p["message_id"], max=p["message_id"], count=1):
                     self.ack(stream, group, [p["message_id"]])
             claimed = [(eid, fields) for eid, fields in claimed if fields is not None]
-        counts = self._delivery_counts(key, group, [eid for eid, _ in claimed])
+        out = self._decode_redelivered(key, stream, group, claimed, expected)
+        if out:
+            log.warning("reclaimed %d idle entries from %s", len(out), key)
+        return out
+
+    def _decode_redelivered(
+        self, key: str, stream: str, group: str, entries: list, expected: type[Message]
+    ) -> list[Delivery]:
+        """Decode entries delivered before (own pending or reclaimed), each with its delivery count."""
+        counts = self._delivery_counts(key, group, [eid for eid, _ in entries])
         out = []
-        for eid, fields in claimed:
+        for eid, fields in entries:
             eid_s = eid.decode() if isinstance(eid, bytes) else eid
             d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
             if d is not None:
                 out.append(d)
-        if out:
-            log.warning("reclaimed %d idle entries from %s", len(out), key)
         return out
 
     def _delivery_counts(self, key: str, group: str, ids: list) -> dict[str, int]:
