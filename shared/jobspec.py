@@ -89,6 +89,21 @@ class AdaptiveStalenessSpec(_Strict):
         return self
 
 
+class GuardSpec(_Strict):
+    """Collapse-guard thresholds (trainer_svc/guard.py). The defaults are loose enough that a healthy
+    run never trips: a seat belt, not a tuning knob."""
+
+    enabled: bool = Field(True, description="Check every update before it is published; false turns the guard off.")
+    max_is: float = Field(100.0, gt=1.0, description="Trip when the largest per-token importance weight pi/mu exceeds this.")
+    min_ess: float = Field(0.05, ge=0.0, le=1.0, description="Trip when the normalised ESS of the importance weights falls below this.")
+    reward_window: int = Field(5, ge=1, le=10_000, description="Steps in the rolling reward mean.")
+    reward_drop: float = Field(
+        0.5, gt=0.0, le=1.0, description="Trip when the window mean falls below (1 - this) x the best window mean...")
+    min_best_reward: float = Field(0.2, description="...once the best window mean reached this (there was a signal to lose).")
+    lr_factor: float = Field(0.5, gt=0.0, lt=1.0, description="The lr after a trip, relative to before.")
+    max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
+
+
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
     model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
@@ -116,6 +131,9 @@ class JobSpec(_Strict):
     )
     checkpoint_every: int = Field(
         0, ge=0, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."
+    )
+    guard: GuardSpec = Field(
+        default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
     )
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
 

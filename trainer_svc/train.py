@@ -69,8 +69,8 @@ from trainer_svc.algorithms import (
 )
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, eval_round, group_seq
-from trainer_svc.guard import GuardConfig
 from trainer_svc.guard import check as guard_check
+from trainer_svc.guard import non_finite, trusted_reward, trusted_step
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
@@ -403,7 +403,12 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     ready: list[Group] = []  # complete groups waiting for a batch slot
     held: list[str] = []  # scored entries of trained steps, acked once a checkpoint covers them
     replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
-    guard, rewards_seen, trips = GuardConfig(), [], 0  # collapse guard (trainer_svc/guard.py)
+    # collapse guard (trainer_svc/guard.py): trips so far; the current trajectory's [step, reward]
+    # series and checkpoints; the [lo, hi] policy versions roll-backs discarded
+    guard, trips = spec.guard, 0
+    rewards_seen: list[list[float]] = []
+    kept: list[int] = []
+    discarded: list[list[int]] = []
     step = version = 0
     if resume is not None:
         step, version, replay = resume.step, resume.version, dict(resume.replay)
@@ -431,7 +436,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         """The loop's state at a step boundary, for the checkpoint (JSON)."""
         return {"run_id": run_id, "k": k, "lr": learner.lr, "knobs": dict(control.settings),
                 "adaptive": None if adaptive is None else {"k": adaptive.k, "calm": adaptive.calm},
-                "feeder": feeder.state(), "guard": {"rewards": rewards_seen, "trips": trips}}
+                "feeder": feeder.state(), "guard": {"rewards": rewards_seen, "trips": trips, "checkpoints": kept,
+                          "discarded": discarded}}
 
     def settle_unknown(g: Group, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
@@ -493,28 +499,40 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 feeder.eval_done(name)
         return len(deliveries)
 
-    def roll_back(kind: str, reason: str) -> None:
-        """Collapse guard trip: back to the newest committed checkpoint, a lower lr (and a tighter
-        staleness bound if the importance weights blew up), recorded in the ledger."""
-        nonlocal k, trips, rewards_seen
+    def roll_back(kind: str, reason: str, rewards: list[float]) -> None:
+        """Collapse guard trip: back to the newest checkpoint of this trajectory the guard still
+        trusts (trainer_svc/guard.py trusted_step; none: the job's initial model), a lower lr (and
+        a tighter staleness bound if the importance weights blew up), recorded in the ledger."""
+        nonlocal k, trips, rewards_seen, kept, discarded
         trips += 1
         if trips > guard.max_trips:
             raise RuntimeError(f"collapse guard tripped {trips} times (last at step {step + 1}: {reason}); giving up")
-        ckpt = checkpoint.latest(settings.checkpoint_dir, job_id)
-        back_to = checkpoint.step_of(ckpt) if ckpt is not None else 0
-        learner.restore(ckpt)
+        bound = trusted_step(kind, rewards, [int(s) for s, _ in rewards_seen] + [step + 1], guard)
+        back_to = max((c for c in kept if bound is None or c <= bound), default=0)
+        learner.restore(checkpoint.step_dir(settings.checkpoint_dir, job_id, back_to) if back_to else None)
+        # the trajectory goes on from back_to: later checkpoints, rewards and versions are not its own
+        kept = [c for c in kept if c <= back_to]
+        rewards_seen = [x for x in rewards_seen if x[0] <= back_to]
+        if step > back_to:  # one version per step: back_to's weights are version - (step - back_to)
+            discarded = [*discarded, [version - (step - back_to) + 1, version]]
         learner.lr *= guard.lr_factor
         if kind == "is_blowup" and spec.mode == "async":
             k = max(adaptive.k_min if adaptive is not None else 0, k - 1)
             if adaptive is not None:
                 adaptive.k = k
-        if kind == "reward_collapse":
-            rewards_seen = []  # the batch's rewards do not change on a redo: start the window again
         change = {"reason": reason, "kind": kind, "step": step + 1, "rolled_back_to_step": back_to,
                   "discarded_steps": list(range(back_to + 1, step + 1)), "lr": learner.lr, "max_staleness": k}
         ledger.record_change(job_id, "trainer collapse guard", change)
         log.error("collapse guard: %s at step %d; rolled back to step %d, lr %.3g, staleness bound %d",
                   reason, step + 1, back_to, learner.lr, k)
+
+    def rolled_back(v: int) -> bool:
+        return any(lo <= v <= hi for lo, hi in discarded)
+
+    def checkpoint_now() -> None:
+        """The policy at this step boundary, with the loop's state; one of this trajectory's."""
+        kept[:] = [*(c for c in kept if c != step), step]
+        save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
 
     def take_scored(block_ms: int) -> int:
         ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
@@ -554,7 +572,9 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
         st = checkpoint.load_state(resume.checkpoint)
         k, learner.lr = int(st["k"]), float(st["lr"])
-        rewards_seen, trips = list(st["guard"]["rewards"]), int(st["guard"]["trips"])
+        rewards_seen, trips = [list(x) for x in st["guard"]["rewards"]], int(st["guard"]["trips"])
+        kept = [int(c) for c in st["guard"]["checkpoints"]]
+        discarded = [[int(lo), int(hi)] for lo, hi in st["guard"]["discarded"]]
         if adaptive is not None and st["adaptive"] is not None:
             adaptive.k, adaptive.calm = int(st["adaptive"]["k"]), int(st["adaptive"]["calm"])
         control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
@@ -600,12 +620,14 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         while len(batch) < spec.prompts_per_step:
             while ready and len(batch) < spec.prompts_per_step:
                 g = ready.pop(0)
-                if is_fresh(version, g.gen_version_min, k):
+                gone = [v for v in {s.rollout.policy_version for s in g.samples.values()} if rolled_back(v)]
+                if is_fresh(version, g.gen_version_min, k) and not gone:
                     batch.append(g)
                     continue
+                why = f"generated by policy version {min(gone)}, rolled back" if gone else f"staleness > {k}"
                 for s in g.samples.values():
                     dropped.append({"msg_id": s.msg_id, "status": "dropped", "trainer_version": version,
-                                    "staleness": staleness(version, g.gen_version_min), "drop_reason": f"staleness > {k}"})
+                                    "staleness": staleness(version, g.gen_version_min), "drop_reason": why})
                 drop_entries += g.entries
                 feeder.done(g.group_id)
             if len(batch) < spec.prompts_per_step:
@@ -630,13 +652,21 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         tripped = False
         while True:  # the collapse guard looks at the update before anyone sees it
             step_metrics = learner.step(samples, rewards, lr_scale, lr=redo_lr)
-            trip = None if redo is not None else guard_check(
-                step_metrics, [*rewards_seen, step_metrics["reward/mean"]], guard)
+            # the reward series counts only samples of policies on the current trajectory
+            measured = trusted_reward(rewards.view(-1).tolist(), [s.rollout.policy_version for s in samples],
+                                      discarded)
+            window = [] if measured is None else [r for _, r in rewards_seen] + [measured]
+            if tripped:  # the redo of a rolled-back step trains on the same samples, now even further
+                # off-policy (AIPO truncates their weights): only a garbage update trips it again
+                trip = None if (bad := non_finite(step_metrics)) is None else ("non_finite", bad)
+            else:
+                trip = None if redo is not None or not guard.enabled else guard_check(step_metrics, window, guard)
             if trip is None:
                 break
-            roll_back(*trip)
+            roll_back(*trip, window)
             tripped = True
-        rewards_seen.append(step_metrics["reward/mean"])
+        if measured is not None:
+            rewards_seen.append([step + 1, measured])
         trained_version = version
         version += 1
         step += 1
@@ -704,13 +734,13 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         # checkpoint: every checkpoint_every steps, and right after a roll-back (a resume must not
         # re-do the discarded steps); then the entries of the steps it covers are acked
         if (tripped or spec.checkpoint_every and step % spec.checkpoint_every == 0) and step < spec.steps:
-            save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+            checkpoint_now()
             streams.ack(SCORED, GROUP_TRAINERS, held)
             held.clear()
 
     if control.state == "terminating":  # SIGTERM: a restart of this process, not the user's stop
         if step > 0:
-            save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+            checkpoint_now()
             streams.ack(SCORED, GROUP_TRAINERS, held)
         log.info("trainer terminated at step %d (version %d), checkpointed; the job stays running", step, version)
         server.close()
@@ -721,7 +751,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         server.close()
         return
     if step > 0:  # the final policy, for evaluation and export
-        save_checkpoint(learner, settings.checkpoint_dir, job_id, step, version, ledger, trainer_state())
+        checkpoint_now()
         streams.ack(SCORED, GROUP_TRAINERS, held)
         held.clear()
     # final held-out evaluation, then wait for every outstanding round

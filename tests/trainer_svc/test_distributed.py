@@ -227,7 +227,9 @@ def test_job_on_two_ranks(tmp_path, tiny_model):
             time.sleep(0.3)
         assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer", 60)
         assert sup.wait_all(60), "services did not exit after the job finished"
-        assert {x.name: x.popen.returncode for x in sup.procs} == {"generator": 0, "reward": 0, "trainer": 0}
+        codes = {x.name: x.popen.returncode for x in sup.procs}
+        assert codes == {"generator": 0, "reward": 0, "trainer": 0}, "\n".join(
+            f"{x.name}:\n{sup.tail(x.name, 80)}" for x in sup.procs if x.popen.returncode)
     finally:
         sup.stop_all()
     wall = time.monotonic() - t0

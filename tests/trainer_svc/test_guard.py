@@ -5,10 +5,18 @@ import math
 import pytest
 import torch
 
+from shared.jobspec import GuardSpec
 from trainer_svc import checkpoint
-from trainer_svc.guard import GuardConfig, check, is_blowup, non_finite, reward_collapse
+from trainer_svc.guard import (
+    check,
+    is_blowup,
+    non_finite,
+    reward_collapse,
+    trusted_reward,
+    trusted_step,
+)
 
-CFG = GuardConfig(max_is=10.0, min_ess=0.1, reward_window=2, reward_drop=0.5, min_best_reward=0.2)
+CFG = GuardSpec(max_is=10.0, min_ess=0.1, reward_window=2, reward_drop=0.5, min_best_reward=0.2)
 
 
 def test_non_finite_loss_or_grad_norm():
@@ -31,6 +39,30 @@ def test_reward_collapse_against_the_best_window():
     # best 0.15 never reached min_best_reward 0.2: nothing to lose, no trip
     assert reward_collapse([0.2, 0.1, 0.0, 0.0], CFG) is None
     assert reward_collapse([0.9], CFG) is None  # no full window yet
+
+
+def test_trusted_step_is_before_the_collapse():
+    # window 2 over steps 5..8: means 0.7 (steps 5, 6), 0.65, 0.3; in the best window the last
+    # reward >= 0.7 is step 6's (0.8), which measured the policy trained at step 5: trust up to 5
+    assert trusted_step("reward_collapse", [0.6, 0.8, 0.5, 0.1], [5, 6, 7, 8], CFG) == 5
+    # a tie keeps the older window: means 0.5, 0.5, 0.3 over steps 1..4 -> window (1, 2), whose
+    # last reward >= 0.5 is step 2's -> step 1
+    assert trusted_step("reward_collapse", [0.5, 0.5, 0.5, 0.1], [1, 2, 3, 4], CFG) == 1
+    # the fall inside the best window: window 3 over steps 1..4, means 0.2133, 0.104; step 3 (0.0)
+    # is in the best window but below its mean: the last good step is 2, so trust up to step 1
+    w3 = CFG.model_copy(update={"reward_window": 3})
+    assert trusted_step("reward_collapse", [0.328, 0.312, 0.0, 0.0], [1, 2, 3, 4], w3) == 1
+    # the bad update of a non-finite loss or an IS blow-up is the current step's: no bound
+    assert trusted_step("non_finite", [0.6, 0.8, 0.5, 0.1], [5, 6, 7, 8], CFG) is None
+    assert trusted_step("is_blowup", [0.6, 0.8, 0.5, 0.1], [5, 6, 7, 8], CFG) is None
+
+
+def test_trusted_reward_leaves_out_rolled_back_policies():
+    # versions 3..5 were rolled back: of rewards 1, 0, 0, 1 (versions 2, 3, 5, 6) count 1 and 1
+    assert trusted_reward([1.0, 0.0, 0.0, 1.0], [2, 3, 5, 6], [[3, 5]]) == 1.0
+    assert trusted_reward([1.0, 0.0, 0.5], [2, 7, 8], [[3, 5], [7, 7]]) == pytest.approx(0.75)
+    assert trusted_reward([0.0, 0.0], [4, 5], [[3, 5]]) is None  # nothing measured the trajectory
+    assert trusted_reward([0.2, 0.4], [4, 5], []) == pytest.approx(0.3)
 
 
 def test_check_reports_the_first_kind():
