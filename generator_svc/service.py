@@ -269,6 +269,14 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         if not deliveries:
             deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=settings.block_ms,
                                          count=count)
+        # The batch is `count` groups' worth of samples: a held-out round's groups hold one sample
+        # each, so take more of what is already waiting rather than generate 16 sequences at a time.
+        want = count * ctx.spec.group_size
+        while deliveries and (have := sum(d.message.n for d in deliveries)) < want:  # type: ignore[attr-defined]
+            more = streams.consume(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=None, count=want - have)
+            if not more:
+                break
+            deliveries += more
         if not deliveries:
             policy.poll()
             if policy.stale():

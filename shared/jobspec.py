@@ -127,7 +127,7 @@ class JobSpec(_Strict):
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
     eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the end).")
     generation_batch: int | None = Field(
-        None, ge=1, le=100_000, description="Prompt groups per generate call; unset: the generator's GEN_BATCH_GROUPS."
+        None, ge=1, le=100_000, description="Prompt groups per generate call (counted in samples: held-out groups of one sample fill it together); unset: the generator's GEN_BATCH_GROUPS."
     )
     checkpoint_every: int = Field(
         0, ge=0, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."

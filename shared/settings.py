@@ -58,7 +58,7 @@ class GeneratorSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="GEN_", extra="ignore", frozen=True)
 
     generator_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
-    batch_groups: int = Field(16, ge=1, description="Prompt groups per generate call (all at one policy version).")
+    batch_groups: int = Field(16, ge=1, description="Prompt groups per generate call, counted in samples (groups x group size: a held-out round's one-sample groups fill a call together).")
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="vLLM memory fraction (CPU: of NUMA RAM).")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int = Field(256, ge=16, description="Context length given to vLLM.")
