@@ -237,6 +237,7 @@ def run(settings: GeneratorSettings) -> None:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_gib=settings.kv_cache_gib,
         enforce_eager=settings.enforce_eager,
+        in_process=settings.engine_in_process,
     )
     try:
         _serve(settings, ctx, engine, metrics)

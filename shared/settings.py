@@ -64,6 +64,8 @@ class GeneratorSettings(CommonSettings):
     max_model_len: int = Field(256, ge=16, description="Context length given to vLLM.")
     dtype: str = Field("float32", description="Engine dtype; float32 keeps behaviour logprobs exact on CPU.")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start on CPU).")
+    engine_in_process: bool = Field(
+        True, description="Run vLLM's engine core and worker in the generator process (fast start); false for tensor parallelism.")
     metrics_port: int = Field(0, ge=0, description="Prometheus port; 0 disables.")
     verify_atol: float = Field(
         1e-3, gt=0, description="Max |logprob| gap on the policy's probe after a swap (fp32: 1e-3; bf16: ~0.1)."
