@@ -60,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         f"tls-ca-cert-file {d / 'cert.pem'}\ntls-auth-clients no\n"
         # `default` is the requirepass user; alice may only use keys under PREFIX.
         f"user default on >{ADMIN_PW} ~* &* +@all\n"
-        f"user alice on >{ALICE_PW} ~{PREFIX}* resetchannels -@all +@stream +@connection +@keyspace\n"
+        f"user alice on >{ALICE_PW} ~{PREFIX}* resetchannels -@all +@stream +@connection +@keyspace +@transaction\n"
     )
     proc = subprocess.Popen([REDIS, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://:{ADMIN_PW}@127.0.0.1:{port}/0"
