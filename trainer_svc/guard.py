@@ -75,8 +75,13 @@ def trusted_reward(rewards: Sequence[float], versions: Sequence[int], discarded:
     back (`versions[i]` generated `rewards[i]`; `discarded`: [lo, hi] version ranges); None when no
     sample qualifies: such a batch says nothing about the current trajectory (right after a
     roll-back, what is in flight came from the discarded policies)."""
-    kept = [r for r, v in zip(rewards, versions, strict=True) if not any(lo <= v <= hi for lo, hi in discarded)]
+    kept = [r for r, v in zip(rewards, versions, strict=True) if not rolled_back(v, discarded)]
     return sum(kept) / len(kept) if kept else None
+
+
+def rolled_back(version: int, discarded: Sequence[Sequence[int]]) -> bool:
+    """Whether a roll-back discarded policy `version` (`discarded`: [lo, hi] version ranges)."""
+    return any(lo <= version <= hi for lo, hi in discarded)
 
 
 def check(metrics: Mapping[str, float], rewards: Sequence[float], cfg: GuardSpec) -> tuple[str, str] | None:

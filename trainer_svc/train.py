@@ -70,7 +70,7 @@ from trainer_svc.algorithms import (
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, eval_round, group_seq
 from trainer_svc.guard import check as guard_check
-from trainer_svc.guard import non_finite, trusted_reward, trusted_step
+from trainer_svc.guard import non_finite, rolled_back, trusted_reward, trusted_step
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
@@ -526,9 +526,6 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         log.error("collapse guard: %s at step %d; rolled back to step %d, lr %.3g, staleness bound %d",
                   reason, step + 1, back_to, learner.lr, k)
 
-    def rolled_back(v: int) -> bool:
-        return any(lo <= v <= hi for lo, hi in discarded)
-
     def checkpoint_now() -> None:
         """The policy at this step boundary, with the loop's state; one of this trajectory's."""
         kept[:] = [*(c for c in kept if c != step), step]
@@ -620,7 +617,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         while len(batch) < spec.prompts_per_step:
             while ready and len(batch) < spec.prompts_per_step:
                 g = ready.pop(0)
-                gone = [v for v in {s.rollout.policy_version for s in g.samples.values()} if rolled_back(v)]
+                gone = [v for v in {s.rollout.policy_version for s in g.samples.values()} if rolled_back(v, discarded)]
                 if is_fresh(version, g.gen_version_min, k) and not gone:
                     batch.append(g)
                     continue

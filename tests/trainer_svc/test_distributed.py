@@ -37,6 +37,16 @@ CASES = {"one-micro-batch-per-rank": 64, "padded": 4}  # micro_batch_size; 9 sam
 GROUPS, N, MAX_TOKENS = 3, 3, 6
 
 
+def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple[list[dict], list[float]]:
+    """STEPS optimizer steps on the same batch: each step's metrics and seconds."""
+    metrics, seconds = [], []
+    for _ in range(STEPS):
+        t0 = time.perf_counter()
+        metrics.append(learner.step(samples, rewards))
+        seconds.append(time.perf_counter() - t0)
+    return metrics, seconds
+
+
 def _spec(model: str | Path, micro_batch_size: int) -> JobSpec:
     return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
                    algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e9})
@@ -77,11 +87,7 @@ def _worker(model: str, out: str) -> None:
     for case, mb in CASES.items():
         learner = Learner(_spec(model, mb), "cpu", ranks=ranks)
         samples, rewards = _batch(learner.model.config.vocab_size)
-        metrics, seconds = [], []
-        for _ in range(STEPS):
-            t0 = time.perf_counter()
-            metrics.append(learner.step(samples, rewards))
-            seconds.append(time.perf_counter() - t0)
+        metrics, seconds = _timed_steps(learner, samples, rewards)
         ranks._last_sent -= KEEPALIVE_S + 1  # as if rank 0 had waited that long: a tick goes out
         ranks.keepalive()
         weights, optim = learner.full_state()
@@ -141,11 +147,7 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
         spec = _spec(tiny_model, mb)
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
-        metrics, seconds = [], []
-        for _ in range(STEPS):
-            t1 = time.perf_counter()
-            metrics.append(one.step(samples, rewards))
-            seconds.append(time.perf_counter() - t1)
+        metrics, seconds = _timed_steps(one, samples, rewards)
         got = json.loads((tmp_path / f"{case}.json").read_text())
         two = torch.load(tmp_path / f"{case}.pt", weights_only=True)
         loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, got["metrics"], strict=True))
