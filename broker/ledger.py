@@ -65,6 +65,7 @@ __all__ = [
     "ADMIN_TASK_STATES",
     "EVAL_SOURCES",
     "JOB_STATES",
+    "REWARD_STATUSES",
     "SAMPLE_KINDS",
     "SAMPLE_STATUSES",
     "USED_STATUSES",
@@ -87,6 +88,7 @@ SAMPLE_KINDS = ("train", "eval")
 SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated")
 # Terminal sample statuses: the trainer (or evaluator) used the sample; it is never used twice.
 USED_STATUSES = ("trained", "dropped", "evaluated")
+REWARD_STATUSES = ("ok", "timeout", "error")
 _UNUSED_STATUSES = ("generated", "scored")
 EVAL_SOURCES = ("pipeline", "checkpoint")
 ADMIN_TASK_KINDS = ("evaluate", "export")
@@ -170,6 +172,8 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
+    # When a trainer first started the job: wall-clock curves (evaluations) count from here.
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class PolicyVersion(Base):
@@ -217,6 +221,11 @@ class Sample(Base):
     completion: Mapped[str] = mapped_column(Text)
     finish_reason: Mapped[str | None] = mapped_column(String)
     reward: Mapped[float | None] = mapped_column(Float)
+    # "ok", "timeout" or "error" (the job's reward policy then set `reward`); details: a weighted
+    # sum's terms ({"components": {...}}) and the reason a reward failed ({"reason": "..."}).
+    reward_status: Mapped[str | None] = mapped_column(String)
+    reward_details: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    eval_set: Mapped[str | None] = mapped_column(String)  # kind "eval": the named evaluation set
     status: Mapped[str] = mapped_column(String, default="generated")
     drop_reason: Mapped[str | None] = mapped_column(String)
     # The trainer's policy version when it used or dropped the sample.
@@ -251,10 +260,16 @@ class Eval(Base):
     job_id: Mapped[str] = mapped_column(String, primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     source: Mapped[str] = mapped_column(String, primary_key=True, server_default="pipeline")
+    # The named evaluation set (the job spec's eval_sets; `held_out` is the task's test split).
+    name: Mapped[str] = mapped_column(String, primary_key=True, server_default="held_out")
     policy_version_min: Mapped[int] = mapped_column(Integer)
     policy_version_max: Mapped[int] = mapped_column(Integer)
     reward_mean: Mapped[float] = mapped_column(Float)
     n: Mapped[int] = mapped_column(Integer)
+    # pass@k / mean@n / maj@k and the like ({"pass@4": 0.8, ...}); None for a plain greedy round.
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Seconds from the job's start (jobs.started_at) to the round's completion.
+    wall_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=_utcnow)
 
 
@@ -589,6 +604,14 @@ class Ledger:
         _check(state, JOB_STATES, "job state")
         self._update_job(job_id, state=state, error=error)
 
+    def mark_job_started(self, job_id: str) -> None:
+        """Set the job's start time to now unless a trainer already started it (a restart keeps
+        the first start: wall-clock curves count from there)."""
+        stmt = (update(_jobs).where(_jobs.c.id == job_id, _jobs.c.started_at.is_(None))
+                .values(started_at=_utcnow()))
+        with self._write() as s:
+            s.execute(stmt)
+
     def set_job_step(self, job_id: str, step: int) -> None:
         """Record `step` as the job's last completed trainer step.
 
@@ -655,8 +678,13 @@ class Ledger:
             conn = s.connection(execution_options={"preserve_rowcount": True})
             return conn.execute(stmt, full).rowcount
 
-    def record_scored(self, items: Sequence[tuple[str, float]]) -> int:
-        """Set rewards: (msg_id, reward) pairs; only samples still 'generated' change.
+    def record_scored(self, items: Sequence[tuple[Any, ...]]) -> int:
+        """Set rewards; only samples still 'generated' change.
+
+        Args:
+            items: (msg_id, reward) or (msg_id, reward, reward_status, reward_details) tuples;
+                reward_status is "ok", "timeout" or "error" (default "ok"), reward_details a
+                JSON-safe dict ({"components": {...}, "reason": "..."}) or None.
 
         Returns:
             Number of samples that moved to 'scored' (repeats and unknown msg_ids count 0).
@@ -667,9 +695,17 @@ class Ledger:
         stmt = (
             update(_samples)
             .where(_samples.c.msg_id == bindparam("b_msg_id"), _samples.c.status == "generated")
-            .values(reward=bindparam("b_reward"), status="scored", scored_at=now)
+            .values(reward=bindparam("b_reward"), reward_status=bindparam("b_reward_status"),
+                    reward_details=bindparam("b_reward_details", type_=JSON), status="scored", scored_at=now)
         )
-        params = [{"b_msg_id": m, "b_reward": float(r)} for m, r in sorted(items)]
+        params = []
+        for item in sorted(items, key=lambda it: it[0]):
+            msg_id, reward = item[0], float(item[1])
+            status = item[2] if len(item) > 2 else "ok"
+            _check(status, REWARD_STATUSES, "reward status")
+            details = _json_safe(item[3]) if len(item) > 3 and item[3] else None
+            params.append({"b_msg_id": msg_id, "b_reward": reward, "b_reward_status": status,
+                           "b_reward_details": details})
         with self._write() as s:
             return s.connection().execute(stmt, params).rowcount
 
@@ -995,30 +1031,46 @@ class Ledger:
         reward_mean: float,
         n: int,
         source: str = "pipeline",
+        name: str = "held_out",
+        metrics: dict[str, Any] | None = None,
+        wall_s: float | None = None,
     ) -> None:
-        """Upsert a held-out evaluation of the policy at `step` (policy versions vmin..vmax)."""
+        """Upsert an evaluation of the policy at `step` (policy versions vmin..vmax) on the
+        evaluation set `name`; `metrics` holds pass@k and the like, `wall_s` the seconds since the
+        job started (None: computed from jobs.started_at when that is set)."""
         _check(source, EVAL_SOURCES, "eval source")
         with self._write() as s:
-            s.execute(self._eval_upsert(job_id, step, vmin, vmax, reward_mean, n, source))
+            s.execute(self._eval_upsert(job_id, step, vmin, vmax, reward_mean, n, source, name, metrics, wall_s))
 
     def _eval_upsert(
-        self, job_id: str, step: int, vmin: int, vmax: int, reward_mean: float, n: int, source: str
+        self, job_id: str, step: int, vmin: int, vmax: int, reward_mean: float, n: int, source: str,
+        name: str = "held_out", metrics: dict[str, Any] | None = None, wall_s: float | None = None,
     ) -> Any:
+        now = _utcnow()
+        if wall_s is None:
+            with self._read() as r:
+                started = r.execute(select(_jobs.c.started_at).where(_jobs.c.id == job_id)).scalar()
+            if started is not None:
+                wall_s = (now - started).total_seconds()
         ins = self._insert(_evals).values(
             job_id=job_id,
             step=step,
             source=source,
+            name=name,
             policy_version_min=vmin,
             policy_version_max=vmax,
             reward_mean=float(reward_mean),
             n=n,
-            created_at=_utcnow(),
+            metrics=_json_safe(metrics) if metrics else None,
+            wall_s=wall_s,
+            created_at=now,
         )
         return ins.on_conflict_do_update(
-            index_elements=["job_id", "step", "source"],
+            index_elements=["job_id", "step", "source", "name"],
             set_={
                 c: ins.excluded[c]
-                for c in ("policy_version_min", "policy_version_max", "reward_mean", "n", "created_at")
+                for c in ("policy_version_min", "policy_version_max", "reward_mean", "n", "metrics", "wall_s",
+                          "created_at")
             },
         )
 
@@ -1027,7 +1079,7 @@ class Ledger:
         stmt = select(_evals).where(_evals.c.job_id == job_id)
         if source is not None:
             stmt = stmt.where(_evals.c.source == source)
-        stmt = stmt.order_by(_evals.c.step, _evals.c.source.desc())
+        stmt = stmt.order_by(_evals.c.step, _evals.c.source.desc(), _evals.c.name)
         with self._read() as s:
             return [dict(r) for r in s.execute(stmt).mappings()]
 

@@ -10,32 +10,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.datasets import TASKS, TaskSpec
+from shared.rewards.spec import REWARDS, RewardSpec
+
+__all__ = ["REWARDS", "TASKS", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
+
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
 Loss = Literal["aipo", "ppo_clip", "gspo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-REWARDS = ("exact_match", "math_verify", "python_exec")
-TASKS = ("arithmetic", "gsm8k")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TaskSpec(_Strict):
-    name: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="Prompt source: the built-in synthetic arithmetic task or a GSM8K-format JSONL file."
-    )
-    path: str | None = Field(None, description="Local JSONL file for `gsm8k` (question/answer with `#### <number>`).")
-    test_path: str | None = Field(None, description="Optional held-out JSONL; else a seeded split of `path`.")
-    n_train: int = Field(300, ge=1, le=10_000_000, description="Training problems to draw (arithmetic) or keep.")
-    n_test: int = Field(100, ge=1, le=100_000, description="Held-out problems for evaluation.")
-
-    @model_validator(mode="after")
-    def _path_for_files(self) -> TaskSpec:
-        if self.name == "gsm8k" and not self.path:
-            raise ValueError("task.path is required for task.name='gsm8k': give a local JSONL file")
-        return self
 
 
 class SamplingSpec(_Strict):
@@ -108,8 +95,8 @@ class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
     model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
-    reward: Literal["exact_match", "math_verify", "python_exec"] = Field(
-        "exact_match", description=f"Reward function by name, one of {REWARDS}."
+    reward: RewardSpec = Field(
+        "exact_match", description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards)."
     )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")

@@ -78,6 +78,16 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(16, ge=1)
     seed: int | None = None
+    # Stopping, applied by vLLM: the completion ends at the first stop string (excluded from the
+    # text and the tokens unless include_stop_str_in_output) or stop token id; min_tokens first.
+    stop: list[str] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+
+
+# Row metadata (a dataset's other columns) travels as a msgpack map of JSON-like values.
+Metadata = dict[str, Any]
 
 
 # trainer_svc (feeder) -> generator_svc
@@ -87,10 +97,24 @@ class PromptGroup(Message):
     kind: ClassVar[str] = "prompt_group"
     purpose: Literal["train", "eval"] = "train"
     prompt_index: int = Field(ge=0)
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)  # the rendered prompt text (chat template applied)
+    # int32 LE: the prompt's token ids, rendered and tokenized once by the feeder. The generator
+    # generates from exactly these ids and the trainer trains on them (no second tokenization).
+    prompt_ids: bytes = b""
     answer: str
+    metadata: Metadata = Field(default_factory=dict)  # the dataset row's other columns, for the reward
+    eval_set: str = Field("", max_length=128)  # purpose "eval": which named evaluation set
     n: int = Field(ge=1)
     sampling: SamplingParams
+
+    @model_validator(mode="after")
+    def _whole_ids(self) -> PromptGroup:
+        if len(self.prompt_ids) % 4:
+            raise ValueError(f"prompt_ids holds {len(self.prompt_ids)} bytes, not a whole number of 4-byte values")
+        return self
+
+    def prompt_array(self) -> np.ndarray:
+        return unpack_i32(self.prompt_ids)
 
 
 # generator_svc -> reward_svc
@@ -108,8 +132,11 @@ class Rollout(Message):
     completion_ids: bytes  # int32 LE, (T,)
     logprobs: bytes  # float32 LE, (T,): behaviour logprob of each sampled token
     completion: str
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # vLLM's: "stop" (EOS, stop string or token), "length"
     answer: str
+    prompt: str = ""  # the rendered prompt text (for rewards that read it: judges, reward models)
+    metadata: Metadata = Field(default_factory=dict)
+    eval_set: str = Field("", max_length=128)
     temperature: float = Field(1.0, ge=0.0)  # sampled at; the trainer rescales its logits alike
 
     @model_validator(mode="after")
@@ -145,7 +172,11 @@ class Scored(Message):
     kind: ClassVar[str] = "scored"
     rollout: Rollout
     reward: float
-    details: dict[str, float] = Field(default_factory=dict)
+    details: dict[str, float] = Field(default_factory=dict)  # a weighted sum's terms, by name
+    # "ok", or why the reward is not the reward function's answer ("timeout", "error": the job's
+    # reward policy then gave it `reward`), with the reason.
+    reward_status: Literal["ok", "timeout", "error"] = "ok"
+    reward_reason: str = Field("", max_length=2000)
 
 
 class TensorEntry(BaseModel):

@@ -18,7 +18,7 @@ from sqlalchemy import inspect, text
 from broker.ledger import Base, Ledger
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0004"
+HEAD = "0005"
 TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
 
 
@@ -445,8 +445,14 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     old = Ledger(ledger_url, migrate=False)
     old.upgrade("0001")  # a database created by the first release
     old.create_job("j1", "old", {"model_path": "m"})
-    old.record_generated([sample("j1/g0/0", job_id="j1")])
-    with old.engine.begin() as conn:  # an evaluation as 0001 stored it (no `source` column yet)
+    with old.engine.begin() as conn:  # a sample and an evaluation as 0001 stored them
+        conn.execute(
+            text("INSERT INTO samples (msg_id, job_id, group_id, sample_index, kind, prompt_index, generator_id, "
+                 "gen_version_min, gen_version_max, num_prompt_tokens, num_completion_tokens, completion, status, "
+                 "created_at) VALUES ('j1/g0/0', 'j1', 'j1/g0', 0, 'train', 0, 'gen', 0, 0, 3, 2, '42', "
+                 "'generated', :t)"),
+            {"t": datetime.now(timezone.utc)},
+        )
         conn.execute(
             text("INSERT INTO evals (job_id, step, policy_version_min, policy_version_max, reward_mean, n, "
                  "created_at) VALUES (:j, 5, 4, 5, 0.75, 16, :t)"),
@@ -462,6 +468,19 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     assert (row["step"], row["source"], row["reward_mean"], row["n"]) == (5, "pipeline", 0.75, 16)
     new.record_eval("j1", 5, 5, 5, 0.5, 16, source="checkpoint")
     assert [e["source"] for e in new.evals("j1")] == ["pipeline", "checkpoint"]
+    # 0005: named evaluation sets; the old rows are the default set's
+    assert {e["name"] for e in new.evals("j1")} == {"held_out"}
+    new.record_eval("j1", 5, 5, 5, 0.25, 8, name="hard", metrics={"pass@4": 0.5}, wall_s=3.0)
+    hard = [e for e in new.evals("j1") if e["name"] == "hard"]
+    assert [(e["reward_mean"], e["metrics"], e["wall_s"]) for e in hard] == [(0.25, {"pass@4": 0.5}, 3.0)]
+    new.record_scored([("j1/g0/0", 0.0, "timeout", {"reason": "no answer within 30 s"})])
+    (srow,) = new.samples("j1")
+    assert (srow["reward_status"], srow["reward_details"]) == ("timeout", {"reason": "no answer within 30 s"})
+    assert new.get_job("j1")["started_at"] is None
+    new.mark_job_started("j1")
+    first = new.get_job("j1")["started_at"]
+    new.mark_job_started("j1")  # a restarted trainer keeps the first start
+    assert first is not None and new.get_job("j1")["started_at"] == first
     new.record_change("j1", "rw token 1a2b", {"lr": 1e-5})
     new.record_change("j1", "anonymous", {"command": "pause"})
     assert [(c["actor"], c["changes"]) for c in new.job_changes("j1")] == [
