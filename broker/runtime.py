@@ -124,5 +124,6 @@ def sample_row(r: Rollout) -> dict:
         "num_completion_tokens": len(r.completion_ids) // 4,
         "completion": r.completion,
         "finish_reason": r.finish_reason,
+        "eval_set": r.eval_set or None,
         "status": "generated",
     }

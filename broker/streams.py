@@ -35,6 +35,8 @@ from shared.schema import (
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R")
+# The message kind(s) a consumer accepts on a stream: anything else is dead-lettered.
+Expected = type[Message] | tuple[type[Message], ...]
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,7 @@ class JobStreams:
         stream: str,
         group: str,
         consumer: str,
-        expected: type[Message],
+        expected: Expected,
         *,
         count: int = 64,
         block_ms: int | None = 1000,
@@ -217,7 +219,7 @@ class JobStreams:
         return out
 
     def consume_own_pending(
-        self, stream: str, group: str, consumer: str, expected: type[Message], *, count: int = 64
+        self, stream: str, group: str, consumer: str, expected: Expected, *, count: int = 64
     ) -> list[Delivery]:
         """Entries already delivered to `consumer` and not acked: what a restarted consumer of the
         same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
@@ -262,7 +264,7 @@ class JobStreams:
         done = self._publish_script(keys=[self.key(source), self.key(stream)], args=args)
         return [bool(x) for x in done]
 
-    def _reclaim(self, stream: str, group: str, consumer: str, expected: type[Message], count: int) -> list[Delivery]:
+    def _reclaim(self, stream: str, group: str, consumer: str, expected: Expected, count: int) -> list[Delivery]:
         now = time.monotonic()
         # XAUTOCLAIM scans the PEL; once per idle period per stream is enough.
         if now - self._last_claim.get((stream, group), 0.0) < self.claim_idle_ms / 2000.0:
@@ -292,7 +294,7 @@ class JobStreams:
         return out
 
     def _decode_redelivered(
-        self, key: str, stream: str, group: str, entries: list, expected: type[Message]
+        self, key: str, stream: str, group: str, entries: list, expected: Expected
     ) -> list[Delivery]:
         """Decode entries delivered before (own pending or reclaimed), each with its delivery count."""
         counts = self._delivery_counts(key, group, [eid for eid, _ in entries])
@@ -313,7 +315,7 @@ class JobStreams:
         return res
 
     def _decode_entry(
-        self, stream: str, group: str, eid, fields: dict, expected: type[Message], *, deliveries: int
+        self, stream: str, group: str, eid, fields: dict, expected: Expected, *, deliveries: int
     ) -> Delivery | None:
         eid_s = eid.decode() if isinstance(eid, bytes) else eid
         raw = fields.get(FIELD) if fields else None

@@ -63,8 +63,9 @@ class Engine:
             **({"distributed_executor_backend": "uni"} if in_process else {}),
         )
 
-    def generate(self, prompts: list[str], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:
-        """One blocking generate call. Returns, per prompt, its n samples."""
+    def generate(self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:
+        """One blocking generate call. A prompt is token ids (generated from exactly as given) or
+        text (tokenized by vLLM). Returns, per prompt, its n samples."""
         from vllm import SamplingParams as VSamplingParams
 
         vparams = [
@@ -75,10 +76,15 @@ class Engine:
                 max_tokens=p.max_tokens,
                 seed=p.seed,
                 logprobs=0,
+                stop=list(p.stop) or None,
+                stop_token_ids=list(p.stop_token_ids) or None,
+                min_tokens=p.min_tokens,
+                include_stop_str_in_output=p.include_stop_str_in_output,
             )
             for p, k in zip(params, n, strict=True)
         ]
-        outs = self._llm.generate(prompts, vparams, use_tqdm=False)
+        inputs = [{"prompt_token_ids": list(x)} if isinstance(x, list) else x for x in prompts]
+        outs = self._llm.generate(inputs, vparams, use_tqdm=False)
         result = []
         for out in outs:
             group = []

@@ -30,9 +30,11 @@ from generator_svc.engine import Engine, TransferError
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
 from shared.schema import (
+    EvalRound,
     PolicyAnnouncement,
     PromptGroup,
     Rollout,
+    encode,
     pack_f32,
     pack_i32,
     unpack_f32,
@@ -172,6 +174,9 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             completion=s.text,
             finish_reason=s.finish_reason,
             answer=group.answer,
+            prompt=group.prompt,
+            metadata=group.metadata,
+            eval_set=group.eval_set,
             temperature=group.sampling.temperature,
         )
         for i, s in enumerate(samples)
@@ -196,17 +201,33 @@ def too_long_reason(prompt_tokens: int, max_model_len: int) -> str | None:
 def reject_too_long(
     deliveries: list[Delivery], count_tokens: Callable[[Sequence[str]], list[int]], max_model_len: int,
     streams: JobStreams,
-) -> list[Delivery]:
-    """Dead-letter (and ack) the prompt groups whose prompt does not fit; returns the others."""
-    counts = count_tokens([d.message.prompt for d in deliveries])  # type: ignore[attr-defined]
+) -> list[tuple[Delivery, list[PromptGroup]]]:
+    """Each delivery with the prompt groups to generate for it (an evaluation round is one entry
+    of many groups). A prompt that does not fit is dead-lettered: a training group's entry with
+    it (and acked), an evaluation problem alone (its round's entry stays for the others; the
+    dead letter carries that problem as a prompt group, so the trainer settles just it)."""
+    units = [(d, d.message.groups() if isinstance(d.message, EvalRound) else [d.message]) for d in deliveries]
+    flat = [g for _, gs in units for g in gs]
+    missing = [g.prompt for g in flat if not g.prompt_ids]  # a text prompt: the engine tokenizes it
+    counted = iter(count_tokens(missing) if missing else [])
+    lengths = {id(g): len(g.prompt_ids) // 4 if g.prompt_ids else next(counted) for g in flat}
     keep = []
-    for d, n in zip(deliveries, counts, strict=True):
-        reason = too_long_reason(n, max_model_len)
-        if reason is None:
-            keep.append(d)
-        else:
-            streams.dead_letter(PROMPTS, GROUP_GENERATORS, d.entry_id, f"group {d.message.group_id}: {reason}",
-                                code="prompt_too_long")
+    for d, gs in units:
+        fits = []
+        for g in gs:
+            reason = too_long_reason(lengths[id(g)], max_model_len)
+            if reason is None:
+                fits.append(g)
+            elif isinstance(d.message, EvalRound):
+                streams.dead_letter(PROMPTS, None, d.entry_id, f"group {g.group_id}: {reason}", encode(g),
+                                    code="prompt_too_long")
+            else:
+                streams.dead_letter(PROMPTS, GROUP_GENERATORS, d.entry_id, f"group {g.group_id}: {reason}",
+                                    code="prompt_too_long")
+        if fits:
+            keep.append((d, fits))
+        elif isinstance(d.message, EvalRound):
+            streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id])  # every problem dead-lettered
     return keep
 
 
@@ -220,6 +241,14 @@ def prompt_token_counter(model_path: str) -> Callable[[Sequence[str]], list[int]
 
 
 ledger_row = sample_row  # the ledger row of one rollout (broker.runtime)
+
+# What the prompts stream carries: training groups and whole evaluation rounds.
+KINDS = (PromptGroup, EvalRound)
+
+
+def samples_of(msg) -> int:
+    """Samples a prompts-stream entry asks for."""
+    return msg.n * len(msg.items) if isinstance(msg, EvalRound) else msg.n
 
 
 def run(settings: GeneratorSettings) -> None:
@@ -265,16 +294,17 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         count = int(control.settings.get("generation_batch", batch_groups))  # a live knob
         deliveries: list[Delivery] = []
         if resuming:
-            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, count=count)
+            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, KINDS, count=count)
             resuming = bool(deliveries)
         if not deliveries:
-            deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=settings.block_ms,
+            deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=settings.block_ms,
                                          count=count)
-        # The batch is `count` groups' worth of samples: a held-out round's groups hold one sample
-        # each, so take more of what is already waiting rather than generate 16 sequences at a time.
+        # The batch is `count` groups' worth of samples: take more of what is already waiting
+        # rather than generate a few sequences at a time (an evaluation round, one entry, counts
+        # all of its samples and is never split across calls).
         want = count * ctx.spec.group_size
-        while deliveries and (have := sum(d.message.n for d in deliveries)) < want:  # type: ignore[attr-defined]
-            more = streams.consume(PROMPTS, GROUP_GENERATORS, gid, PromptGroup, block_ms=None, count=want - have)
+        while deliveries and (have := sum(samples_of(d.message) for d in deliveries)) < want:
+            more = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=None, count=max(1, (want - have) // ctx.spec.group_size))
             if not more:
                 break
             deliveries += more
@@ -283,23 +313,23 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
             if policy.stale():
                 policy.sync(0, settings.job_wait_s)  # idle: pick up new weights early
             continue
-        deliveries = reject_too_long(deliveries, count_tokens, settings.max_model_len, streams)
-        if not deliveries:
+        units = reject_too_long(deliveries, count_tokens, settings.max_model_len, streams)
+        if not units:
             continue
-        groups: list[PromptGroup] = [d.message for d in deliveries]  # type: ignore[misc]
+        groups = [g for _, gs in units for g in gs]
         # A group fed at version v must not be generated by an older policy (sync mode relies on it).
         policy.sync(max(g.policy_version for g in groups), settings.job_wait_s)
         t0 = time.perf_counter()
-        results = engine.generate([g.prompt for g in groups], [g.sampling for g in groups], [g.n for g in groups])
+        results = engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
+                                  [g.sampling for g in groups], [g.n for g in groups])
         dt = time.perf_counter() - t0
-        per_group = [rollouts_for(g, s, policy.version, gid) for g, s in zip(groups, results, strict=True)]
-        published = streams.publish_if_owned(
-            ROLLOUTS, [(d.entry_id, rs) for d, rs in zip(deliveries, per_group, strict=True)],
-            PROMPTS, GROUP_GENERATORS, gid)
-        rollouts = [r for rs, ok in zip(per_group, published, strict=True) if ok for r in rs]
+        made = iter([rollouts_for(g, s, policy.version, gid) for g, s in zip(groups, results, strict=True)])
+        per_entry = [(d.entry_id, [r for _ in gs for r in next(made)]) for d, gs in units]
+        published = streams.publish_if_owned(ROLLOUTS, per_entry, PROMPTS, GROUP_GENERATORS, gid)
+        rollouts = [r for (_, rs), ok in zip(per_entry, published, strict=True) if ok for r in rs]
         if not all(published):  # reclaimed by another replica meanwhile: its copy is the one
-            log.warning("%d of %d groups were taken over by another generator; not published",
-                        published.count(False), len(groups))
+            log.warning("%d of %d entries were taken over by another generator; not published",
+                        published.count(False), len(units))
         ledger.record_generated([ledger_row(r) for r in rollouts])
         ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
         metrics.generated(len(rollouts), ntok, dt)

@@ -10,10 +10,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.datasets import TASKS, TaskSpec
+from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.rewards.spec import REWARDS, RewardSpec
+from shared.schema import SamplingParams
 
-__all__ = ["REWARDS", "TASKS", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
+__all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
 
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
@@ -29,6 +30,29 @@ class SamplingSpec(_Strict):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
     max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Stop strings (vLLM): a completion ends at the first one; the text the reward sees ends there "
+                    "(the string itself excluded unless include_stop_str_in_output). E.g. [\"\\n\"] for one-line answers.")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, max_length=64,
+        description="Token ids that end a completion besides the model's EOS (e.g. a chat model's end-of-turn token).")
+    min_tokens: int = Field(0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the completion text.")
+
+    @model_validator(mode="after")
+    def _stops(self) -> SamplingSpec:
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    def params(self, **overrides: float | int) -> SamplingParams:
+        """The wire form (shared.schema.SamplingParams) of these settings, with live overrides."""
+        return SamplingParams(**{**self.model_dump(), **overrides})
 
 
 class AlgorithmSpec(_Strict):
@@ -54,6 +78,19 @@ class AlgorithmSpec(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
+                           "batch from new groups; each drop is recorded in the ledger with its reason.")
+    dynamic_sampling_max_drops: int = Field(
+        4, ge=0, le=1000, description="Per step, at most this many batches' worth of groups are dropped for "
+                                      "dynamic sampling; after that all-equal groups are trained (a task the policy "
+                                      "always or never solves would otherwise stall the job).")
+    overlong: Literal["keep", "mask", "penalty"] = Field(
+        "keep", description="Samples cut at max_tokens (finish_reason length): keep them as they are, mask them from "
+                            "the loss (DAPO over-long filtering), or add DAPO's soft length penalty to their reward.")
+    overlong_buffer: int = Field(
+        4, ge=1, le=32768, description="penalty: the penalty ramps from 0 at max_tokens - this to -overlong_penalty at max_tokens.")
+    overlong_penalty: float = Field(1.0, ge=0.0, le=100.0, description="penalty: its size at max_tokens.")
 
 
 class AdaptiveStalenessSpec(_Strict):
@@ -91,10 +128,53 @@ class GuardSpec(_Strict):
     max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
 
 
+class EvalSamplingSpec(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (one completion per problem is enough).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    n: int = Field(1, ge=1, le=1024, description="Samples per problem: n > 1 gives mean@n, pass@k and maj@n.")
+    max_tokens: int | None = Field(None, ge=1, le=32768, description="Completion length; unset: the job's sampling.max_tokens.")
+
+
+class EvalSetSpec(_Strict):
+    """A named evaluation set: its problems, reward, sampling and cadence. The job's stop rules
+    (sampling.stop, stop_token_ids, min_tokens) apply here too."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Unique name (letters, digits, _ . -).")
+    dataset: DatasetSource | None = Field(
+        None, description="Problems of this set, read like the task's datasets (field mapping and prompt template "
+                          "of `task`); unset: the task's held-out split.")
+    max_problems: int | None = Field(None, ge=1, le=1_000_000, description="Evaluate only the first N problems.")
+    # RewardSpec is an Annotated union that typing cannot union with None again: null = unset
+    reward: RewardSpec = Field(None, description="Reward of this set; unset: the job's reward.")  # type: ignore[assignment]
+    sampling: EvalSamplingSpec = Field(default_factory=EvalSamplingSpec, description="How this set is sampled.")
+    every: int | None = Field(
+        None, ge=0, description="Evaluate every N steps (0: only at the start and the end); unset: the job's eval_every.")
+    pass_k: list[int] = Field(
+        default_factory=list, max_length=16,
+        description="k values of pass@k (each <= sampling.n); unset: 1 and n. Reported when n > 1.")
+    pass_threshold: float = Field(1.0, description="A sample passes (pass@k, maj@n) when its reward reaches this.")
+
+    @model_validator(mode="after")
+    def _ks(self) -> EvalSetSpec:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.sampling.n]
+        if bad:
+            raise ValueError(f"pass_k {bad} must lie in 1..sampling.n ({self.sampling.n})")
+        return self
+
+    @property
+    def ks(self) -> list[int]:
+        return sorted(set(self.pass_k or [1, self.sampling.n]))
+
+
 class JobSpec(_Strict):
     name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
     model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="Render prompts with the tokenizer's chat template (system prompt, user turn, generation "
+                            "prompt): auto when the tokenizer has one, on (an error if it has none), off (plain text).")
+    chat_template_kwargs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="Extra chat-template variables, e.g. {\"enable_thinking\": false}.")
     reward: RewardSpec = Field(
         "exact_match", description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards)."
     )
@@ -112,7 +192,10 @@ class JobSpec(_Strict):
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
     steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
-    eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the end).")
+    eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the start and the end).")
+    eval_sets: list[EvalSetSpec] = Field(
+        default_factory=list, max_length=32,
+        description="Named evaluation sets; unset: one set `held_out`, the task's held-out split, greedy, every eval_every steps.")
     generation_batch: int | None = Field(
         None, ge=1, le=100_000, description="Prompt groups per generate call (counted in samples: held-out groups of one sample fill it together); unset: the generator's GEN_BATCH_GROUPS."
     )
@@ -123,6 +206,30 @@ class JobSpec(_Strict):
         default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
     )
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+
+    @model_validator(mode="after")
+    def _overlong_buffer(self) -> JobSpec:
+        if self.algorithm.overlong == "penalty" and self.algorithm.overlong_buffer > self.sampling.max_tokens:
+            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
+                             f"sampling.max_tokens ({self.sampling.max_tokens})")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_eval_sets(self) -> JobSpec:
+        names = [e.name for e in self.eval_sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval_sets names must be unique, got {names}")
+        return self
+
+    def evaluation_sets(self) -> list[EvalSetSpec]:
+        """The evaluation sets this job runs (the default `held_out` set when none are given)."""
+        return list(self.eval_sets) or [EvalSetSpec(name="held_out")]
+
+    def eval_due(self, es: EvalSetSpec, step: int) -> bool:
+        """Whether set `es` is evaluated after `step` (step 0: the initial policy; the last step
+        is always evaluated, by the trainer's final round)."""
+        every = self.eval_every if es.every is None else es.every
+        return step == 0 or step >= self.steps or bool(every and step % every == 0)
 
     @property
     def staleness_bound(self) -> int:

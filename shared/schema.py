@@ -117,6 +117,48 @@ class PromptGroup(Message):
         return unpack_i32(self.prompt_ids)
 
 
+class EvalItem(BaseModel):
+    """One problem of an evaluation round (the fields of a PromptGroup that differ per problem)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt_index: int = Field(ge=0)
+    prompt: str = Field(min_length=1)
+    prompt_ids: bytes = b""  # int32 LE, as PromptGroup.prompt_ids
+    answer: str
+    metadata: Metadata = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _whole_ids(self) -> EvalItem:
+        if len(self.prompt_ids) % 4:
+            raise ValueError(f"prompt_ids holds {len(self.prompt_ids)} bytes, not a whole number of 4-byte values")
+        return self
+
+
+# trainer_svc (feeder) -> generator_svc
+class EvalRound(Message):
+    """A whole evaluation round as one entry: one generator takes it and generates every problem
+    in one call, so the round measures exactly one policy version (in async mode too). Its
+    rollouts are groups `{round}/{prompt_index}` of `n` samples each. `policy_version`: the
+    trainer's version when fed (the generator uses that or a newer one)."""
+
+    kind: ClassVar[str] = "eval_round"
+    eval_set: str = Field(min_length=1, max_length=128)
+    n: int = Field(ge=1)
+    sampling: SamplingParams
+    items: list[EvalItem] = Field(min_length=1)
+
+    def groups(self) -> list[PromptGroup]:
+        """The round as prompt groups, one per problem (what the generator generates)."""
+        return [
+            PromptGroup(job_id=self.job_id, msg_id=f"{self.group_id}/{it.prompt_index}",
+                        group_id=f"{self.group_id}/{it.prompt_index}", policy_version=self.policy_version,
+                        purpose="eval", prompt_index=it.prompt_index, prompt=it.prompt, prompt_ids=it.prompt_ids,
+                        answer=it.answer, metadata=it.metadata, eval_set=self.eval_set, n=self.n,
+                        sampling=self.sampling)
+            for it in self.items
+        ]
+
+
 # generator_svc -> reward_svc
 class Rollout(Message):
     """One completion. `policy_version` is the version that generated it (min if it changed mid-sample)."""
@@ -235,7 +277,7 @@ class DeadLetter(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.kind: cls for cls in (PromptGroup, Rollout, Scored, PolicyAnnouncement, Control, DeadLetter)
+    cls.kind: cls for cls in (PromptGroup, EvalRound, Rollout, Scored, PolicyAnnouncement, Control, DeadLetter)
 }
 
 
@@ -251,11 +293,13 @@ M = TypeVar("M", bound=Message)
 @overload
 def decode(raw: bytes, expected: type[M], *, max_bytes: int = ...) -> M: ...
 @overload
-def decode(raw: bytes, expected: None = None, *, max_bytes: int = ...) -> Message: ...
+def decode(raw: bytes, expected: tuple[type[Message], ...] | None = None, *, max_bytes: int = ...) -> Message: ...
 
 
-def decode(raw: Any, expected: type[Message] | None = None, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
-    """Decode and validate one message. Raises DecodeError with a reason; never unpickles."""
+def decode(raw: Any, expected: type[Message] | tuple[type[Message], ...] | None = None, *,
+           max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+    """Decode and validate one message of the `expected` kind (or one of several). Raises
+    DecodeError with a reason; never unpickles."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload is {type(raw).__name__}, expected bytes", "not_bytes")
     if len(raw) > max_bytes:
@@ -275,8 +319,10 @@ def decode(raw: Any, expected: type[Message] | None = None, *, max_bytes: int = 
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise DecodeError(f"unknown message kind {kind!r}; valid kinds: {sorted(MESSAGE_TYPES)}", "unknown_kind")
-    if expected is not None and cls is not expected:
-        raise DecodeError(f"message kind '{kind}' on a stream that carries '{expected.kind}'", "wrong_kind")
+    kinds = expected if isinstance(expected, tuple) else (expected,) if expected is not None else None
+    if kinds is not None and cls not in kinds:
+        carried = "' or '".join(k.kind for k in kinds)
+        raise DecodeError(f"message kind '{kind}' on a stream that carries '{carried}'", "wrong_kind")
     try:
         return cls.model_validate(body)
     except ValidationError as exc:

@@ -261,7 +261,7 @@ class Resume:
     replay: dict[int, list[str]] = field(default_factory=dict)  # step -> group ids
     replay_lr: dict[int, float] = field(default_factory=dict)  # step -> lr it was trained with
     checksums: dict[int, str] = field(default_factory=dict)  # version -> published checksum
-    eval_steps: set[int] = field(default_factory=set)  # steps whose eval round was fed or recorded
+    eval_steps: set[tuple[str, int]] = field(default_factory=set)  # (eval set, step) rounds fed or recorded
 
 
 def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
@@ -280,7 +280,7 @@ def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
     metrics = {s["step"]: s["metrics"] for s in ledger.train_steps(job_id)}
     replay_lr = {s: float(metrics[s]["lr"]) for s in replay if "lr" in (metrics.get(s) or {})}
     feeder = journal if journal is not None else state.get("feeder")
-    eval_steps = {e["step"] for e in ledger.evals(job_id)}
+    eval_steps = {(e["name"], e["step"]) for e in ledger.evals(job_id, source="pipeline")}
     if feeder is not None:
         feeder = dict(feeder)
         # In flight: what was fed and is not used yet (a group is used whole: trained or dropped in
@@ -290,8 +290,11 @@ def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
         replayed = {g for ids in replay.values() for g in ids}
         keep = {g for g in flying if f"{g}/0" not in used} | replayed
         feeder["in_flight"] = sorted(keep, key=group_seq)
-        feeder["open_evals"] = {r: s for r, s in feeder["open_evals"].items() if s not in eval_steps}
-        eval_steps |= set(feeder["open_evals"].values())
+        # [step, eval set] per open round (a bare step: the default set, from journals before named sets)
+        opened = {r: (v, "held_out") if isinstance(v, int) else (int(v[0]), str(v[1]))
+                  for r, v in feeder["open_evals"].items()}
+        feeder["open_evals"] = {r: [st, name] for r, (st, name) in opened.items() if (name, st) not in eval_steps}
+        eval_steps |= {(name, st) for st, name in opened.values()}
     checksums = {v["version"]: v["checksum"] for v in ledger.policy_versions(job_id)}
     return Resume(ckpt, step, version, state, feeder, replay, replay_lr, checksums, eval_steps)
 

@@ -14,17 +14,24 @@ from typing import Any
 
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from shared.jobspec import JobSpec
+from shared.prompts import Rendered
 from shared.schema import (
     DeadLetter,
     DecodeError,
+    EvalItem,
+    EvalRound,
     Message,
     PromptGroup,
     Rollout,
     SamplingParams,
     Scored,
     decode,
+    pack_i32,
 )
 from shared.tasks import Problem
+
+# A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
+Render = Callable[[Problem], Rendered]
 
 
 def eval_round(group_id: str) -> str:
@@ -46,15 +53,16 @@ class Feeder:
     knows exactly what its predecessor fed (trainer_svc.checkpoint.FeedJournal)."""
 
     def __init__(
-        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], test: Sequence[Problem], run_id: str = "",
+        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], render: Render, run_id: str = "",
         journal: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.streams = streams
+        self.render = render
+        self._rendered: dict[int, Rendered] = {}  # training prompts by index: rendered once
         # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
         self.prefix = f"{streams.job_id}/{run_id}" if run_id else streams.job_id
         self.spec = spec
         self.train = list(train)
-        self.test = list(test)
         self.journal = journal
         self.rng = random.Random(spec.seed)
         self.order: list[int] = []
@@ -63,7 +71,7 @@ class Feeder:
         self.seq = 0  # groups fed so far: the group id's counter
         self.in_flight: set[str] = set()
         self.eval_rounds = 0
-        self.open_evals: dict[str, int] = {}  # eval round id -> the step it evaluates, until complete
+        self.open_evals: dict[str, list[Any]] = {}  # eval round id -> [step it evaluates, eval set], until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
         self.top_p = spec.sampling.top_p
 
@@ -87,7 +95,9 @@ class Feeder:
         self.seq = int(state["seq"])
         self.eval_rounds = int(state["eval_rounds"])
         self.in_flight = set(state["in_flight"])
-        self.open_evals = {str(k): int(v) for k, v in state["open_evals"].items()}
+        # [step, eval set]; a bare step is a round of the default set (journals before named sets)
+        self.open_evals = {str(k): [int(v), "held_out"] if isinstance(v, int) else [int(v[0]), str(v[1])]
+                           for k, v in state["open_evals"].items()}
         self.temperature = float(state["temperature"])
         self.top_p = float(state["top_p"])
 
@@ -106,10 +116,13 @@ class Feeder:
         were fed. `bound` is the current staleness bound (it moves under adaptive staleness)."""
         k = self.spec.staleness_bound if bound is None else bound
         cap = (k + 1) * self.spec.prompts_per_step
-        s = self.spec.sampling
+        sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p)
         msgs = []
         while len(self.in_flight) + len(msgs) < cap:
             p = self._next_problem()
+            r = self._rendered.get(p.index)
+            if r is None:
+                r = self._rendered[p.index] = self.render(p)
             gid = f"{self.prefix}/g{self.seq}"
             self.seq += 1
             msgs.append(
@@ -120,10 +133,12 @@ class Feeder:
                     policy_version=version,
                     purpose="train",
                     prompt_index=p.index,
-                    prompt=p.prompt,
+                    prompt=r.text,
+                    prompt_ids=pack_i32(r.ids),
                     answer=p.answer,
+                    metadata=dict(p.metadata),
                     n=self.spec.group_size,
-                    sampling=SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=s.max_tokens),
+                    sampling=sampling,
                 )
             )
         self.streams.publish_many(PROMPTS, msgs)
@@ -138,28 +153,17 @@ class Feeder:
     def eval_done(self, rnd: str) -> None:
         self.open_evals.pop(rnd, None)
 
-    def feed_eval(self, version: int, step: int = 0) -> str:
-        """Feed one greedy sample of every held-out problem for the policy after `step`; returns the
+    def feed_eval(self, version: int, step: int, eval_set: str, items: Sequence[EvalItem], n: int,
+                  sampling: SamplingParams) -> str:
+        """Feed one evaluation round of `eval_set` (its problems as rendered `items`, `n` samples
+        each) for the policy after `step`, as one entry (shared.schema.EvalRound); returns the
         round's id (see `eval_round`)."""
         rnd = f"{self.prefix}/e{self.eval_rounds}"
         self.eval_rounds += 1
-        self.open_evals[rnd] = step
-        msgs = [
-            PromptGroup(
-                job_id=self.streams.job_id,
-                msg_id=f"{rnd}/{p.index}",
-                group_id=f"{rnd}/{p.index}",
-                policy_version=version,
-                purpose="eval",
-                prompt_index=p.index,
-                prompt=p.prompt,
-                answer=p.answer,
-                n=1,
-                sampling=SamplingParams(temperature=0.0, top_p=1.0, max_tokens=self.spec.sampling.max_tokens),
-            )
-            for p in self.test
-        ]
-        self.streams.publish_many(PROMPTS, msgs)
+        self.open_evals[rnd] = [step, eval_set]
+        self.streams.publish(PROMPTS, EvalRound(job_id=self.streams.job_id, msg_id=rnd, group_id=rnd,
+                                                policy_version=version, eval_set=eval_set, n=n, sampling=sampling,
+                                                items=list(items)))
         if self.journal is not None:
             self.journal(self.state())
         return rnd
@@ -259,25 +263,28 @@ class DeadMember:
 
 # The payload each stream's dead letters carry (the entry's raw bytes), and how to read a group
 # member out of it.
-_DEAD_KINDS: dict[str, type[Message]] = {PROMPTS: PromptGroup, ROLLOUTS: Rollout, SCORED: Scored}
+_DEAD_KINDS: dict[str, tuple[type[Message], ...]] = {
+    PROMPTS: (PromptGroup, EvalRound), ROLLOUTS: (Rollout,), SCORED: (Scored,)}
 
 
-def dead_member(dl: DeadLetter) -> DeadMember | None:
-    """The group member a dead letter names, or None when it names none (garbage, a broadcast
-    stream, or a payload cut at the dead letter's size limit)."""
+def dead_members(dl: DeadLetter) -> list[DeadMember]:
+    """The group members a dead letter names (every problem of a dead evaluation round), or none
+    (garbage, a broadcast stream, or a payload cut at the dead letter's size limit)."""
     kind = _DEAD_KINDS.get(dl.stream)
     if kind is None or not dl.raw:
-        return None
+        return []
     try:
         msg = decode(dl.raw, kind)
     except DecodeError:
-        return None
+        return []
     reason = f"{dl.code}: {dl.reason}" if dl.code else dl.reason
+    if isinstance(msg, EvalRound):
+        return [DeadMember(g.group_id, g.n, None, "eval", reason) for g in msg.groups()]
     if isinstance(msg, PromptGroup):
-        return DeadMember(msg.group_id, msg.n, None, msg.purpose, reason)
+        return [DeadMember(msg.group_id, msg.n, None, msg.purpose, reason)]
     r = msg.rollout if isinstance(msg, Scored) else msg
     assert isinstance(r, Rollout)
-    return DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, reason)
+    return [DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, reason)]
 
 
 class DeadLetterWatch:
@@ -296,4 +303,4 @@ class DeadLetterWatch:
 
     def poll(self) -> list[DeadMember]:
         self.last_id, letters = self.streams.read_broadcast(DEAD, self.last_id, DeadLetter, count=1000)
-        return [m for m in map(dead_member, letters) if m is not None and m.group_id.startswith(self.job_id)]
+        return [m for dl in letters for m in dead_members(dl) if m.group_id.startswith(self.job_id)]

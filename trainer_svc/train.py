@@ -16,7 +16,6 @@ import math
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,12 @@ from broker.streams import (
     SCORED,
     JobStreams,
 )
+from shared.datasets import load_source, load_task
 from shared.entry import Terminated, accept_drain
 from shared.jobspec import JobSpec
 from shared.logs import set_context
 from shared.metrics import TrainerMetrics, serve_metrics
+from shared.prompts import renderer
 from shared.schema import (
     Control,
     PolicyAnnouncement,
@@ -52,7 +53,6 @@ from shared.schema import (
     unpack_i32,
 )
 from shared.settings import TrainerSettings
-from shared.tasks import load_task
 from shared.transport import WeightServer, build_manifest, make_server
 from trainer_svc import checkpoint
 from trainer_svc.algorithms import (
@@ -68,10 +68,12 @@ from trainer_svc.algorithms import (
     staleness,
 )
 from trainer_svc.dist import Ranks, full_value
-from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, eval_round, group_seq
+from trainer_svc.evaluation import Evaluator, build_sets
+from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, group_seq
 from trainer_svc.guard import check as guard_check
 from trainer_svc.guard import non_finite, rolled_back, trusted_reward, trusted_step
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
+from trainer_svc.shaping import no_signal, overlong_penalty
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
 log = logging.getLogger(__name__)
@@ -167,22 +169,50 @@ def save_checkpoint(
     return final
 
 
-@dataclass
-class EvalRound:
-    step: int
-    expected: int
-    rewards: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    entries: list[str] = field(default_factory=list)
-    used: list[dict] = field(default_factory=list)
-
-
 def flatten_batch(groups: list[Group]) -> tuple[list[Scored], torch.Tensor]:
     """Samples in group order and their rewards as (G, n)."""
     samples = [s for g in groups for s in sorted(g.samples.values(), key=lambda s: s.rollout.sample_index)]
     n = groups[0].size
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32).view(len(groups), n)
     return samples, rewards
+
+
+def truncated(s: Scored) -> bool:
+    """Cut at max_tokens rather than ended by EOS or a stop rule."""
+    return s.rollout.finish_reason == "length"
+
+
+def shape_overlong(samples: list[Scored], rewards: torch.Tensor, spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The job's over-long treatment (algorithm.overlong): rewards (G, n) with DAPO's soft length
+    penalty added to truncated samples ("penalty"), and a (B,) weight that masks truncated samples
+    out of the loss ("mask": advantage 0, so no gradient from them)."""
+    a = spec.algorithm
+    cut = torch.tensor([truncated(s) for s in samples], dtype=torch.bool)
+    keep = torch.ones(len(samples))
+    if a.overlong == "mask":
+        keep = (~cut).to(torch.float32)
+    elif a.overlong == "penalty":
+        lengths = torch.tensor([len(s.rollout.completion_ids) // 4 for s in samples])
+        rewards = rewards + (overlong_penalty(lengths, spec.sampling.max_tokens, a.overlong_buffer,
+                                              a.overlong_penalty) * cut).view_as(rewards)
+    return rewards, keep
+
+
+def overlong_reason(s: Scored, spec: JobSpec) -> str | None:
+    """What the over-long treatment did to a trained sample, for its ledger row."""
+    if not truncated(s) or spec.algorithm.overlong == "keep":
+        return None
+    what = "masked from the loss" if spec.algorithm.overlong == "mask" else "length penalty added to its reward"
+    return f"over-long (cut at max_tokens {spec.sampling.max_tokens}): {what}"
+
+
+def component_means(samples: list[Scored]) -> dict[str, float]:
+    """`reward/<term>` per step: each term of a weighted-sum reward on its own."""
+    sums: dict[str, list[float]] = {}
+    for s in samples:
+        for name, v in s.details.items():
+            sums.setdefault(name, []).append(v)
+    return {f"reward/{name}": float(np.mean(v)) for name, v in sums.items()}
 
 
 def micro_batch_inputs(samples: list[Scored], adv: torch.Tensor, pad_id: int, device: str):
@@ -234,7 +264,8 @@ class Learner:
         """samples in group order; rewards (G, n). The step size is `lr` if given (a re-done step's
         recorded lr), else the base lr times `lr_scale`. Returns the step's metrics."""
         spec = self.spec
-        advantages = self.advantage_fn(rewards).reshape(-1)  # (B,)
+        rewards, keep = shape_overlong(samples, rewards, spec)
+        advantages = self.advantage_fn(rewards).reshape(-1) * keep  # (B,)
         norm = BatchNorm.from_lengths([len(s.rollout.completion_ids) // 4 for s in samples],
                                       max_len=spec.sampling.max_tokens)
         self.ranks.announce("step", samples=[encode(s) for s in samples], rewards=rewards.tolist(),
@@ -273,6 +304,8 @@ class Learner:
         self.optimizer.step()
         return {
             **finalize_metrics(sums, norm),
+            **component_means(samples),
+            "overlong/truncated": float(sum(truncated(s) for s in samples)),
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),
             "grad_norm": grad_norm,
@@ -376,10 +409,11 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     if not spec.checkpoint_every:
         log.warning("checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
                     "and Redis holds every trained sample until the job ends")
-    train_set, test_set = load_task(
-        spec.task.name, seed=spec.seed, n_train=spec.task.n_train, n_test=spec.task.n_test,
-        path=spec.task.path, test_path=spec.task.test_path,
-    )
+    train_set, test_set = load_task(spec.task, spec.seed)
+    eval_problems = {es.name: (test_set if es.dataset is None else load_source(es.dataset, spec.task, spec.seed))
+                     [: es.max_problems] for es in spec.evaluation_sets()}
+    # prompts rendered once (chat template or plain text) and carried as token ids from here on
+    render = renderer(learner.tokenizer, spec.chat_template, spec.chat_template_kwargs)
     for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
         streams.ensure_group(stream, group)
     # A new run id per trainer process, resumed or not. Announcements carry it, so generators drop
@@ -388,8 +422,9 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     # continues from the journal, and the run id keeps them apart from any group a predecessor fed
     # after its last journal write. The predecessor's in-flight groups keep their ids.
     run_id = uuid.uuid4().hex[:8]
-    feeder = Feeder(streams, spec, train_set, test_set, run_id,
+    feeder = Feeder(streams, spec, train_set, render, run_id,
                     journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
+    evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id)
     scored_in = checkpoint.singleton_consumer(streams)
     assembler = GroupAssembler()
     dead_letters = DeadLetterWatch(streams, job_id)  # groups that can no longer complete
@@ -398,8 +433,6 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         settings.transport, host=settings.bind_host, port=settings.bind_port,
         keep=settings.keep_versions, advertise_host=settings.advertise_host,
     )
-    evals: dict[str, EvalRound] = {}
-    eval_steps: set[int] = set()  # steps whose held-out round was fed (by this run or a predecessor)
     ready: list[Group] = []  # complete groups waiting for a batch slot
     held: list[str] = []  # scored entries of trained steps, acked once a checkpoint covers them
     replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
@@ -415,9 +448,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if resume.feeder is not None:
             feeder.restore(resume.feeder)
         feeder.in_flight |= {g for ids in replay.values() for g in ids}
-        eval_steps = set(resume.eval_steps)
-        for rnd, at in feeder.open_evals.items():
-            evals[rnd] = EvalRound(step=at, expected=len(test_set))
+        evaluator.restore(feeder.open_evals, resume.eval_steps)
 
     def apply_knobs(knobs: dict[str, float]) -> None:
         nonlocal k
@@ -454,12 +485,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         ledger.record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
                             for m in g.msg_ids])  # rows not written (nothing generated) change nothing
         streams.ack(SCORED, GROUP_TRAINERS, g.entries)
-        name = eval_round(g.group_id)
-        if g.purpose == "eval" and name in evals:
-            evals[name].expected -= 1
-            if evals[name].expected <= 0:
-                del evals[name]
-                feeder.eval_done(name)
+        if g.purpose == "eval":
+            evaluator.dead(g)
         feeder.done(g.group_id)
         log.warning("group %s: %s", g.group_id, why)
 
@@ -471,32 +498,14 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 continue
             if g.dead:
                 settle_dead(g)
-                continue
-            if g.purpose == "eval":
-                rnd = evals.get(eval_round(g.group_id))
-                if rnd is None:
+            elif g.purpose == "eval":
+                if not evaluator.add(g):
                     settle_unknown(g, "eval round not started by a trainer run this one resumed from")
-                    continue
-                s = next(iter(g.samples.values()))
-                rnd.rewards.append(s.reward)
-                rnd.versions.append(s.rollout.policy_version)
-                rnd.entries += g.entries
-                rnd.used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
-                                 "staleness": staleness(version, s.rollout.policy_version)})
             elif g.group_id not in feeder.in_flight:
                 settle_unknown(g, "not in flight for this trainer run (fed by a predecessor after its last journal write)")
             else:
                 ready.append(g)
-        for name, rnd in list(evals.items()):
-            if len(rnd.rewards) >= rnd.expected:
-                mean = float(np.mean(rnd.rewards))
-                ledger.record_used(rnd.used)
-                ledger.record_eval(job_id, rnd.step, min(rnd.versions), max(rnd.versions), mean, len(rnd.rewards))
-                streams.ack(SCORED, GROUP_TRAINERS, rnd.entries)
-                log.info("eval %s after step %d: held-out reward %.3f (versions %d..%d)",
-                         name, rnd.step, mean, min(rnd.versions), max(rnd.versions))
-                del evals[name]
-                feeder.eval_done(name)
+        evaluator.record_complete(version)
         return len(deliveries)
 
     def roll_back(kind: str, reason: str, rewards: list[float]) -> None:
@@ -539,7 +548,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         for g in freed:
             settle_dead(g)
         if freed:
-            route([])  # eval rounds the dead groups completed
+            evaluator.record_complete(version)  # eval rounds the dead groups completed
             if step < spec.steps and not control.done:
                 feeder.top_up(version, k)  # refill the freed slots
         return n
@@ -547,12 +556,6 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     def wait_paused() -> None:
         ranks.keepalive()
         control.poll(block_ms=settings.block_ms)
-
-    def start_eval(at: int) -> None:
-        if at in eval_steps:  # a predecessor fed it: its round is restored above, or recorded
-            return
-        eval_steps.add(at)
-        evals[feeder.feed_eval(version, at)] = EvalRound(step=at, expected=len(test_set))
 
     # take over what a predecessor left pending (checkpoint.take_over), then restore the RNG last
     taken = checkpoint.take_over(streams, SCORED, GROUP_TRAINERS, settings.consumer_id, Scored)
@@ -580,6 +583,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if since:
             apply_knobs(since)
     set_context(policy_version=version)
+    ledger.mark_job_started(job_id)
     ledger.set_job_state(job_id, "running")
     publish_weights(model, version, server, streams, ledger, job_id, settings.keep_versions, run_id, learner.snapshot())
     if resume is not None:
@@ -588,7 +592,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                  time.perf_counter() - t_boot, sorted(replay), len(feeder.in_flight), len(taken))
 
     if step == 0:
-        start_eval(0)
+        evaluator.start_due(0, version)
     while step < spec.steps:
         t_start = time.perf_counter()
         control.poll()
@@ -614,14 +618,21 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         if redo is not None:
             batch = [g for g in ready if g.group_id in redo]
             ready[:] = [g for g in ready if g.group_id not in redo]
+        filtered = 0  # groups dropped by dynamic sampling this step
         while len(batch) < spec.prompts_per_step:
             while ready and len(batch) < spec.prompts_per_step:
                 g = ready.pop(0)
                 gone = [v for v in {s.rollout.policy_version for s in g.samples.values()} if rolled_back(v, discarded)]
-                if is_fresh(version, g.gen_version_min, k) and not gone:
+                flat = (redo is None and spec.algorithm.dynamic_sampling and not gone
+                        and filtered < spec.algorithm.dynamic_sampling_max_drops * spec.prompts_per_step
+                        and bool(no_signal(torch.tensor([[s.reward for s in g.samples.values()]]))[0]))
+                if is_fresh(version, g.gen_version_min, k) and not gone and not flat:
                     batch.append(g)
                     continue
-                why = f"generated by policy version {min(gone)}, rolled back" if gone else f"staleness > {k}"
+                filtered += flat
+                why = (f"generated by policy version {min(gone)}, rolled back" if gone
+                       else "dynamic sampling: every reward of the group is equal (no gradient)" if flat
+                       else f"staleness > {k}")
                 for s in g.samples.values():
                     dropped.append({"msg_id": s.msg_id, "status": "dropped", "trainer_version": version,
                                     "staleness": staleness(version, g.gen_version_min), "drop_reason": why})
@@ -685,8 +696,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
 
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         t_ledger = time.perf_counter()
-        used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version, "staleness": st}
-                for s, st in zip(samples, stale, strict=True)]
+        used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version, "staleness": st,
+                 "drop_reason": overlong_reason(s, spec)} for s, st in zip(samples, stale, strict=True)]
         changed = ledger.record_used(used + dropped)
         # Samples the ledger already had as used: a re-done step's own (expected), else trained twice.
         twice = len(used) + len(dropped) - changed - (len(used) if redo is not None else 0)
@@ -697,6 +708,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             "off_policy/mean": float(np.mean(stale)),
             "off_policy/max": float(max(stale)),
             "off_policy/dropped": float(len(dropped)),
+            "dynamic_sampling/dropped_groups": float(filtered),
             "staleness/bound": float(k),
             "ledger/trained_twice": float(twice),
             "resume/redone": float(redo is not None),
@@ -725,8 +737,8 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             step, metrics["reward/mean"], metrics["loss"], metrics["is/mean"], metrics["is/ess"], metrics["off_policy/mean"],
             int(metrics["off_policy/max"]), len(dropped), metrics["time/wait_s"], metrics["time/train_s"],
         )
-        if spec.eval_every and step % spec.eval_every == 0 and step < spec.steps:
-            start_eval(step)
+        if step < spec.steps:
+            evaluator.start_due(step, version)
 
         # checkpoint: every checkpoint_every steps, and right after a roll-back (a resume must not
         # re-do the discarded steps); then the entries of the steps it covers are acked
@@ -751,10 +763,10 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         checkpoint_now()
         streams.ack(SCORED, GROUP_TRAINERS, held)
         held.clear()
-    # final held-out evaluation, then wait for every outstanding round
-    start_eval(step)
+    # final evaluation of every set, then wait for every outstanding round
+    evaluator.start_due(step, version, final=True)
     deadline = time.monotonic() + settings.job_wait_s
-    while evals and time.monotonic() < deadline:
+    while evaluator.pending and time.monotonic() < deadline:
         take_scored(settings.block_ms)
     ledger.set_job_state(job_id, "finished" if step >= spec.steps else "stopped")
     # The job is over for every service of it: generators and rewarders exit on this.

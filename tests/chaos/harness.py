@@ -36,8 +36,8 @@ import redis
 from broker.launch import Supervisor
 from broker.ledger import USED_STATUSES, Ledger
 from broker.streams import PROMPTS, JobStreams, connect
-from shared.schema import DecodeError, PromptGroup, decode
-from trainer_svc.feeder import dead_member
+from shared.schema import DecodeError, EvalRound, PromptGroup, decode
+from trainer_svc.feeder import dead_members
 
 REDIS_SERVER = "/usr/bin/redis-server"
 
@@ -118,10 +118,12 @@ class Witness(threading.Thread):
                         self._last = eid.decode()
                         self.seen += 1
                         try:
-                            g = decode(fields.get(b"d", b""), PromptGroup)
+                            m = decode(fields.get(b"d", b""), (PromptGroup, EvalRound))
                         except DecodeError:
                             continue  # the injected garbage
-                        self.fed.setdefault(g.group_id, (g.n, g.purpose, time.time()))
+                        for g in m.groups() if isinstance(m, EvalRound) else [m]:
+                            assert isinstance(g, PromptGroup)
+                            self.fed.setdefault(g.group_id, (g.n, g.purpose, time.time()))
             except redis.RedisError:
                 self.errors += 1  # Redis restarting: read on when it is back
             self._halt.wait(self.interval_s)
@@ -316,9 +318,7 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
         witness.fed.setdefault(gid, (group_size if mine[0]["kind"] == "train" else 1, mine[0]["kind"], 0.0))
     dead: set[str] = set()
     for dl in streams.dead_letters(count=1_000_000):
-        m = dead_member(dl)
-        if m is not None:
-            dead.add(m.group_id)
+        dead.update(m.group_id for m in dead_members(dl))
     journal = json.loads((checkpoint_dir / job_id / "feed-journal.json").read_text())
     in_flight = set(journal["in_flight"]) | {g for g in witness.fed if any(g.startswith(r + "/") for r in journal["open_evals"])}
     terminal, flying, lost = 0, 0, []

@@ -11,10 +11,14 @@ import torch
 
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams, connect
 from shared.jobspec import JobSpec
-from shared.schema import Rollout, Scored, pack_f32, pack_i32
+from shared.prompts import renderer
+from shared.schema import EvalItem, Rollout, SamplingParams, Scored, pack_f32, pack_i32
 from shared.tasks import Problem
 from trainer_svc import checkpoint
 from trainer_svc.feeder import Feeder, group_seq
+from trainer_svc.tiny_model import build_tokenizer
+
+RENDER = renderer(build_tokenizer())
 
 
 @pytest.fixture
@@ -47,7 +51,7 @@ def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_p
     a = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, a.model.config.vocab_size))
     a.step(samples, rewards)  # optimizer state exists (exp_avg, exp_avg_sq, step)
-    feeder = Feeder(streams, spec, [Problem(i, f"{i}+1=", str(i + 1)) for i in range(8)], [])
+    feeder = Feeder(streams, spec, [Problem(i, f"{i}+1=", str(i + 1)) for i in range(8)], RENDER)
     feeder.top_up(1)  # cap 2 groups
     final = checkpoint.step_dir(tmp_path, "job1", 1)
     state = {"job_id": "job1", "step": 1, "policy_version": 1, "k": 1, "lr": 1e-3, "knobs": {},
@@ -89,10 +93,10 @@ def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_p
 def test_feeder_restore_continues_the_data_order_across_epochs(streams):
     spec = JobSpec(model_path="m", max_staleness=0, prompts_per_step=3, seed=11)
     problems = [Problem(i, f"{i}+1=", str(i + 1)) for i in range(5)]
-    a = Feeder(streams, spec, problems, [])
+    a = Feeder(streams, spec, problems, RENDER)
     first = [a._next_problem().index for _ in range(7)]  # one epoch and two into the next
     a.seq, a.in_flight, a.open_evals = 7, {"job1/r/g5", "job1/r/g6"}, {"job1/r/e0": 3}
-    b = Feeder(streams, spec, problems, [])
+    b = Feeder(streams, spec, problems, RENDER)
     b.restore(json.loads(json.dumps(a.state())))  # through JSON, as the journal stores it
     assert b.state() == a.state()
     assert [b._next_problem().index for _ in range(9)] == [a._next_problem().index for _ in range(9)]
@@ -102,13 +106,12 @@ def test_feeder_restore_continues_the_data_order_across_epochs(streams):
 def test_feeder_journals_after_every_publish(streams):
     spec = JobSpec(model_path="m", max_staleness=0, prompts_per_step=2, group_size=2)
     seen = []
-    f = Feeder(streams, spec, [Problem(i, "p", "a") for i in range(4)], [Problem(0, "p", "a")], "run1",
-               journal=seen.append)
+    f = Feeder(streams, spec, [Problem(i, "p", "a") for i in range(4)], RENDER, "run1", journal=seen.append)
     f.top_up(0)
     f.top_up(0)  # full: nothing published, nothing journaled
-    rnd = f.feed_eval(0, step=4)
+    rnd = f.feed_eval(0, 4, "held_out", [EvalItem(prompt_index=0, prompt="p", answer="a")], 1, SamplingParams())
     assert [s["seq"] for s in seen] == [2, 2] and seen[0]["in_flight"] == ["job1/run1/g0", "job1/run1/g1"]
-    assert seen[1]["open_evals"] == {rnd: 4}
+    assert seen[1]["open_evals"] == {rnd: [4, "held_out"]}
 
 
 def test_replay_plan_groups_trained_rows_by_step_in_feed_order():
@@ -199,7 +202,8 @@ def test_plan_resume_from_the_ledger_checkpoint_and_journal(tmp_path):
     assert r is not None and r.checkpoint == d and (r.step, r.version) == (1, 1)
     assert r.replay == {2: [g[2], g[3]]} and r.replay_lr == {2: 5e-4}
     assert r.feeder["in_flight"] == [g[2], g[3], g[5]]  # g4 was dropped; g2, g3 are trained again
-    assert r.feeder["open_evals"] == {f"{job}/r/e1": 1}  # the step-0 round is recorded already
-    assert r.eval_steps == {0, 1}
+    # the step-0 round is recorded already (a bare step in an older journal: the default set)
+    assert r.feeder["open_evals"] == {f"{job}/r/e1": [1, "held_out"]}
+    assert r.eval_steps == {("held_out", 0), ("held_out", 1)}
     assert [c["step"] for c in ledger.checkpoints(job)] == [1]  # recorded if its save died before
     assert checkpoint.plan_resume(tmp_path, "other", ledger) is None

@@ -7,9 +7,22 @@ import pytest
 
 from broker.streams import PROMPTS, JobStreams, connect
 from shared.jobspec import JobSpec
-from shared.schema import PromptGroup, Rollout, Scored, pack_f32, pack_i32
+from shared.prompts import renderer
+from shared.schema import (
+    EvalItem,
+    EvalRound,
+    PromptGroup,
+    Rollout,
+    SamplingParams,
+    Scored,
+    pack_f32,
+    pack_i32,
+)
 from shared.tasks import Problem
 from trainer_svc.feeder import Feeder, GroupAssembler, eval_round
+from trainer_svc.tiny_model import build_tokenizer
+
+RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: plain text, <s> first
 
 
 @pytest.fixture
@@ -27,7 +40,7 @@ def _problems(n):
 @pytest.mark.parametrize("mode,k,cap", [("sync", 3, 4), ("async", 0, 4), ("async", 1, 8), ("async", 3, 16)])
 def test_in_flight_cap_is_k_plus_one_batches(streams, mode, k, cap):
     spec = JobSpec(model_path="m", mode=mode, max_staleness=k, prompts_per_step=4, group_size=2)
-    feeder = Feeder(streams, spec, _problems(10), _problems(3))
+    feeder = Feeder(streams, spec, _problems(10), RENDER)
     assert feeder.top_up(0) == cap
     assert feeder.top_up(0) == 0  # full: nothing more until groups are consumed
     for gid in list(feeder.in_flight)[:3]:
@@ -46,8 +59,8 @@ def test_in_flight_cap_is_k_plus_one_batches(streams, mode, k, cap):
 
 def test_data_order_is_seeded_and_covers_every_problem_each_epoch(streams):
     spec = JobSpec(model_path="m", max_staleness=0, prompts_per_step=5, seed=7)
-    a = Feeder(streams, spec, _problems(10), [])
-    b = Feeder(streams, spec, _problems(10), [])
+    a = Feeder(streams, spec, _problems(10), RENDER)
+    b = Feeder(streams, spec, _problems(10), RENDER)
     seq_a = [a._next_problem().index for _ in range(20)]
     seq_b = [b._next_problem().index for _ in range(20)]
     assert seq_a == seq_b
@@ -56,13 +69,28 @@ def test_data_order_is_seeded_and_covers_every_problem_each_epoch(streams):
 
 def test_eval_round_is_greedy_single_samples_outside_the_cap(streams):
     spec = JobSpec(model_path="m", prompts_per_step=2, max_staleness=0)
-    feeder = Feeder(streams, spec, _problems(5), _problems(3))
-    rnd = feeder.feed_eval(4)
-    _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
-    assert [m.group_id for m in msgs] == [f"{rnd}/0", f"{rnd}/1", f"{rnd}/2"]
-    assert {eval_round(m.group_id) for m in msgs} == {rnd}
-    assert all(m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 for m in msgs)
-    assert feeder.in_flight == set()
+    feeder = Feeder(streams, spec, _problems(5), RENDER)
+    items = [EvalItem(prompt_index=p.index, prompt=p.prompt, answer=p.answer) for p in _problems(3)]
+    rnd = feeder.feed_eval(4, 2, "held_out", items, 1, SamplingParams(temperature=0.0))
+    _, (msg,) = streams.read_broadcast(PROMPTS, "0", EvalRound)  # the whole round is one entry
+    groups = msg.groups()
+    assert [m.group_id for m in groups] == [f"{rnd}/0", f"{rnd}/1", f"{rnd}/2"]
+    assert {eval_round(m.group_id) for m in groups} == {rnd}
+    assert all(m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 and m.eval_set == "held_out"
+               for m in groups)
+    assert feeder.in_flight == set() and feeder.open_evals == {rnd: [2, "held_out"]}
+
+
+def test_training_groups_carry_the_rendered_prompt_ids_metadata_and_stop_rules(streams):
+    spec = JobSpec(model_path="m", prompts_per_step=1, max_staleness=0, group_size=2,
+                   sampling={"stop": ["\n"], "min_tokens": 1, "max_tokens": 6})
+    problems = [Problem(0, "12+3=", "15", metadata={"difficulty": 2, "tags": ["add"]})]
+    Feeder(streams, spec, problems, RENDER).top_up(0)
+    _, (msg,) = streams.read_broadcast(PROMPTS, "0", PromptGroup)
+    tok = build_tokenizer()
+    assert msg.prompt_array().tolist() == tok("12+3=")["input_ids"]  # what vLLM makes of the text, <s> first
+    assert msg.metadata == {"difficulty": 2, "tags": ["add"]}
+    assert (msg.sampling.stop, msg.sampling.min_tokens, msg.sampling.max_tokens) == (["\n"], 1, 6)
 
 
 def _scored(group, i, size=2):

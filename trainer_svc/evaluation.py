@@ -1,0 +1,138 @@
+"""In-pipeline evaluation: the job's named evaluation sets, their rounds, and their results.
+
+An evaluation round is one entry on the prompts stream (shared.schema.EvalRound): one generator
+generates all of it in one call, so every round measures exactly one policy version. The
+`Evaluator` starts the rounds that are due, collects their scored samples as the trainer's
+assembler completes each problem's group, and when a round is whole writes its figures (mean@n,
+pass@k, maj@n; shared.evalmetrics) to the ledger with the wall-clock seconds since the job started.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
+from shared.evalmetrics import round_metrics
+from shared.jobspec import EvalSetSpec, JobSpec
+from shared.prompts import Rendered
+from shared.schema import EvalItem, SamplingParams, pack_i32
+from shared.tasks import Problem
+from trainer_svc.algorithms import staleness
+from trainer_svc.feeder import Feeder, Group, eval_round
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSet:
+    spec: EvalSetSpec
+    items: list[EvalItem]  # its problems, rendered once
+    sampling: SamplingParams
+
+
+@dataclass
+class Round:
+    name: str  # the evaluation set
+    step: int  # the policy after this step is evaluated
+    expected: int  # problems still to complete (dead-lettered ones are taken off)
+    groups: list[Group] = field(default_factory=list)
+
+
+def build_sets(spec: JobSpec, problems: dict[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
+               ) -> dict[str, EvalSet]:
+    """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
+    items and its sampling (the job's stop rules, the set's temperature, n and length)."""
+    out = {}
+    for es in spec.evaluation_sets():
+        items = []
+        for p in problems[es.name]:
+            r = render(p)
+            items.append(EvalItem(prompt_index=p.index, prompt=r.text, prompt_ids=pack_i32(r.ids), answer=p.answer,
+                                  metadata=dict(p.metadata)))
+        sampling = spec.sampling.params(temperature=es.sampling.temperature, top_p=es.sampling.top_p,
+                                        max_tokens=es.sampling.max_tokens or spec.sampling.max_tokens)
+        out[es.name] = EvalSet(es, items, sampling)
+    return out
+
+
+class Evaluator:
+    """The rounds of a job's evaluation sets: start what is due, collect, record.
+
+    `started` holds (set, step) pairs whose round was fed, by this trainer run or a predecessor
+    (a resumed trainer must not feed a round twice, nor wait for one that was recorded)."""
+
+    def __init__(self, spec: JobSpec, sets: dict[str, EvalSet], feeder: Feeder, streams: JobStreams, ledger,
+                 job_id: str):
+        self.spec, self.sets, self.feeder, self.streams, self.ledger = spec, sets, feeder, streams, ledger
+        self.job_id = job_id
+        self.rounds: dict[str, Round] = {}
+        self.started: set[tuple[str, int]] = set()
+
+    def restore(self, open_evals: dict[str, list[Any]], started: set[tuple[str, int]]) -> None:
+        """Rounds a predecessor fed and did not record (the feeder's `open_evals`), and every
+        (set, step) it fed."""
+        self.started = set(started)
+        for rnd, (step, name) in open_evals.items():
+            if name in self.sets:
+                self.rounds[rnd] = Round(name, int(step), len(self.sets[name].items))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.rounds)
+
+    def start_due(self, step: int, version: int, final: bool = False) -> None:
+        """Feed a round of every set due after `step` (`final`: every set, the job has ended)."""
+        for name, es in self.sets.items():
+            if (final or self.spec.eval_due(es.spec, step)) and (name, step) not in self.started:
+                self.started.add((name, step))
+                rnd = self.feeder.feed_eval(version, step, name, es.items, es.spec.sampling.n, es.sampling)
+                self.rounds[rnd] = Round(name, step, len(es.items))
+
+    def add(self, g: Group) -> bool:
+        """A complete evaluation group: kept for its round; False when no round of this trainer
+        run (or of one it resumed) expects it."""
+        rnd = self.rounds.get(eval_round(g.group_id))
+        if rnd is None:
+            return False
+        rnd.groups.append(g)
+        return True
+
+    def dead(self, g: Group) -> None:
+        """A problem that can never complete (dead-lettered): its round expects one fewer."""
+        rnd = self.rounds.get(eval_round(g.group_id))
+        if rnd is not None:
+            rnd.expected -= 1
+
+    def record_complete(self, version: int) -> None:
+        """Record every round whose problems have all arrived: its samples `evaluated` in the
+        ledger, its figures, then ack its entries."""
+        for rid, rnd in list(self.rounds.items()):
+            if len(rnd.groups) < rnd.expected:
+                continue
+            del self.rounds[rid]
+            self.feeder.eval_done(rid)
+            if not rnd.groups:  # every problem dead-lettered: nothing measured
+                log.warning("eval %s (%s) after step %d: every problem was dead-lettered", rid, rnd.name, rnd.step)
+                continue
+            es = self.sets[rnd.name].spec
+            per_problem, versions, used, entries = [], set(), [], []
+            for g in rnd.groups:
+                samples = sorted(g.samples.values(), key=lambda s: s.rollout.sample_index)
+                per_problem.append(([s.rollout.completion for s in samples], [s.reward for s in samples]))
+                for s in samples:
+                    versions.add(s.rollout.policy_version)
+                    used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
+                                 "staleness": staleness(version, s.rollout.policy_version)})
+                entries += g.entries
+            n = len(per_problem[0][1])
+            metrics = round_metrics(per_problem, es.ks, es.pass_threshold)
+            self.ledger.record_used(used)
+            self.ledger.record_eval(self.job_id, rnd.step, min(versions), max(versions), metrics[f"mean@{n}"],
+                                    len(used), name=rnd.name, metrics=metrics if n > 1 else None)
+            self.streams.ack(SCORED, GROUP_TRAINERS, entries)
+            log.info("eval %s (%s) after step %d: reward %.3f %s (policy version %s)", rid, rnd.name, rnd.step,
+                     metrics[f"mean@{n}"], {k: round(v, 3) for k, v in metrics.items() if not k.startswith("mean@")},
+                     "..".join(map(str, sorted({min(versions), max(versions)}))))
