@@ -26,6 +26,12 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0..3
 CHARS = string.printable  # 100 characters: digits, letters, punctuation, whitespace
 MAX_POSITIONS = 256
+# A chat template in the usual shape (role headers, a generation prompt), in characters this
+# tokenizer has: for tests of chat-templated prompts (`--chat-template`).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -65,6 +71,7 @@ def build_tiny_model(
     heads: int = 4,
     intermediate: int = 256,
     seed: int = 0,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a random-init fp32 ``LlamaForCausalLM`` and its tokenizer to ``out_dir``.
 
@@ -80,6 +87,8 @@ def build_tiny_model(
         raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
     out = Path(out_dir)
     tokenizer = build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -114,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", action="store_true", help="give the tokenizer a chat template (CHAT_TEMPLATE)")
     a = p.parse_args(argv)
     out = build_tiny_model(
         a.out,
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         heads=a.heads,
         intermediate=a.intermediate,
         seed=a.seed,
+        chat_template=CHAT_TEMPLATE if a.chat_template else None,
     )
     n = sum(t.numel() for t in LlamaForCausalLM.from_pretrained(out).parameters())
     print(f"wrote {out} ({n:,} parameters)")

@@ -12,7 +12,7 @@ import pytest
 from broker.redis_server import resolve_redis_url
 from broker.streams import GROUP_GENERATORS, PROMPTS, JobStreams, connect
 from generator_svc.service import prompt_token_counter, reject_too_long, too_long_reason
-from shared.schema import PromptGroup, SamplingParams
+from shared.schema import EvalItem, EvalRound, PromptGroup, SamplingParams, decode, pack_i32
 
 JOB = "job-long"
 MAX_LEN = 32
@@ -48,7 +48,7 @@ def test_over_long_groups_are_dead_lettered_and_the_rest_kept(model_dir: str) ->
         js.publish_many(PROMPTS, [group(0, "1+1="), group(1, "x" * (MAX_LEN - 1)), group(2, "x" * 200), group(3, "2+2=")])
         got = js.consume(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup, block_ms=100)
         kept = reject_too_long(got, count, MAX_LEN, js)
-        assert [d.message.group_id for d in kept] == [f"{JOB}/g0", f"{JOB}/g3"]
+        assert [gs[0].group_id for _, gs in kept] == [f"{JOB}/g0", f"{JOB}/g3"]
         dead = {d.msg_id.split("/", 1)[1]: d for d in js.dead_letters()}
         assert {d.code for d in dead.values()} == {"prompt_too_long"}
         reasons = sorted(d.reason for d in dead.values())
@@ -81,3 +81,24 @@ def test_boundary_and_count_match_vllm(model_dir: str) -> None:
         assert again[0].completion_ids
     finally:
         engine.close()
+
+
+def test_an_over_long_problem_leaves_the_rest_of_its_evaluation_round(model_dir: str) -> None:
+    count = prompt_token_counter(model_dir)
+    url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
+    js = JobStreams(connect(url), JOB, prefix=f"test-{uuid.uuid4().hex[:8]}:")
+    try:
+        js.ensure_group(PROMPTS, GROUP_GENERATORS)
+        items = [EvalItem(prompt_index=0, prompt="1+1=", prompt_ids=pack_i32(range(5)), answer="2"),
+                 EvalItem(prompt_index=1, prompt="long", prompt_ids=pack_i32(range(MAX_LEN + 3)), answer="2")]
+        js.publish(PROMPTS, EvalRound(job_id=JOB, msg_id=f"{JOB}/e0", group_id=f"{JOB}/e0", policy_version=0,
+                                      eval_set="held_out", n=1, sampling=SamplingParams(temperature=0.0), items=items))
+        got = js.consume(PROMPTS, GROUP_GENERATORS, "gen-0", (PromptGroup, EvalRound), block_ms=100)
+        (kept,) = reject_too_long(got, count, MAX_LEN, js)
+        assert [g.group_id for g in kept[1]] == [f"{JOB}/e0/0"]  # lengths from the carried ids
+        (dead,) = js.dead_letters()
+        assert dead.code == "prompt_too_long" and f"{JOB}/e0/1: prompt of {MAX_LEN + 3} tokens" in dead.reason
+        assert decode(dead.raw, PromptGroup).group_id == f"{JOB}/e0/1"  # the trainer settles just that problem
+        assert js.pending_count(PROMPTS, GROUP_GENERATORS) == 1  # the round's entry waits for the rest
+    finally:
+        js.delete_all()

@@ -95,7 +95,7 @@ def test_feeder_restore_continues_the_data_order_across_epochs(streams):
     problems = [Problem(i, f"{i}+1=", str(i + 1)) for i in range(5)]
     a = Feeder(streams, spec, problems, RENDER)
     first = [a._next_problem().index for _ in range(7)]  # one epoch and two into the next
-    a.seq, a.in_flight, a.open_evals = 7, {"job1/r/g5", "job1/r/g6"}, {"job1/r/e0": 3}
+    a.seq, a.in_flight, a.open_evals = 7, {"job1/r/g5", "job1/r/g6"}, {"job1/r/e0": [3, "held_out"]}
     b = Feeder(streams, spec, problems, RENDER)
     b.restore(json.loads(json.dumps(a.state())))  # through JSON, as the journal stores it
     assert b.state() == a.state()
