@@ -52,7 +52,7 @@ from broker.bench import _cores, _pinned, machine
 from broker.bench_broker import bench_broker
 from broker.demo import prepare_model, run_job
 from broker.ledger import Ledger
-from shared.tasks import load_task
+from shared.datasets import TaskSpec, load_task
 
 console = Console()
 
@@ -174,8 +174,7 @@ def trl_python(venv: Path) -> Path:
 def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
          evaluate: bool = True) -> dict[str, Any]:
     """One TRL GRPOTrainer run on the task (both cores, 2 torch threads); its result JSON."""
-    train, test = load_task("arithmetic", seed=seed, n_train=TTR_SPEC["task"]["n_train"],
-                            n_test=TTR_SPEC["task"]["n_test"])
+    train, test = load_task(TaskSpec(**TTR_SPEC["task"]), seed)
     run_dir = wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}"
     run_dir.mkdir(parents=True)
     cfg = {

@@ -20,11 +20,11 @@ import statistics
 import time
 from pathlib import Path
 
+from shared.datasets import load_task
 from shared.jobspec import JobSpec
 from shared.logs import setup_logging
 from shared.rewards import get_reward_fn
 from shared.schema import SamplingParams
-from shared.tasks import load_task
 
 log = logging.getLogger("evaluate")
 
@@ -40,14 +40,11 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
 
     Raises:
         FileNotFoundError: `checkpoint` has no config.json (not an HF-format model directory).
-        ValueError: the job's task cannot be loaded (see shared.tasks.load_task).
+        ValueError: the job's task cannot be loaded (see shared.datasets.load_task).
     """
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not an HF-format model directory (no config.json)")
-    _, test = load_task(
-        spec.task.name, seed=spec.seed, n_train=spec.task.n_train, n_test=spec.task.n_test,
-        path=spec.task.path, test_path=spec.task.test_path,
-    )
+    _, test = load_task(spec.task, spec.seed)
     reward_fn = get_reward_fn(spec.reward)
     # The model's own context bounds the engine's (vLLM refuses a longer one).
     own = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings")

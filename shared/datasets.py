@@ -1,32 +1,919 @@
-"""Datasets: the job spec's task section and the loader that turns local files into problems.
+"""Datasets: the job spec's task section and the one loader that turns it into problems.
 
-Light at import (pydantic only); the `datasets` library is imported inside the loaders.
+A task is a preset of one loader (``PRESETS``, chosen by ``task.name``):
+
+- ``dataset``: the user's own local files (JSONL, JSON, Parquet, CSV, or a folder written by
+  ``datasets``' ``save_to_disk``), one or several, mixed by weight;
+- ``gsm8k``: the same, with GSM8K's columns (``question``; ``answer`` ending ``#### <number>``,
+  whose final number becomes the reference answer);
+- ``arithmetic``: synthetic ``"a+b="`` rows generated from the seed (``shared.tasks``), fed
+  through the same field mapping, split and mixing.
+
+Every row goes through one mapping (``prompt_field`` or ``prompt_template``, or a
+``messages_field``; ``answer_field``; the other columns become ``Problem.metadata``), then one
+split (a separate test set, or a seeded disjoint split of the training rows) and one mixture.
+
+Readers: pyarrow for JSON Lines, CSV and Parquet (no cache copy, typed columns), ``datasets``'
+``load_from_disk`` for saved folders (memory-mapped), the standard library's ``json`` for JSON
+arrays (which pyarrow cannot read) and for finding the line of a JSON Lines error (pyarrow counts
+rows per block). All of them are imported inside the readers: this module imports with pydantic
+alone, so the API validates specs without them.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+import datetime
+import decimal
+import json
+import logging
+import math
+import os
+import random
+import re
+import stat
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-TASKS = ("arithmetic", "gsm8k")
+from shared.tasks import Problem, gsm8k_final_answer, synthetic_arithmetic
+
+__all__ = [
+    "FORMATS",
+    "PRESETS",
+    "TASKS",
+    "DatasetError",
+    "DatasetSource",
+    "TaskSpec",
+    "load_source",
+    "load_task",
+]
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_MAX_BYTES = 2 * GiB
+DEFAULT_MAX_ROWS = 10_000_000
+# Held-out size when it is split off the training rows and neither n_test nor test_fraction is set.
+DEFAULT_SPLIT_N_TEST = 100
+# A separate test set is used whole up to this many rows: every evaluation round generates one
+# greedy completion per held-out problem, so a 50k-row test file would make each round a job.
+DEFAULT_MAX_TEST = 1000
+# The arithmetic pool is generated (400 problems with the default operands), not read.
+ARITHMETIC_N_TRAIN = 300
+ARITHMETIC_N_TEST = 100
+
+Format = Literal["jsonl", "json", "parquet", "csv", "save_to_disk"]
+FORMATS: tuple[str, ...] = ("jsonl", "json", "parquet", "csv", "save_to_disk")
+_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
+             ".pq": "parquet", ".csv": "csv"}
+# Files that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write at the top of the folder.
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+ROLES = ("system", "user", "assistant")
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be read or mapped; the message names the file, the row and the field."""
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class TaskSpec(_Strict):
-    name: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="Prompt source: the built-in synthetic arithmetic task or a GSM8K-format JSONL file."
+def template_fields(template: str) -> list[str]:
+    """The columns a ``str.format`` prompt template reads (``"Q: {question}"`` -> ``["question"]``).
+
+    Raises:
+        ValueError: the template does not parse, uses a positional or attribute field, an unknown
+            conversion, or no column at all.
+    """
+    fields: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(
+            f"prompt_template does not parse as a str.format template ({e}); write a literal "
+            "brace as '{{' or '}}'"
+        ) from None
+    for _literal, name, _spec, conversion in parsed:
+        if name is None:
+            continue
+        top = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not top or top.isdigit():
+            raise ValueError(
+                f"prompt_template uses a positional field {{{name}}}; name a column, e.g. {{question}}"
+            )
+        if "." in name:
+            raise ValueError(
+                f"prompt_template field {{{name}}} uses attribute access; name a column "
+                "(indexing like {meta[level]} is fine)"
+            )
+        if conversion not in (None, "r", "s", "a"):
+            raise ValueError(f"prompt_template field {{{name}!{conversion}}}: conversion must be !r, !s or !a")
+        fields.append(top)
+    if not fields:
+        raise ValueError("prompt_template names no column; e.g. 'Q: {question}\\nA:'")
+    return fields
+
+
+class DatasetSource(_Strict):
+    """One local dataset: a file or a saved folder, with its share of the training mixture."""
+
+    path: str = Field(
+        ..., min_length=1, max_length=4096,
+        description="Local file (.jsonl, .json, .parquet, .csv) or a folder written by `datasets`' "
+        "save_to_disk. A relative path resolves against the current directory of the process that "
+        "loads it (the trainer's or the evaluator's), not against the spec file.",
     )
-    path: str | None = Field(None, description="Local JSONL file for `gsm8k` (question/answer with `#### <number>`).")
-    test_path: str | None = Field(None, description="Optional held-out JSONL; else a seeded split of `path`.")
-    n_train: int = Field(300, ge=1, le=10_000_000, description="Training problems to draw (arithmetic) or keep.")
-    n_test: int = Field(100, ge=1, le=100_000, description="Held-out problems for evaluation.")
+    format: Format | None = Field(
+        None, description=f"One of {', '.join(FORMATS)}; None infers it from the file's suffix, or "
+        "`save_to_disk` for a folder holding dataset_info.json, state.json or dataset_dict.json.",
+    )
+    split: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="The split of a DatasetDict folder to read (e.g. 'train'); may be left out "
+        "when the folder holds a single split. Only for save_to_disk folders.",
+    )
+    weight: float | None = Field(
+        None, gt=0.0, le=1e6,
+        description="Relative share of the training list (training datasets only). Give every "
+        "training dataset a weight or none: with none, each contributes all its rows; with "
+        "weights, n_train rows are split in proportion and a dataset smaller than its share is "
+        "repeated.",
+    )
+    name: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="Label in Problem.source and logs; defaults to the path (with ':split').",
+    )
+    prompt_field: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="This dataset's prompt column; None: the task's prompt_field.",
+    )
+    answer_field: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="This dataset's answer column; None: the task's answer_field.",
+    )
+    prompt_template: str | None = Field(
+        None, min_length=1, max_length=100_000,
+        description="This dataset's prompt template (str.format over its columns); None: the task's.",
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_parses(cls, v: str | None) -> str | None:
+        if v is not None:
+            template_fields(v)
+        return v
+
+    @property
+    def label(self) -> str:
+        """The dataset's name: ``name``, else the path (with ``:split``)."""
+        if self.name:
+            return self.name
+        return f"{self.path}:{self.split}" if self.split else self.path
+
+
+# Generated rows (arithmetic) have no dataset of their own, hence no per-dataset overrides.
+_NO_OVERRIDES = DatasetSource(path="(generated)")
+
+
+class TaskSpec(_Strict):
+    """Where prompts and reference answers come from (the job spec's ``task`` section)."""
+
+    name: Literal["arithmetic", "gsm8k", "dataset"] = Field(
+        "arithmetic",
+        description="Preset: `dataset` (your own files), `gsm8k` (GSM8K-format files: question, "
+        "answer ending '#### <number>') or `arithmetic` (synthetic a+b=, generated from the seed). "
+        "Left out: `dataset` when files are given, else `arithmetic`.",
+    )
+    path: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="Shorthand for datasets=[{path}]: one local training file or saved folder "
+        "(relative paths resolve against the loading process's current directory).",
+    )
+    test_path: str | None = Field(
+        None, min_length=1, max_length=4096,
+        description="Shorthand for test=[{path}]: a held-out file; else a seeded split of the training rows.",
+    )
+    datasets: list[DatasetSource] = Field(
+        default_factory=list, max_length=64,
+        description="Training datasets, mixed by their weights (see DatasetSource.weight).",
+    )
+    test: list[DatasetSource] = Field(
+        default_factory=list, max_length=64,
+        description="Held-out datasets, concatenated in order; none: a seeded split of the "
+        "training rows (n_test or test_fraction), disjoint by prompt.",
+    )
+    prompt_field: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="Column holding the prompt text; None: the preset's ('question' for gsm8k, "
+        "else 'prompt'). Not with prompt_template or messages_field.",
+    )
+    answer_field: str | None = Field(
+        "answer", min_length=1, max_length=200,
+        description="Column holding the reference answer (numbers become strings); null: no "
+        "reference answer (Problem.answer is ''), for rewards that need none.",
+    )
+    messages_field: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="Column holding chat messages (a list of {role, content}, ending with a user "
+        "turn) instead of a prompt column.",
+    )
+    system_prompt: str | None = Field(
+        None, min_length=1, max_length=100_000,
+        description="System turn put before each problem's user turn (Problem.messages); a row "
+        "whose messages already start with a system turn keeps its own.",
+    )
+    prompt_template: str | None = Field(
+        None, min_length=1, max_length=100_000,
+        description="Python str.format template over the row's columns building the user text, "
+        "e.g. 'Q: {question}\\nA:' (literal braces doubled). Replaces prompt_field.",
+    )
+    n_train: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="Training problems; None: every training row (arithmetic: 300, drawn from its "
+        "generated pool).",
+    )
+    n_test: int | None = Field(
+        None, ge=1, le=100_000,
+        description=f"Held-out problems; None: {DEFAULT_SPLIT_N_TEST} split off the training rows, "
+        f"or the first {DEFAULT_MAX_TEST} rows of the test datasets (a warning says when it cuts).",
+    )
+    test_fraction: float | None = Field(
+        None, gt=0.0, lt=1.0,
+        description="Share of the (deduplicated) training rows held out, instead of n_test; only "
+        "when no test datasets are given.",
+    )
+    max_bytes: int = Field(
+        DEFAULT_MAX_BYTES, ge=1, le=1 << 40,
+        description="Largest file or saved folder read, in bytes (default 2 GiB), checked before opening.",
+    )
+    max_rows: int = Field(
+        DEFAULT_MAX_ROWS, ge=1, le=1_000_000_000,
+        description="Most rows read from one file or folder (default 10M).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name" not in data:
+            has_files = any(data.get(k) for k in ("path", "test_path", "datasets", "test"))
+            data = {**data, "name": "dataset" if has_files else "arithmetic"}
+        return data
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_parses(cls, v: str | None) -> str | None:
+        if v is not None:
+            template_fields(v)
+        return v
 
     @model_validator(mode="after")
-    def _path_for_files(self) -> TaskSpec:
-        if self.name == "gsm8k" and not self.path:
-            raise ValueError("task.path is required for task.name='gsm8k': give a local JSONL file")
+    def _consistent(self) -> TaskSpec:
+        if self.name == "arithmetic":
+            given = [k for k in ("path", "test_path", "datasets", "test", "test_fraction") if getattr(self, k)]
+            if given:
+                raise ValueError(
+                    f"task.name='arithmetic' is generated from the seed: remove task.{', task.'.join(given)} "
+                    "(or set task.name='dataset' to read files)"
+                )
+        elif not (self.path or self.datasets):
+            if self.name == "gsm8k":
+                raise ValueError(
+                    "task.path is required for task.name='gsm8k': give a local GSM8K-format JSONL "
+                    "file (or list files in task.datasets)"
+                )
+            raise ValueError("task.path or task.datasets is required for task.name='dataset': give local files")
+        if self.path and self.datasets:
+            raise ValueError("give task.path or task.datasets, not both (path is a shorthand for one dataset)")
+        if self.test_path and self.test:
+            raise ValueError("give task.test_path or task.test, not both (test_path is a shorthand for one dataset)")
+        if self.n_test is not None and self.test_fraction is not None:
+            raise ValueError("give task.n_test or task.test_fraction, not both")
+        if self.test_fraction is not None and (self.test_path or self.test):
+            raise ValueError(
+                "task.test_fraction splits the training rows, but test datasets are given; use "
+                "task.n_test to cut them"
+            )
+        weighted = [d.weight is not None for d in self.datasets]
+        if any(weighted) and not all(weighted):
+            raise ValueError("give every dataset in task.datasets a weight, or none (each then contributes all its rows)")
+        if any(d.weight is not None for d in self.test):
+            raise ValueError("weight applies to training datasets; remove it from task.test")
+        if self.messages_field is not None:
+            text_fields = [k for k in ("prompt_field", "prompt_template") if getattr(self, k) is not None]
+            text_fields += [f"{k} of {d.label}" for d in [*self.datasets, *self.test]
+                            for k in ("prompt_field", "prompt_template") if getattr(d, k) is not None]
+            if text_fields:
+                raise ValueError(
+                    f"task.messages_field reads the prompt from chat messages: remove {', '.join(text_fields)}"
+                )
+        if self.prompt_field is not None and self.prompt_template is not None:
+            raise ValueError("give task.prompt_field or task.prompt_template, not both (the template names its columns)")
         return self
+
+    def train_sources(self) -> list[DatasetSource]:
+        """The training datasets (``path`` expanded)."""
+        return [DatasetSource(path=self.path)] if self.path else list(self.datasets)
+
+    def test_sources(self) -> list[DatasetSource]:
+        """The held-out datasets (``test_path`` expanded); empty: split the training rows."""
+        return [DatasetSource(path=self.test_path)] if self.test_path else list(self.test)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Table:
+    """Rows of one dataset as plain Python dicts, with how to name a row in an error."""
+
+    name: str
+    rows: list[dict[str, Any]]
+    locate: Callable[[int], str]  # 0-based row -> "data.jsonl line 17"
+    source: DatasetSource | None = None  # None for generated rows
+    presampled: bool = False  # generated already in a seeded random order: not reshuffled
+
+
+def _rows_label(label: str) -> Callable[[int], str]:
+    return lambda i: f"{label} row {i + 1}"
+
+
+def _check_size(label: str, size: int, spec: TaskSpec) -> None:
+    if size > spec.max_bytes:
+        raise DatasetError(
+            f"{label} is {size / GiB:.2f} GiB ({size} bytes), over task.max_bytes={spec.max_bytes}; "
+            "raise task.max_bytes or split the data"
+        )
+
+
+def _check_rows(label: str, n: int, spec: TaskSpec) -> None:
+    if n > spec.max_rows:
+        raise DatasetError(f"{label} has {n} rows, over task.max_rows={spec.max_rows}; raise task.max_rows or cut the file")
+    if n == 0:
+        raise DatasetError(f"{label} has no rows")
+
+
+def _stat(path: Path, label: str) -> os.stat_result:
+    try:
+        return os.stat(path)  # stat never opens: a FIFO or device is rejected before any read
+    except FileNotFoundError:
+        where = "" if path.is_absolute() else f" (relative paths resolve against the current directory: {path.absolute()})"
+        raise DatasetError(f"{label} does not exist{where}") from None
+    except OSError as e:
+        raise DatasetError(f"{label} cannot be read: {e.strerror}") from None
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _open_table(source: DatasetSource, spec: TaskSpec) -> _Table:
+    """Check, then read one dataset. Regular files and saved folders only, within the caps."""
+    path, label = Path(source.path), source.path
+    st = _stat(path, label)
+    fmt: str | None = source.format
+    if stat.S_ISDIR(st.st_mode):
+        if fmt not in (None, "save_to_disk"):
+            raise DatasetError(f"{label} is a directory, but task format is {fmt!r}")
+        if not any((path / m).is_file() for m in _SAVED_MARKERS):
+            raise DatasetError(
+                f"{label} is a directory but not a `datasets` save_to_disk folder (it holds none of "
+                f"{', '.join(_SAVED_MARKERS)}); give a file or a folder written by save_to_disk"
+            )
+        _check_size(label, _folder_size(path, label), spec)
+        fmt = "save_to_disk"
+    elif stat.S_ISREG(st.st_mode):
+        if fmt == "save_to_disk":
+            raise DatasetError(f"{label} is a file; format 'save_to_disk' reads a folder")
+        if fmt is None:
+            fmt = _SUFFIXES.get(path.suffix.lower())
+            if fmt is None:
+                raise DatasetError(
+                    f"{label}: cannot tell the format from the suffix {path.suffix or '(none)'!r}; "
+                    f"set format to one of: {', '.join(FORMATS)}"
+                )
+        _check_size(label, st.st_size, spec)
+    else:
+        raise DatasetError(f"{label} is {_kind(st.st_mode)}; give a regular file or a save_to_disk folder")
+    if source.split is not None and fmt != "save_to_disk":
+        raise DatasetError(f"{label}: split applies to save_to_disk folders; remove it")
+    table = READERS[fmt](path, label, source, spec)
+    return dataclasses.replace(table, name=source.label, source=source)
+
+
+def _folder_size(path: Path, label: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.stat(os.path.join(root, f))
+            except OSError as e:
+                raise DatasetError(f"{label}: {os.path.join(root, f)} cannot be read: {e.strerror}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise DatasetError(f"{label}: {os.path.join(root, f)} is {_kind(st.st_mode)}")
+            total += st.st_size
+    return total
+
+
+def _arrow_rows(table: Any, label: str, spec: TaskSpec) -> list[dict[str, Any]]:
+    _check_rows(label, table.num_rows, spec)
+    rows: list[dict[str, Any]] = table.to_pylist()
+    return rows
+
+
+def _read_jsonl(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    try:
+        table = pj.read_json(str(path))
+    except pa.ArrowInvalid:
+        # pyarrow numbers rows within a block and rejects a column whose JSON type changes
+        # between rows; the line-by-line read names the bad line, or reads the mixed column.
+        return _read_json_lines(path, label, spec)
+    return _Table(label, _arrow_rows(table, label, spec), lambda i: f"{label} line {_jsonl_line(path, i)}")
+
+
+def _jsonl_line(path: Path, i: int) -> int:
+    """The 1-based line of the ``i``-th record (blank lines hold none); only for error messages."""
+    with path.open("rb") as f:
+        k = -1
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                k += 1
+                if k == i:
+                    return lineno
+    return i + 1
+
+
+def _read_json_lines(path: Path, label: str, spec: TaskSpec) -> _Table:
+    rows: list[dict[str, Any]] = []
+    lines: list[int] = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{label} line {lineno}"
+            try:
+                record = json.loads(raw)
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 ({e.reason})") from None
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            rows.append(record)
+            lines.append(lineno)
+            if len(rows) > spec.max_rows:
+                _check_rows(label, len(rows), spec)
+    _check_rows(label, len(rows), spec)
+    return _Table(label, rows, lambda i: f"{label} line {lines[i]}")
+
+
+def _read_json(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"["):
+        # Hugging Face's convention: a .json file that is not an array is JSON Lines.
+        try:
+            return _read_jsonl(path, label, source, spec)
+        except DatasetError as e:
+            raise DatasetError(f"{e} (a .json file is read as a JSON array of objects or as JSON Lines)") from None
+    try:
+        with path.open("rb") as f:
+            data = json.load(f)
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{label}: not UTF-8 ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{label} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    _check_rows(label, len(data), spec)
+    for i, record in enumerate(data):
+        if not isinstance(record, dict):
+            raise DatasetError(f"{label} row {i + 1}: expected a JSON object, got {type(record).__name__}")
+    return _Table(label, data, _rows_label(label))
+
+
+def _read_parquet(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(str(path))
+        _check_rows(label, pf.metadata.num_rows, spec)  # from the footer, before reading rows
+        table = pf.read()
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{label}: not a readable Parquet file ({e})") from None
+    return _Table(label, _arrow_rows(table, label, spec), _rows_label(label))
+
+
+def _read_csv(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
+    import pyarrow as pa
+    import pyarrow.csv as pc
+
+    try:
+        table = pc.read_csv(str(path))
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{label}: {e}") from None
+    # Rows count from the first line after the header.
+    return _Table(label, _arrow_rows(table, label, spec), _rows_label(label))
+
+
+def _read_saved(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{label}: not a readable save_to_disk folder ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        if source.split is None:
+            if len(splits) != 1:
+                raise DatasetError(f"{label} holds the splits {', '.join(splits)}; choose one with split")
+            ds = ds[splits[0]]
+        elif source.split not in ds:
+            raise DatasetError(f"{label} has no split {source.split!r}; its splits are: {', '.join(splits)}")
+        else:
+            ds = ds[source.split]
+    elif source.split is not None:
+        raise DatasetError(f"{label} holds one Dataset, not a DatasetDict; remove split={source.split!r}")
+    _check_rows(label, len(ds), spec)
+    return _Table(label, ds.to_list(), _rows_label(label))
+
+
+Reader = Callable[[Path, str, DatasetSource, TaskSpec], _Table]
+READERS: dict[str, Reader] = {
+    "jsonl": _read_jsonl,
+    "json": _read_json,
+    "parquet": _read_parquet,
+    "csv": _read_csv,
+    "save_to_disk": _read_saved,
+}
+
+
+# --- mapping rows to problems ----------------------------------------------------------------
+
+
+class _RowError(Exception):
+    """A row-level problem; the caller prefixes the file and row."""
+
+
+def _plain(value: Any, field: str) -> Any:
+    """``value`` as JSON-like plain Python: numpy and arrow scalars unwrapped, dates as ISO text,
+    decimals as text, non-finite floats as None, tuples as lists."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, field) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, field) for v in value]
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        raise _RowError(f"field {field!r} holds binary data, which cannot reach the reward; drop or convert the column")
+    module = type(value).__module__.split(".")[0]
+    if module == "numpy" and hasattr(value, "tolist"):
+        return _plain(value.tolist(), field)  # numpy scalar or array
+    if module == "pyarrow" and hasattr(value, "as_py"):
+        return _plain(value.as_py(), field)
+    raise _RowError(f"field {field!r} holds a {type(value).__name__}, not a JSON-like value")
+
+
+def _columns(row: Mapping[str, Any]) -> str:
+    # Readers that build a table (pyarrow) give every row every column, None where it had none.
+    return ", ".join(k for k, v in row.items() if v is not None) or "(none)"
+
+
+def _text(row: Mapping[str, Any], field: str, what: str) -> str:
+    value = row.get(field)
+    if field not in row or value is None:
+        raise _RowError(f"field {field!r} ({what}) is missing or null; the row's columns are: {_columns(row)}")
+    if not isinstance(value, str):
+        raise _RowError(f"field {field!r} ({what}) must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _RowError(f"field {field!r} ({what}) is empty")
+    return value
+
+
+def _answer_text(value: Any, field: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _RowError(f"field {field!r} (answer) must be a string or a number, got {type(value).__name__}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _RowError(f"field {field!r} (answer) is {value}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def _messages(row: Mapping[str, Any], field: str) -> list[dict[str, str]]:
+    value = row.get(field)
+    if field not in row or value is None:
+        raise _RowError(f"field {field!r} (messages) is missing or null; the row's columns are: {_columns(row)}")
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _RowError(f"field {field!r} (messages) must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _RowError(f"field {field!r} (messages) item {k}: expected {{\"role\": str, \"content\": str}}")
+        if m["role"] not in ROLES:
+            raise _RowError(f"field {field!r} (messages) item {k}: role {m['role']!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user" or not out[-1]["content"].strip():
+        raise _RowError(f"field {field!r} (messages) must end with a non-empty user turn (the prompt)")
+    return out
+
+
+@dataclass(frozen=True)
+class _FieldMap:
+    """How a dataset's rows become problems: the task's fields with the dataset's overrides."""
+
+    prompt_field: str
+    answer_field: str | None
+    messages_field: str | None
+    system_prompt: str | None
+    template: str | None
+    template_cols: tuple[str, ...]
+    clean_prompt: Callable[[str], str]  # applied to the prompt column's text, not to a template's output
+    clean_answer: Callable[[str], str]
+
+    @classmethod
+    def of(cls, spec: TaskSpec, preset: Preset, source: DatasetSource | None) -> _FieldMap:
+        src = source or _NO_OVERRIDES
+        template = src.prompt_template or (None if src.prompt_field else spec.prompt_template)
+        return cls(
+            prompt_field=src.prompt_field or spec.prompt_field or preset.prompt_field,
+            answer_field=src.answer_field or spec.answer_field,
+            messages_field=spec.messages_field,
+            system_prompt=spec.system_prompt,
+            template=template,
+            template_cols=tuple(template_fields(template)) if template else (),
+            clean_prompt=preset.clean_prompt,
+            clean_answer=preset.clean_answer,
+        )
+
+    def used(self) -> set[str]:
+        """Columns that make the prompt and the answer (not repeated in metadata)."""
+        cols = {self.answer_field} if self.answer_field else set()
+        if self.messages_field:
+            cols.add(self.messages_field)
+        elif self.template:
+            cols.update(self.template_cols)
+        else:
+            cols.add(self.prompt_field)
+        return cols
+
+    def problem(self, row: Mapping[str, Any], index: int, source: str, used: set[str]) -> Problem:
+        messages: list[dict[str, str]] | None = None
+        if self.messages_field:
+            messages = _messages(row, self.messages_field)
+            prompt = messages[-1]["content"]
+        elif self.template:
+            for col in self.template_cols:
+                if row.get(col) is None:
+                    raise _RowError(
+                        f"field {col!r} (used by prompt_template) is missing or null; the row's columns are: {_columns(row)}"
+                    )
+            try:
+                prompt = self.template.format_map(row)
+            except (KeyError, IndexError, ValueError, TypeError) as e:
+                raise _RowError(f"prompt_template cannot be filled from this row ({type(e).__name__}: {e})") from None
+            if not prompt.strip():
+                raise _RowError("prompt_template gives an empty prompt")
+        else:
+            prompt = self.clean_prompt(_text(row, self.prompt_field, "prompt"))
+        if self.system_prompt is not None:
+            messages = messages or [{"role": "user", "content": prompt}]
+            if messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+        answer = ""
+        if self.answer_field is not None:
+            f = self.answer_field
+            value = row.get(f)
+            if f not in row or value is None:
+                raise _RowError(
+                    f"field {f!r} (answer) is missing or null; the row's columns are: {_columns(row)} "
+                    "(set answer_field to null if the reward needs no reference answer)"
+                )
+            try:
+                answer = self.clean_answer(_answer_text(value, f)).strip()
+            except ValueError as e:
+                raise _RowError(f"field {f!r} (answer) {e}") from None
+            if not answer:
+                raise _RowError(f"field {f!r} (answer) is empty (set answer_field to null if the reward needs none)")
+        metadata = {k: _plain(v, k) for k, v in row.items() if k not in used}
+        return Problem(index=index, prompt=prompt, answer=answer, metadata=metadata,
+                       messages=tuple(messages) if messages is not None else None, source=source)
+
+
+def _problems(table: _Table, spec: TaskSpec, preset: Preset) -> list[Problem]:
+    mapping = _FieldMap.of(spec, preset, table.source)
+    used = mapping.used()
+    out = []
+    for i, row in enumerate(table.rows):
+        try:
+            out.append(mapping.problem(row, i, table.name, used))
+        except _RowError as e:
+            raise DatasetError(f"{table.locate(i)}: {e}") from None
+    return out
+
+
+# --- presets ---------------------------------------------------------------------------------
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _file_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
+    return ([_open_table(s, spec) for s in spec.train_sources()],
+            [_open_table(s, spec) for s in spec.test_sources()])
+
+
+def _arithmetic_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
+    # The generator draws train and held-out problems disjointly from the seed; its rows then
+    # take the same path as a file's (mapping, template, system prompt, mixing).
+    train, test = synthetic_arithmetic(seed, spec.n_train or ARITHMETIC_N_TRAIN, spec.n_test or ARITHMETIC_N_TEST)
+
+    def table(problems: list[Problem], part: str) -> _Table:
+        rows = [{"prompt": p.prompt, "answer": p.answer} for p in problems]
+        return _Table("arithmetic", rows, _rows_label(f"arithmetic ({part})"), presampled=True)
+
+    return [table(train, "train")], [table(test, "test")]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A task preset: where its rows come from and how its columns read."""
+
+    tables: Callable[[TaskSpec, int], tuple[list[_Table], list[_Table]]]
+    prompt_field: str = "prompt"
+    clean_prompt: Callable[[str], str] = _same
+    clean_answer: Callable[[str], str] = _same
+
+
+PRESETS: dict[str, Preset] = {
+    "arithmetic": Preset(_arithmetic_tables),
+    "gsm8k": Preset(_file_tables, prompt_field="question", clean_prompt=str.strip, clean_answer=gsm8k_final_answer),
+    "dataset": Preset(_file_tables),
+}
+TASKS: tuple[str, ...] = tuple(PRESETS)
+
+
+# --- split and mixture -----------------------------------------------------------------------
+
+
+def _key(p: Problem) -> tuple[str, str]:
+    return p.prompt, json.dumps(p.messages) if p.messages else ""
+
+
+def _split(groups: list[list[Problem]], names: Sequence[str], spec: TaskSpec, rng: random.Random
+           ) -> tuple[list[list[Problem]], list[Problem]]:
+    """Hold out problems from the pooled training rows: repeated prompts dropped first (the first
+    occurrence stays), so no prompt is in both splits; then a seeded shuffle."""
+    seen: set[tuple[str, str]] = set()
+    pooled: list[tuple[int, Problem]] = []
+    for g, problems in enumerate(groups):
+        for p in problems:
+            if (k := _key(p)) not in seen:
+                seen.add(k)
+                pooled.append((g, p))
+    rng.shuffle(pooled)
+    if spec.n_test is not None:
+        n_test, why = spec.n_test, "n_test"
+    elif spec.test_fraction is not None:
+        n_test, why = max(1, round(spec.test_fraction * len(pooled))), f"test_fraction={spec.test_fraction}"
+    else:
+        n_test, why = DEFAULT_SPLIT_N_TEST, "the default n_test"
+    if n_test >= len(pooled):
+        raise DatasetError(
+            f"n_test={n_test} ({why}) but {', '.join(names)} has {len(pooled)} usable problems after "
+            "removing repeated prompts, and the split leaves none for training; lower task.n_test, "
+            "or give task.test"
+        )
+    rest = pooled[n_test:]
+    return [[p for g, p in rest if g == k] for k in range(len(groups))], [p for _, p in pooled[:n_test]]
+
+
+def _quotas(n: int, shares: Sequence[float]) -> list[int]:
+    """``n`` split in proportion to ``shares`` by largest remainder (sums to ``n`` exactly)."""
+    total = sum(shares)
+    exact = [n * s / total for s in shares]
+    q = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (q[i] - exact[i], i))
+    for i in by_remainder[: n - sum(q)]:
+        q[i] += 1
+    return q
+
+
+def _mix(groups: list[list[Problem]], names: Sequence[str], weights: Sequence[float | None],
+         n_train: int | None) -> list[Problem]:
+    """The training list: each dataset's share of ``n_train`` taken from the front of its
+    (shuffled) rows, repeated when the share is larger, then interleaved evenly so that every
+    stretch of the list has the mixture's proportions."""
+    sizes = [len(g) for g in groups]
+    for name, size in zip(names, sizes, strict=True):
+        if size == 0:
+            raise DatasetError(f"dataset {name} has no training problems left (all held out or repeated)")
+    total = sum(sizes)
+    n = n_train if n_train is not None else total
+    if all(w is None for w in weights):
+        if n > total:
+            raise DatasetError(
+                f"n_train={n} but the training data ({', '.join(names)}) has {total} usable problems; "
+                "lower task.n_train, or give the datasets weights to repeat rows"
+            )
+        shares: list[float] = [float(s) for s in sizes]
+    else:
+        shares = [float(w) for w in weights if w is not None]
+    picks: list[tuple[float, int, Problem]] = []
+    for i, (problems, q) in enumerate(zip(groups, _quotas(n, shares), strict=True)):
+        picks.extend(((j + 0.5) / q, i, problems[j % len(problems)]) for j in range(q))
+    picks.sort(key=lambda t: (t[0], t[1]))
+    return [p for _, _, p in picks]
+
+
+def _indexed(problems: Sequence[Problem]) -> list[Problem]:
+    return [dataclasses.replace(p, index=i) for i, p in enumerate(problems)]
+
+
+# --- public ----------------------------------------------------------------------------------
+
+
+def load_task(spec: TaskSpec, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """``(train, test)`` for a job's task section, each indexed 0..n-1, the same for a seed.
+
+    Held-out set: the test datasets concatenated in order, their first ``n_test`` rows (default:
+    all, up to ``DEFAULT_MAX_TEST``); without test datasets, ``n_test`` (default 100) or
+    ``test_fraction`` of the training rows, after dropping repeated prompts, by a seeded shuffle.
+
+    Training list: each training dataset's rows in a seeded shuffled order (generated rows keep
+    their seeded order). Without weights, every dataset contributes all its rows, or with
+    ``n_train`` a share in proportion to its size. With weights, ``n_train`` (default: the
+    total row count) is split in proportion to the weights and a dataset smaller than its share
+    is repeated. The datasets are interleaved evenly; the trainer shuffles per epoch.
+
+    Raises:
+        DatasetError: a file cannot be read, a row lacks a field or has the wrong type (the
+            message names the file, the row and the field), or the sizes do not fit the data.
+        ValueError: from the arithmetic generator, when n_train + n_test exceed its pool.
+    """
+    preset = PRESETS[spec.name]
+    train_tables, test_tables = preset.tables(spec, seed)
+    names = [t.name for t in train_tables]
+    groups = [_problems(t, spec, preset) for t in train_tables]
+    rng = random.Random(seed)
+    if test_tables:
+        for table, problems in zip(train_tables, groups, strict=True):
+            if not table.presampled:
+                rng.shuffle(problems)
+        held = [p for t in test_tables for p in _problems(t, spec, preset)]
+        n_test = spec.n_test if spec.n_test is not None else min(len(held), DEFAULT_MAX_TEST)
+        test_names = ", ".join(t.name for t in test_tables)
+        if n_test > len(held):
+            raise DatasetError(f"n_test={n_test} but the test data ({test_names}) has {len(held)} usable problems")
+        if spec.n_test is None and len(held) > n_test:
+            log.warning("test data %s has %d problems; evaluating the first %d (set task.n_test to choose)",
+                        test_names, len(held), n_test)
+        test = held[:n_test]
+        _warn_overlap(groups, test)
+    else:
+        groups, test = _split(groups, names, spec, rng)
+    train = _mix(groups, names, [t.source.weight if t.source else None for t in train_tables], spec.n_train)
+    return _indexed(train), _indexed(test)
+
+
+def load_source(source: DatasetSource, spec: TaskSpec, seed: int) -> list[Problem]:
+    """Every row of one dataset (e.g. a named evaluation set) as problems, in file order, indexed
+    0..n-1, mapped with the task's fields and preset (and the dataset's own overrides).
+
+    ``seed`` is taken for symmetry with ``load_task``: a file's rows do not depend on it.
+
+    Raises:
+        DatasetError: as ``load_task``.
+    """
+    del seed
+    preset = PRESETS[spec.name]
+    return _indexed(_problems(_open_table(source, spec), spec, preset))
+
+
+def _warn_overlap(groups: list[list[Problem]], test: list[Problem]) -> None:
+    held = {_key(p) for p in test}
+    both = sum(_key(p) in held for g in groups for p in g)
+    if both:
+        log.warning("%d training problems also appear in the test data (same prompt)", both)
+

@@ -1,35 +1,32 @@
-"""Tasks: problems with a canonical final answer, and the answer extractor the reward uses.
+"""Tasks: the problem record, the synthetic arithmetic generator and the answer extractor.
 
 Pure Python on purpose (no torch, vLLM or transformers): the API, the reward service and the
-trainer all import it.
+trainer all import it. The loader that turns a job's ``task`` section into problems is
+``shared.datasets.load_task``; the built-in tasks are presets of it:
 
-Two tasks, chosen by name through ``TASKS``:
-
-- ``arithmetic``: synthetic ``"a+b="`` problems, short and character-level friendly, for the
-  tiny locally built model (``trainer_svc.tiny_model``). The defaults are tuned so that a short
-  supervised warm start leaves the policy weak greedily but often right when sampling, which is
-  the regime where GRPO visibly lifts held-out accuracy within a few hundred steps.
-- ``gsm8k``: grade-school word problems from a GSM8K-format JSONL file.
+- ``arithmetic``: synthetic ``"a+b="`` problems from ``synthetic_arithmetic``, short and
+  character-level friendly, for the tiny locally built model (``trainer_svc.tiny_model``). The
+  defaults are tuned so that a short supervised warm start leaves the policy weak greedily but
+  often right when sampling, which is the regime where GRPO visibly lifts held-out accuracy
+  within a few hundred steps.
+- ``gsm8k``: grade-school word problems from a GSM8K-format file; ``gsm8k_final_answer`` turns
+  its ``answer`` column into the reference answer.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ARITHMETIC_MAX_OPERAND",
     "ARITHMETIC_OPS",
-    "TASKS",
     "Problem",
     "extract_answer",
-    "load_gsm8k_jsonl",
-    "load_task",
+    "gsm8k_final_answer",
     "synthetic_arithmetic",
 ]
 
@@ -40,15 +37,26 @@ class Problem:
 
     Attributes:
         index: position of the problem in the list it was returned in (for a loaded file before
-            splitting: its position among the file's problems). Stable for a given seed.
-        prompt: the text the policy is conditioned on, e.g. ``"17+25="``.
+            splitting: its row among the file's rows). Stable for a given seed.
+        prompt: the user text the policy is conditioned on, e.g. ``"17+25="``, after the job's
+            ``prompt_template``; for a model without a chat template exactly what it sees.
         answer: the canonical final answer, e.g. ``"42"``; compared with ``extract_answer`` of a
-            completion for an exact-match reward.
+            completion for an exact-match reward. ``""`` when the job has no reference answer.
+        metadata: the row's other columns, JSON-like (str, int, float, bool, None, lists and
+            dicts of those): test cases, ids, difficulty. The reward receives it. Read-only by
+            convention (a plain dict so that it serialises).
+        messages: the chat conversation (``{"role", "content"}`` dicts) when the job gives a
+            system prompt or reads a messages column: the system turn first, the user turn last.
+            None for plain-text problems.
+        source: the name of the dataset the problem came from (mixing, logs).
     """
 
     index: int
     prompt: str
     answer: str
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    messages: tuple[dict[str, str], ...] | None = field(default=None, hash=False)
+    source: str = ""
 
 
 # --- arithmetic -----------------------------------------------------------------------------
@@ -131,114 +139,19 @@ def _normalize_number(s: str) -> str:
     return s or "0"
 
 
-def load_gsm8k_jsonl(path: str | Path) -> list[Problem]:
-    """Read a GSM8K-format JSONL file.
-
-    Each non-blank line is ``{"question": str, "answer": str}`` where the answer ends with
-    ``#### <final answer>``. ``Problem.answer`` is the text after the last ``####``, stripped,
-    with thousands separators removed; ``Problem.prompt`` is the question, stripped.
+def gsm8k_final_answer(answer: str) -> str:
+    """The final answer of a GSM8K ``answer`` text: after the last ``####``, stripped, without
+    thousands separators (``"... #### 1,234 "`` -> ``"1234"``).
 
     Raises:
-        ValueError: naming the file and 1-based line number of the first malformed line.
+        ValueError: the text has no ``####`` or nothing after the last one.
     """
-    path = Path(path)
-    problems: list[Problem] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            question, answer = record.get("question"), record.get("answer")
-            if not isinstance(question, str) or not question.strip():
-                raise ValueError(f"{where}: missing or empty string field 'question'")
-            if not isinstance(answer, str) or "####" not in answer:
-                raise ValueError(f"{where}: field 'answer' must be a string containing '####'")
-            final = answer.rsplit("####", 1)[1].strip().replace(",", "")
-            if not final:
-                raise ValueError(f"{where}: nothing after the last '####' in 'answer'")
-            problems.append(Problem(index=len(problems), prompt=question.strip(), answer=final))
-    return problems
-
-
-def _take(problems: list[Problem], n: int, what: str, source: str) -> list[Problem]:
-    if n < 0 or n > len(problems):
-        raise ValueError(f"{what}={n} but {source} has {len(problems)} usable problems")
-    return [dataclasses.replace(p, index=i) for i, p in enumerate(problems[:n])]
-
-
-def _gsm8k(
-    *, seed: int, n_train: int, n_test: int, path: str | None, test_path: str | None
-) -> tuple[list[Problem], list[Problem]]:
-    if path is None:
-        raise ValueError("task 'gsm8k' needs path= (a GSM8K-format JSONL file)")
-    rng = random.Random(seed)
-    if test_path is None:
-        # One file: drop repeated questions first so the two splits cannot share a problem.
-        unique = list({p.prompt: p for p in load_gsm8k_jsonl(path)}.values())
-        rng.shuffle(unique)
-        src = f"{path} (after removing repeated questions)"
-        test = _take(unique, n_test, "n_test", src)
-        train = _take(unique[n_test:], n_train, "n_train", f"{src} minus the held-out split")
-        return train, test
-    train_all = load_gsm8k_jsonl(path)
-    rng.shuffle(train_all)
-    return (
-        _take(train_all, n_train, "n_train", path),
-        _take(load_gsm8k_jsonl(test_path), n_test, "n_test", test_path),
-    )
-
-
-def _arithmetic(
-    *, seed: int, n_train: int, n_test: int, path: str | None, test_path: str | None
-) -> tuple[list[Problem], list[Problem]]:
-    if path is not None or test_path is not None:
-        raise ValueError("task 'arithmetic' is generated from the seed; do not pass path/test_path")
-    return synthetic_arithmetic(seed, n_train, n_test)
-
-
-TaskLoader = Callable[..., tuple[list[Problem], list[Problem]]]
-
-TASKS: dict[str, TaskLoader] = {
-    "arithmetic": _arithmetic,
-    "gsm8k": _gsm8k,
-}
-
-
-def load_task(
-    name: str,
-    *,
-    seed: int,
-    n_train: int,
-    n_test: int,
-    path: str | None = None,
-    test_path: str | None = None,
-) -> tuple[list[Problem], list[Problem]]:
-    """Load ``(train, test)`` for the task called ``name``.
-
-    Args:
-        name: a key of ``TASKS``.
-        seed: fixes the draw (arithmetic) or the shuffle and split (gsm8k).
-        n_train, n_test: split sizes.
-        path: gsm8k only: the JSONL file. Without ``test_path`` both splits come from it,
-            disjoint, split by ``seed``.
-        test_path: gsm8k only: a separate held-out JSONL file (its first ``n_test`` problems).
-
-    Raises:
-        ValueError: for an unknown name (listing the valid ones) or arguments the task rejects.
-    """
-    try:
-        loader = TASKS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}"
-        ) from None
-    return loader(seed=seed, n_train=n_train, n_test=n_test, path=path, test_path=test_path)
+    if "####" not in answer:
+        raise ValueError("must be a string containing '####' before the final answer")
+    final = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    if not final:
+        raise ValueError("has nothing after the last '####'")
+    return final
 
 
 # --- answer extraction ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""shared.tasks: arithmetic generation, GSM8K parsing, task registry, answer extraction."""
+"""shared.tasks: arithmetic generation, the GSM8K preset of shared.datasets, answer extraction."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from shared.tasks import (
-    TASKS,
-    Problem,
-    extract_answer,
-    load_gsm8k_jsonl,
-    load_task,
-    synthetic_arithmetic,
-)
+from shared.datasets import TASKS, DatasetSource, TaskSpec, load_source, load_task
+from shared.tasks import Problem, extract_answer, gsm8k_final_answer, synthetic_arithmetic
 
 # --- arithmetic -----------------------------------------------------------------------------
 
@@ -87,6 +82,11 @@ def _gsm8k_rows(n: int) -> list[dict[str, str]]:
     ]
 
 
+def load_gsm8k_file(path: Path) -> list[Problem]:
+    """Every row of a GSM8K-format file through the gsm8k preset, in file order."""
+    return load_source(DatasetSource(path=str(path)), TaskSpec(name="gsm8k", path=str(path)), seed=0)
+
+
 def test_gsm8k_parses_final_answer(tmp_path: Path) -> None:
     path = _write_jsonl(
         tmp_path / "g.jsonl",
@@ -97,11 +97,17 @@ def test_gsm8k_parses_final_answer(tmp_path: Path) -> None:
             {"question": "Q3?", "answer": "so\n#### -5"},
         ],
     )
-    assert load_gsm8k_jsonl(path) == [
-        Problem(index=0, prompt="Q1?", answer="72"),
-        Problem(index=1, prompt="Q2?", answer="1234"),
-        Problem(index=2, prompt="Q3?", answer="-5"),
+    assert load_gsm8k_file(path) == [
+        Problem(index=0, prompt="Q1?", answer="72", source=str(path)),
+        Problem(index=1, prompt="Q2?", answer="1234", source=str(path)),
+        Problem(index=2, prompt="Q3?", answer="-5", source=str(path)),
     ]
+
+
+def test_gsm8k_final_answer() -> None:
+    assert gsm8k_final_answer("so\n#### 1,234 ") == "1234"
+    with pytest.raises(ValueError, match="'####'"):
+        gsm8k_final_answer("72")
 
 
 @pytest.mark.parametrize(
@@ -117,45 +123,52 @@ def test_gsm8k_parses_final_answer(tmp_path: Path) -> None:
 def test_gsm8k_malformed_line_names_line_number(tmp_path: Path, bad: str, match: str) -> None:
     path = _write_jsonl(tmp_path / "g.jsonl", [*_gsm8k_rows(2), bad])
     with pytest.raises(ValueError, match=match) as e:
-        load_gsm8k_jsonl(path)
-    assert f"{path}:3:" in str(e.value)
+        load_gsm8k_file(path)
+    assert f"{path} line 3:" in str(e.value)
 
 
 def test_gsm8k_split_from_one_file(tmp_path: Path) -> None:
     rows = _gsm8k_rows(20)
     path = _write_jsonl(tmp_path / "g.jsonl", [*rows, rows[0]])  # a repeated question
-    train, test = load_task("gsm8k", seed=1, n_train=15, n_test=5, path=str(path))
+
+    def gsm8k(seed: int, n_train: int) -> tuple[list[Problem], list[Problem]]:
+        return load_task(TaskSpec(name="gsm8k", n_train=n_train, n_test=5, path=str(path)), seed)
+
+    train, test = gsm8k(1, 15)
     assert (len(train), len(test)) == (15, 5)
     assert not {p.prompt for p in train} & {p.prompt for p in test}
     assert [p.index for p in test] == list(range(5))
-    assert (train, test) == load_task("gsm8k", seed=1, n_train=15, n_test=5, path=str(path))
-    assert (train, test) != load_task("gsm8k", seed=2, n_train=15, n_test=5, path=str(path))
+    assert (train, test) == gsm8k(1, 15)
+    assert (train, test) != gsm8k(2, 15)
     with pytest.raises(ValueError, match="n_train=16"):
-        load_task("gsm8k", seed=1, n_train=16, n_test=5, path=str(path))
+        gsm8k(1, 16)
 
 
 def test_gsm8k_separate_test_file(tmp_path: Path) -> None:
     train_path = _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(10))
     test_path = _write_jsonl(tmp_path / "test.jsonl", _gsm8k_rows(4))
-    train, test = load_task(
-        "gsm8k", seed=0, n_train=10, n_test=3, path=str(train_path), test_path=str(test_path)
-    )
+    spec = TaskSpec(name="gsm8k", n_train=10, n_test=3, path=str(train_path), test_path=str(test_path))
+    train, test = load_task(spec, seed=0)
     assert sorted(p.answer for p in train) == sorted(str(i) for i in range(10))
     assert [p.answer for p in test] == ["0", "1", "2"]
 
 
 def test_load_task_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="valid tasks: arithmetic, gsm8k"):
-        load_task("gsm9k", seed=0, n_train=1, n_test=1)
-    with pytest.raises(ValueError, match="needs path"):
-        load_task("gsm8k", seed=0, n_train=1, n_test=1)
-    with pytest.raises(ValueError, match="do not pass path"):
-        load_task("arithmetic", seed=0, n_train=1, n_test=1, path="x.jsonl")
-    assert set(TASKS) == {"arithmetic", "gsm8k"}
+    with pytest.raises(ValidationError, match="'arithmetic', 'gsm8k' or 'dataset'"):
+        TaskSpec(name="gsm9k")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="task.path is required"):
+        TaskSpec(name="gsm8k")
+    with pytest.raises(ValidationError, match="generated from the seed: remove task.path"):
+        TaskSpec(name="arithmetic", path="x.jsonl")
+    assert set(TASKS) == {"arithmetic", "gsm8k", "dataset"}
 
 
 def test_load_task_arithmetic_matches_generator() -> None:
-    assert load_task("arithmetic", seed=5, n_train=10, n_test=4) == synthetic_arithmetic(5, 10, 4)
+    train, test = load_task(TaskSpec(name="arithmetic", n_train=10, n_test=4), seed=5)
+    old_train, old_test = synthetic_arithmetic(5, 10, 4)
+    assert [(p.index, p.prompt, p.answer) for p in train] == [(p.index, p.prompt, p.answer) for p in old_train]
+    assert [(p.index, p.prompt, p.answer) for p in test] == [(p.index, p.prompt, p.answer) for p in old_test]
+    assert all(p.source == "arithmetic" and p.metadata == {} and p.messages is None for p in train + test)
 
 
 # --- extract_answer -------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from shared.tasks import Problem, extract_answer, load_task
+from shared.datasets import TaskSpec, load_task
+from shared.tasks import Problem, extract_answer
 from trainer_svc.logprobs import pad_batch, token_logprobs
 
 # Tuned together with shared.tasks' arithmetic defaults (a+b with a, b <= 19) and the default
@@ -139,7 +140,7 @@ def warm_start(
     Args:
         model_dir: HF directory (e.g. from ``trainer_svc.tiny_model``).
         out_dir: created if missing.
-        task, n_train, n_test, path, test_path: passed to ``shared.tasks.load_task``.
+        task, n_train, n_test, path, test_path: the task section (``shared.datasets.TaskSpec``).
         steps: optimizer steps (AdamW, no weight decay, cosine decay from ``lr`` to 0).
         lr: peak learning rate.
         batch_size: problems per step, drawn without replacement within a step.
@@ -160,7 +161,7 @@ def warm_start(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train, test = load_task(
-        task, seed=seed, n_train=n_train, n_test=n_test, path=path, test_path=test_path
+        TaskSpec(name=task, n_train=n_train, n_test=n_test, path=path, test_path=test_path), seed
     )
     prompts = encode_prompts(tokenizer, train)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -127,6 +127,10 @@ def test_unknown_field_is_named(spec: dict, field: str) -> None:
         ("task.name", "mmlu"),
         ("task.n_train", 0),
         ("task.n_test", 0),
+        ("task.test_fraction", 1.0),
+        ("task.max_bytes", 0),
+        ("task.max_rows", 0),
+        ("task.answer_field", ""),
     ],
 )
 def test_out_of_range_value_names_the_field(field: str, value: Any) -> None:
