@@ -195,7 +195,7 @@ def bench_parity(workdir: str = "runs/parity", steps: int = 40, seeds: tuple[int
                     "eval_every": 5, "algorithm": {"lr": 1e-4}, "sampling": {"max_tokens": 8}, **PARITY_MODES[mode]}
             run = run_job(wd / f"seed{seed}", spec, progress=False)
             ledger = Ledger(run.db_url)
-            evals = ledger.evals(run.job_id, source="pipeline")
+            evals = [e for e in ledger.evals(run.job_id, source="pipeline") if e["name"] == "held_out"]
             steps_rows = ledger.train_steps(run.job_id)
             if run.state != "finished" or not steps_rows:
                 raise RuntimeError(f"parity run {mode} seed {seed} ended {run.state}: {run.error}")

@@ -206,7 +206,7 @@ def _ours_ttr(wd: Path, model: Path, mode: str, seed: int, p: Preset, target: fl
     steps = ledger.train_steps(job_id)
     end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
     curve = [{"step": e["step"], "reward": e["reward_mean"],
-              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)} for e in ledger.evals(job_id, source="pipeline")]
+              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)} for e in ledger.evals(job_id, source="pipeline") if e["name"] == "held_out"]
     steady = steps[2:] or steps
     breakdown = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in
                  ("wait_s", "train_s", "publish_s", "ledger_s")}

@@ -176,6 +176,7 @@ def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[st
         while True:
             metrics = job.get("last_metrics") or {}
             evals = [e for e in job.get("evals") or [] if e.get("source") == "pipeline"]
+            evals = [e for e in evals if e.get("name", "held_out") == evals[0].get("name", "held_out")]  # first set
             progress.update(
                 task,
                 description=escape(f"{job['name']} {job_id}"),

@@ -196,7 +196,11 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
         "wall_s": wall_s,
         "steps": len(steps),
         "reward_per_step": [round(s["metrics"]["reward/mean"], 3) for s in steps],
-        "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals],
+        # the first evaluation set's curve (the task's held-out split unless eval_sets say otherwise)
+        "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals if e["name"] == evals[0]["name"]],
+        "eval_sets": {name: [{"step": e["step"], "reward": round(e["reward_mean"], 3), "wall_s": e["wall_s"],
+                              **(e["metrics"] or {})} for e in evals if e["name"] == name]
+                      for name in dict.fromkeys(e["name"] for e in evals)},
         "staleness_histogram": hist,
         "sample_status": counts,
         "samples_per_s": sum(s["metrics"]["samples"] for s in steady) / step_s if step_s else 0.0,

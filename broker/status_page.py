@@ -62,6 +62,9 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
             "policy_version_min": e["policy_version_min"],
             "policy_version_max": e["policy_version_max"],
             "source": e["source"],  # pipeline (the trainer's rounds) or checkpoint (admin worker)
+            "name": e["name"],  # the evaluation set
+            "wall_s": _number(e["wall_s"]) if e["wall_s"] is not None else None,
+            "metrics": e["metrics"],
         }
         for e in ledger.evals(job_id)
     ]

@@ -150,11 +150,16 @@
   function renderCharts() {
     if (!last) return;
     const { steps, evals } = last.data;
-    const held = (source) => evals.filter((e) => e.source === source).map((e) => [e.step, e.reward_mean]);
+    const held = (source, name) => evals.filter((e) => e.source === source && (name === undefined || e.name === name))
+      .map((e) => [e.step, e.reward_mean]);
     const series = [
       { name: "train reward/mean", color: COLORS.train, points: column(steps, "reward/mean") },
-      { name: "held-out", color: COLORS.eval, points: held("pipeline"), dots: true },
     ];
+    const sets = [...new Set(evals.filter((e) => e.source === "pipeline").map((e) => e.name))];
+    sets.forEach((name, i) => series.push({
+      name: name === "held_out" ? "held-out" : `eval ${name}`, color: i ? COLORS.rate : COLORS.eval,
+      points: held("pipeline", name), dots: true,
+    }));
     const offline = held("checkpoint");
     if (offline.length) series.push({ name: "checkpoint eval", color: COLORS.max, points: offline, dots: true });
     drawChart($("chart-reward"), series);
