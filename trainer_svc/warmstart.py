@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.datasets import TaskSpec, load_task
+from shared.prompts import renderer
 from shared.tasks import Problem, extract_answer
 from trainer_svc.logprobs import pad_batch, token_logprobs
 
@@ -51,8 +52,10 @@ _INT = re.compile(r"-?\d+")
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> list[list[int]]:
-    """Prompt token ids, BOS first (the tokenizer adds it)."""
-    return [tokenizer.encode(p.prompt) for p in problems]
+    """Prompt token ids as a job renders them (shared.prompts: the chat template when the tokenizer
+    has one, else the text with BOS first), so the warm start teaches the prompts RL will feed."""
+    render = renderer(tokenizer)
+    return [render(p).ids for p in problems]
 
 
 def encode_answers(tokenizer: PreTrainedTokenizerBase, answers: list[str]) -> list[list[int]]:
