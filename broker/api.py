@@ -363,6 +363,9 @@ def create_app(
             "state": job["state"],
             "step": job["step"],
             "error": job["error"],
+            "created_at": job["created_at"],
+            # when a trainer first started it: each eval's wall_s counts from here
+            "started_at": job["started_at"],
             "spec": job["spec"],
             "last_metrics": steps[-1]["metrics"] if steps else None,
             "evals": ledger.evals(job_id),

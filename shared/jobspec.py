@@ -6,7 +6,7 @@ a 422 naming the field rather than a silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -118,12 +118,25 @@ class GuardSpec(_Strict):
     run never trips: a seat belt, not a tuning knob."""
 
     enabled: bool = Field(True, description="Check every update before it is published; false turns the guard off.")
-    max_is: float = Field(100.0, gt=1.0, description="Trip when the largest per-token importance weight pi/mu exceeds this.")
-    min_ess: float = Field(0.05, ge=0.0, le=1.0, description="Trip when the normalised ESS of the importance weights falls below this.")
+    max_is: float = Field(
+        100.0, gt=1.0, description="Trip when the largest importance weight the loss applies (after AIPO's truncation or "
+                                   "a clip; the raw pi/mu for reinforce, which applies none) exceeds this.")
+    min_ess: float = Field(
+        0.05, ge=0.0, le=1.0, description="Trip when the normalised ESS of the importance weights the loss applies (raw "
+                                          "for reinforce) falls below this: a few tokens carry the whole update.")
     reward_window: int = Field(5, ge=1, le=10_000, description="Steps in the rolling reward mean.")
     reward_drop: float = Field(
         0.5, gt=0.0, le=1.0, description="Trip when the window mean falls below (1 - this) x the best window mean...")
     min_best_reward: float = Field(0.2, description="...once the best window mean reached this (there was a signal to lose).")
+    reward_false_alarm: float = Field(
+        0.001, gt=0.0, lt=0.5, description="...and by more than the reward noise explains: the chance that a healthy run "
+                                           "at a steady, noisy reward trips anyway (sets the noise margin, guard.py "
+                                           "reward_margin; smaller: a wider margin).")
+    on_no_checkpoint: Literal["lower_lr", "initial", "fail"] = Field(
+        "lower_lr", description="A trip with no checkpoint to roll back to (checkpoint_every 0, or none from before the "
+                                "collapse): lower_lr keeps the current policy and lowers the lr (a non-finite update "
+                                "fails the job: its weights are unusable); initial restarts from the initial model; "
+                                "fail fails the job. Every trip is recorded and shown either way.")
     lr_factor: float = Field(0.5, gt=0.0, lt=1.0, description="The lr after a trip, relative to before.")
     max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
 
@@ -153,6 +166,13 @@ class EvalSetSpec(_Strict):
         default_factory=list, max_length=16,
         description="k values of pass@k (each <= sampling.n); unset: 1 and n. Reported when n > 1.")
     pass_threshold: float = Field(1.0, description="A sample passes (pass@k, maj@n) when its reward reaches this.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_reward_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "reward" in data and data["reward"] is None:  # a stored spec's null
+            data = {k: v for k, v in data.items() if k != "reward"}
+        return data
 
     @model_validator(mode="after")
     def _ks(self) -> EvalSetSpec:
