@@ -18,12 +18,13 @@ import logging
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 from shared.datasets import load_task
 from shared.jobspec import JobSpec
 from shared.logs import setup_logging
-from shared.rewards import get_reward_fn
+from shared.rewards import RewardInput, build_scorer
 from shared.schema import SamplingParams
 
 log = logging.getLogger("evaluate")
@@ -35,8 +36,9 @@ EXAMPLES = 8
 def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype: str = "float32") -> dict:
     """Greedy held-out reward of the HF-format model in `checkpoint`.
 
-    Returns {"reward_mean", "n", "correct", "tokens", "seconds", "examples": [...]}. The engine's
-    context is `max_model_len`, or the model's max_position_embeddings where that is shorter.
+    Returns {"reward_mean", "n", "correct", "tokens", "reward_status" (counts by status), "seconds",
+    "examples": [...]}. The engine's context is `max_model_len`, or the model's
+    max_position_embeddings where that is shorter.
 
     Raises:
         FileNotFoundError: `checkpoint` has no config.json (not an HF-format model directory).
@@ -45,7 +47,9 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
     if not (checkpoint / "config.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not an HF-format model directory (no config.json)")
     _, test = load_task(spec.task, spec.seed)
-    reward_fn = get_reward_fn(spec.reward)
+    # Plug-ins are imported here: one that does not import fails before the engine starts. Sync
+    # functions run in threads (a hung one is abandoned at its budget and dies with this process).
+    scorer = build_scorer(spec.reward)
     # The model's own context bounds the engine's (vLLM refuses a longer one).
     own = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings")
     if isinstance(own, int) and own > 0:
@@ -62,19 +66,28 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
         gen_s = time.perf_counter() - t1
     finally:
         engine.close()
-    rewards, examples, tokens = [], [], 0
-    for problem, (sample,) in zip(test, outs, strict=True):
-        r = float(reward_fn(sample.text, problem.answer))
+    with scorer:
+        results = scorer.score_sync([
+            RewardInput(prompt=problem.prompt, completion=sample.text, answer=problem.answer,
+                        metadata=problem.metadata, finish_reason=sample.finish_reason)
+            for problem, (sample,) in zip(test, outs, strict=True)
+        ])
+    rewards, examples, tokens, statuses = [], [], 0, Counter(res.status for res in results)
+    for problem, (sample,), res in zip(test, outs, results, strict=True):
+        # A failed reward counts as 0.0 here under either on_failure: offline there is no group to drop.
+        r = float(scorer.reward_for(res) or 0.0)
         rewards.append(r)
         tokens += len(sample.completion_ids)
         if len(examples) < EXAMPLES:
             examples.append({"prompt_index": problem.index, "prompt": problem.prompt, "answer": problem.answer,
-                             "completion": sample.text, "reward": r})
+                             "completion": sample.text, "reward": r, "reward_status": res.status,
+                             "reward_reason": res.reason})
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "n": len(rewards),
         "correct": sum(r > 0 for r in rewards),
         "tokens": tokens,
+        "reward_status": dict(statuses),
         "seconds": {"load": round(load_s, 3), "generate": round(gen_s, 3)},
         "examples": examples,
     }

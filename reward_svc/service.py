@@ -1,13 +1,18 @@
 """Reward service: rollouts -> scored completions.
 
 Loop: read rollouts (consumer group `rewarders`) -> ledger rows of the batch (inserted if the
-generator died before writing them; keyed by msg_id) -> score each with the job's reward function
--> ledger (status `scored`) -> publish to `{job}:scored` -> ack. A restarted service of the same
-REWARD_CONSUMER_ID first scores what its predecessor left pending; SIGTERM finishes the batch.
-A rollout with no completion tokens, or whose reward is not a finite number, goes to the
-dead-letter stream with the reason; every dead letter is counted by reason in the metrics. A reward
-function that raises is the per-message boundary: logged, left unacked, so redelivery (and after
-`max_deliveries`, the dead-letter stream) decides; the service keeps scoring the rest.
+generator died before writing them; keyed by msg_id) -> score the batch with the job's reward
+(shared.rewards: every sample concurrently, each within its time budget) -> ledger (status
+`scored`, with the reward status and its components or reason) -> publish to `{job}:scored` ->
+ack. A restarted service of the same REWARD_CONSUMER_ID first scores what its predecessor left
+pending; SIGTERM finishes the batch.
+
+A sample whose reward timed out or failed (raised, bad return value, endpoint down) follows the
+reward's `on_failure`: "zero" publishes reward 0.0 with reward_status and reward_reason, "drop"
+dead-letters it (code reward_timeout / reward_error), which makes the trainer drop its group. A
+rollout with no completion tokens, or whose reward is not a finite number, goes to the dead-letter
+stream with the reason; every dead letter is counted by reason in the metrics. A plug-in that does
+not import fails the service at start-up (shared.entry marks it in the logs and exits non-zero).
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 
-from broker.runtime import ControlWatcher, open_job, sample_row
+from broker.runtime import ControlWatcher, JobContext, open_job, sample_row
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
 from shared.metrics import RewardMetrics, serve_metrics
-from shared.rewards import get_reward_fn
+from shared.rewards import RewardInput, RewardScorer, build_scorer
 from shared.schema import Rollout, Scored
 from shared.settings import RewardSettings
 
@@ -28,14 +34,22 @@ log = logging.getLogger(__name__)
 
 def run(settings: RewardSettings) -> None:
     ctx = open_job(settings)
-    streams, ledger = ctx.streams, ctx.ledger
     metrics = RewardMetrics(serve_metrics(settings.metrics_port, "reward"), ctx.job_id)
-    reward_fn = get_reward_fn(ctx.spec.reward)
+    scorer = build_scorer(ctx.spec.reward, workers=settings.workers)
+    try:
+        _serve(settings, ctx, scorer, metrics)
+    finally:
+        scorer.close()
+
+
+def _serve(settings: RewardSettings, ctx: JobContext, scorer: RewardScorer, metrics: RewardMetrics) -> None:
+    streams, ledger = ctx.streams, ctx.ledger
     streams.on_dead_letter = metrics.dead_letter  # malformed, oversized, too often delivered
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     cid = settings.consumer_id
-    log.info("reward %s ready (%s)", cid, ctx.spec.reward)
+    log.info("reward %s ready (%s, on_failure %s, %d workers)", cid, scorer.description, scorer.on_failure,
+             settings.workers)
     resuming = True  # first the entries a predecessor of this name left pending
     while True:
         control.poll()
@@ -58,31 +72,47 @@ def run(settings: RewardSettings) -> None:
         # Before any dead letter: the trainer settles a group once a member is dead-lettered, and
         # its rows must exist by then (a generator killed after publishing never wrote them).
         ledger.record_generated([sample_row(d.message) for d in deliveries])  # type: ignore[arg-type]
-        scored, ok_ids = [], []
+        todo = []
         for d in deliveries:
-            r: Rollout = d.message  # type: ignore[assignment]
-            if not r.completion_ids:
+            if not d.message.completion_ids:
                 # No token to carry a gradient, and a zero-length sequence divides by zero in the
                 # per-sequence loss aggregations.
                 streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
                                     "empty completion: the rollout has no completion tokens", code="empty_completion")
-                continue
-            try:
-                reward = float(reward_fn(r.completion, r.answer))
-            except Exception:  # the per-message boundary (STYLE 8): redelivery or the dead stream decides
-                log.exception("reward %s failed on %s (delivery %d); left pending", ctx.spec.reward, r.msg_id,
-                              d.deliveries)
+            else:
+                todo.append(d)
+        # score: the whole batch at once; a slow or hung sample costs its own budget, not the others'
+        results = scorer.score_sync([
+            RewardInput(prompt=r.prompt, completion=r.completion, answer=r.answer, metadata=r.metadata,
+                        finish_reason=r.finish_reason)
+            for r in (d.message for d in todo)
+        ])
+        scored, rows, ok_ids = [], [], []
+        for d, res in zip(todo, results, strict=True):
+            r: Rollout = d.message  # type: ignore[assignment]
+            reward = scorer.reward_for(res)
+            if reward is None:  # on_failure "drop": the trainer drops the group
+                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {res.status}: {res.reason}",
+                                    code=f"reward_{res.status}")
                 continue
             if not math.isfinite(reward):
                 streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {reward} is not finite",
                                     code="non_finite_reward")
                 continue
+            if not res.ok:
+                log.warning("reward %s on %s: %s (reward %s under on_failure %s)", res.status, r.msg_id, res.reason,
+                            reward, scorer.on_failure)
+            details = dict(res.components)
             scored.append(Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id,
-                                 policy_version=r.policy_version, rollout=r, reward=reward))
+                                 policy_version=r.policy_version, rollout=r, reward=reward, details=details,
+                                 reward_status=res.status, reward_reason=res.reason))
+            rows.append((r.msg_id, reward, res.status, {"components": details, "reason": res.reason}))
             ok_ids.append(d.entry_id)
-        ledger.record_scored([(s.msg_id, s.reward) for s in scored])
+        # ledger + publish + ack
+        ledger.record_scored(rows)
         streams.publish_many(SCORED, scored)
         streams.ack(ROLLOUTS, GROUP_REWARDERS, ok_ids)
         metrics.scored([s.reward for s in scored])
+        metrics.statuses(Counter(res.status for res in results))
         log.debug("scored %d in %.3fs", len(scored), time.perf_counter() - t0)
     log.info("reward %s stopping (%s)", cid, control.state)

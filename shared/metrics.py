@@ -132,12 +132,22 @@ class RewardMetrics:
             "asyncrl_reward_mean", "reward/mean of the last scored batch.", ["job_id"], registry=r
         ).labels(job_id)
         self._dead = _dead_letters(r, "reward")
+        self._status = Counter(
+            "asyncrl_reward_status", "Rollouts by reward status (ok, timeout, error), dropped ones included.",
+            ["job_id", "status"], registry=r,
+        )
 
     def scored(self, rewards: list[float]) -> None:
         """One batch's finite rewards; an empty batch leaves the mean as it was."""
         self._scored.inc(len(rewards))
         if rewards:
             self._mean.set(sum(rewards) / len(rewards))
+
+    def statuses(self, counts: Mapping[str, int]) -> None:
+        """One batch's reward outcomes by status ("ok", "timeout", "error")."""
+        for status, n in counts.items():
+            if n:
+                self._status.labels(self._job_id, status).inc(n)
 
     def dead_letter(self, stream: str, reason: str) -> None:
         """One entry of `stream` dead-lettered for `reason` (a code, e.g. non_finite_reward)."""

@@ -78,7 +78,12 @@ class RewardSettings(CommonSettings):
 
     consumer_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
     batch: int = Field(256, ge=1, description="Rollouts read per XREADGROUP.")
-    workers: int = Field(0, ge=0, description="Scoring process pool size; 0 scores in-process.")
+    workers: int = Field(
+        2, ge=0, le=256,
+        description="Worker processes for sync Python rewards and the built-ins (shared.rewards.pool): a call over "
+        "its time budget is killed with its worker, which is replaced. 0 runs them in threads of the service "
+        "instead, where a hung call can only be abandoned, still running.",
+    )
     metrics_port: int = Field(0, ge=0)
 
 

@@ -1,75 +1,47 @@
-"""Reward functions, selected by name from the job spec. Pure: (completion text, reference answer) -> float.
+"""Rewards: the built-ins by name, user plug-ins by import path, weighted sums, remote scorers, LLM
+judges and learned reward models, all behind one scorer.
 
-In `shared` (no torch, vLLM or Redis) because the reward service scores with them and so does the
-broker's offline checkpoint evaluation.
+    scorer = build_scorer(job.reward, workers=settings.workers)   # imports plug-ins: fails fast
+    results = scorer.score_sync([RewardInput(prompt, completion, answer, metadata, finish_reason)])
+    reward = scorer.reward_for(results[0])   # None: the policy (on_failure "drop") drops it
+
+The spec's shapes are in shared.rewards.spec, the user-function convention in shared.rewards.python,
+the worker processes and time budgets in shared.rewards.pool. In `shared` (no torch, vLLM or Redis:
+the model kind imports torch when built) because the reward service scores with it and so does the
+offline checkpoint evaluation.
 """
 
-from __future__ import annotations
+from shared.rewards.base import RewardInput, RewardResult, Status
+from shared.rewards.builtin import (
+    REWARD_FUNCTIONS,
+    RewardFn,
+    exact_match,
+    extract_program,
+    get_reward_fn,
+    math_verify,
+    python_exec,
+)
+from shared.rewards.python import RewardLoadError
+from shared.rewards.registry import KINDS, RewardScorer, build_scorer
+from shared.rewards.remote import JUDGE_RULES
+from shared.rewards.spec import REWARDS, RewardSpec
 
-import re
-from collections.abc import Callable
-
-from shared.sandbox import run_python
-from shared.tasks import extract_answer
-
-RewardFn = Callable[[str, str], float]
-
-
-def _norm_number(s: str) -> str:
-    s = s.strip().replace(",", "")
-    try:
-        f = float(s)
-    except ValueError:
-        return s
-    return str(int(f)) if f.is_integer() else repr(f)
-
-
-def exact_match(completion: str, answer: str) -> float:
-    """1.0 if the last number in the completion equals the reference number, else 0.0."""
-    got = extract_answer(completion)
-    return 1.0 if got is not None and _norm_number(got) == _norm_number(answer) else 0.0
-
-
-def math_verify(completion: str, answer: str) -> float:
-    """Mathematical equivalence via the `math-verify` library (fractions, LaTeX, sets, ...)."""
-    from math_verify import parse, verify
-
-    gold = parse(answer)
-    pred = parse(completion)
-    if not gold or not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred) else 0.0
-
-
-_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-
-
-def extract_program(completion: str) -> str:
-    """The last fenced code block (```python, ```py or a bare ```) of a completion, else all of it."""
-    blocks = _CODE_BLOCK.findall(completion)
-    return blocks[-1] if blocks else completion
-
-
-def python_exec(completion: str, answer: str) -> float:
-    """1.0 if the completion's program, run in the sandbox (shared.sandbox: no network, CPU, memory,
-    process, file and wall-clock limits), exits normally and the last non-empty line of its stdout
-    equals the reference answer (numbers compared as in exact_match), else 0.0."""
-    res = run_python(extract_program(completion))
-    if not res.ok:
-        return 0.0
-    lines = [line.strip() for line in res.stdout.splitlines() if line.strip()]
-    return 1.0 if lines and _norm_number(lines[-1]) == _norm_number(answer) else 0.0
-
-
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "math_verify": math_verify,
-    "python_exec": python_exec,
-}
-
-
-def get_reward_fn(name: str) -> RewardFn:
-    try:
-        return REWARD_FUNCTIONS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward function '{name}'; valid: {sorted(REWARD_FUNCTIONS)}") from None
+__all__ = [
+    "JUDGE_RULES",
+    "KINDS",
+    "REWARDS",
+    "REWARD_FUNCTIONS",
+    "RewardFn",
+    "RewardInput",
+    "RewardLoadError",
+    "RewardResult",
+    "RewardScorer",
+    "RewardSpec",
+    "Status",
+    "build_scorer",
+    "exact_match",
+    "extract_program",
+    "get_reward_fn",
+    "math_verify",
+    "python_exec",
+]

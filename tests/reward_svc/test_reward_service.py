@@ -1,21 +1,27 @@
-"""The reward service against real Redis and a SQLite ledger, scoring hostile programs with the
-sandboxed `python_exec` reward: it scores what can be scored, dead-letters what cannot (with the
-reason and a per-reason metric), and keeps running until the job drains."""
+"""The reward service against real Redis and a SQLite ledger: scoring hostile programs with the
+sandboxed `python_exec` reward, it scores what can be scored, dead-letters what cannot (with the
+reason and a per-reason metric), and keeps running until the job drains; with a user plug-in that
+hangs or raises on some rollouts, the others are scored anyway and the failures follow the
+reward's on_failure (reward 0.0 with the status in the ledger and on the wire, or dead letters);
+a plug-in that does not import stops the service at start-up."""
 
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 import time
 import uuid
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, FIELD, ROLLOUTS, SCORED, JobStreams, connect
 from reward_svc import service
 from shared.jobspec import JobSpec
+from shared.rewards import RewardLoadError
 from shared.schema import Control, Rollout, Scored, decode, pack_f32, pack_i32
 from shared.settings import RewardSettings
 
@@ -30,28 +36,33 @@ PROGRAMS = {
 }
 
 
-def rollout(job: str, name: str, completion: str, *, tokens: int = 3) -> Rollout:
+def rollout(job: str, name: str, completion: str, *, tokens: int = 3, group: str = "g") -> Rollout:
     return Rollout(
-        job_id=job, msg_id=f"{job}/g/{name}", group_id=f"{job}/g", policy_version=0, policy_version_max=0,
+        job_id=job, msg_id=f"{job}/{group}/{name}", group_id=f"{job}/{group}", policy_version=0, policy_version_max=0,
         prompt_index=0, sample_index=0, group_size=1, generator_id="gen", prompt_ids=pack_i32([1, 2]),
         completion_ids=pack_i32(range(tokens)), logprobs=pack_f32([-0.5] * tokens), completion=completion,
-        answer="55",
+        answer="55", prompt="what is 1+...+10?", metadata={"row": name},
     )
 
 
-@pytest.fixture
-def setup(tmp_path):
+def open_setup(tmp_path, reward, **settings_kw):
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     job = f"rw-{uuid.uuid4().hex[:8]}"
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
-    spec = JobSpec(model_path="/nonexistent", reward="python_exec").model_dump(mode="json")
+    spec = JobSpec(model_path="/nonexistent", reward=reward).model_dump(mode="json")
     ledger.create_job(job, "reward-test", spec, state="running")
     streams = JobStreams(connect(redis_url), job, prefix=prefix, max_message_bytes=4096)
     settings = RewardSettings(
         redis_url=redis_url, database_url=str(ledger.url), job_id=job, stream_prefix=prefix,
-        max_message_bytes=4096, block_ms=100, batch=4, job_wait_s=5,
+        max_message_bytes=4096, block_ms=100, batch=4, job_wait_s=5, **settings_kw,
     )
+    return job, ledger, streams, settings
+
+
+@pytest.fixture
+def setup(tmp_path):
+    job, ledger, streams, settings = open_setup(tmp_path, "python_exec")
     yield job, ledger, streams, settings
     streams.delete_all()
     ledger.close()
@@ -105,6 +116,7 @@ def test_reward_service_survives_hostile_programs_and_bad_input(setup, monkeypat
     assert rewards == {name: want for name, (_, want) in PROGRAMS.items()}
     rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
     assert all(rows[n]["status"] == "scored" and rows[n]["reward"] == w for n, (_, w) in PROGRAMS.items())
+    assert all(rows[n]["reward_status"] == "ok" for n in PROGRAMS)
     assert rows["empty"]["status"] == "generated"
 
     dead = {d.code: d for d in streams.dead_letters()}
@@ -116,25 +128,119 @@ def test_reward_service_survives_hostile_programs_and_bad_input(setup, monkeypat
     assert not os.path.exists("/tmp/asyncrl-reward-escape")
 
 
-def test_a_raising_reward_function_leaves_the_message_pending(setup, monkeypatch) -> None:
-    job, ledger, streams, settings = setup
+PLUGIN = textwrap.dedent(
+    """
+    import time
 
-    def broken(completion: str, answer: str) -> float:
-        if "boom" in completion:
-            raise RuntimeError("scorer bug")
-        return 1.0
+    def score(completion, answer, *, metadata):
+        if completion == "hang":
+            time.sleep(10**6)
+        if completion == "boom":
+            raise RuntimeError("scorer bug on " + metadata["row"])
+        return {"correct": 1.0, "row_len": float(len(metadata["row"]))}
+    """
+)
+BUDGET = 2.0
 
-    monkeypatch.setattr(service, "get_reward_fn", lambda name: broken)
-    streams.publish_many(ROLLOUTS, [rollout(job, "boom", "boom"), rollout(job, "fine", "fine")])
-    t = threading.Thread(target=service.run, args=(settings,), daemon=True)
+
+def serve_until(streams, settings, n_scored: int, n_dead: int = 0, limit_s: float = 60) -> float:
+    """Run the service in a thread until n_scored are published and n_dead dead-lettered; drain it.
+    Returns the seconds that took."""
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            service.run(settings)
+        except BaseException as exc:  # the test reports it below
+            errors.append(exc)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t0 = time.monotonic()
     t.start()
-    deadline = time.monotonic() + 30
-    while streams.length(SCORED) < 1 and time.monotonic() < deadline:
+    deadline = t0 + limit_s
+    while (streams.length(SCORED) < n_scored or len(streams.dead_letters()) < n_dead) and time.monotonic() < deadline:
+        assert t.is_alive(), errors
         time.sleep(0.1)
-    assert t.is_alive()
-    streams.publish(CONTROL, Control(job_id=job, msg_id="end", policy_version=0, command="drain"))
-    t.join(15)
-    assert not t.is_alive()
-    assert [decode(f[FIELD], Scored).msg_id for _, f in streams.r.xrange(streams.key(SCORED))] == [f"{job}/g/fine"]
-    # Not acked: redelivery (XAUTOCLAIM), then after max_deliveries the dead stream, decides.
-    assert streams.pending_count(ROLLOUTS, "rewarders") == 1
+    took = time.monotonic() - t0
+    streams.publish(CONTROL, Control(job_id=streams.job_id, msg_id="end", policy_version=0, command="drain"))
+    t.join(30)
+    assert not t.is_alive() and errors == []
+    return took
+
+
+@pytest.mark.parametrize("workers", [1, 0])
+def test_a_hung_or_raising_reward_does_not_stop_the_others_and_scores_zero(tmp_path, workers) -> None:
+    path = tmp_path / "user_rewards.py"
+    path.write_text(PLUGIN)
+    reward = {"kind": "python", "function": f"{path}:score", "timeout_s": BUDGET}
+    job, ledger, streams, settings = open_setup(tmp_path, reward, workers=workers)
+    try:
+        names = ["a", "hang", "boom", "b", "c", "d", "e", "f"]  # batches of 4: the hang is in the first
+        streams.publish_many(ROLLOUTS, [rollout(job, n, n) for n in names])
+        took = serve_until(streams, settings, n_scored=len(names))
+        assert took < BUDGET + 30  # one budget for the hang, not one per batch, nor forever
+
+        scored = {s.msg_id.rsplit("/", 1)[1]: s for s in
+                  (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))}
+        assert set(scored) == set(names)
+        fine = [n for n in names if n not in ("hang", "boom")]
+        assert all(scored[n].reward == 1.0 + len(n) and scored[n].reward_status == "ok" for n in fine)
+        assert scored["a"].details == {"correct": 1.0, "row_len": 1.0}
+        assert (scored["hang"].reward, scored["hang"].reward_status) == (0.0, "timeout")
+        assert "over the time budget of 2 s" in scored["hang"].reward_reason
+        assert (scored["boom"].reward, scored["boom"].reward_status) == (0.0, "error")
+        assert "RuntimeError: scorer bug on boom" in scored["boom"].reward_reason
+
+        rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
+        assert rows["hang"]["status"] == "scored" and rows["hang"]["reward_status"] == "timeout"
+        assert rows["boom"]["reward_status"] == "error"
+        assert "scorer bug on boom" in rows["boom"]["reward_details"]["reason"]
+        assert rows["a"]["reward_status"] == "ok" and rows["a"]["reward_details"]["components"] == {
+            "correct": 1.0, "row_len": 1.0}
+        assert streams.pending_count(ROLLOUTS, "rewarders") == 0  # nothing left pending for redelivery
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+def test_on_failure_drop_dead_letters_the_failed_rollouts(tmp_path) -> None:
+    path = tmp_path / "user_rewards.py"
+    path.write_text(PLUGIN)
+    reward = {"kind": "python", "function": f"{path}:score", "timeout_s": BUDGET, "on_failure": "drop"}
+    job, ledger, streams, settings = open_setup(tmp_path, reward, workers=1)
+    try:
+        streams.publish_many(ROLLOUTS, [rollout(job, n, n, group=n) for n in ("hang", "boom", "ok")])
+        serve_until(streams, settings, n_scored=1, n_dead=2)
+        assert [decode(f[FIELD], Scored).msg_id for _, f in streams.r.xrange(streams.key(SCORED))] == [f"{job}/ok/ok"]
+        dead = {d.code: d for d in streams.dead_letters()}
+        assert set(dead) == {"reward_timeout", "reward_error"}
+        assert dead["reward_timeout"].reason.startswith("reward timeout: ")
+        assert "scorer bug on boom" in dead["reward_error"].reason
+        rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
+        assert rows["hang"]["status"] == rows["boom"]["status"] == "generated"  # the trainer drops the groups
+        assert streams.pending_count(ROLLOUTS, "rewarders") == 0
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+def test_a_plugin_that_does_not_import_stops_the_service_at_start_up(tmp_path) -> None:
+    job, ledger, streams, settings = open_setup(tmp_path, f"{tmp_path}/missing_rewards.py:score")
+    try:
+        with pytest.raises(RewardLoadError, match="missing_rewards.py' does not exist"):
+            service.run(settings)
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+def test_reward_metrics_count_outcomes_by_status() -> None:
+    registry = CollectorRegistry()
+    metrics = service.RewardMetrics(registry, "j")
+    metrics.statuses({"ok": 3, "timeout": 1, "error": 0})
+    metrics.statuses({"ok": 1})
+
+    def value(status: str) -> float | None:
+        return registry.get_sample_value("asyncrl_reward_status_total", {"job_id": "j", "status": status})
+
+    assert (value("ok"), value("timeout"), value("error")) == (4.0, 1.0, None)

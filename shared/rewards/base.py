@@ -1,0 +1,135 @@
+"""The records every reward kind shares: one sample in, one result out, and the seam between them."""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Status = Literal["ok", "timeout", "error"]
+MAX_REASON = 2000  # Scored.reward_reason's limit
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """One sample to score.
+
+    Attributes:
+        prompt: the rendered prompt text the policy saw.
+        completion: the generated text.
+        answer: the dataset row's reference answer ("" when the task has none).
+        metadata: the row's other columns (test cases, ids, ...), JSON-like values.
+        finish_reason: vLLM's, "stop" or "length" (None when unknown).
+    """
+
+    prompt: str
+    completion: str
+    answer: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The wire form remote scorers receive (and worker processes, msgpack-encoded)."""
+        return {"prompt": self.prompt, "completion": self.completion, "answer": self.answer,
+                "metadata": dict(self.metadata), "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RewardInput:
+        return cls(prompt=d["prompt"], completion=d["completion"], answer=d["answer"],
+                   metadata=d.get("metadata") or {}, finish_reason=d.get("finish_reason"))
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The reward of one sample, or why there is none.
+
+    Attributes:
+        reward: the reward (status "ok"; may be non-finite if the function returned that, which the
+            reward service dead-letters), None otherwise.
+        status: "ok", "timeout" (over the time budget) or "error" (raised, bad return value, the
+            remote endpoint failed...).
+        reason: "" when ok, else what happened, for people (at most MAX_REASON characters).
+        components: named parts of the reward (a sum's terms, a function's dict), else empty.
+    """
+
+    reward: float | None
+    status: Status = "ok"
+    reason: str = ""
+    components: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"reward": self.reward, "status": self.status, "reason": self.reason,
+                "components": dict(self.components)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RewardResult:
+        return cls(reward=d["reward"], status=d["status"], reason=d["reason"], components=d["components"])
+
+
+def failed(status: Status, reason: str) -> RewardResult:
+    if len(reason) > MAX_REASON:
+        reason = reason[: MAX_REASON - 14] + " ...(truncated)"
+    return RewardResult(reward=None, status=status, reason=reason)
+
+
+def error_from(exc: BaseException, where: str = "") -> RewardResult:
+    """Status error, reason "ExcType: message (at file.py:12 in fn)" from the innermost frame."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    at = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    prefix = f"{where}: " if where else ""
+    return failed("error", f"{prefix}{type(exc).__name__}: {exc}{at}")
+
+
+def coerce(value: Any) -> RewardResult:
+    """A user function's return value as a result: a number is the reward; a dict of numbers is the
+    reward's named components, the reward being their sum. Anything else is status error."""
+    if isinstance(value, Mapping):
+        if not value:
+            return failed("error", "returned an empty dict; give at least one named component")
+        comps: dict[str, float] = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or not _is_number(v):
+                return failed("error", f"returned a dict with entry {k!r}: {v!r}; expected str keys and number values")
+            comps[k] = float(v)
+        return RewardResult(reward=math.fsum(comps.values()), components=comps)
+    if _is_number(value):
+        return RewardResult(reward=float(value))
+    return failed("error", f"returned {value!r} ({type(value).__name__}); expected a number or a dict of named numbers")
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(v, str | bytes)
+
+
+def coerce_batch(values: Any, n: int) -> list[RewardResult]:
+    """A batched function's return value: a list of n rewards (each as in `coerce`)."""
+    if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
+        return [failed("error", f"a batched reward returned {type(values).__name__}; expected a list of {n}")] * n
+    values = list(values)
+    if len(values) != n:
+        return [failed("error", f"a batched reward returned {len(values)} values for {n} samples")] * n
+    return [coerce(v) for v in values]
+
+
+class KindScorer(Protocol):
+    """How one reward kind scores (the seam between the registry and each kind's module).
+
+    `score` returns one result per input, in order, and never raises for one bad sample: a failure
+    is a result with status timeout or error.
+    """
+
+    async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]: ...
+
+    async def aclose(self) -> None: ...

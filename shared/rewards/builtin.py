@@ -1,0 +1,85 @@
+"""The built-in reward functions, by name: (completion text, reference answer) -> float.
+
+In `shared` (no torch, vLLM or Redis) because the reward service scores with them and so does the
+offline checkpoint evaluation. They follow the user-function convention of shared.rewards.python
+(positional completion and answer), so the registry runs them like any plug-in.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+
+from shared.sandbox import run_python
+from shared.tasks import extract_answer
+
+RewardFn = Callable[[str, str], float]
+
+
+def _norm_number(s: str) -> str:
+    s = s.strip().replace(",", "")
+    try:
+        f = float(s)
+    except ValueError:
+        return s
+    return str(int(f)) if f.is_integer() else repr(f)
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 if the last number in the completion equals the reference number, else 0.0."""
+    got = extract_answer(completion)
+    return 1.0 if got is not None and _norm_number(got) == _norm_number(answer) else 0.0
+
+
+def math_verify(completion: str, answer: str) -> float:
+    """Mathematical equivalence via the `math-verify` library (fractions, LaTeX, sets, ...)."""
+    from math_verify import parse, verify
+
+    # math-verify's own 5 s limits use SIGALRM, which only the main thread may set; elsewhere (the
+    # reward service's threads with REWARD_WORKERS=0) the caller's time budget bounds the call.
+    limit: int | None = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(answer, parsing_timeout=limit)  # type: ignore[arg-type]
+    pred = parse(completion, parsing_timeout=limit)  # type: ignore[arg-type]
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
+
+
+_CODE_BLOCK = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_program(completion: str) -> str:
+    """The last fenced code block (```python, ```py or a bare ```) of a completion, else all of it."""
+    blocks = _CODE_BLOCK.findall(completion)
+    return blocks[-1] if blocks else completion
+
+
+def python_exec(completion: str, answer: str) -> float:
+    """1.0 if the completion's program, run in the sandbox (shared.sandbox: no network, CPU, memory,
+    process, file and wall-clock limits), exits normally and the last non-empty line of its stdout
+    equals the reference answer (numbers compared as in exact_match), else 0.0."""
+    res = run_python(extract_program(completion))
+    if not res.ok:
+        return 0.0
+    lines = [line.strip() for line in res.stdout.splitlines() if line.strip()]
+    return 1.0 if lines and _norm_number(lines[-1]) == _norm_number(answer) else 0.0
+
+
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "math_verify": math_verify,
+    "python_exec": python_exec,
+}
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """A built-in reward function by name.
+
+    Raises:
+        ValueError: no built-in has that name (the message lists the valid ones).
+    """
+    try:
+        return REWARD_FUNCTIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward function '{name}'; valid: {sorted(REWARD_FUNCTIONS)}") from None

@@ -1,0 +1,214 @@
+"""Python reward functions: a built-in by name or a user's function by import path.
+
+Calling convention (per sample, `batched: false`):
+
+    def score(completion: str, answer: str, *, prompt: str, metadata: dict, finish_reason: str | None,
+              **kwargs) -> float | dict[str, float]
+
+`completion` and `answer` come positionally (the first two parameters, whatever their names);
+`prompt`, `metadata` (the dataset row's other columns) and `finish_reason` come by keyword, each
+only if the signature names it (or takes **kwargs), so `def score(completion, answer)` is a valid
+reward; the spec's `kwargs` come by keyword too and must be accepted. `async def` works the same.
+Batched (`batched: true`), every input is a list of the same length and so is the return value:
+
+    def score(completions: list[str], answers: list[str], *, prompts: list[str],
+              metadata: list[dict], finish_reasons: list[str | None], **kwargs) -> list[float | dict]
+
+A number is the reward. A dict of named numbers is the reward's components: the reward is their sum
+and each is logged by name (Scored.details). Anything else, or an exception, is status `error` with
+the reason; running past `timeout_s` is status `timeout`.
+
+Where it runs: `async def` functions run in the reward service's event loop (concurrently, so they
+must not block: a blocking call inside one stalls every reward; cancellation at the time budget
+only takes effect at an `await`). Sync functions run in worker processes (REWARD_WORKERS > 0: a
+worker over the budget is killed and replaced) or in threads (REWARD_WORKERS=0: a thread over the
+budget is abandoned, still running; see shared.rewards.pool).
+
+A file outside the project, `path/to/my_rewards.py:score`, is imported as a module of its own
+(relative paths from the reward service's working directory); `my_rewards:score` needs the module
+on the reward service's PYTHONPATH. The module is imported when the service starts, so an import
+error fails the service at start-up naming what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared.rewards.base import RewardInput, RewardResult, coerce, coerce_batch, error_from, failed
+from shared.rewards.builtin import REWARD_FUNCTIONS
+from shared.rewards.spec import BuiltinReward, PythonReward
+
+if TYPE_CHECKING:
+    from shared.rewards.registry import BuildContext
+
+
+class RewardLoadError(ValueError):
+    """A reward cannot be set up: its plug-in does not import, has the wrong signature, its model
+    or endpoint configuration is unusable. Raised when the scorer is built (service start-up)."""
+
+
+def import_object(path: str) -> Any:
+    """The object at 'package.module:attr' or 'path/to/file.py:attr' (attr may be dotted).
+
+    Raises:
+        RewardLoadError: naming the module or file and what failed (the import's own error).
+    """
+    module_part, sep, attr = path.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise RewardLoadError(f"{path!r} is not an import path 'package.module:function' or 'path/to/file.py:function'")
+    if module_part.endswith(".py"):
+        file = Path(module_part).expanduser().resolve()
+        if not file.is_file():
+            raise RewardLoadError(f"reward function {path!r}: file {str(file)!r} does not exist")
+        # A name of its own per file, so two files both called rewards.py do not collide.
+        name = f"asyncrl_reward_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, file)
+            if spec is None or spec.loader is None:
+                raise RewardLoadError(f"reward function {path!r}: {str(file)!r} cannot be loaded as a module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # before exec: dataclasses and typing look the module up
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[name]
+                raise RewardLoadError(f"reward function {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}") from exc
+        where = repr(str(file))
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as exc:
+            raise RewardLoadError(f"reward function {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}") from exc
+        where = f"module {module_part!r}"
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RewardLoadError(f"reward function {path!r}: {where} has no attribute {attr!r}") from None
+    return obj
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+
+
+@dataclass(frozen=True)
+class LoadedFunction:
+    """A reward function and how to call it (the convention in this module's docstring)."""
+
+    fn: Callable[..., Any]
+    label: str  # for reasons: the import path or built-in name
+    batched: bool
+    is_async: bool
+    inputs: tuple[str, ...]  # the keyword inputs the signature accepts
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def _call_args(self, items: Sequence[RewardInput]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.batched:
+            pos: tuple[Any, ...] = ([it.completion for it in items], [it.answer for it in items])
+            values: dict[str, Any] = {
+                "prompts": [it.prompt for it in items],
+                "metadata": [dict(it.metadata) for it in items],
+                "finish_reasons": [it.finish_reason for it in items],
+            }
+        else:
+            (it,) = items
+            pos = (it.completion, it.answer)
+            values = {"prompt": it.prompt, "metadata": dict(it.metadata), "finish_reason": it.finish_reason}
+        return pos, {**{k: values[k] for k in self.inputs}, **self.kwargs}
+
+    def _results(self, value: Any, n: int) -> list[RewardResult]:
+        out = coerce_batch(value, n) if self.batched else [coerce(value)]
+        return [r if r.ok else failed(r.status, f"{self.label}: {r.reason}") for r in out]
+
+    def call_sync(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        """Score `items` (one item unless batched) in this thread; never raises for the function's errors."""
+        try:
+            args, kwargs = self._call_args(items)
+            return self._results(self.fn(*args, **kwargs), len(items))
+        except Exception as exc:
+            return [error_from(exc, self.label)] * len(items)
+
+    async def call_async(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        try:
+            args, kwargs = self._call_args(items)
+            return self._results(await self.fn(*args, **kwargs), len(items))
+        except Exception as exc:
+            return [error_from(exc, self.label)] * len(items)
+
+
+def load_function(spec: BuiltinReward | PythonReward) -> LoadedFunction:
+    """Import the spec's function and check it can be called by the convention.
+
+    Raises:
+        RewardLoadError: the import failed, the object is not callable, or its signature does not
+            take (completion, answer) positionally plus the spec's kwargs.
+    """
+    if isinstance(spec, BuiltinReward):
+        fn: Any = REWARD_FUNCTIONS[spec.name]
+        label: str = spec.name
+        batched, extra = False, {}
+    else:
+        fn = import_object(spec.function)
+        label, batched, extra = str(spec.function), spec.batched, dict(spec.kwargs)
+    if not callable(fn):
+        raise RewardLoadError(f"reward function {label!r} is {type(fn).__name__}, not callable")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: pass the two positionals only
+        return LoadedFunction(fn, label, batched, _is_async(fn), (), extra)
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {p.name for p in positional}
+    offered = ("prompts", "metadata", "finish_reasons") if batched else ("prompt", "metadata", "finish_reason")
+    inputs = tuple(n for n in offered if takes_any or n in named)
+    try:
+        sig.bind(None, None, **dict.fromkeys(inputs), **extra)
+    except TypeError as exc:
+        two = "completions, answers" if batched else "completion, answer"
+        kw = ", ".join(f"{k}=..." for k in (*inputs, *extra))
+        raise RewardLoadError(
+            f"reward function {label!r} with signature {sig} cannot be called as "
+            f"{label.rsplit(':', 1)[-1]}({two}{', ' if kw else ''}{kw}): {exc}"
+        ) from None
+    return LoadedFunction(fn, label, batched, _is_async(fn), inputs, extra)
+
+
+class FunctionScorer:
+    """Built-in and python kinds: async functions in the event loop, sync ones through the runner
+    (worker processes or threads), each call under the spec's time budget."""
+
+    def __init__(self, spec: BuiltinReward | PythonReward, ctx: BuildContext) -> None:
+        self._fn = load_function(spec)  # imported here too: an import error fails start-up
+        self._timeout = spec.timeout_s
+        self._chunk = spec.batch_size if isinstance(spec, PythonReward) and spec.batched else 1
+        self._ctx = ctx
+        self._leaf = None if self._fn.is_async else ctx.register_sync(spec, self._fn)
+
+    async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
+        chunks = [list(items[i: i + self._chunk]) for i in range(0, len(items), self._chunk)]
+        done = await asyncio.gather(*(self._one(c) for c in chunks))
+        return [r for chunk in done for r in chunk]
+
+    async def _one(self, chunk: list[RewardInput]) -> list[RewardResult]:
+        if self._leaf is not None:
+            return await self._ctx.runner.run(self._leaf, chunk, self._timeout)
+        try:
+            return await asyncio.wait_for(self._fn.call_async(chunk), self._timeout)
+        except asyncio.TimeoutError:
+            return [failed("timeout", f"{self._fn.label}: over the time budget of {self._timeout:g} s (timeout_s); cancelled")] * len(chunk)
+
+    async def aclose(self) -> None:
+        return None

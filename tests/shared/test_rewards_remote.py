@@ -1,0 +1,195 @@
+"""Remote rewards against a real HTTP server on localhost (FastAPI under uvicorn, in a thread): the
+batch protocol, retries with back-off on 503 until the endpoint recovers, a dead endpoint and a
+hung one (status error / timeout with the reason), malformed answers, and the judge's request and
+reply rules on an OpenAI-shaped route. The judge against a real `vllm serve` is in
+tests/reward_svc/test_judge_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from shared.rewards import RewardInput, RewardLoadError, RewardResult, build_scorer
+from shared.rewards.remote import parse_number, parse_yes_no
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        app = FastAPI()
+
+        @app.post("/score")
+        async def score(request: Request):
+            body = await request.json()
+            self.calls["score"] += 1
+            self.bodies.append(body)
+            return {"rewards": [
+                {"len": len(it["completion"]), "bonus": it["metadata"].get("bonus", 0)} if it["metadata"] else len(it["completion"])
+                for it in body["items"]
+            ]}
+
+        @app.post("/flaky/{fails}")
+        async def flaky(fails: int, request: Request):
+            self.calls["flaky"] += 1
+            if self.calls["flaky"] <= fails:
+                return JSONResponse({"detail": "warming up"}, status_code=503)
+            body = await request.json()
+            return {"rewards": [0.5] * len(body["items"])}
+
+        @app.post("/forbidden")
+        async def forbidden():
+            self.calls["forbidden"] += 1
+            return JSONResponse({"detail": "no such scorer"}, status_code=404)
+
+        @app.post("/hang")
+        async def hang():
+            await asyncio.sleep(3600)
+
+        @app.post("/short")
+        async def short():
+            return {"rewards": [1.0]}
+
+        @app.post("/text")
+        async def text():
+            return PlainTextResponse("not json")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.headers.append(dict(request.headers))
+            self.bodies.append(body)
+            # The reply is the user message's last line: the template puts the completion there.
+            reply = body["messages"][-1]["content"].splitlines()[-1]
+            return {"id": "x", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}]}
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> Server:
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while not self._server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    with Server() as s:
+        yield s
+
+
+def item(completion: str, **kw) -> RewardInput:
+    return RewardInput(prompt=kw.pop("prompt", "2+2="), completion=completion, answer=kw.pop("answer", "4"), **kw)
+
+
+def score(spec, items) -> list[RewardResult]:
+    with build_scorer(spec) as scorer:
+        return scorer.score_sync(items)
+
+
+def test_http_batches_items_and_reads_rewards_and_components(server):
+    items = [item("a"), item("bbb"), item("cc", metadata={"bonus": 10})]
+    results = score({"kind": "http", "url": f"{server.url}/score", "batch_size": 2}, items)
+    assert results == [RewardResult(1.0), RewardResult(3.0), RewardResult(12.0, components={"len": 2.0, "bonus": 10.0})]
+    assert server.calls["score"] == 2  # batches of 2 and 1
+    assert server.bodies[0]["items"][0] == {"prompt": "2+2=", "completion": "a", "answer": "4", "metadata": {},
+                                           "finish_reason": None}
+
+
+def test_http_retries_with_back_off_until_the_endpoint_recovers(server):
+    t0 = time.monotonic()
+    results = score({"kind": "http", "url": f"{server.url}/flaky/2", "retries": 2}, [item("a"), item("b")])
+    assert [r.reward for r in results] == [0.5, 0.5]
+    assert server.calls["flaky"] == 3  # two 503s, then the answer
+    assert time.monotonic() - t0 >= 0.2  # it backed off between attempts
+
+
+def test_http_failures_are_recorded_with_the_reason(server):
+    (r,) = score({"kind": "http", "url": f"{server.url}/flaky/5", "retries": 1}, [item("a")])
+    assert r.status == "error" and r.reward is None
+    assert "HTTP 503" in r.reason and "warming up" in r.reason and "after 2 attempt(s)" in r.reason
+
+    (r,) = score({"kind": "http", "url": f"{server.url}/forbidden", "retries": 3}, [item("a")])
+    assert "HTTP 404" in r.reason and "after 1 attempt(s)" in r.reason  # a 4xx is not retried
+    assert server.calls["forbidden"] == 1
+
+    dead = f"http://127.0.0.1:{_free_port()}/score"
+    (r,) = score({"kind": "http", "url": dead, "retries": 2}, [item("a")])
+    assert r.status == "error" and f"POST {dead}: ConnectError" in r.reason and "after 3 attempt(s)" in r.reason
+
+    t0 = time.monotonic()
+    results = score({"kind": "http", "url": f"{server.url}/hang", "timeout_s": 1.0}, [item("a"), item("b")])
+    assert time.monotonic() - t0 < 5
+    assert [r.status for r in results] == ["timeout", "timeout"]
+    assert "no answer within the time budget of 1 s" in results[0].reason
+
+    (r, _) = score({"kind": "http", "url": f"{server.url}/short"}, [item("a"), item("b")])
+    assert r.status == "error" and "with 2 entries, got 1 rewards" in r.reason
+    (r,) = score({"kind": "http", "url": f"{server.url}/text"}, [item("a")])
+    assert r.status == "error" and "not JSON" in r.reason
+
+
+def test_judge_sends_the_template_and_reads_the_reply_by_rule(server, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "sekrit")
+    spec = {"kind": "judge", "base_url": f"{server.url}/v1", "model": "tiny-judge", "system": "be strict",
+            "template": "Q: {prompt} A: {answer} id={metadata[id]}\n{completion}", "max_tokens": 5,
+            "api_key_env": "JUDGE_KEY"}
+    replies = ["0.75", "1", "well 0", "nothing here", "7 out of 10"]
+    results = score(spec, [item(c, metadata={"id": 7}) for c in replies] + [item("x", metadata={})])
+    assert [r.reward for r in results[:3]] == [0.75, 1.0, 0.0]
+    assert results[3].status == "error" and results[3].reason == (
+        "judge reply 'nothing here' cannot be read by rule 'number': no number in it")
+    assert "its number 7 is outside [0, 1]" in results[4].reason
+    assert results[5].status == "error" and "judge template: KeyError: 'id'" in results[5].reason
+    body = server.bodies[0]
+    assert body["model"] == "tiny-judge" and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    assert body["messages"] == [{"role": "system", "content": "be strict"},
+                                {"role": "user", "content": "Q: 2+2= A: 4 id=7\n0.75"}]
+    assert server.headers[0]["authorization"] == "Bearer sekrit"
+
+    yes_no = {**spec, "rule": "yes_no", "template": "{completion}", "api_key_env": None, "system": None}
+    results = score(yes_no, [item("Yes, it is"), item("no."), item("maybe")])
+    assert [r.reward for r in results[:2]] == [1.0, 0.0] and results[2].status == "error"
+
+
+def test_judge_without_its_key_fails_at_start_up(monkeypatch):
+    monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
+    with pytest.raises(RewardLoadError, match="NO_SUCH_JUDGE_KEY"):
+        build_scorer({"kind": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m", "api_key_env": "NO_SUCH_JUDGE_KEY"})
+
+
+@pytest.mark.parametrize(("reply", "want"), [("0.5", 0.5), (" 1.0 because", 1.0), ("score: .25", 0.25), ("0", 0.0)])
+def test_parse_number(reply, want):
+    assert parse_number(reply) == want
+
+
+@pytest.mark.parametrize(("reply", "want"), [("yes", 1.0), ("YES!", 1.0), ("  No, wrong", 0.0)])
+def test_parse_yes_no(reply, want):
+    assert parse_yes_no(reply) == want
