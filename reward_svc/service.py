@@ -2,7 +2,8 @@
 
 Loop: read rollouts (consumer group `rewarders`) -> ledger rows of the batch (inserted if the
 generator died before writing them; keyed by msg_id) -> score the batch with the job's reward
-(shared.rewards: every sample concurrently, each within its time budget) -> ledger (status
+(shared.rewards: every sample concurrently, each within its time budget; a rollout of an
+evaluation set that names its own reward is scored with that one) -> ledger (status
 `scored`, with the reward status and its components or reason) -> publish to `{job}:scored` ->
 ack. A restarted service of the same REWARD_CONSUMER_ID first scores what its predecessor left
 pending; SIGTERM finishes the batch.
@@ -17,39 +18,82 @@ not import fails the service at start-up (shared.entry marks it in the logs and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from broker.runtime import ControlWatcher, JobContext, open_job, sample_row
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED
+from shared.jobspec import JobSpec
 from shared.metrics import RewardMetrics, serve_metrics
-from shared.rewards import RewardInput, RewardScorer, build_scorer
+from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
 from shared.schema import Rollout, Scored
 from shared.settings import RewardSettings
 
 log = logging.getLogger(__name__)
 
 
+def build_scorers(spec: JobSpec, workers: int) -> dict[str, RewardScorer]:
+    """The job's reward under "", and under its name each evaluation set's own where it sets one
+    (each with its own `workers` processes). Raises what build_scorer raises (a plug-in that does
+    not import): the service fails at start-up."""
+    scorers = {"": build_scorer(spec.reward, workers=workers)}
+    try:
+        for es in spec.eval_sets:
+            if es.reward is not None:
+                scorers[es.name] = build_scorer(es.reward, workers=workers)
+    except BaseException:
+        for s in scorers.values():
+            s.close()
+        raise
+    return scorers
+
+
+async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -> list[tuple[RewardScorer, RewardResult]]:
+    """Each rollout's result and the scorer (and so the failure policy) that gave it; the rollouts
+    of different rewards are scored concurrently."""
+    keys = [r.eval_set if r.eval_set in scorers else "" for r in rollouts]
+    groups = {k: [i for i, key in enumerate(keys) if key == k] for k in dict.fromkeys(keys)}
+    done = await asyncio.gather(*(
+        scorers[k].score([
+            RewardInput(prompt=rollouts[i].prompt, completion=rollouts[i].completion, answer=rollouts[i].answer,
+                        metadata=rollouts[i].metadata, finish_reason=rollouts[i].finish_reason)
+            for i in idx
+        ])
+        for k, idx in groups.items()
+    ))
+    out: dict[int, tuple[RewardScorer, RewardResult]] = {}
+    for (k, idx), results in zip(groups.items(), done, strict=True):
+        out.update({i: (scorers[k], res) for i, res in zip(idx, results, strict=True)})
+    return [out[i] for i in range(len(rollouts))]
+
+
 def run(settings: RewardSettings) -> None:
     ctx = open_job(settings)
     metrics = RewardMetrics(serve_metrics(settings.metrics_port, "reward"), ctx.job_id)
-    scorer = build_scorer(ctx.spec.reward, workers=settings.workers)
+    scorers = build_scorers(ctx.spec, settings.workers)
+    loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
-        _serve(settings, ctx, scorer, metrics)
+        _serve(settings, ctx, scorers, loop, metrics)
     finally:
-        scorer.close()
+        for s in scorers.values():
+            loop.run_until_complete(s.aclose())
+        loop.close()
 
 
-def _serve(settings: RewardSettings, ctx: JobContext, scorer: RewardScorer, metrics: RewardMetrics) -> None:
+def _serve(settings: RewardSettings, ctx: JobContext, scorers: dict[str, RewardScorer],
+           loop: asyncio.AbstractEventLoop, metrics: RewardMetrics) -> None:
     streams, ledger = ctx.streams, ctx.ledger
     streams.on_dead_letter = metrics.dead_letter  # malformed, oversized, too often delivered
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
     control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
     cid = settings.consumer_id
-    log.info("reward %s ready (%s, on_failure %s, %d workers)", cid, scorer.description, scorer.on_failure,
-             settings.workers)
+    log.info("reward %s ready (%s, on_failure %s, %d workers%s)", cid, scorers[""].description,
+             scorers[""].on_failure, settings.workers,
+             "".join(f"; eval set {k}: {s.description}" for k, s in scorers.items() if k))
     resuming = True  # first the entries a predecessor of this name left pending
     while True:
         control.poll()
@@ -74,7 +118,7 @@ def _serve(settings: RewardSettings, ctx: JobContext, scorer: RewardScorer, metr
         ledger.record_generated([sample_row(d.message) for d in deliveries])  # type: ignore[arg-type]
         todo = []
         for d in deliveries:
-            if not d.message.completion_ids:
+            if not d.message.completion_ids:  # type: ignore[attr-defined]
                 # No token to carry a gradient, and a zero-length sequence divides by zero in the
                 # per-sequence loss aggregations.
                 streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
@@ -82,13 +126,9 @@ def _serve(settings: RewardSettings, ctx: JobContext, scorer: RewardScorer, metr
             else:
                 todo.append(d)
         # score: the whole batch at once; a slow or hung sample costs its own budget, not the others'
-        results = scorer.score_sync([
-            RewardInput(prompt=r.prompt, completion=r.completion, answer=r.answer, metadata=r.metadata,
-                        finish_reason=r.finish_reason)
-            for r in (d.message for d in todo)
-        ])
+        results = loop.run_until_complete(score(scorers, [d.message for d in todo]))  # type: ignore[misc]
         scored, rows, ok_ids = [], [], []
-        for d, res in zip(todo, results, strict=True):
+        for d, (scorer, res) in zip(todo, results, strict=True):
             r: Rollout = d.message  # type: ignore[assignment]
             reward = scorer.reward_for(res)
             if reward is None:  # on_failure "drop": the trainer drops the group
@@ -113,6 +153,6 @@ def _serve(settings: RewardSettings, ctx: JobContext, scorer: RewardScorer, metr
         streams.publish_many(SCORED, scored)
         streams.ack(ROLLOUTS, GROUP_REWARDERS, ok_ids)
         metrics.scored([s.reward for s in scored])
-        metrics.statuses(Counter(res.status for res in results))
+        metrics.statuses(Counter(res.status for _, res in results))
         log.debug("scored %d in %.3fs", len(scored), time.perf_counter() - t0)
     log.info("reward %s stopping (%s)", cid, control.state)

@@ -39,8 +39,8 @@ def math_verify(completion: str, answer: str) -> float:
     # math-verify's own 5 s limits use SIGALRM, which only the main thread may set; elsewhere (the
     # reward service's threads with REWARD_WORKERS=0) the caller's time budget bounds the call.
     limit: int | None = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(answer, parsing_timeout=limit)  # type: ignore[arg-type]
-    pred = parse(completion, parsing_timeout=limit)  # type: ignore[arg-type]
+    gold = parse(answer, parsing_timeout=limit)
+    pred = parse(completion, parsing_timeout=limit)
     if not gold or not pred:
         return 0.0
     return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0

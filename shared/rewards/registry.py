@@ -112,14 +112,21 @@ class RewardScorer:
             return result.reward
         return 0.0 if self.on_failure == "zero" else None
 
+    async def aclose(self) -> None:
+        """Close HTTP clients (in the loop that used them) and stop worker processes."""
+        try:
+            await self._root.aclose()
+        finally:
+            self.runner.close()
+
     def close(self) -> None:
+        """`aclose` from sync code (in the private loop of `score_sync`)."""
         loop = self._loop or asyncio.new_event_loop()
         try:
-            loop.run_until_complete(self._root.aclose())
+            loop.run_until_complete(self.aclose())
         finally:
             loop.close()
             self._loop = None
-            self.runner.close()
 
     def __enter__(self) -> RewardScorer:
         return self

@@ -32,9 +32,11 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     ValidationError,
     ValidatorFunctionWrapHandler,
+    WrapSerializer,
     WrapValidator,
     field_validator,
     model_validator,
@@ -280,10 +282,17 @@ def _untagged(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         raise ValidationError.from_exception_data(exc.title, details) from None
 
 
+def _serialize(value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+    # A field that defaults to None for "unset" (an eval set's reward) serializes as null without
+    # asking the discriminator for a tag None does not have.
+    return None if value is None else handler(value)
+
+
 RewardSpec = Annotated[
     Union[Annotated[RewardName, Tag("name")], RewardObject],  # noqa: UP007
     Discriminator(_kind_of, custom_error_type="reward_kind", custom_error_message=_KIND_ERROR),
     WrapValidator(_untagged),
+    WrapSerializer(_serialize),
 ]
 """What `JobSpec.reward` accepts: a bare name / import path, or one of the reward objects."""
 
@@ -296,7 +305,7 @@ def as_object(spec: str | BaseModel) -> BuiltinReward | PythonReward | SumReward
     """The object form of a reward: a bare built-in name becomes BuiltinReward, an import path PythonReward."""
     if isinstance(spec, str):
         _bare_reward(spec)
-        return BuiltinReward(name=spec) if spec in REWARDS else PythonReward(function=spec)  # type: ignore[arg-type]
+        return BuiltinReward(name=spec) if spec in REWARDS else PythonReward(function=spec)
     if isinstance(spec, BuiltinReward | PythonReward | SumReward | HttpReward | JudgeReward | ModelReward):
         return spec
     raise TypeError(f"not a reward spec: {spec!r}")

@@ -45,12 +45,12 @@ def rollout(job: str, name: str, completion: str, *, tokens: int = 3, group: str
     )
 
 
-def open_setup(tmp_path, reward, **settings_kw):
+def open_setup(tmp_path, reward, eval_sets=(), **settings_kw):
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     job = f"rw-{uuid.uuid4().hex[:8]}"
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
-    spec = JobSpec(model_path="/nonexistent", reward=reward).model_dump(mode="json")
+    spec = JobSpec(model_path="/nonexistent", reward=reward, eval_sets=list(eval_sets)).model_dump(mode="json")
     ledger.create_job(job, "reward-test", spec, state="running")
     streams = JobStreams(connect(redis_url), job, prefix=prefix, max_message_bytes=4096)
     settings = RewardSettings(
@@ -219,6 +219,25 @@ def test_on_failure_drop_dead_letters_the_failed_rollouts(tmp_path) -> None:
         rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
         assert rows["hang"]["status"] == rows["boom"]["status"] == "generated"  # the trainer drops the groups
         assert streams.pending_count(ROLLOUTS, "rewarders") == 0
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+def test_an_eval_set_with_its_own_reward_is_scored_with_it(tmp_path) -> None:
+    path = tmp_path / "user_rewards.py"
+    path.write_text(PLUGIN + "\n\ndef strict(completion, answer):\n    return -1.0\n")
+    eval_sets = [{"name": "hard", "reward": f"{path}:strict"}, {"name": "held_out"}]  # held_out: the job's reward
+    job, ledger, streams, settings = open_setup(tmp_path, f"{path}:score", eval_sets, workers=1)
+    try:
+        train, held, hard = (rollout(job, n, "xy", group=n) for n in ("train", "held", "hard"))
+        held = held.model_copy(update={"purpose": "eval", "eval_set": "held_out"})
+        hard = hard.model_copy(update={"purpose": "eval", "eval_set": "hard"})
+        streams.publish_many(ROLLOUTS, [train, held, hard])
+        serve_until(streams, settings, n_scored=3)
+        rewards = {s.msg_id.rsplit("/", 1)[1]: s.reward
+                   for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))}
+        assert rewards == {"train": 1.0 + len("train"), "held": 1.0 + len("held"), "hard": -1.0}
     finally:
         streams.delete_all()
         ledger.close()
