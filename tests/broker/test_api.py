@@ -57,7 +57,7 @@ def api(tmp_path) -> Iterator[Api]:
 def test_health(api: Api) -> None:
     resp = api.client.get("/health")
     assert resp.status_code == 200
-    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0004"}
+    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0005"}
 
 
 def test_submit_valid_job(api: Api) -> None:
@@ -145,6 +145,8 @@ def test_job_status(api: Api) -> None:
         "state": "submitted",
         "step": 0,
         "error": None,
+        "created_at": body["created_at"],
+        "started_at": None,  # no trainer has started it yet
         "spec": body["spec"],
         "last_metrics": None,
         "evals": [],

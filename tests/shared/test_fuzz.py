@@ -33,6 +33,8 @@ from shared.schema import (
     DecodeError,
     Manifest,
     Message,
+    EvalItem,
+    EvalRound,
     PolicyAnnouncement,
     PromptGroup,
     Rollout,
@@ -63,6 +65,9 @@ def _rollout() -> Rollout:
 
 VALID: list[Message] = [
     PromptGroup(**_common(), prompt_index=0, prompt="1+1?", answer="2", n=4, sampling=SamplingParams(seed=3)),
+    EvalRound(**_common(), eval_set="held_out", n=2, sampling=SamplingParams(temperature=0.0, stop=["\n"]),
+              items=[EvalItem(prompt_index=3, prompt="1+2=", prompt_ids=pack_i32([1, 2]), answer="3",
+                              metadata={"level": 1})]),
     _rollout(),
     Scored(**_common(), rollout=_rollout(), reward=1.0, details={"format": 1.0}),
     PolicyAnnouncement(

@@ -18,6 +18,8 @@ from shared.schema import (
     DecodeError,
     Manifest,
     Message,
+    EvalItem,
+    EvalRound,
     PolicyAnnouncement,
     PromptGroup,
     Rollout,
@@ -95,6 +97,9 @@ MESSAGES: list[Message] = [
     PolicyAnnouncement(**common(), manifest=manifest(), transport="tcp", address="127.0.0.1:5555"),
     Control(**common(), command="drain", reason="operator asked"),
     DeadLetter(**common(), stream="rollouts", entry_id="1-0", reason="bad", raw=b"\x00\xc1\xff"),
+    EvalRound(**common(), eval_set="hard", n=4, sampling=SamplingParams(temperature=1.0, stop=["\n"], min_tokens=1),
+              items=[EvalItem(prompt_index=0, prompt="12-5=", prompt_ids=pack_i32([1, 5, 6]), answer="7",
+                              metadata={"level": 2, "tags": ["sub"]})]),
 ]
 
 
