@@ -21,6 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Column, Table
 from rich.text import Text
 
+from broker.guard_report import describe, guard_trips
+
 app = typer.Typer(help="Asynchronous RL post-training: demo and job control.", no_args_is_help=True)
 
 API = typer.Option(
@@ -169,10 +171,11 @@ def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[st
         TextColumn("reward {task.fields[reward]}"),
         TextColumn("held-out {task.fields[held_out]}"),
         TextColumn("staleness {task.fields[staleness]}"),
+        TextColumn("{task.fields[guard]}", style="bold red"),
     )
     job = _call("GET", api, f"/jobs/{job_id}", token)  # an unknown job fails before drawing
     with progress:
-        task = progress.add_task(job_id, total=None, state="", reward="-", held_out="-", staleness="-")
+        task = progress.add_task(job_id, total=None, state="", reward="-", held_out="-", staleness="-", guard="")
         while True:
             metrics = job.get("last_metrics") or {}
             evals = [e for e in job.get("evals") or [] if e.get("source") == "pipeline"]
@@ -186,6 +189,7 @@ def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[st
                 reward=_cell(metrics.get("reward/mean")).plain,
                 held_out=_cell(evals[-1]["reward_mean"] if evals else None).plain,
                 staleness=_cell(metrics.get("off_policy/mean"), digits=2).plain,
+                guard=f"guard trips {int(metrics['guard/trips'])}" if metrics.get("guard/trips") else "",
             )
             if job["state"] in TERMINAL_STATES:
                 return job
@@ -203,14 +207,27 @@ def status(
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Show a job's state, step and last metrics (JSON), or watch it live."""
+    """Show a job's state, step and last metrics (JSON), or watch it live; either way, every
+    collapse-guard trip (what it did to the policy) follows on stderr."""
     if not watch:
         _echo_json(_call("GET", api, f"/jobs/{job_id}", token))
+        _echo_guard_trips(job_id, api, token)
         return
     job = _watch(job_id, api, token, interval)
     typer.echo(f"job {job_id} {job['state']} at step {job['step']}")
+    _echo_guard_trips(job_id, api, token)
     if job["state"] == "failed":
         _fail(job.get("error") or "the job failed")
+
+
+def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:
+    """The job's collapse-guard trips from its change log, one line each on stderr (stdout stays
+    the JSON a script reads)."""
+    trips = guard_trips(_call("GET", api, f"/jobs/{job_id}/changes", token))
+    if trips:
+        typer.secho(f"collapse guard tripped {len(trips)} time(s):", fg="red", bold=True, err=True)
+    for t in trips:
+        typer.secho(f"  {describe(t)}", fg="red", err=True)
 
 
 @app.command()

@@ -21,9 +21,11 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from broker.guard_report import describe, guard_trips
 from broker.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
@@ -171,6 +173,8 @@ def _watch(api: str, job_id: str, steps: int, sup: Supervisor, show: bool = True
                 f"held-out {ev[-1]['reward_mean'] if ev else float('nan'):.2f} "
                 f"stale {m.get('off_policy/mean', float('nan')):.2f}"
             )
+            if m.get("guard/trips"):
+                info += f" [bold red]guard trips {int(m['guard/trips'])}[/]"
             progress.update(task, completed=job["step"], info=info)
             if job["state"] in ("finished", "failed", "stopped", "cancelled"):
                 return job
@@ -228,6 +232,16 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
         console.print("held-out reward: " + " -> ".join(f"{r:.2f} (step {s})" for s, r in summary["held_out"]))
     console.print(f"staleness of trained samples (versions: count): {hist}")
     console.print(f"samples by status: {counts}")
+    # every collapse-guard trip, from the trainer's records in the change log (a roll-back, a
+    # kept policy or a restart changes what the curves above mean)
+    trips = guard_trips(ledger.job_changes(job_id))
+    summary["guard_trips"] = [describe(t) for t in trips]
+    if trips:
+        console.print(f"[bold red]collapse guard tripped {len(trips)} time(s):[/]")
+        for line in summary["guard_trips"]:
+            console.print(f"  [red]{escape(line)}[/]")
+    else:
+        console.print("collapse guard: no trips")
     if swaps:
         console.print(f"weight swap, publish -> every generator ({summary['generators']}) serving it: "
                       f"median {statistics.median(swaps):.3f} s, max {max(swaps):.3f} s")

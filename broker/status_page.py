@@ -1,7 +1,8 @@
 """The status page: an HTML view of the jobs served by the job API at `/` and `/status`.
 
 The page (`broker/static/`, no external assets: the machines are offline) polls the JSON API
-every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series).
+every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series and the
+collapse guard's trips, which the page shows above the charts).
 
 Auth: the page and its assets are always open (they hold no data); every data request carries
 the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
@@ -19,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Security
 from fastapi.responses import FileResponse, HTMLResponse
 
+from broker.guard_report import describe, guard_trips
 from broker.ledger import Ledger
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -45,7 +47,8 @@ def _number(value: Any) -> float | None:
 
 
 def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
-    """A job's plotted series: one row per train step (STEP_METRICS, null where absent) and evals."""
+    """A job's plotted series: one row per train step (STEP_METRICS, null where absent), evals,
+    and the collapse guard's trips (`guard_trips`: step, kind, one-line `text`) from the change log."""
     steps = [
         {
             "step": row["step"],
@@ -68,7 +71,11 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
         }
         for e in ledger.evals(job_id)
     ]
-    return {"job_id": job_id, "steps": steps, "evals": evals}
+    trips = [
+        {"step": t.get("step"), "kind": t.get("kind"), "action": t.get("action"), "text": describe(t)}
+        for t in guard_trips(ledger.job_changes(job_id))
+    ]
+    return {"job_id": job_id, "steps": steps, "evals": evals, "guard_trips": trips}
 
 
 def status_router(ledger: Ledger, authorize: Callable[..., Awaitable[None]]) -> APIRouter:

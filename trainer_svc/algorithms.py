@@ -179,6 +179,28 @@ def _log_ratio(inp: LossInputs, mask: torch.Tensor) -> torch.Tensor:
     return (inp.logprobs - inp.behaviour_logprobs) * mask
 
 
+def applied_weight_sums(weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over the importance weights a loss's gradient actually applies to A * grad log pi
+    (after its truncation or clip; 0 where the clip zeroes the gradient), for the collapse guard's
+    `is/applied_ess` and `is/applied_max` (trainer_svc/guard.py): a raw pi/mu of 148 on a token that
+    AIPO truncates at rho changes nothing, a few tokens carrying the whole update does.
+
+    Args:
+        weight: (B, T) per token, or (B,) per sequence for a loss whose weight is a sequence's.
+        mask: the same shape, 1.0 where a unit counts (completion tokens; non-empty sequences).
+    Returns:
+        0-dim `is/applied_sum`, `is/applied_sq_sum`, `is/applied_n` (units counted) and
+        `is/applied_max` over the counted units.
+    """
+    w = weight.detach() * mask  # weights are >= 0, so padding's zeros never raise the max
+    return {
+        "is/applied_sum": w.sum(),
+        "is/applied_sq_sum": (w * w).sum(),
+        "is/applied_n": mask.sum(),
+        "is/applied_max": w.max() if w.numel() else w.new_zeros(()),
+    }
+
+
 def aipo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """AIPO: REINFORCE with a truncated importance weight (LlamaRL, arXiv 2505.24034, sec. 5).
 
@@ -189,23 +211,27 @@ def aipo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     bounds the variance that stale samples (mu far from pi) would otherwise bring.
 
     Returns:
-        per_token (B, T); metrics `is/truncated_sum` (tokens with pi/mu > rho).
+        per_token (B, T); metrics `is/truncated_sum` (tokens with pi/mu > rho) and the applied
+        weights min(pi/mu, rho) (`applied_weight_sums`).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     ratio = torch.exp(_log_ratio(inp, mask).detach())  # (B, T)
     weight = torch.clamp(ratio, max=cfg.rho)
     per_token = -weight * inp.advantages[:, None] * inp.logprobs
     truncated = ((ratio > cfg.rho).to(mask.dtype) * mask).sum()
-    return TokenLoss(per_token, {"is/truncated_sum": truncated})
+    return TokenLoss(per_token, {"is/truncated_sum": truncated, **applied_weight_sums(weight, mask)})
 
 
 def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """Plain REINFORCE with no off-policy correction: loss_t = - A * log pi(a_t) (Williams 1992).
 
-    The ablation for stale samples: it treats behaviour-policy samples as if they were on-policy.
+    The ablation for stale samples: it treats behaviour-policy samples as if they were on-policy
+    (applied weight 1 on every token).
     """
+    mask = inp.mask.to(inp.logprobs.dtype)
     per_token = -inp.advantages[:, None] * inp.logprobs
-    return TokenLoss(per_token, {"is/truncated_sum": torch.zeros((), dtype=inp.logprobs.dtype)})
+    return TokenLoss(per_token, {"is/truncated_sum": torch.zeros((), dtype=inp.logprobs.dtype),
+                                 **applied_weight_sums(torch.ones_like(mask), mask)})
 
 
 def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
@@ -218,7 +244,9 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
 
     Returns:
         per_token (B, T); metrics `is/truncated_sum` (tokens where the clip is active, i.e. the
-        clipped term is the strictly smaller objective and the token's gradient is zero).
+        clipped term is the strictly smaller objective and the token's gradient is zero) and the
+        applied weights: d loss_t / d log pi = -r_t * A off the clip, 0 on it, so r_t or 0
+        (`applied_weight_sums`; r_t is unbounded for A < 0, where the clip never binds above).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     ratio = torch.exp(_log_ratio(inp, mask))  # (B, T), with grad
@@ -227,7 +255,8 @@ def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     per_token = -torch.min(ratio * adv, clipped * adv)
     r = ratio.detach()
     active = ((adv > 0) & (r > 1.0 + cfg.clip_high)) | ((adv < 0) & (r < 1.0 - cfg.clip_low))
-    return TokenLoss(per_token, {"is/truncated_sum": (active.to(mask.dtype) * mask).sum()})
+    applied = applied_weight_sums(r * (~active).to(mask.dtype), mask)
+    return TokenLoss(per_token, {"is/truncated_sum": (active.to(mask.dtype) * mask).sum(), **applied})
 
 
 def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
@@ -241,7 +270,9 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     sequence by its length instead.
 
     Returns:
-        per_token (B, T); metrics `is/truncated_seq_sum` (non-empty sequences whose clip is active).
+        per_token (B, T); metrics `is/truncated_seq_sum` (non-empty sequences whose clip is active)
+        and the applied weights per non-empty sequence: s_i off the clip, 0 on it
+        (`applied_weight_sums`).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     lengths = mask.sum(dim=1)  # (B,)
@@ -256,7 +287,8 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
         (adv < 0) & (sd < 1.0 - cfg.gspo_clip_low)
     )
     active_sum = (active & (lengths > 0)).to(mask.dtype).sum()
-    return TokenLoss(per_token, {"is/truncated_seq_sum": active_sum})
+    applied = applied_weight_sums(sd * (~active).to(mask.dtype), (lengths > 0).to(mask.dtype))
+    return TokenLoss(per_token, {"is/truncated_seq_sum": active_sum, **applied})
 
 
 LOSSES: dict[str, Callable[[LossInputs, LossConfig], TokenLoss]] = {
@@ -404,10 +436,13 @@ _MEANS: dict[str, tuple[str, str]] = {
 def finalize_metrics(sums: Mapping[str, float], norm: BatchNorm) -> dict[str, float]:
     """Per-step metrics from the accumulated micro-batch sums.
 
-    Returns `loss`, `is/mean`, `is/max`, `is/truncated_frac`, `is/ess`, `mismatch_kl`, and
-    `kl_ref` / `entropy` when they were measured. `is/ess` is the normalised effective sample size
-    of the token importance weights w = pi/mu, (sum w)^2 / (N * sum w^2) in (0, 1] (Kong 1992;
-    1 = on-policy, ~1/N = one token dominates); 1.0 for a batch without tokens.
+    Returns `loss`, `is/mean`, `is/max`, `is/truncated_frac`, `is/ess`, `is/applied_ess`,
+    `is/applied_max`, `mismatch_kl`, and `kl_ref` / `entropy` when they were measured. `is/ess` is
+    the normalised effective sample size of the token importance weights w = pi/mu,
+    (sum w)^2 / (N * sum w^2) in (0, 1] (Kong 1992; 1 = on-policy, ~1/N = one token dominates);
+    1.0 for a batch without tokens. `is/applied_ess` is the same over the weights the loss applies
+    after its truncation or clip (`applied_weight_sums`), 1.0 when none is non-zero (no update to
+    be dominated); `is/applied_max` their largest.
     """
     denom = {"tokens": max(norm.num_tokens, 1), "seqs": norm.num_seqs}
     out: dict[str, float] = {}
@@ -421,6 +456,10 @@ def finalize_metrics(sums: Mapping[str, float], norm: BatchNorm) -> dict[str, fl
     if "is/sum" in sums and "is/sq_sum" in sums:
         sq = sums["is/sq_sum"]
         out["is/ess"] = sums["is/sum"] ** 2 / (denom["tokens"] * sq) if sq > 0 else 1.0
+    if "is/applied_sq_sum" in sums:
+        sq, n = sums["is/applied_sq_sum"], sums["is/applied_n"]
+        out["is/applied_ess"] = sums["is/applied_sum"] ** 2 / (n * sq) if sq > 0 and n > 0 else 1.0
+        out["is/applied_max"] = max(sums["is/applied_max"], 0.0)  # a padding rank's -inf alone: 0
     return out
 
 

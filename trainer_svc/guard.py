@@ -1,17 +1,24 @@
 """Collapse guard: signs that a step is destroying the policy, as small pure checks.
 
 The loop runs `check` on each step's metrics before it publishes the new weights; a trip makes it
-roll back to the last committed checkpoint, lower the lr (and the staleness bound when the
-importance weights blew up), record the change in the ledger, and redo the step.
+roll back to the last committed checkpoint the guard trusts (`recovery` says what happens when
+there is none), lower the lr (and the staleness bound when the importance weights blew up), record
+the change in the ledger, and redo the step.
 Thresholds: the job spec's `guard` (shared/jobspec.py GuardSpec). No I/O here.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from shared.jobspec import GuardSpec
+
+_NORMAL = statistics.NormalDist()
 
 
 def non_finite(metrics: Mapping[str, float]) -> str | None:
@@ -23,14 +30,37 @@ def non_finite(metrics: Mapping[str, float]) -> str | None:
     return None
 
 
-def is_blowup(metrics: Mapping[str, float], cfg: GuardSpec) -> str | None:
-    """Importance weights out of control: the behaviour policy is too far from the current one
-    (AIPO truncates the weight, but a huge max or a collapsed ESS means the batch is off-policy)."""
-    m, ess = metrics.get("is/max"), metrics.get("is/ess")
+# loss -> (ESS metric, max metric) of the weights that say whether that loss's update is off-policy
+# garbage (trainer_svc/algorithms.py). A loss that truncates or clips (AIPO's min(pi/mu, rho),
+# PPO's clip, GSPO's clipped sequence ratio) reports the weights it applies: a raw ratio of 148 on
+# a token AIPO truncates at rho = 2 changes nothing, while a few tokens carrying the whole update
+# (their applied ESS) do. REINFORCE applies no weight at all: the raw ratios are how far each
+# token's uncorrected contribution is from the on-policy gradient, so it is read raw.
+IS_SIGNALS: dict[str, tuple[str, str]] = {
+    "reinforce": ("is/ess", "is/max"),
+    "aipo": ("is/applied_ess", "is/applied_max"),
+    "ppo_clip": ("is/applied_ess", "is/applied_max"),
+    "gspo": ("is/applied_ess", "is/applied_max"),
+}
+
+
+def is_blowup(metrics: Mapping[str, float], cfg: GuardSpec, loss: str) -> str | None:
+    """Importance weights out of control for `loss` (a key of IS_SIGNALS): the largest weight the
+    loss applies above max_is, or their normalised ESS below min_ess. A metric the step did not
+    report (a ledger from before the applied-weight metrics) is not checked.
+
+    Raises:
+        ValueError: `loss` is not a known loss.
+    """
+    if loss not in IS_SIGNALS:
+        raise ValueError(f"unknown loss '{loss}'; valid: {sorted(IS_SIGNALS)}")
+    ess_key, max_key = IS_SIGNALS[loss]
+    applied = "" if loss == "reinforce" else "applied "
+    m, ess = metrics.get(max_key), metrics.get(ess_key)
     if m is not None and m > cfg.max_is:
-        return f"importance weight max {m:.3g} > {cfg.max_is:g}"
+        return f"{applied}importance weight max {m:.3g} > {cfg.max_is:g} ({loss})"
     if ess is not None and ess < cfg.min_ess:
-        return f"importance-weight ESS {ess:.3g} < {cfg.min_ess:g}"
+        return f"{applied}importance-weight ESS {ess:.3g} < {cfg.min_ess:g} ({loss})"
     return None
 
 
@@ -39,18 +69,74 @@ def window_means(rewards: Sequence[float], w: int) -> list[float]:
     return [sum(rewards[i : i + w]) / w for i in range(len(rewards) - w + 1)]
 
 
-def reward_collapse(rewards: Sequence[float], cfg: GuardSpec) -> str | None:
-    """`rewards`: reward/mean per step, oldest first. Trips when the mean of the last
-    `reward_window` steps is below (1 - reward_drop) times the best such mean so far, and that best
-    reached min_best_reward. Needs at least one full window."""
+def batch_noise(metrics: Mapping[str, float]) -> float:
+    """The sampling noise of this step's reward/mean, reward/std / sqrt(samples) (0 when either is
+    missing). A lower bound: samples of one prompt group are correlated, so a batch holds fewer
+    independent draws than samples."""
+    std, n = metrics.get("reward/std"), metrics.get("samples")
+    if std is None or not n or not math.isfinite(std):
+        return 0.0
+    return std / math.sqrt(n)
+
+
+def step_noise(rewards: Sequence[float], floor: float = 0.0) -> float:
+    """The std of one step's reward/mean around the run's level, from the series itself:
+    median |x[t+1] - x[t]| / (sqrt 2 * 0.6745), at least `floor` (`batch_noise`).
+
+    Successive differences cancel a slow trend (a learning run), and for Gaussian noise of std s
+    a difference has std s * sqrt 2 and median absolute value 0.6745 * s * sqrt 2. The median (not
+    the mean of squares) lets the few big jumps of a collapse leave the estimate alone, and the
+    zero differences of a run stuck at 0 pull it down, so a collapse cannot hide in its own noise.
+    """
+    diffs = [abs(b - a) for a, b in itertools.pairwise(rewards)]
+    series = statistics.median(diffs) / (math.sqrt(2.0) * _NORMAL.inv_cdf(0.75)) if diffs else 0.0
+    return max(series, floor)
+
+
+def reward_margin(n_windows: int, w: int, noise: float, false_alarm: float) -> float:
+    """How far below the best window mean the current one must be before noise is ruled out.
+
+    Derivation: a healthy run at a steady level mu has step rewards mu + e_t, e_t of std `noise`;
+    a window mean has standard error s = noise / sqrt(w). A trip on noise alone needs
+    best - now > (a + b) s, so the best window above mu + a s or the current one below mu - b s.
+    Over n_windows windows, P(the best above mu + a s) <= n_windows * Q(a) (union bound, Q the
+    normal upper tail), and the check runs once per window, so P(some current window below
+    mu - b s) <= n_windows * Q(b). With a = b = Q^-1(false_alarm / (2 n_windows)) the run trips on
+    noise with probability <= false_alarm:
+
+        margin = 2 * Q^-1(false_alarm / (2 * n_windows)) * noise / sqrt(w)
+
+    The margin grows like sqrt(log n_windows): the best window of a long noisy run is biased
+    upward by about sqrt(2 ln n) standard errors, which the bare relative drop ignored. E.g. 150
+    windows of 5 at false_alarm 0.001: Q^-1(3.3e-6) = 4.5, margin 9.0 s; the issue's healthy run
+    (64-sample batches, p ~ 0.15: s ~ 0.02, best 0.219, now 0.106) sits 5.6 s below: no trip.
+    The union bound is loose for overlapping windows; the slack pays for the noise estimate's own
+    error and for skewed rewards (simulated 8 x 8 batches with prompt difficulty ~ Beta, intra-
+    group correlation 1/3, 150-1000 steps: <= 3 % of runs trip at 0.001, against 70-100 % for
+    the relative drop alone).
+    """
+    z = -_NORMAL.inv_cdf(false_alarm / (2.0 * max(n_windows, 1)))
+    return 2.0 * z * noise / math.sqrt(w)
+
+
+def reward_collapse(rewards: Sequence[float], cfg: GuardSpec, floor: float = 0.0) -> str | None:
+    """`rewards`: reward/mean per step, oldest first; `floor`: this step's `batch_noise`. Trips
+    when the mean of the last `reward_window` steps is both below (1 - reward_drop) times the best
+    such mean so far, that best having reached min_best_reward, and more than `reward_margin`
+    below it (the noise of the series, `step_noise`). Needs at least one full window."""
     w = cfg.reward_window
     means = window_means(rewards, w)
     if not means:
         return None
     best, now = max(means), means[-1]
-    if best >= cfg.min_best_reward and now < (1.0 - cfg.reward_drop) * best:
-        return f"reward collapse: mean of the last {w} steps {now:.3f} < {1.0 - cfg.reward_drop:g} x best {best:.3f}"
-    return None
+    if best < cfg.min_best_reward or now >= (1.0 - cfg.reward_drop) * best:
+        return None
+    noise = step_noise(rewards, floor)
+    margin = reward_margin(len(means), w, noise, cfg.reward_false_alarm)
+    if best - now <= margin:
+        return None
+    return (f"reward collapse: mean of the last {w} steps {now:.3f} < {1.0 - cfg.reward_drop:g} x best {best:.3f}, "
+            f"{best - now:.3f} below it (noise margin {margin:.3f})")
 
 
 def trusted_step(kind: str, rewards: Sequence[float], steps: Sequence[int], cfg: GuardSpec) -> int | None:
@@ -70,6 +156,42 @@ def trusted_step(kind: str, rewards: Sequence[float], steps: Sequence[int], cfg:
     return steps[last_good] - 1
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What a trip does to the policy (`recovery`)."""
+
+    # checkpoint: restore `step`'s checkpoint; initial: the job's initial model (`step` 0);
+    # keep: the current weights stand (the step is not redone); fail: the job fails
+    action: Literal["checkpoint", "initial", "keep", "fail"]
+    step: int | None  # the step the trajectory goes on from (None: keep, fail)
+    note: str  # what happened, for the change record and the log
+
+
+def recovery(kind: str, checkpoints: Sequence[int], bound: int | None, cfg: GuardSpec) -> Recovery:
+    """Where a trip of `kind` sends the policy: the newest of this trajectory's `checkpoints`
+    (steps) at or before `bound` (`trusted_step`; None: any). With none, `cfg.on_no_checkpoint`:
+    `initial` restarts from the initial model; `fail` fails the job; `lower_lr` keeps the current
+    weights and goes on with the lower lr, except after a non-finite update, which has already
+    written non-finite values into the weights: nothing usable to keep, so the job fails."""
+    usable = [c for c in checkpoints if bound is None or c <= bound]
+    if usable:
+        return Recovery("checkpoint", max(usable), f"rolled back to the checkpoint of step {max(usable)}")
+    if checkpoints:
+        why = f"no checkpoint from before the collapse (the trusted policy is step {bound}'s)"
+    else:
+        why = "no checkpoint to go back to (checkpoint_every sets them)"
+    policy = cfg.on_no_checkpoint
+    if policy == "initial":
+        return Recovery("initial", 0, f"{why}: restarted from the initial model (guard.on_no_checkpoint 'initial')")
+    if policy == "fail":
+        return Recovery("fail", None, f"{why}, and guard.on_no_checkpoint is 'fail'")
+    if kind == "non_finite":
+        return Recovery("fail", None, f"{why}, and a non-finite update left no usable weights to keep "
+                        "(guard.on_no_checkpoint 'initial' restarts from the initial model instead)")
+    return Recovery("keep", None, f"{why}: kept the current policy and lowered the lr (guard.on_no_checkpoint "
+                    "'lower_lr')")
+
+
 def trusted_reward(rewards: Sequence[float], versions: Sequence[int], discarded: Sequence[Sequence[int]]) -> float | None:
     """The mean reward of a batch over the samples generated by policies the guard has not rolled
     back (`versions[i]` generated `rewards[i]`; `discarded`: [lo, hi] version ranges); None when no
@@ -84,13 +206,15 @@ def rolled_back(version: int, discarded: Sequence[Sequence[int]]) -> bool:
     return any(lo <= version <= hi for lo, hi in discarded)
 
 
-def check(metrics: Mapping[str, float], rewards: Sequence[float], cfg: GuardSpec) -> tuple[str, str] | None:
+def check(
+    metrics: Mapping[str, float], rewards: Sequence[float], cfg: GuardSpec, loss: str
+) -> tuple[str, str] | None:
     """(kind, reason) of the first trip — kind in non_finite, is_blowup, reward_collapse — or None.
-    `rewards` includes this step's reward/mean."""
+    `rewards` includes this step's reward/mean; `loss` is the job's loss (algorithm.loss)."""
     if (r := non_finite(metrics)) is not None:
         return "non_finite", r
-    if (r := is_blowup(metrics, cfg)) is not None:
+    if (r := is_blowup(metrics, cfg, loss)) is not None:
         return "is_blowup", r
-    if (r := reward_collapse(rewards, cfg)) is not None:
+    if (r := reward_collapse(rewards, cfg, batch_noise(metrics))) is not None:
         return "reward_collapse", r
     return None

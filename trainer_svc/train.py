@@ -71,7 +71,7 @@ from trainer_svc.dist import Ranks, full_value
 from trainer_svc.evaluation import Evaluator, build_sets
 from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, group_seq
 from trainer_svc.guard import check as guard_check
-from trainer_svc.guard import non_finite, rolled_back, trusted_reward, trusted_step
+from trainer_svc.guard import non_finite, recovery, rolled_back, trusted_reward, trusted_step
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
 from trainer_svc.shaping import no_signal, overlong_penalty
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
@@ -508,20 +508,31 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         evaluator.record_complete(version)
         return len(deliveries)
 
-    def roll_back(kind: str, reason: str, rewards: list[float]) -> None:
+    def roll_back(kind: str, reason: str, rewards: list[float]) -> bool:
         """Collapse guard trip: back to the newest checkpoint of this trajectory the guard still
-        trusts (trainer_svc/guard.py trusted_step; none: the job's initial model), a lower lr (and
-        a tighter staleness bound if the importance weights blew up), recorded in the ledger."""
+        trusts (trainer_svc/guard.py trusted_step), or with none what guard.on_no_checkpoint says
+        (guard.py recovery); a lower lr (and a tighter staleness bound if the importance weights
+        blew up), recorded in the ledger. Returns whether the step is to be redone (False: the
+        current policy was kept, this step's update stands)."""
         nonlocal k, trips, rewards_seen, kept, discarded
         trips += 1
         if trips > guard.max_trips:
             raise RuntimeError(f"collapse guard tripped {trips} times (last at step {step + 1}: {reason}); giving up")
         bound = trusted_step(kind, rewards, [int(s) for s, _ in rewards_seen] + [step + 1], guard)
-        back_to = max((c for c in kept if bound is None or c <= bound), default=0)
-        learner.restore(checkpoint.step_dir(settings.checkpoint_dir, job_id, back_to) if back_to else None)
+        plan = recovery(kind, kept, bound, guard)
+        change: dict[str, Any] = {"reason": reason, "kind": kind, "step": step + 1, "action": plan.action,
+                                  "note": plan.note}
+        if plan.action == "fail":
+            ledger.record_change(job_id, "trainer collapse guard", change)
+            raise RuntimeError(f"collapse guard: {reason} at step {step + 1}; {plan.note}")
+        back_to = step if plan.step is None else plan.step  # kept: the trajectory goes on from here
+        if plan.step is not None:
+            learner.restore(checkpoint.step_dir(settings.checkpoint_dir, job_id, back_to) if back_to else None)
         # the trajectory goes on from back_to: later checkpoints, rewards and versions are not its own
         kept = [c for c in kept if c <= back_to]
         rewards_seen = [x for x in rewards_seen if x[0] <= back_to]
+        if plan.step is None and kind == "reward_collapse":  # the kept policy's reward is measured afresh
+            rewards_seen = []
         if step > back_to:  # one version per step: back_to's weights are version - (step - back_to)
             discarded = [*discarded, [version - (step - back_to) + 1, version]]
         learner.lr *= guard.lr_factor
@@ -529,11 +540,12 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
             k = max(adaptive.k_min if adaptive is not None else 0, k - 1)
             if adaptive is not None:
                 adaptive.k = k
-        change = {"reason": reason, "kind": kind, "step": step + 1, "rolled_back_to_step": back_to,
-                  "discarded_steps": list(range(back_to + 1, step + 1)), "lr": learner.lr, "max_staleness": k}
+        change |= {"rolled_back_to_step": plan.step, "discarded_steps": list(range(back_to + 1, step + 1)),
+                   "lr": learner.lr, "max_staleness": k}
         ledger.record_change(job_id, "trainer collapse guard", change)
-        log.error("collapse guard: %s at step %d; rolled back to step %d, lr %.3g, staleness bound %d",
-                  reason, step + 1, back_to, learner.lr, k)
+        log.error("collapse guard: %s at step %d; %s; lr %.3g, staleness bound %d",
+                  reason, step + 1, plan.note, learner.lr, k)
+        return plan.step is not None
 
     def checkpoint_now() -> None:
         """The policy at this step boundary, with the loop's state; one of this trajectory's."""
@@ -668,11 +680,13 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 # off-policy (AIPO truncates their weights): only a garbage update trips it again
                 trip = None if (bad := non_finite(step_metrics)) is None else ("non_finite", bad)
             else:
-                trip = None if redo is not None or not guard.enabled else guard_check(step_metrics, window, guard)
+                trip = (None if redo is not None or not guard.enabled
+                        else guard_check(step_metrics, window, guard, spec.algorithm.loss))
             if trip is None:
                 break
-            roll_back(*trip, window)
             tripped = True
+            if not roll_back(*trip, window):  # the policy was kept (guard.on_no_checkpoint): the step stands
+                break
         if measured is not None:
             rewards_seen.append([step + 1, measured])
         trained_version = version

@@ -217,6 +217,14 @@
     $("generators").tBodies[0].replaceChildren(...rows);
   }
 
+  // every collapse-guard trip (trainer_svc/guard.py), from the job's change log: a roll-back, a
+  // kept policy or a restart changes what the curves mean, so it sits above them
+  function renderGuard(trips) {
+    $("guard").hidden = trips.length === 0;
+    $("guard-title").textContent = `collapse guard tripped ${trips.length} time${trips.length === 1 ? "" : "s"}`;
+    $("guard-trips").replaceChildren(...trips.map((t) => el("li", {}, t.text)));
+  }
+
   function renderJob(job, data) {
     $("job").hidden = false;
     $("job-name").textContent = job.name;
@@ -228,6 +236,7 @@
     $("job-error").textContent = job.error || "";
     document.title = `${job.name} (${job.state}) · asyncrl status`;
     last = { job, data };
+    renderGuard(data.guard_trips || []);
     renderCharts();
     renderGenerators(job.generators || {});
     fillDl($("samples"), Object.entries(job.samples || {}));

@@ -169,6 +169,26 @@ def test_status_watch_returns_when_the_job_ends(api, tmp_path):
     assert result.exit_code == 1 and "CUDA out of memory" in result.stderr, result.output
 
 
+def test_status_shows_the_collapse_guards_trips(api, tmp_path):
+    job = api.submit(tmp_path)
+    result = api.cli("status", job)
+    assert result.exit_code == 0 and "collapse guard" not in result.stderr, result.output
+    api.ledger.record_change(job, "trainer collapse guard", {  # as trainer_svc/train.py records one
+        "reason": "reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300", "kind": "reward_collapse",
+        "step": 143, "action": "initial", "note": "no checkpoint to go back to: restarted from the initial model",
+        "rolled_back_to_step": 0, "discarded_steps": list(range(1, 143)), "lr": 5e-5, "max_staleness": 1})
+    api.ledger.record_change(job, "api", {"lr": 1e-4})  # not the guard's
+    result = api.cli("status", job)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["id"] == job  # stdout stays the job's JSON
+    assert "collapse guard tripped 1 time(s)" in result.stderr
+    assert ("step 143: reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300 -> no checkpoint to go "
+            "back to: restarted from the initial model; steps 1-142 discarded; lr now 5e-05") in result.stderr
+    api.ledger.set_job_state(job, "finished")
+    result = api.cli("status", job, "--watch")
+    assert result.exit_code == 0 and "restarted from the initial model" in result.stderr, result.output
+
+
 def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
     for args in (("status", "nope"), ("status", "nope", "--watch"), ("pause", "nope"), ("samples", "nope"),
                  ("set", "nope", "--lr", "1e-5"), ("stop", "nope")):

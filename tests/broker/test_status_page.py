@@ -34,7 +34,7 @@ TRAIN_BLUE = (0x25, 0x63, 0xEB)  # COLORS.train in broker/static/status.js
 
 
 def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny") -> str:
-    """A running job with five train steps, two evals and one generator load."""
+    """A running job with five train steps, two evals, one generator load and a guard trip."""
     ledger.create_job(job_id, name, {"name": name})
     ledger.set_job_state(job_id, "running")
     for step in range(1, 6):
@@ -56,6 +56,10 @@ def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny
     ledger.record_eval(job_id, 4, 3, 4, 0.45, 32)
     ledger.record_eval(job_id, 4, 4, 4, 0.5, 32, source="checkpoint")  # the admin worker's
     ledger.record_generator_load(job_id, 5, "gen-0")
+    ledger.record_change(job_id, "trainer collapse guard", {  # as trainer_svc/train.py records one
+        "reason": "importance-weight ESS 0.03 < 0.05 (reinforce)", "kind": "is_blowup", "step": 4,
+        "action": "keep", "note": "no checkpoint to go back to: kept the current policy", "rolled_back_to_step": None,
+        "discarded_steps": [], "lr": 5e-5, "max_staleness": 0})
     return job_id
 
 
@@ -146,6 +150,10 @@ def test_data_endpoint_returns_the_series(make_app) -> None:
         (4, 0.5, 32, "checkpoint"),
     ]
     assert body["evals"][1]["policy_version_min"] == 3
+    assert body["guard_trips"] == [{
+        "step": 4, "kind": "is_blowup", "action": "keep",
+        "text": "step 4: importance-weight ESS 0.03 < 0.05 (reinforce) -> no checkpoint to go back to: kept the "
+                "current policy; lr now 5e-05"}]
 
 
 def test_data_endpoint_unknown_job_is_404(make_app) -> None:
@@ -233,6 +241,7 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert re.search(r'<div id="error" class="error" hidden="?"?>', dom), "the page shows an error"
     assert "gen-0" in dom  # the generators table, heartbeat from Redis
     assert re.search(r"<dt>trained</dt>|<dt>reward/mean</dt>", dom)
+    assert "collapse guard tripped 1 time</strong>" in dom and "kept the current policy; lr now 5e-05</li>" in dom
 
     shot = tmp_path / "shot.png"
     run = chromium(tmp_path, url, f"--screenshot={shot}")

@@ -120,6 +120,9 @@ def test_aipo_truncation_hand_computed():
     assert m["is/ess"] == pytest.approx(0.735294, abs=1e-6)
     assert m["mismatch_kl"] == pytest.approx(0.25, abs=1e-6)
     assert m["loss"] == pytest.approx(1.732868, abs=1e-5)
+    # the applied weights are the truncated 1.5 and 0.5: ESS = 2^2 / (2 * (2.25 + 0.25)) = 0.8
+    assert m["is/applied_ess"] == pytest.approx(0.8)
+    assert m["is/applied_max"] == pytest.approx(1.5)
 
 
 def test_aipo_without_truncation_is_plain_importance_weighting():
@@ -217,7 +220,12 @@ def test_ppo_clip_hand_computed():
     out.loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.125], [0.375, 0.0]], dtype=torch.float64))
     assert out.metrics["is/truncated_sum"] == 2.0
-    assert finalize_metrics(out.metrics, _norm(inp.mask))["is/truncated_frac"] == 0.5
+    m = finalize_metrics(out.metrics, _norm(inp.mask))
+    assert m["is/truncated_frac"] == 0.5
+    # applied weights (the gradient's -r on each unclipped token): 0, 0.5, 1.5, 0
+    # ESS = (0.5 + 1.5)^2 / (4 * (0.25 + 2.25)) = 4 / 10 = 0.4; max 1.5
+    assert m["is/applied_ess"] == pytest.approx(0.4)
+    assert m["is/applied_max"] == pytest.approx(1.5)
 
 
 def test_gspo_hand_computed_on_sequences_of_different_lengths():
@@ -243,7 +251,11 @@ def test_gspo_hand_computed_on_sequences_of_different_lengths():
     assert torch.allclose(
         lp.grad, torch.tensor([[g0, g0, g0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     )
-    assert finalize_metrics(out.metrics, _norm(inp.mask))["is/truncated_frac"] == 0.5  # 1 of 2 seqs
+    m = finalize_metrics(out.metrics, _norm(inp.mask))
+    assert m["is/truncated_frac"] == 0.5  # 1 of 2 seqs
+    # applied per sequence: s_0 = 1.105171 and 0 (clipped): ESS = s_0^2 / (2 * s_0^2) = 0.5
+    assert m["is/applied_ess"] == pytest.approx(0.5)
+    assert m["is/applied_max"] == pytest.approx(math.exp(0.1))
     # token-mean weights each sequence by its length: (3 * 1.105171 + 1 * 0.9) / 4
     tm = policy_loss(
         inp, LossConfig(loss="gspo", gspo_clip_low=0.1, gspo_clip_high=0.05), _norm(inp.mask)
@@ -341,6 +353,30 @@ def test_ess_equal_weights_is_one_and_one_dominant_weight_is_about_one_over_n():
     # (1e4 + 7)^2 / (8 * (1e8 + 7)) = 0.12518
     assert dominant["is/ess"] == pytest.approx(1 / 8, rel=2e-3)
     assert dominant["is/max"] == pytest.approx(1e4, rel=1e-4)
+    # AIPO (rho 2) applies min(1e4, 2) = 2 to that token: (2 + 7)^2 / (8 * (4 + 7)) = 81 / 88
+    assert dominant["is/applied_ess"] == pytest.approx(81 / 88)
+    assert dominant["is/applied_max"] == pytest.approx(2.0)
+
+
+def test_applied_weights_of_a_batch_with_one_wild_raw_ratio():
+    # the healthy AIPO batch: 320 tokens on-policy but one with pi/mu = 148 (raw ESS
+    # (319 + 148)^2 / (320 * (319 + 148^2)) = 218089 / 7111360 = 0.0307, under min_ess 0.05);
+    # the weights AIPO applies are 1 x 319 and min(148, 2) = 2: (319 + 2)^2 / (320 * (319 + 4))
+    # = 103041 / 103360 = 0.99691
+    lp = torch.full((64, 5), -1.0)
+    beh = lp.clone()
+    beh[3, 1] -= math.log(148.0)
+    mask, norm = torch.ones(64, 5), _norm(torch.ones(64, 5))
+    m = finalize_metrics(policy_loss(LossInputs(lp, beh, torch.ones(64), mask), LossConfig(), norm).metrics, norm)
+    assert m["is/max"] == pytest.approx(148.0, rel=1e-6)
+    assert m["is/ess"] == pytest.approx(218089 / 7111360, rel=1e-5)
+    assert m["is/applied_ess"] == pytest.approx(103041 / 103360, rel=1e-6)
+    assert m["is/applied_max"] == pytest.approx(2.0)
+    # REINFORCE applies weight 1 everywhere, whatever the ratios
+    r = finalize_metrics(
+        policy_loss(LossInputs(lp, beh, torch.ones(64), mask), LossConfig(loss="reinforce"), norm).metrics, norm
+    )
+    assert (r["is/applied_ess"], r["is/applied_max"]) == (1.0, 1.0)
 
 
 def test_metrics_across_micro_batches_equal_metrics_at_once():
@@ -374,6 +410,8 @@ def test_metrics_across_micro_batches_equal_metrics_at_once():
                 "is/max",
                 "is/truncated_frac",
                 "is/ess",
+                "is/applied_ess",
+                "is/applied_max",
                 "mismatch_kl",
                 "kl_ref",
                 "entropy",
