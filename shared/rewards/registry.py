@@ -14,7 +14,14 @@ from shared.rewards.combine import SumScorer
 from shared.rewards.pool import SyncRunner, ThreadRunner, WorkerPool
 from shared.rewards.python import FunctionScorer, LoadedFunction
 from shared.rewards.remote import HttpScorer, JudgeScorer
-from shared.rewards.spec import BuiltinReward, OnFailure, PythonReward, RewardSpec, as_object
+from shared.rewards.spec import (
+    BuiltinReward,
+    OnFailure,
+    PythonReward,
+    RewardSpec,
+    SumReward,
+    as_object,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,5 +172,15 @@ def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> Re
         raise
     ctx.runner = runner
     obj = as_object(spec)
-    description = spec if isinstance(spec, str) else obj.kind
-    return RewardScorer(root, runner, obj.on_failure or "zero", description)
+    return RewardScorer(root, runner, obj.on_failure or "zero", describe(spec))
+
+
+def describe(spec: str | BaseModel) -> str:
+    """A short name of a reward for logs: "exact_match", "python my_rewards:score", "sum(a, b)"."""
+    if isinstance(spec, str):
+        return spec
+    obj = as_object(spec)
+    if isinstance(obj, SumReward):
+        return f"sum({', '.join(t.name for t in obj.terms)})"
+    what = {"builtin": "name", "python": "function", "http": "url", "judge": "model", "model": "path"}[obj.kind]
+    return f"{obj.kind} {getattr(obj, what)}"
