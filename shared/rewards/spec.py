@@ -149,6 +149,14 @@ JUDGE_TEMPLATE = (
 _TEMPLATE_FIELDS = ("prompt", "completion", "answer", "metadata")
 
 
+def _template_fields(template: str) -> set[str]:
+    """The replacement fields of a str.format template (a judge's or a reward model's)."""
+    try:
+        return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise ValueError(f"template is not a str.format template ({exc}); write literal braces as {{{{ and }}}}") from None
+
+
 class JudgeReward(_Strict):
     """An LLM judge behind an OpenAI-compatible `/v1/chat/completions` endpoint."""
 
@@ -176,11 +184,7 @@ class JudgeReward(_Strict):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str) -> str:
-        try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
-        except ValueError as exc:
-            raise ValueError(f"template is not a str.format template ({exc}); write literal braces as {{{{ and }}}}") from None
-        for field in fields:
+        for field in _template_fields(v):
             root = re.split(r"[.\[]", field, maxsplit=1)[0]
             if root not in _TEMPLATE_FIELDS:
                 raise ValueError(f"template field {{{field}}} is unknown; use {', '.join('{' + f + '}' for f in _TEMPLATE_FIELDS)}")
@@ -205,10 +209,7 @@ class ModelReward(_Strict):
     @field_validator("template")
     @classmethod
     def _template(cls, v: str) -> str:
-        try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(v) if f is not None}
-        except ValueError as exc:
-            raise ValueError(f"template is not a str.format template ({exc})") from None
+        fields = _template_fields(v)
         unknown = fields - {"prompt", "completion", "answer"}
         if unknown:
             raise ValueError(f"template fields {sorted(unknown)} are unknown; use {{prompt}} {{completion}} {{answer}}")
