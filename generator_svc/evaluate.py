@@ -24,8 +24,8 @@ from pathlib import Path
 from shared.datasets import load_task
 from shared.jobspec import JobSpec
 from shared.logs import setup_logging
+from shared.prompts import renderer
 from shared.rewards import RewardInput, build_scorer
-from shared.schema import SamplingParams
 
 log = logging.getLogger("evaluate")
 
@@ -60,17 +60,23 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
     engine = Engine(str(checkpoint), seed=spec.seed, dtype=dtype, max_model_len=max_model_len)
     load_s = time.perf_counter() - t0
     try:
-        greedy = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=spec.sampling.max_tokens)
+        # As the trainer's rounds: prompts rendered by the job's renderer (chat template or plain) and
+        # generated from those ids, greedy, with the job's stop rules.
+        from transformers import AutoTokenizer
+
+        render = renderer(AutoTokenizer.from_pretrained(checkpoint), spec.chat_template, spec.chat_template_kwargs)
+        rendered = [render(p) for p in test]
+        greedy = spec.sampling.params(temperature=0.0, top_p=1.0)
         t1 = time.perf_counter()
-        outs = engine.generate([p.prompt for p in test], [greedy] * len(test), [1] * len(test))
+        outs = engine.generate([r.ids for r in rendered], [greedy] * len(test), [1] * len(test))
         gen_s = time.perf_counter() - t1
     finally:
         engine.close()
     with scorer:
         results = scorer.score_sync([
-            RewardInput(prompt=problem.prompt, completion=sample.text, answer=problem.answer,
+            RewardInput(prompt=r.text, completion=sample.text, answer=problem.answer,
                         metadata=problem.metadata, finish_reason=sample.finish_reason)
-            for problem, (sample,) in zip(test, outs, strict=True)
+            for problem, r, (sample,) in zip(test, rendered, outs, strict=True)
         ])
     rewards, examples, tokens, statuses = [], [], 0, Counter(res.status for res in results)
     for problem, (sample,), res in zip(test, outs, results, strict=True):
