@@ -173,19 +173,23 @@ def trl_python(venv: Path) -> Path:
 
 def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
          evaluate: bool = True) -> dict[str, Any]:
-    """One TRL GRPOTrainer run on the task (both cores, 2 torch threads); its result JSON."""
+    """One TRL GRPOTrainer run on the suite's task (both cores, 2 torch threads); its result JSON."""
     train, test = load_task(TaskSpec(**TTR_SPEC["task"]), seed)
-    run_dir = wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}"
-    run_dir.mkdir(parents=True)
-    cfg = {
-        "model_path": str(model), "workdir": str(run_dir), "seed": seed, "steps": steps,
+    return run_trl(py, wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}", {
+        "model_path": str(model), "seed": seed, "steps": steps,
         "train": [{"prompt": p.prompt, "answer": p.answer} for p in train],
         "test": [{"prompt": p.prompt, "answer": p.answer} for p in test],
         "group_size": TTR_SPEC["group_size"], "prompts_per_step": TTR_SPEC["prompts_per_step"],
         "micro_batch_size": TTR_SPEC["algorithm"]["micro_batch_size"], "lr": TTR_SPEC["algorithm"]["lr"],
         "temperature": TTR_SPEC["sampling"]["temperature"], "max_tokens": max_tokens,
-        "eval_every": eval_every, "evaluate": evaluate, "threads": len(os.sched_getaffinity(0)),
-    }
+        "eval_every": eval_every, "evaluate": evaluate})
+
+
+def run_trl(py: Path, run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run broker/peers/trl_grpo.py with `cfg` (its keys: that script's docstring; workdir,
+    threads and t_launch are filled in here) in `run_dir`; its result JSON."""
+    run_dir.mkdir(parents=True)
+    cfg = {"threads": len(os.sched_getaffinity(0)), **cfg, "workdir": str(run_dir)}
     cfg["t_launch"] = time.time()
     (run_dir / "config.json").write_text(json.dumps(cfg))
     proc = subprocess.run([str(py), str(PEER_SCRIPT), "--config", str(run_dir / "config.json"),
@@ -203,15 +207,24 @@ def _ours_ttr(wd: Path, model: Path, mode: str, seed: int, p: Preset, target: fl
     spec = {**TTR_SPEC, "name": f"suite-ttr-{mode}-{seed}", "model_path": str(model), "mode": mode,
             "seed": seed, "steps": p.ttr_steps, "eval_every": p.eval_every}
     ledger, job_id, t0 = _run(wd, spec)
+    curve, step_ends, breakdown = ours_curve(ledger, job_id, t0)
+    return _ttr_summary(curve, step_ends, target, breakdown=breakdown)
+
+
+def ours_curve(ledger: Ledger, job_id: str, t0: float, eval_set: str = "held_out") -> tuple[
+        list[dict[str, float]], list[dict[str, float]], dict[str, float | None]]:
+    """A finished job's held-out curve ({step, reward, t_s}: a point's time is the end of the step
+    that produced the policy, seconds since `t0`), every step's end ({step, t_s}) and the median
+    per-step time breakdown (wait, train, publish, ledger) over the steady steps."""
     steps = ledger.train_steps(job_id)
     end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
     curve = [{"step": e["step"], "reward": e["reward_mean"],
-              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)} for e in ledger.evals(job_id, source="pipeline") if e["name"] == "held_out"]
+              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)}
+             for e in ledger.evals(job_id, source="pipeline") if e["name"] == eval_set]
     steady = steps[2:] or steps
     breakdown = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in
                  ("wait_s", "train_s", "publish_s", "ledger_s")}
-    return _ttr_summary(curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], target,
-                        breakdown=breakdown)
+    return curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], breakdown
 
 
 def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float,

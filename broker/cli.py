@@ -104,7 +104,8 @@ def demo(
 def bench(
     which: str = typer.Argument(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
-        "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling."
+        "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
+        "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -119,6 +120,10 @@ def bench(
         from broker.bench_suite import run_suite
 
         run_suite(preset, out_dir=out)
+    elif which == "own-task":
+        from broker.bench_own_task import run_own_task
+
+        run_own_task(out_dir=out, seeds=seeds, steps=steps or 150)
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -134,7 +139,7 @@ def bench(
                     + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task")
 
 
 @app.command()

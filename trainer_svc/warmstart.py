@@ -14,6 +14,10 @@ sample rather than teaching new answers.
 
     python -m trainer_svc.warmstart --model /tmp/tiny --out /tmp/tiny-warm [--task arithmetic \
         --seed 0 --steps 1000 --lr 1e-3 --off-by-one 0.7]
+    python -m trainer_svc.warmstart --model /tmp/tiny --out /tmp/tiny-warm \
+        --task-spec '{"datasets": [{"path": "my.jsonl"}], "prompt_field": "q", "answer_field": "a"}'
+
+(`--task-spec`: a job spec's `task` section, as JSON or @file, for a user's own data.)
 
 Prints and returns held-out greedy accuracy and pass@8 at temperature 1.0 (HF ``generate``).
 """
@@ -137,6 +141,7 @@ def warm_start(
     batch_size: int = DEFAULT_BATCH,
     off_by_one: float = DEFAULT_OFF_BY_ONE,
     seed: int = 0,
+    task_spec: TaskSpec | None = None,
 ) -> dict[str, float]:
     """Fine-tune ``model_dir`` on the task's train split; save model + tokenizer to ``out_dir``.
 
@@ -144,6 +149,8 @@ def warm_start(
         model_dir: HF directory (e.g. from ``trainer_svc.tiny_model``).
         out_dir: created if missing.
         task, n_train, n_test, path, test_path: the task section (``shared.datasets.TaskSpec``).
+        task_spec: a whole task section instead (a user's own datasets); the five above are
+            then ignored.
         steps: optimizer steps (AdamW, no weight decay, cosine decay from ``lr`` to 0).
         lr: peak learning rate.
         batch_size: problems per step, drawn without replacement within a step.
@@ -163,9 +170,9 @@ def warm_start(
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    train, test = load_task(
-        TaskSpec(name=task, n_train=n_train, n_test=n_test, path=path, test_path=test_path), seed
-    )
+    if task_spec is None:
+        task_spec = TaskSpec(name=task, n_train=n_train, n_test=n_test, path=path, test_path=test_path)
+    train, test = load_task(task_spec, seed)
     prompts = encode_prompts(tokenizer, train)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -215,7 +222,13 @@ def main(argv: list[str] | None = None) -> None:
         help="probability that a training target is answer+1 (0: exact teacher)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task-spec", default=None,
+                   help="a job spec's task section as JSON, or @file holding it (overrides --task/--path/--n-*)")
     a = p.parse_args(argv)
+    spec = None
+    if a.task_spec is not None:
+        text = Path(a.task_spec[1:]).read_text() if a.task_spec.startswith("@") else a.task_spec
+        spec = TaskSpec.model_validate_json(text)
     metrics = warm_start(
         a.model,
         a.out,
@@ -229,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=a.batch_size,
         off_by_one=a.off_by_one,
         seed=a.seed,
+        task_spec=spec,
     )
     print(json.dumps({k: round(v, 4) for k, v in metrics.items()}))
 

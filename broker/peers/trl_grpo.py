@@ -6,10 +6,14 @@ file), only torch, transformers, datasets and trl, and it writes one JSON result
 
     <trl-venv>/bin/python broker/peers/trl_grpo.py --config cfg.json --out result.json
 
-Config keys: model_path, train and test (lists of {"prompt", "answer"}), group_size,
-prompts_per_step, micro_batch_size, steps, lr, max_tokens, temperature, eval_every, threads,
-seed, t_launch (epoch seconds at which the suite started this process: the clock's zero),
-workdir, and optionally evaluate (false: no held-out evaluation, for the cost of a step only).
+Config keys: model_path, train and test (lists of {"prompt", "answer"}, optionally "metadata"),
+group_size, prompts_per_step, micro_batch_size, steps, lr, max_tokens, temperature, eval_every,
+threads, seed, t_launch (epoch seconds at which the suite started this process: the clock's
+zero), workdir, and optionally evaluate (false: no held-out evaluation, for the cost of a step
+only), reward ("/path/file.py:function": a user's reward plug-in, called as our reward service
+calls it, `fn(completion, answer, metadata=row_metadata)`; default: exact match below) and stop
+(strings that end a completion, each one token of the model's tokenizer: they join the
+generation config's EOS ids, which is how TRL ends and masks a completion).
 
 Training settings mirror the job spec of our side: fp32 (TRL's default bf16 off), no gradient
 checkpointing (its default on), AdamW at a constant lr without weight decay, one optimizer step
@@ -59,9 +63,20 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if _norm(got) == _norm(answer) else 0.0
 
 
-def reward_exact_match(completions: list[str], answer: list[str], **_: Any) -> list[float]:
-    """TRL reward function: the dataset's `answer` column arrives as a keyword argument."""
-    return [exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
+def load_reward(ref: str | None) -> Any:
+    """`fn(completion, answer, metadata)` from "/path/file.py:function", or exact match."""
+    if not ref:
+        return lambda completion, answer, metadata: exact_match(completion, answer)
+    import importlib.util
+
+    path, _, name = ref.rpartition(":")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name)
+    return lambda completion, answer, metadata: float(fn(completion, answer, metadata=metadata))
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +92,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(int(cfg["seed"]))
     tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
     model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
+    score = load_reward(cfg.get("reward"))
+    stop_ids = []
+    for s in cfg.get("stop") or []:
+        ids = tokenizer.encode(s, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"stop string {s!r} is {len(ids)} tokens; TRL ends completions on token ids only")
+        stop_ids += ids
+    if stop_ids:  # TRL reads its EOS ids from the generation config and masks after the first one
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *eos, *stop_ids]
     test = cfg["test"]
     max_tokens = int(cfg["max_tokens"])
     curve: list[dict[str, float]] = []
@@ -94,10 +120,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         finally:
             tokenizer.padding_side = side
         out = m.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id, *stop_ids])
         texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         m.train(was_training)
-        return sum(exact_match(t, p["answer"]) for t, p in zip(texts, test, strict=True)) / len(test)
+        return sum(score(t, p["answer"], p.get("metadata", {})) for t, p in zip(texts, test, strict=True)) / len(test)
 
     def evaluate(m: Any, step: int) -> None:
         t0 = time.time()
@@ -155,8 +181,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in cfg["train"]])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_exact_match, args=args, train_dataset=dataset,
+    def reward(completions: list[str], answer: list[str], metadata: list[str], **_: Any) -> list[float]:
+        """TRL reward function: the dataset's columns arrive as keyword arguments."""
+        return [score(c, a, json.loads(m)) for c, a, m in zip(completions, answer, metadata, strict=True)]
+
+    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"],
+                                  "metadata": json.dumps(p.get("metadata", {}))} for p in cfg["train"]])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[HeldOut()])
     trainer.train()
     return {

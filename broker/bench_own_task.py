@@ -1,0 +1,294 @@
+"""A user's own task beside TRL, and the collapse guard's calibration (`asyncrl bench own-task`).
+
+The task is one this project was never tuned on, given the way the README's "Your own task" says
+a user gives it: two-digit addition and subtraction (`"37-12="` -> `"25"`) in a JSON Lines file of
+its own with its own column names (`question`, `target`, and `op`, `level` passed through to the
+reward as metadata), a reward function in a file outside the project passed by import path (1 when
+the first token of the completion's first line is the answer), and a stop string (`"\\n"`). The
+model is a 4-layer tiny Llama warm-started on that file (trainer_svc.warmstart --task-spec, its
+imperfect teacher), the same for both sides.
+
+Sections (results/own_task.json holds them under these keys):
+
+- `curves`: the held-out curve (100 problems split off the file by the job's seed, one greedy
+  completion each, the user's reward) of ours in sync, async k=1 and k=2 and of TRL's
+  GRPOTrainer (broker/peers/trl_grpo.py, the same reward file and stop rule, the same train/test
+  split, batch 8 prompts x 8 samples, lr, temperature, max tokens, both cores), 3 seeds each.
+  Ours is started as a user would (the job spec below and nothing else: defaults for all the
+  rest). A point's time is the end of the step that produced the policy, in seconds since the
+  launch; TRL's evaluation time is taken off its clock (broker.bench_suite).
+- `gaps`: ours - TRL held-out reward at TRL's last step (mean over seeds), and the wall time to
+  TRL's final held-out reward, ours / TRL, both on the seed-mean curves.
+- `guard`: trainer_svc.guard_calibration's replay of every healthy job's recorded metrics through
+  the default guard (the own task's runs above plus async k=4, and the built-in arithmetic task
+  in sync and k=1/2/4 as the demo starts it, 3 seeds each), and a live collapse (the demo's
+  model at a destructive lr, default guard settings) that must trip.
+
+Top-level keys: held_out_gap_sync, held_out_gap_async_k1, held_out_gap_async_k2,
+wall_to_trl_final_sync, wall_to_trl_final_async_k1 (null where never reached), guard_false_trips,
+guard_live_trip, machine, date.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from broker.bench import machine
+from broker.bench_suite import _run, ours_curve, run_trl, trl_python
+from broker.demo import prepare_model, run_job
+from broker.ledger import Ledger
+from shared.datasets import TaskSpec, load_task
+from shared.jobspec import GuardSpec
+
+console = Console()
+
+REWARD_FILE = '''"""The user's reward: 1 when the first token of the completion's first line is the answer."""
+
+
+def score(completion, answer, *, metadata, **kwargs):
+    first_line = completion.strip().split("\\n")[0].split()
+    return 1.0 if first_line and first_line[0] == answer else 0.0
+'''
+SHAPE: dict[str, Any] = {"group_size": 8, "prompts_per_step": 8, "lr": 1e-4, "max_tokens": 8, "temperature": 1.0}
+STOP = ["\n"]
+N_TEST = 100
+
+
+def write_task(wd: Path) -> tuple[Path, Path]:
+    """The user's data file and reward file (outside the project): (jsonl, reward.py)."""
+    rows = [{"question": f"{a}-{b}=", "target": str(a - b), "op": "sub", "level": a // 10}
+            for a in range(10, 50) for b in range(10, a + 1)]
+    rows += [{"question": f"{a}+{b}=", "target": str(a + b), "op": "add", "level": (a + b) // 10}
+             for a in range(10, 30) for b in range(10, 30)]
+    random.Random(1234).shuffle(rows)
+    data = wd / "user" / "addsub.jsonl"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = wd / "user" / "addsub_reward.py"
+    reward.write_text(REWARD_FILE)
+    return data, reward
+
+
+def task_section(data: Path) -> dict[str, Any]:
+    return {"datasets": [{"path": str(data)}], "prompt_field": "question", "answer_field": "target", "n_test": N_TEST}
+
+
+def prepare_own_model(wd: Path, data: Path) -> Path:
+    """4-layer tiny Llama, warm-started on the user's file (both cached)."""
+    base, warm = wd / "own-base", wd / "own-warm"
+    if not (base / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4"], check=True)
+    if not (warm / "config.json").exists():
+        console.print(f"[bold]warm start on the user's task[/] -> {warm}")
+        subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+                        "--task-spec", json.dumps(task_section(data))], check=True)
+    return warm
+
+
+def own_spec(model: Path, data: Path, reward: Path, mode: str, k: int, seed: int, steps: int,
+             eval_every: int) -> dict[str, Any]:
+    """The job spec a user writes for this task: everything else is the defaults."""
+    return {
+        "name": f"own-{mode}-k{k}-s{seed}", "model_path": str(model), "mode": mode, "max_staleness": k,
+        "seed": seed, "steps": steps, "eval_every": eval_every,
+        "group_size": SHAPE["group_size"], "prompts_per_step": SHAPE["prompts_per_step"],
+        "algorithm": {"lr": SHAPE["lr"]},
+        "sampling": {"temperature": SHAPE["temperature"], "max_tokens": SHAPE["max_tokens"], "stop": STOP},
+        "task": task_section(data),
+        "reward": f"{reward}:score",
+    }
+
+
+def trl_curve(py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: int, steps: int,
+              eval_every: int) -> dict[str, Any]:
+    """TRL on the same split, reward file and stop rule; its curve and step ends."""
+    train, test = load_task(TaskSpec.model_validate(task_section(data)), seed)
+
+    def rows(ps: list[Any]) -> list[dict[str, Any]]:
+        return [{"prompt": p.prompt, "answer": p.answer, "metadata": p.metadata} for p in ps]
+
+    r = run_trl(py, wd / f"trl-own-{seed}-{time.time_ns()}", {
+        "model_path": str(model), "seed": seed, "steps": steps, "train": rows(train), "test": rows(test),
+        "group_size": SHAPE["group_size"], "prompts_per_step": SHAPE["prompts_per_step"],
+        "micro_batch_size": SHAPE["group_size"] * SHAPE["prompts_per_step"], "lr": SHAPE["lr"],
+        "temperature": SHAPE["temperature"], "max_tokens": SHAPE["max_tokens"], "eval_every": eval_every,
+        "reward": f"{reward}:score", "stop": STOP})
+    ends = [x["t_s"] for x in r["train_reward"]]
+    return {"curve": r["curve"], "step_s_median": statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)),
+            "startup_s": r["startup_s"], "wall_s": r["wall_s"], "eval_s_total": r["eval_s_total"],
+            "trl_version": r["trl_version"]}
+
+
+def _mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per step present in every curve: mean reward and mean time over the seeds."""
+    common = set.intersection(*({p["step"] for p in c} for c in curves)) if curves else set()
+    out = []
+    for step in sorted(common):
+        pts = [next(p for p in c if p["step"] == step) for c in curves]
+        out.append({"step": step, "reward": statistics.fmean(p["reward"] for p in pts),
+                    "t_s": statistics.fmean(p["t_s"] for p in pts)})
+    return out
+
+
+def _at_step(curve: list[dict[str, float]], step: int) -> float | None:
+    """The reward of the last point at or before `step`."""
+    pts = [p for p in curve if p["step"] <= step]
+    return pts[-1]["reward"] if pts else None
+
+
+def _time_to(curve: list[dict[str, float]], target: float) -> float | None:
+    hit = next((p for p in curve if p["reward"] >= target - 1e-9), None)
+    return hit["t_s"] if hit else None
+
+
+def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """held_out_gap_<mode> and wall_to_trl_final_<mode> from the seed-mean curves."""
+    trl = _mean_curve([r["curve"] for r in runs["trl"]])
+    out: dict[str, Any] = {"trl_final": trl[-1]["reward"] if trl else None}
+    if not trl:
+        return out
+    last, final = int(trl[-1]["step"]), trl[-1]["reward"]
+    trl_time = _time_to(trl, final)
+    out["trl_time_to_final_s"] = trl_time
+    for mode in ("sync", "async_k1", "async_k2"):
+        mean = _mean_curve([r["curve"] for r in runs[mode]])
+        at = _at_step(mean, last)
+        ours_time = _time_to(mean, final)
+        out[f"{mode}_at_trl_last_step"] = at
+        out[f"held_out_gap_{mode}"] = at - final if at is not None else None
+        out[f"{mode}_time_to_trl_final_s"] = ours_time
+        out[f"wall_to_trl_final_{mode}"] = ours_time / trl_time if ours_time and trl_time else None
+        # per seed, to see the spread behind the means
+        out[f"{mode}_gap_per_seed"] = [
+            (_at_step(r["curve"], last) or 0.0) - (_at_step(t["curve"], last) or 0.0)
+            for r, t in zip(runs[mode], runs["trl"], strict=False)]
+    return out
+
+
+def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
+    from trainer_svc.guard_calibration import calibrate
+
+    ledger = Ledger(db_url)
+    try:
+        jobs = [j["id"] for j in ledger.list_jobs(limit=1_000_000) if j["id"] not in exclude]
+    finally:
+        ledger.close()
+    return calibrate([db_url], jobs, GuardSpec())
+
+
+def live_collapse(wd: Path, model: Path) -> dict[str, Any]:
+    """The demo's model at 20x the demo's lr with the guard at its defaults: does it trip?"""
+    spec = {"name": "guard-live-default", "model_path": str(model), "mode": "async", "max_staleness": 1,
+            "steps": 20, "group_size": 8, "prompts_per_step": 8, "eval_every": 0, "checkpoint_every": 2,
+            "algorithm": {"lr": 2e-3}, "sampling": {"max_tokens": 8}}
+    run = run_job(wd, spec, progress=False)  # more trips than guard.max_trips fail the job: that is fine here
+    ledger = Ledger(run.db_url)
+    trips = [c["changes"] for c in ledger.job_changes(run.job_id) if c["actor"] == "trainer collapse guard"]
+    rewards = [round(s["metrics"]["reward/mean"], 3) for s in ledger.train_steps(run.job_id)]
+    return {"job_id": run.job_id, "state": run.state, "error": run.error, "tripped": bool(trips), "trips": trips,
+            "rewards": rewards}
+
+
+def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "results", seeds: int = 3,
+                 steps: int = 150, eval_every: int = 10, calibration_steps: int = 60,
+                 trl_venv: str = "runs/bench/trl-venv") -> dict[str, Any]:
+    t0 = time.monotonic()
+    wd = Path(workdir).resolve()
+    wd.mkdir(parents=True, exist_ok=True)
+    data, reward = write_task(wd)
+    model = prepare_own_model(wd, data)
+    trl_py = trl_python(Path(trl_venv).resolve())
+    runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async_k1": [], "async_k2": [], "trl": []}
+    for seed in range(seeds):
+        for name, mode, k in (("sync", "sync", 1), ("async_k1", "async", 1), ("async_k2", "async", 2)):
+            console.print(f"[bold]own task[/]: ours {name}, seed {seed}")
+            ledger, job_id, t_launch = _run(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
+            curve, ends, breakdown = ours_curve(ledger, job_id, t_launch)
+            step_s = statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False))
+            runs[name].append({"seed": seed, "job_id": job_id, "curve": curve, "step_s_median": step_s,
+                               "startup_s": ends[0]["t_s"] - step_s, "breakdown": breakdown})
+        console.print(f"[bold]own task[/]: TRL, seed {seed}")
+        runs["trl"].append({"seed": seed, **trl_curve(trl_py, wd, model, data, reward, seed, steps, eval_every)})
+    # the rest of the calibration matrix: healthy jobs whose only use is the guard replay
+    for seed in range(seeds):
+        console.print(f"[bold]guard calibration[/]: own task async k=4, seed {seed}")
+        _run(wd, own_spec(model, data, reward, "async", 4, seed, calibration_steps, 0))
+    demo_model = prepare_model(wd, 0)
+    for seed in range(seeds):
+        for mode, k in (("sync", 1), ("async", 1), ("async", 2), ("async", 4)):
+            console.print(f"[bold]guard calibration[/]: arithmetic {mode} k={k}, seed {seed}")
+            _run(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
+                      "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
+                      "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
+    console.print("[bold]guard[/]: live collapse")
+    live = live_collapse(wd, demo_model)
+    db_url = f"sqlite:///{wd / 'ledger.db'}"
+    cal = calibration(db_url, exclude={live["job_id"]})
+    result: dict[str, Any] = {
+        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "task": {"data": "two-digit add/sub JSONL, columns question/target/op/level", "n_test": N_TEST,
+                 "reward": "user file: first token of the first line == target", "stop": STOP},
+        "shape": SHAPE, "steps": steps, "eval_every": eval_every, "seeds": seeds,
+        "runs": runs, "gaps": gaps(runs), "guard": {"calibration": cal, "live": live},
+    }
+    g = result["gaps"]
+    for key in ("held_out_gap_sync", "held_out_gap_async_k1", "held_out_gap_async_k2",
+                "wall_to_trl_final_sync", "wall_to_trl_final_async_k1"):
+        result[key] = g.get(key)
+    result["guard_false_trips"] = cal["total_trips"]
+    result["guard_live_trip"] = live["tripped"]
+    result["wall_s"] = time.monotonic() - t0
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "own_task.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / "own_task.md").write_text(report(result))
+    console.print(report(result))
+    return result
+
+
+def _f(v: Any, d: int = 3) -> str:
+    return "-" if v is None else f"{v:.{d}f}" if isinstance(v, float) else str(v)
+
+
+def report(r: dict[str, Any]) -> str:
+    from trainer_svc.guard_calibration import markdown
+
+    g = r["gaps"]
+    lines = [f"# Own task beside TRL ({r['date']}, {r['machine']['cores']} cores)", "",
+             f"Task: {r['task']['data']}; reward: {r['task']['reward']}; stop {r['task']['stop']!r}; "
+             f"{r['steps']} steps, {r['seeds']} seeds, held-out every {r['eval_every']} steps "
+             f"({r['task']['n_test']} problems, greedy).", "",
+             "| | final held-out (seed mean) | gap vs TRL | per seed | s/step | wall to TRL's final (s) | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    trl_steps = [x["step_s_median"] for x in r["runs"]["trl"] if x.get("step_s_median")]
+    lines.append(f"| TRL | {_f(g.get('trl_final'))} | | | {_f(statistics.median(trl_steps) if trl_steps else None)} | "
+                 f"{_f(g.get('trl_time_to_final_s'), 1)} | 1 |")
+    for mode in ("sync", "async_k1", "async_k2"):
+        steps = [x["step_s_median"] for x in r["runs"][mode]]
+        lines.append(f"| ours {mode} | {_f(g.get(f'{mode}_at_trl_last_step'))} | {_f(g.get(f'held_out_gap_{mode}'))} | "
+                     f"{', '.join(_f(x, 2) for x in g.get(f'{mode}_gap_per_seed', []))} | "
+                     f"{_f(statistics.median(steps))} | {_f(g.get(f'{mode}_time_to_trl_final_s'), 1)} | "
+                     f"{_f(g.get(f'wall_to_trl_final_{mode}'), 2)} |")
+    lines += ["", "Held-out curves (seed mean; step: reward @ s):", ""]
+    for name, rs in r["runs"].items():
+        mean = _mean_curve([x["curve"] for x in rs])
+        lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
+    live = r["guard"]["live"]
+    lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",
+              markdown(r["guard"]["calibration"]),
+              f"Live collapse (lr 2e-3, default guard): tripped = {live['tripped']}; "
+              f"trips {[(t['step'], t['kind']) for t in live['trips']]}; rewards per step {live['rewards']}", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_own_task()
