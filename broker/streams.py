@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
+from broker.redis_retry import DEFAULT_OUTAGE_S, OutageRetry
 from shared.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DeadLetter,
@@ -69,29 +68,10 @@ return out
 """
 
 
-class _Retry(Retry):
-    """redis-py's Retry, except that authentication failures are not retried.
-
-    redis-py's AuthenticationError (wrong password, unknown or disabled ACL user) subclasses
-    ConnectionError, so the plain Retry would back off for seconds on a credential that cannot
-    start working; a credential error must surface at once, on the first command.
-    """
-
-    def call_with_retry(
-        self,
-        do: Callable[[], R],
-        fail: Callable[..., Any],
-        is_retryable: Callable[[Exception], bool] | None = None,
-        with_failure_count: bool = False,
-    ) -> R:
-        def retryable(exc: Exception) -> bool:
-            return not isinstance(exc, AuthenticationError) and (is_retryable is None or is_retryable(exc))
-
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
-
-
-def connect(url: str) -> redis.Redis:
-    """A client that retries transient connection errors with backoff (a value object, not sleeps).
+def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> redis.Redis:
+    """A client whose commands ride out a Redis outage: connection and timeout errors are retried
+    with back-off for up to `outage_s` seconds (default REDIS_OUTAGE_S, 600; broker.redis_retry).
+    A request path that must answer fast passes a small `outage_s` and a `socket_timeout_s`.
 
     `url` is any redis-py URL: `redis://[[user]:password@]host:port/db` for AUTH (a user name
     means an ACL user, none the `default` user / requirepass), `rediss://...` for TLS with the
@@ -101,12 +81,15 @@ def connect(url: str) -> redis.Redis:
     check only). Wrong credentials raise redis.exceptions.AuthenticationError on the first
     command, without retries.
     """
+    timeouts = {} if socket_timeout_s is None else {"socket_timeout": socket_timeout_s,
+                                                       "socket_connect_timeout": socket_timeout_s}
     return redis.Redis.from_url(
         url,
-        retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry=OutageRetry(DEFAULT_OUTAGE_S if outage_s is None else outage_s),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
         socket_keepalive=True,
+        **timeouts,
     )
 
 
