@@ -48,6 +48,20 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
+def _poll(api: str, path: str, token: str | None) -> Any:
+    """A watcher's GET: rides out an outage of the API (or of Redis and the ledger behind it) for
+    up to broker.http_retry.DEFAULT_OUTAGE_S; exits 1 on a 4xx or when the outage lasts longer."""
+    from broker.http_retry import ApiUnavailable, get_json
+
+    try:
+        body = get_json(httpx.get, api.rstrip("/") + path, headers=_auth(token), timeout=TIMEOUT_S)
+    except ApiUnavailable as exc:
+        _fail(str(exc))
+    if isinstance(body, dict) and "status_code" in body:
+        _fail(str(body.get("error") or body))
+    return body
+
+
 def _call(method: str, api: str, path: str, token: str | None, **kwargs: Any) -> Any:
     """One API request; returns the decoded JSON body.
 
@@ -199,7 +213,7 @@ def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[st
             if job["state"] in TERMINAL_STATES:
                 return job
             time.sleep(interval)
-            job = _call("GET", api, f"/jobs/{job_id}", token)
+            job = _poll(api, f"/jobs/{job_id}", token)
 
 
 @app.command()
@@ -386,7 +400,7 @@ def _follow_task(task: dict[str, Any], wait: bool, interval: float, api: str, to
     with console.status(f"{task['kind']} task {task['id']}: {task['state']}") as spinner:
         while task["state"] not in ("succeeded", "failed"):
             time.sleep(interval)
-            task = _call("GET", api, f"/tasks/{task['id']}", token)
+            task = _poll(api, f"/tasks/{task['id']}", token)
             spinner.update(f"{task['kind']} task {task['id']}: {task['state']} (attempt {task['attempts']})")
     if task["state"] == "failed":
         _fail(f"{task['kind']} task {task['id']} failed: {task['error']}")

@@ -26,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from broker.guard_report import describe, guard_trips
+from broker.http_retry import get_json
 from broker.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
@@ -165,7 +166,9 @@ def _watch(api: str, job_id: str, steps: int, sup: Supervisor, show: bool = True
     ) as progress:
         task = progress.add_task("training", total=steps, info="starting services...")
         while True:
-            job = httpx.get(f"{api}/jobs/{job_id}", timeout=30).json()
+            job = get_json(httpx.get, f"{api}/jobs/{job_id}", timeout=30)  # rides out an outage
+            if "status_code" in job:
+                raise RuntimeError(f"GET /jobs/{job_id}: {job}")
             m = job.get("last_metrics") or {}
             ev = job.get("evals") or []
             info = (

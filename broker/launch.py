@@ -5,8 +5,11 @@ environment, watches them, and stops them (SIGTERM, then SIGKILL after a grace p
 
 `python -m broker.launch --generators 2` starts the broker API, two generators, the reward
 service and the trainer (`--admin` adds the Celery admin worker); `--roles` picks a subset for
-one node of a multi-node layout. Nothing is restarted: the first process that fails stops the
-rest and the launcher exits 1 with that process's log tail. See `deploy/README.md`.
+one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`, the
+default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
+back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
+exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
+stops the rest and the launcher exits 1. See `deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,33 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    # how it was started, so that it can be started again
+    module: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: set[int] | None = None
+    args: tuple[str, ...] = ()
+    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What `supervise` does when a process fails: `on_failure` restarts it after `backoff_s`
+    (doubling per restart within the window, capped at 30 s), at most `max_restarts` times in
+    `window_s` seconds; otherwise, or past that budget, the failure ends the run."""
+
+    on_failure: bool = False
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+
+    def delay(self, p: Proc, now: float) -> float | None:
+        """Seconds to wait before restarting `p`, or None when its budget is spent."""
+        if not self.on_failure:
+            return None
+        recent = [t for t in p.restarts if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            return None
+        return min(30.0, self.backoff_s * 2 ** len(recent))
 
 
 class Supervisor:
@@ -71,10 +101,18 @@ class Supervisor:
             preexec_fn=preexec,
         )
         fh.close()
-        p = Proc(name, popen, log_path)
+        p = Proc(name, popen, log_path, module, dict(env or {}), cpus, tuple(args))
         self.procs.append(p)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
         return p
+
+    def restart(self, p: Proc) -> Proc:
+        """Start `p` again as it was started (its log is appended to); it replaces `p`."""
+        _killpg(p.popen.pid)  # whatever it left in its group (an engine core) goes first
+        self.procs.remove(p)
+        q = self.start(p.name, p.module, p.env, p.cpus, p.args)
+        q.restarts = [*p.restarts, time.monotonic()]
+        return q
 
     def failed(self) -> list[Proc]:
         """Processes that exited with a non-zero code."""
@@ -201,25 +239,42 @@ def plan(
     return out
 
 
-def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5) -> int:
-    """Watch `sup`'s processes until one fails, the job's services are all done, or `stop` is set.
+def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5,
+              policy: RestartPolicy = RestartPolicy()) -> int:
+    """Watch `sup`'s processes until the job's services are all done, one fails past `policy`,
+    or `stop` is set. A failed process (non-zero exit, or a long-lived one exiting at all) is
+    restarted when `policy` allows, with the reason logged.
 
     Returns:
-        1 when a process exited non-zero (or a long-lived one exited at all), 0 when every job
-        service (generator, reward, trainer) exited 0, 130 when `stop` was set. Stops nothing:
-        the caller calls `sup.stop_all()`.
+        1 when a process failed and was not restarted, 0 when every job service (generator,
+        reward, trainer) exited 0, 130 when `stop` was set. Stops nothing: the caller calls
+        `sup.stop_all()`.
     """
+    due: dict[str, float] = {}  # name -> monotonic time of its pending restart
     while not stop.wait(poll_s):
-        for p in sup.procs:
+        now = time.monotonic()
+        for p in list(sup.procs):
             code = p.popen.poll()
-            if code is None:
+            if code is None or (code == 0 and p.name not in LONG_LIVED):
                 continue
-            if code != 0 or p.name in LONG_LIVED:
-                log.error("%s exited with code %s; stopping the rest. Last lines of %s:\n%s",
-                          p.name, code, p.log_path, sup.tail(p.name))
+            if p.name in due:
+                if now >= due[p.name]:
+                    del due[p.name]
+                    q = sup.restart(p)
+                    log.warning("restarted %s (pid %d; restart %d within %.0f s)", p.name, q.popen.pid,
+                                len(q.restarts), policy.window_s)
+                continue
+            delay = policy.delay(p, now)
+            if delay is None:
+                why = "restart budget spent" if policy.on_failure else "no restart policy"
+                log.error("%s exited with code %s (%s); stopping the rest. Last lines of %s:\n%s",
+                          p.name, code, why, p.log_path, sup.tail(p.name))
                 return 1
+            log.warning("%s exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
+                        p.name, code, delay, p.log_path, sup.tail(p.name, 10))
+            due[p.name] = now + delay
         job_procs = [p for p in sup.procs if p.name not in LONG_LIVED]
-        if job_procs and all(p.popen.poll() == 0 for p in job_procs):
+        if job_procs and not due and all(p.popen.poll() == 0 for p in job_procs):
             log.info("every job service exited 0: the job is over")
             return 0
     return 130
@@ -284,6 +339,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
     ap.add_argument("--start-timeout", type=float, default=120.0,
                     help="seconds to wait for the broker's /health (default 120)")
+    ap.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
+                    help="restart a process that fails (default %(default)s), within the budget below")
+    ap.add_argument("--max-restarts", type=int, default=5,
+                    help="restarts of one process within --restart-window before a failure stops the run (default 5)")
+    ap.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
     ap.add_argument("--private-redis", action="store_true",
                     help="with no REDIS_URL and no Redis on 127.0.0.1:6379, start a private "
                     "redis-server for this run (its data is lost when the launcher exits)")
@@ -354,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if stop.is_set():
                 break
             sup.start(s.name, s.module, s.env, args=s.args)
-        code = 130 if stop.is_set() else supervise(sup, stop)
+        policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
+        code = 130 if stop.is_set() else supervise(sup, stop, policy=policy)
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.launch import Supervisor, main, plan, supervise
+from broker.launch import RestartPolicy, Supervisor, main, plan, supervise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,6 +64,13 @@ def modules(tmp_path, monkeypatch) -> Path:
     (tmp_path / "stubborn_mod.py").write_text(STUBBORN)
     (tmp_path / "ok_mod.py").write_text("print('done')\n")
     (tmp_path / "bad_mod.py").write_text("raise SystemExit('boom')\n")
+    # fails the first two times it runs (a counter file next to it), then exits 0
+    (tmp_path / "flaky_mod.py").write_text(
+        "import pathlib, sys\n"
+        "c = pathlib.Path(__file__).with_suffix('.count')\n"
+        "n = int(c.read_text()) if c.exists() else 0\n"
+        "c.write_text(str(n + 1))\n"
+        "sys.exit(3 if n < 2 else 0)\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return tmp_path
 
@@ -110,6 +117,28 @@ def test_supervise_returns_on_failure_on_job_end_and_on_stop(modules, tmp_path):
     threading.Timer(0.3, stop.set).start()
     assert supervise(running, stop, poll_s=0.05) == 130
     running.stop_all(grace_s=0.5)
+
+
+def test_on_failure_restarts_within_the_budget_and_logs_why(modules, tmp_path, caplog):
+    stop = threading.Event()
+    sup = Supervisor(tmp_path / "a", {})
+    sup.start("trainer", "flaky_mod")
+    policy = RestartPolicy(on_failure=True, max_restarts=3, window_s=60, backoff_s=0.05)
+    with caplog.at_level("WARNING", logger="broker.launch"):
+        assert supervise(sup, stop, poll_s=0.02, policy=policy) == 0  # failed twice, then done
+    assert (modules / "flaky_mod.count").read_text() == "3"
+    assert [p.name for p in sup.procs] == ["trainer"] and len(sup.procs[0].restarts) == 2
+    assert sum("trainer exited with code 3; restarting" in r.message for r in caplog.records) == 2
+
+    # past the budget the failure stops the run, saying so
+    (modules / "flaky_mod.count").unlink()
+    sup = Supervisor(tmp_path / "b", {})
+    sup.start("reward", "bad_mod")
+    with caplog.at_level("ERROR", logger="broker.launch"):
+        assert supervise(sup, stop, poll_s=0.02, policy=RestartPolicy(True, 2, 60, 0.05)) == 1
+    assert len(sup.procs[0].restarts) == 2
+    assert any("restart budget spent" in r.message for r in caplog.records)
+    assert "boom" in sup.tail("reward")
 
 
 def test_plan_names_unique_generators_and_the_admin_worker():
