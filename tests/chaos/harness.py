@@ -84,6 +84,12 @@ class RedisAOF:
         assert self.proc is not None
         self.proc.wait(30)
 
+    def kill(self) -> None:
+        """SIGKILL: what the AOF had not fsynced (at most ~1 s with everysec) is gone."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -156,7 +162,7 @@ class Witness(threading.Thread):
 
 @dataclass
 class Fault:
-    kind: str  # "sigkill", "sigterm", "redis_restart", "inject"
+    kind: str  # "sigkill", "sigterm", "redis_restart", "redis_outage", "inject"
     role: str  # generator / reward / trainer / redis / streams
     name: str  # process name (gen-0, ...)
     at: float  # wall-clock time.time()

@@ -14,8 +14,13 @@ Phases of the one job (seeded schedule, loopback only, a private redis-server):
    seconds after it serves again, the trainer mid-step or mid-checkpoint, the reward mid-batch),
    Redis shut down and started again once, malformed and oversized entries injected every few
    seconds;
-4. drain: SIGTERM to the trainer, the reward service and one generator: each exits 0 after
+4. outage: Redis SIGKILLed and started again from its AOF 60 s later: every service rides it out
+   (no exit, no restart) and the job steps again;
+5. drain: SIGTERM to the trainer, the reward service and one generator: each exits 0 after
    finishing its work and the job keeps running; then the user's stop ends the job.
+
+The figures go to results/chaos.json (lost, trained_twice, effective_training_time, kills_per_role,
+recovery_s_per_role, ...) and the table to results/chaos.md with CHAOS_WRITE_RESULTS=1.
 """
 
 from __future__ import annotations
@@ -63,8 +68,10 @@ DUTY_MAX_S = 110.0
 STORM_MAX_S = 240.0
 REDIS_RESTART_AFTER_S = 45.0
 INJECT_EVERY_S = 8.0
+OUTAGE_S = float(os.environ.get("CHAOS_REDIS_OUTAGE_S", "60"))
 MAX_MESSAGE_BYTES = 256 * 1024
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "chaos.md"
+RESULTS_JSON = RESULTS.with_suffix(".json")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +114,32 @@ def _inject(streams: JobStreams, job_id: str, rng: random.Random) -> int:
         for e in entries:
             streams.publish_raw(stream, e)
             n += 1
+    for body in _poison_rollouts(job_id, rng):  # schema-shaped rollouts whose values poison the ledger
+        streams.publish_raw(ROLLOUTS, {b"d": body})
+        n += 1
     return n
+
+
+def _poison_rollouts(job_id: str, rng: random.Random) -> list[bytes]:
+    """Rollouts that look right but carry values the ledger or the trainer cannot take: an int8
+    policy version, an int4-overflowing prompt index, a NUL in the completion, a NaN logprob, an
+    infinite temperature, a negative token id, a version range upside down, a bool as an int."""
+    import numpy as np
+
+    from shared.schema import Rollout, encode
+
+    tag = rng.getrandbits(32)
+    good = Rollout(job_id=job_id, msg_id=f"poison-{tag}", group_id=f"{job_id}/poison/{tag}", policy_version=0,
+                   policy_version_max=0, prompt_index=0, sample_index=0, group_size=1, generator_id="poison",
+                   prompt_ids=np.array([1, 2], "<i4").tobytes(), completion_ids=np.array([3], "<i4").tobytes(),
+                   logprobs=np.array([-0.5], "<f4").tobytes(), completion="1", answer="1")
+    base = msgpack.unpackb(encode(good), raw=False)
+    changes = [{"policy_version": 2**63 - 1, "policy_version_max": 2**63 - 1}, {"prompt_index": 2**31},
+               {"completion": "4\x002"}, {"logprobs": np.array([np.nan], "<f4").tobytes()},
+               {"temperature": float("inf")}, {"completion_ids": np.array([-7], "<i4").tobytes()},
+               {"policy_version": 3, "policy_version_max": 1}, {"sample_index": True}]
+    return [msgpack.packb({**base, **c, "msg_id": f"poison-{tag}-{i}"}, use_bin_type=True)
+            for i, c in enumerate(changes)]
 
 
 def test_chaos(tmp_path, tiny_model, capsys):
@@ -239,7 +271,21 @@ def test_chaos(tmp_path, tiny_model, capsys):
         assert redis_done, "the storm ended before the Redis restart"
         wait_until(lambda: stack.step() > max(f.step_at for f in stack.faults), 120, "a step after the storm")
 
-        # 4. drain: SIGTERM finishes the work in hand, exits 0, and the job goes on
+        # 4. outage: Redis SIGKILLed, down for OUTAGE_S, restarted from its AOF; nobody may exit
+        t0 = time.time()
+        f = Fault("redis_outage", "redis", "redis", t0, "outage", stack.step(), detail=f"{OUTAGE_S:.0f} s")
+        rds.kill()
+        while time.time() - t0 < OUTAGE_S:
+            healthy()
+            time.sleep(0.5)
+        rds.start()
+        f.restarted_at = time.time()
+        stack.faults.append(f)
+        wait_until(lambda: stack.step() > f.step_at, 180, "a step after the Redis outage")
+        f.recovered_at = time.time()
+        phases["outage"] = (t0, time.time())
+
+        # 5. drain: SIGTERM finishes the work in hand, exits 0, and the job goes on
         t0 = time.time()
         for name, restart in (("trainer-0", True), ("reward-0", True), ("gen-1", False)):
             f = stack.kill(name, "drain", signal.SIGTERM)
@@ -300,6 +346,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
 
     rows = [("SIGKILL generator (2 replicas)", "sigkill", "generator"), ("SIGKILL reward", "sigkill", "reward"),
             ("SIGKILL trainer", "sigkill", "trainer"), ("Redis SHUTDOWN + restart (AOF everysec)", "redis_restart", "redis"),
+            (f"Redis SIGKILL, down {OUTAGE_S:.0f} s, restart from AOF (no service restart)", "redis_outage", "redis"),
             ("SIGTERM drain (trainer, reward, generator)", "sigterm", None)]
     lines = [
         f"# Chaos suite (tests/chaos, seed {SEED})", "",
@@ -338,8 +385,32 @@ def test_chaos(tmp_path, tiny_model, capsys):
     lines += ["", f"Duty phase: outages (kill -> role doing useful work again) covered {duty_share:.0%} of its wall time."]
     table = "\n".join(lines) + "\n"
     (tmp_path / "chaos.md").write_text(table)
+    import json
+    import platform
+
+    def recoveries(kind: str, role: str) -> list[float]:
+        return [round(f.recovery_s, 2) for f in stack.faults if f.kind == kind and f.role == role and f.recovery_s is not None]
+
+    duty_rate = figures["duty"][0]
+    summary = {
+        "lost": len(acc.lost) * N, "lost_groups": len(acc.lost),
+        "trained_twice": acc.trained_twice_ledger, "trained_twice_metric": acc.trained_twice_metric,
+        "effective_training_time": duty_rate / base if base else None, "duty_outage_share": duty_share,
+        "kills_per_role": {r: sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == r)
+                           for r in ("generator", "reward", "trainer")},
+        "recovery_s_per_role": {r: recoveries("sigkill", r) for r in ("generator", "reward", "trainer")}
+        | {"redis_restart": recoveries("redis_restart", "redis"), "redis_outage": recoveries("redis_outage", "redis")},
+        "redis_outage_s": OUTAGE_S, "service_exits_during_outage": 0,  # healthy() asserted it throughout
+        "injected": injected, "verify_ok": res.ok, "wall_s": t_end - t_start,
+        "phases": {n: {"wall_s": w, "steps_per_s": r, "effective": r / base if base else None, "stepping_share": sh}
+                   for n, (r, sh, w) in figures.items()},
+        "machine": {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    (tmp_path / "chaos.json").write_text(json.dumps(summary, indent=2))
     if os.environ.get("CHAOS_WRITE_RESULTS"):
         RESULTS.write_text(table)
+        RESULTS_JSON.write_text(json.dumps(summary, indent=2) + "\n")
     with capsys.disabled():
         print("\n" + table)
 
