@@ -14,7 +14,6 @@ Authentication failures are never retried: a credential that is wrong stays wron
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,8 +26,9 @@ from redis.retry import Retry
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-# Services: long enough for a Redis restart from an AOF; request paths pass a budget of their own.
-DEFAULT_OUTAGE_S = float(os.environ.get("REDIS_OUTAGE_S", "600"))
+# Services: long enough for a Redis restart from an AOF (REDIS_OUTAGE_S, shared.settings);
+# request paths pass a budget of their own.
+DEFAULT_OUTAGE_S = 600.0
 
 OUTAGES = Counter("redis_outages", "Redis outages this process rode out or gave up on")
 OUTAGE_SECONDS = Counter("redis_outage_seconds", "Seconds of Redis commands failing before they succeeded")

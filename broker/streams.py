@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from broker.redis_retry import DEFAULT_OUTAGE_S, OutageRetry
+from broker.redis_retry import OutageRetry
 from shared.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DeadLetter,
@@ -31,6 +31,7 @@ from shared.schema import (
     decode,
     encode,
 )
+from shared.settings import CommonSettings
 
 M = TypeVar("M", bound=Message)
 R = TypeVar("R")
@@ -70,7 +71,8 @@ return out
 
 def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> redis.Redis:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
-    with back-off for up to `outage_s` seconds (default REDIS_OUTAGE_S, 600; broker.redis_retry).
+    with back-off for up to `outage_s` seconds (default: the REDIS_OUTAGE_S setting, 600;
+    broker.redis_retry).
     A request path that must answer fast passes a small `outage_s` and a `socket_timeout_s`.
 
     `url` is any redis-py URL: `redis://[[user]:password@]host:port/db` for AUTH (a user name
@@ -85,7 +87,7 @@ def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float 
                                                        "socket_connect_timeout": socket_timeout_s}
     return redis.Redis.from_url(
         url,
-        retry=OutageRetry(DEFAULT_OUTAGE_S if outage_s is None else outage_s),
+        retry=OutageRetry(CommonSettings().redis_outage_s if outage_s is None else outage_s),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
         socket_keepalive=True,

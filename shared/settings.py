@@ -42,6 +42,11 @@ class CommonSettings(BaseSettings):
         "rl:", validation_alias=AliasChoices("STREAM_PREFIX", "stream_prefix"), description="Key prefix for streams."
     )
     log_level: str = Field("INFO", validation_alias=AliasChoices("LOG_LEVEL", "log_level"))
+    redis_outage_s: float = Field(
+        600.0, gt=0, le=86_400, allow_inf_nan=False,
+        validation_alias=AliasChoices("REDIS_OUTAGE_S", "redis_outage_s"),
+        description="Seconds a Redis command keeps retrying through an outage before the service gives up.",
+    )
     max_message_bytes: int = Field(
         8 * 1024 * 1024,
         ge=1024,
