@@ -157,6 +157,11 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     if not trl:
         return out
     last, final = int(trl[-1]["step"]), trl[-1]["reward"]
+    # one seed-mean round's binomial standard error on the held-out set, and that of a difference
+    # of two such means: the noise floor any gap below is inside
+    n_seeds = len(runs["trl"])
+    se = (final * (1 - final) / N_TEST / n_seeds) ** 0.5
+    out["held_out_se"], out["gap_se"] = se, se * 2 ** 0.5
     trl_time = _time_to(trl, final)
     out["trl_time_to_final_s"] = trl_time
     for mode in ("sync", "async_k1", "async_k2"):
@@ -167,6 +172,11 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out[f"held_out_gap_{mode}"] = at - final if at is not None else None
         out[f"{mode}_time_to_trl_final_s"] = ours_time
         out[f"wall_to_trl_final_{mode}"] = ours_time / trl_time if ours_time and trl_time else None
+        # the last three held-out rounds averaged: less of one round's noise
+        tail = [int(p["step"]) for p in trl[-3:]]
+        ours_tail = [_at_step(mean, t) for t in tail]
+        out[f"{mode}_gap_last3"] = (statistics.fmean(x for x in ours_tail if x is not None)
+                                    - statistics.fmean(p["reward"] for p in trl[-3:])) if None not in ours_tail else None
         # per seed, to see the spread behind the means
         out[f"{mode}_gap_per_seed"] = [
             (_at_step(r["curve"], last) or 0.0) - (_at_step(t["curve"], last) or 0.0)
@@ -278,7 +288,10 @@ def report(r: dict[str, Any]) -> str:
                      f"{', '.join(_f(x, 2) for x in g.get(f'{mode}_gap_per_seed', []))} | "
                      f"{_f(statistics.median(steps))} | {_f(g.get(f'{mode}_time_to_trl_final_s'), 1)} | "
                      f"{_f(g.get(f'wall_to_trl_final_{mode}'), 2)} |")
-    lines += ["", "Held-out curves (seed mean; step: reward @ s):", ""]
+    lines += ["", f"Noise: one seed-mean held-out round has a standard error of {_f(g.get('held_out_se'))}; a gap, "
+              f"{_f(g.get('gap_se'))}. Gap over the last three rounds: "
+              + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2")) + ".",
+              "", "Held-out curves (seed mean; step: reward @ s):", ""]
     for name, rs in r["runs"].items():
         mean = _mean_curve([x["curve"] for x in rs])
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
@@ -290,5 +303,21 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rereport(path: str = "results/own_task.json") -> dict[str, Any]:
+    """Recompute the gaps and the markdown of a saved result (after a change to this module's
+    arithmetic, without rerunning the jobs)."""
+    result = json.loads(Path(path).read_text())
+    result["gaps"] = gaps(result["runs"])
+    for key in ("held_out_gap_sync", "held_out_gap_async_k1", "held_out_gap_async_k2",
+                "wall_to_trl_final_sync", "wall_to_trl_final_async_k1"):
+        result[key] = result["gaps"].get(key)
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    Path(path).with_suffix(".md").write_text(report(result))
+    return result
+
+
 if __name__ == "__main__":
-    run_own_task()
+    if sys.argv[1:] == ["--rereport"]:
+        rereport()
+    else:
+        run_own_task()
