@@ -5,6 +5,7 @@
 # imports, so they are removed after the install (text-only LLMs do not need them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+command -v bwrap >/dev/null || if [ "$(id -u)" = 0 ]; then apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; else echo "setup: bubblewrap (bwrap) is missing and the python_exec sandbox refuses to run without it; as root: apt-get install -y bubblewrap" >&2; fi
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.setup-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"

@@ -56,9 +56,14 @@ def extract_program(completion: str) -> str:
 
 
 def python_exec(completion: str, answer: str) -> float:
-    """1.0 if the completion's program, run in the sandbox (shared.sandbox: no network, CPU, memory,
-    process, file and wall-clock limits), exits normally and the last non-empty line of its stdout
-    equals the reference answer (numbers compared as in exact_match), else 0.0."""
+    """1.0 if the completion's program, run in the sandbox (shared.sandbox: kernel namespaces and
+    seccomp, no network, CPU, memory, process, file and wall-clock limits), exits normally and the
+    last non-empty line of its stdout equals the reference answer (numbers compared as in
+    exact_match), else 0.0.
+
+    Raises:
+        SandboxUnavailable: no kernel confinement on this machine (see shared.sandbox).
+    """
     res = run_python(extract_program(completion))
     if not res.ok:
         return 0.0

@@ -1,9 +1,11 @@
 """The code-execution sandbox and the `python_exec` reward: hostile programs end within their limits
-and score 0.0; each OS layer is also checked with the in-process audit hook switched off."""
+and score 0.0; each OS layer is also checked with the in-process audit hook switched off. The
+escapes a security review found are in tests/test_sandbox_hostile.py."""
 
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import time
 
@@ -11,7 +13,7 @@ import pytest
 
 from shared import sandbox
 from shared.rewards import extract_program, python_exec
-from shared.sandbox import Limits, run_python
+from shared.sandbox import Limits, SandboxUnavailable, run_python, seccomp_filter
 
 # A uid nothing else on the machine runs as, so leftovers are attributable (root callers only).
 TEST_UID = 2_000_000_123
@@ -31,11 +33,63 @@ def run(code: str, limits: Limits = FAST, **kw) -> sandbox.Result:
 
 
 def test_isolation_in_use() -> None:
-    # In CI (root, util-linux unshare) the network block must be the namespace, not the hook.
+    # Kernel confinement or nothing: without bwrap run_python raises unless told otherwise.
     res = run("print('hi')")
     assert res.ok and res.stdout == "hi\n"
-    if os.geteuid() == 0:
-        assert res.isolation == "namespaces"
+    assert res.isolation == "bwrap"
+
+
+def test_without_kernel_confinement_it_refuses_unless_told(monkeypatch) -> None:
+    monkeypatch.setattr(sandbox, "_BWRAP", "/nonexistent/bwrap")
+    sandbox._confinement_error.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="bubblewrap.*ASYNCRL_SANDBOX_UNCONFINED=1"):
+            run_python("print(1)")
+        monkeypatch.setenv(sandbox.UNCONFINED_ENV, "1")
+        res = run("print(open('main.py').read())")
+        assert res.ok and res.isolation == "audit-hook" and "main.py" in res.stdout
+        assert "sandbox: os.fork" in run("import os\nos.fork()\n").stderr  # the hook still holds
+    finally:
+        sandbox._confinement_error.cache_clear()
+
+
+def bpf_action(prog: bytes, arch: int, nr: int) -> int:
+    """A reference interpreter for the few classic-BPF instructions the filter uses."""
+    ins = [struct.unpack("=HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+    data = struct.pack("=iI", nr, arch)
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = ins[pc]
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == 0x15:  # BPF_JMP | BPF_JEQ | BPF_K
+            pc += jt if acc == k else jf
+        elif code == 0x35:  # BPF_JMP | BPF_JGE | BPF_K
+            pc += jt if acc >= k else jf
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return k
+        pc += 1
+
+
+def test_seccomp_filter_denies_exec_and_foreign_abis() -> None:
+    eperm, allow, kill = 0x00050001, 0x7FFF0000, 0x80000000
+    x86 = seccomp_filter("x86_64")
+    assert bpf_action(x86, 0xC000003E, 59) == eperm  # execve
+    assert bpf_action(x86, 0xC000003E, 322) == eperm  # execveat
+    assert bpf_action(x86, 0xC000003E, 250) == eperm  # keyctl
+    assert bpf_action(x86, 0xC000003E, 0x40000000 + 59) == eperm  # x32 ABI
+    assert bpf_action(x86, 0xC000003E, 57) == allow  # fork
+    assert bpf_action(x86, 0xC000003E, 0) == allow  # read
+    assert bpf_action(x86, 0x40000003, 11) == kill  # i386 execve
+    arm = seccomp_filter("aarch64")
+    assert bpf_action(arm, 0xC00000B7, 221) == eperm and bpf_action(arm, 0xC00000B7, 59) == allow
+    with pytest.raises(SandboxUnavailable, match="known: \\['aarch64', 'x86_64'\\]"):
+        seccomp_filter("riscv64")
+
+
+def test_exec_is_refused_by_the_kernel() -> None:
+    res = run("import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n", guard=False)
+    assert not res.ok and "PermissionError: [Errno 1] Operation not permitted" in res.stderr
 
 
 def test_correct_and_wrong_programs() -> None:
@@ -124,8 +178,8 @@ def test_no_network(guard: bool) -> None:
     assert not res.ok and "connected" not in res.stdout
     if guard:
         assert "sandbox: socket" in res.stderr
-    else:  # the namespace alone: its loopback is down, nothing to connect to
-        assert res.isolation == "namespaces" and "Network is unreachable" in res.stderr
+    else:  # the namespace alone: a loopback of its own, nothing listening on it
+        assert res.isolation == "bwrap" and "Connection refused" in res.stderr
     assert python_exec(code.replace("print('connected')", "print(1)"), "1") == 0.0
 
 
@@ -147,10 +201,9 @@ def test_writes_outside_the_sandbox_fail(tmp_path) -> None:
     assert not os.path.exists("/etc/asyncrl-sandbox-test")
     assert not os.path.exists("/tmp/asyncrl-sandbox-escape")
     assert not os.path.exists("/tmp/asyncrl-sandbox-escape-dir")
-    if os.geteuid() == 0:
-        # Without the hook the unprivileged uid still cannot touch root's files.
-        res = run(f"open({str(victim)!r}, 'w').write('owned')\n", guard=False)
-        assert "PermissionError" in res.stderr and victim.read_text() == "intact"
+    # Without the hook the host's files are not even there (a mount namespace of the sandbox's own).
+    res = run(f"open({str(victim)!r}, 'w').write('owned')\n", guard=False)
+    assert "FileNotFoundError" in res.stderr and victim.read_text() == "intact"
 
 
 def test_own_directory_is_writable_but_files_are_capped() -> None:
@@ -158,9 +211,29 @@ def test_own_directory_is_writable_but_files_are_capped() -> None:
     assert ok.ok and ok.stdout.strip() == "1000"
     big = run("open('big.bin', 'wb').write(b'x' * (10 * 1024 * 1024))\n", Limits(file_bytes=1024 * 1024))
     assert not big.ok and "File too large" in big.stderr
-    # Endless output stops at the same cap (stdout is a file) and only its tail comes back.
+    # Endless output is killed at the same cap and only its tail comes back.
     flood = run("while True:\n    print('y' * 1000)\n", Limits(wall_s=3.0, file_bytes=1024 * 1024))
-    assert not flood.ok and len(flood.stdout) <= Limits().output_bytes
+    assert not flood.ok and not flood.timed_out and len(flood.stdout) <= Limits().output_bytes
+    assert "passed 1048576 bytes" in flood.stderr
+    # Both streams at once, more than a pipe buffer each: drained together, no deadlock.
+    both = run("import sys\nfor _ in range(2000):\n    print('o' * 100)\n    print('e' * 100, file=sys.stderr)\n")
+    assert both.ok and len(both.stdout) == len(both.stderr) == Limits().output_bytes
+    assert both.stdout.endswith("o" * 100 + "\n") and both.stderr.endswith("e" * 100 + "\n")
+
+
+def test_tmpfs_is_capped() -> None:
+    res = run(
+        "import errno\nn = 0\ntry:\n    for i in range(100):\n"
+        "        open(f'/tmp/f{i}', 'wb').write(b'x' * 900_000)\n        n += 1\n"
+        "except OSError as exc:\n    print(n, errno.errorcode[exc.errno])\n",
+        Limits(tmpfs_bytes=4 * 1024 * 1024), guard=False,
+    )
+    assert res.ok and res.stdout.split()[1] == "ENOSPC" and int(res.stdout.split()[0]) <= 5
+
+
+def test_closing_its_output_does_not_escape_the_wall_clock() -> None:
+    res = run("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)\n", Limits(wall_s=1.0), guard=False)
+    assert res.timed_out and not res.ok
 
 
 def test_environment_is_empty() -> None:
