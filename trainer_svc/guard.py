@@ -93,7 +93,7 @@ def step_noise(rewards: Sequence[float], floor: float = 0.0) -> float:
     return max(series, floor)
 
 
-def reward_margin(n_windows: int, w: int, noise: float, false_alarm: float) -> float:
+def reward_margin(n_windows: int, w: int, noise: float, false_alarm: float, m: int | None = None) -> float:
     """How far below the best window mean the current one must be before noise is ruled out.
 
     Derivation: a healthy run at a steady level mu has step rewards mu + e_t, e_t of std `noise`;
@@ -114,45 +114,86 @@ def reward_margin(n_windows: int, w: int, noise: float, false_alarm: float) -> f
     error and for skewed rewards (simulated 8 x 8 batches with prompt difficulty ~ Beta, intra-
     group correlation 1/3, 150-1000 steps: <= 3 % of runs trip at 0.001, against 70-100 % for
     the relative drop alone).
+
+    Against a reference level measured over `m` steps rather than a full window (the run's
+    opening, below), the reference's own standard error is noise / sqrt(m):
+
+        margin = Q^-1(false_alarm / (2 * n_windows)) * noise * (1 / sqrt(m) + 1 / sqrt(w))
     """
     z = -_NORMAL.inv_cdf(false_alarm / (2.0 * max(n_windows, 1)))
-    return 2.0 * z * noise / math.sqrt(w)
+    return z * noise * (1.0 / math.sqrt(m or w) + 1.0 / math.sqrt(w))
+
+
+def reference_means(rewards: Sequence[float], w: int) -> list[tuple[float, int, int]]:
+    """(mean, steps, first index) of every level the reward held: the run's opening (its first
+    1 .. w-1 steps: a policy that collapses within a window never fills one at its old level)
+    and every full window of `w` steps, oldest first."""
+    opening = [(sum(rewards[:m]) / m, m, 0) for m in range(1, min(w, len(rewards) + 1))]
+    return opening + [(mean, w, i) for i, mean in enumerate(window_means(rewards, w))]
+
+
+def _collapse(rewards: Sequence[float], cfg: GuardSpec, floor: float) -> tuple[float, int, int, float, float] | None:
+    """(reference mean, its steps, its first index, now, margin) of the reference level the
+    current window fell furthest below beyond its noise margin, or None (reward_collapse)."""
+    w = cfg.reward_window
+    if len(rewards) < w:
+        return None
+    now, top = sum(rewards[-w:]) / w, max(rewards[-w:])
+    refs = reference_means(rewards, w)
+    noise = step_noise(rewards, floor)
+    found, excess = None, 0.0
+    # full windows first: on a tie the level measured over more steps is the one reported
+    for mean, m, start in sorted(refs, key=lambda r: -r[1]):
+        line = (1.0 - cfg.reward_drop) * mean
+        if mean < cfg.min_best_reward or now >= line:
+            continue
+        if m < w and top >= line:
+            # an opening level is measured over fewer steps than a window, and the median-based
+            # noise runs low for skewed rewards: against it every step of the window must have
+            # fallen below the line, not only their mean (a collapse, not a dip)
+            continue
+        margin = reward_margin(len(refs), w, noise, cfg.reward_false_alarm, m)
+        if mean - now - margin > excess:
+            found, excess = (mean, m, start, now, margin), mean - now - margin
+    return found
 
 
 def reward_collapse(rewards: Sequence[float], cfg: GuardSpec, floor: float = 0.0) -> str | None:
     """`rewards`: reward/mean per step, oldest first; `floor`: this step's `batch_noise`. Trips
-    when the mean of the last `reward_window` steps is both below (1 - reward_drop) times the best
-    such mean so far, that best having reached min_best_reward, and more than `reward_margin`
-    below it (the noise of the series, `step_noise`). Needs at least one full window."""
+    when the mean of the last `reward_window` steps is below (1 - reward_drop) times a level the
+    reward held before (`reference_means`: the best window, or the run's opening when the fall
+    came before a window filled: then every step of the window must be below that line), that
+    level having reached min_best_reward, and more than `reward_margin` below it (the noise of
+    the series, `step_noise`). Needs one full window."""
+    hit = _collapse(rewards, cfg, floor)
+    if hit is None:
+        return None
+    mean, m, _start, now, margin = hit
     w = cfg.reward_window
-    means = window_means(rewards, w)
-    if not means:
-        return None
-    best, now = max(means), means[-1]
-    if best < cfg.min_best_reward or now >= (1.0 - cfg.reward_drop) * best:
-        return None
-    noise = step_noise(rewards, floor)
-    margin = reward_margin(len(means), w, noise, cfg.reward_false_alarm)
-    if best - now <= margin:
-        return None
-    return (f"reward collapse: mean of the last {w} steps {now:.3f} < {1.0 - cfg.reward_drop:g} x best {best:.3f}, "
-            f"{best - now:.3f} below it (noise margin {margin:.3f})")
+    level = f"best {mean:.3f}" if m == w else f"the first {m} step(s)' {mean:.3f}"
+    return (f"reward collapse: mean of the last {w} steps {now:.3f} < {1.0 - cfg.reward_drop:g} x {level}, "
+            f"{mean - now:.3f} below it (noise margin {margin:.3f})")
 
 
 def trusted_step(kind: str, rewards: Sequence[float], steps: Sequence[int], cfg: GuardSpec) -> int | None:
     """The newest step whose policy is still trusted after a trip of `kind`; `rewards` as for
     `check`, `steps[i]` the step of `rewards[i]`. None: no bound (non_finite, is_blowup: the bad
     update is this step's own, every earlier one stands). reward_collapse: the policy decayed over
-    several steps, so the newest checkpoint may hold a collapsed one, and so may the best window's
-    last step (the window mean hides a fall inside it). Trust the policy measured by the last
-    step, up to the best window's end, whose reward reached the best window mean: the one trained
-    the step before it."""
+    several steps, so the newest checkpoint may hold a collapsed one, and so may the reference
+    level's last step (a mean hides a fall inside it). Trust the policy measured by the last step,
+    up to the end of the level the reward fell from (`_collapse`; else the best window), whose
+    reward reached that level: the one trained the step before it. 0: only the initial model."""
     w = cfg.reward_window
-    means = window_means(rewards, w)
-    if kind != "reward_collapse" or not means:
+    if kind != "reward_collapse" or len(rewards) < w:
         return None
-    best = means.index(max(means))
-    last_good = max(i for i in range(best + w) if rewards[i] >= means[best])
+    hit = _collapse(rewards, cfg, 0.0)
+    if hit is not None:
+        level, end = hit[0], hit[2] + hit[1]
+    else:
+        means = window_means(rewards, w)
+        best = means.index(max(means))
+        level, end = means[best], best + w
+    last_good = max(i for i in range(end) if rewards[i] >= level)
     return steps[last_good] - 1
 
 
@@ -169,13 +210,19 @@ class Recovery:
 
 def recovery(kind: str, checkpoints: Sequence[int], bound: int | None, cfg: GuardSpec) -> Recovery:
     """Where a trip of `kind` sends the policy: the newest of this trajectory's `checkpoints`
-    (steps) at or before `bound` (`trusted_step`; None: any). With none, `cfg.on_no_checkpoint`:
+    (steps) at or before `bound` (`trusted_step`; None: any); a bound of 0 trusts the initial
+    model only, which is then where the job restarts from (unless `fail`). With none,
+    `cfg.on_no_checkpoint`:
     `initial` restarts from the initial model; `fail` fails the job; `lower_lr` keeps the current
     weights and goes on with the lower lr, except after a non-finite update, which has already
     written non-finite values into the weights: nothing usable to keep, so the job fails."""
     usable = [c for c in checkpoints if bound is None or c <= bound]
     if usable:
         return Recovery("checkpoint", max(usable), f"rolled back to the checkpoint of step {max(usable)}")
+    if bound == 0 and cfg.on_no_checkpoint != "fail":
+        # the reward fell from the job's first steps: the initial model is the one trusted policy
+        return Recovery("initial", 0, "the reward fell from the job's first steps, so the only policy trusted is "
+                        "the initial model: restarted from it (guard.on_no_checkpoint 'fail' fails instead)")
     if checkpoints:
         why = f"no checkpoint from before the collapse (the trusted policy is step {bound}'s)"
     else:

@@ -110,9 +110,10 @@ def test_reward_collapse_against_the_best_window_and_the_noise():
     # now 0.15 < 0.5 * 0.6 = 0.3. Diffs 0, 0, 0, 0.4, 0.1: median 0, a noiseless series: trips
     collapse = [0.6, 0.6, 0.6, 0.6, 0.2, 0.1]
     assert "0.150 < 0.5 x best 0.600, 0.450 below it (noise margin 0.000)" in reward_collapse(collapse, cfg)
-    # batch noise 0.1 per step: margin 2 * Q^-1(0.02 / (2 * 5)) * 0.1 / sqrt 2 = 2 * 2.878162 *
-    # 0.070711 = 0.407034 < 0.45: trips; at 0.12 per step the margin is 0.488441 > 0.45: noise
-    assert "noise margin 0.407" in reward_collapse(collapse, cfg, floor=0.1)
+    # batch noise 0.1 per step; 6 reference levels (the opening step and 5 windows): margin
+    # 2 * Q^-1(0.02 / (2 * 6)) * 0.1 / sqrt 2 = 2 * 2.935199 * 0.070711 = 0.415100 < 0.45: trips;
+    # at 0.12 per step the margin is 0.498120 > 0.45: noise
+    assert "noise margin 0.415" in reward_collapse(collapse, cfg, floor=0.1)
     assert reward_collapse(collapse, cfg, floor=0.12) is None
     # now 0.4 (0.5, 0.3) >= 0.5 x best 0.7: no trip however quiet the series
     assert reward_collapse([0.6, 0.8, 0.5, 0.3], cfg) is None
@@ -166,13 +167,26 @@ def test_the_issues_noisy_healthy_series_does_not_trip():
 
 def test_the_live_collapse_trips():
     # the live job at lr 20x (tests/test_guard_live.py): 0.27, 0.34, then nothing. Window 3 means
-    # 0.2033, 0.1133, 0: at step 4, 0.1133 > 0.5 x 0.2033; at step 5, 0 < 0.1017 and the diffs
-    # 0.07, 0.34, 0, 0 give noise 0.035 / 0.953873 = 0.036693, margin 2 * Q^-1(0.001 / 6) *
-    # 0.036693 / sqrt 3 = 2 * 3.587678 * 0.021185 = 0.152012 < 0.2033
+    # 0.2033, 0.1133, 0; the opening levels 0.27 (step 1) and 0.305 (steps 1-2). At step 4 the
+    # window (0.34, 0, 0) still holds a step above every line. At step 5, now 0; the diffs 0.07,
+    # 0.34, 0, 0 give noise 0.035 / 0.953873 = 0.036693; over 5 levels z = Q^-1(0.001 / 10) =
+    # 3.719016. The opening 0.305 (2 steps): margin 3.719016 * 0.036693 * (1/sqrt 2 + 1/sqrt 3)
+    # = 0.175277, 0.130 to spare; the best window 0.2033: margin 0.157582, 0.046 to spare
     collapsed = {"loss": 0.0, "grad_norm": 0.0, "reward/std": 0.0, "samples": 64.0}
     assert check(collapsed, [0.27, 0.34, 0.0, 0.0], LIVE, "aipo") is None
     kind, reason = check(collapsed, [0.27, 0.34, 0.0, 0.0, 0.0], LIVE, "aipo")
-    assert kind == "reward_collapse" and "noise margin 0.152" in reason
+    assert kind == "reward_collapse" and "the first 2 step(s)' 0.305" in reason and "noise margin 0.175" in reason
+    # the bench's live job with the guard's defaults (results/own_task.md): 0.359, 0.203, then ~0.
+    # No window of 5 ever reached min_best_reward 0.2 (the first is 0.112): only the opening level
+    # (step 1, 0.359) catches it, once every step of the window is below 0.5 x 0.359 = 0.1795: at
+    # step 6 the window still holds 0.203; at step 7 it is 0, 0, 0, 0, 0.016 (mean 0.0032), the
+    # diffs 0.156, 0.203, 0, 0, 0, 0.016 give noise 0.008 / 0.953873 = 0.008387, and over 3
+    # windows + 4 openings z = Q^-1(0.001 / 14) = 3.80; margin 3.80 * 0.008387 * (1 + 1/sqrt 5)
+    # = 0.0461 < 0.356: trips
+    default_live = [0.359, 0.203, 0.0, 0.0, 0.0, 0.0, 0.016]
+    assert check(collapsed, default_live[:6], GuardSpec(), "aipo") is None
+    kind, reason = check(collapsed, default_live, GuardSpec(), "aipo")
+    assert kind == "reward_collapse" and "the first 1 step(s)' 0.359" in reason and "margin 0.046" in reason, reason
     # a run healthy at ~0.3 for 30 steps that falls to 0 trips within a window of the fall; with
     # prompts of differing difficulty (intra-group correlation 1/3: twice the step noise) the
     # margin is twice as wide, and the fall shows once the zeros have pulled the noise estimate
@@ -193,10 +207,16 @@ def test_trusted_step_is_before_the_collapse():
     # a tie keeps the older window: means 0.5, 0.5, 0.3 over steps 1..4 -> window (1, 2), whose
     # last reward >= 0.5 is step 2's -> step 1
     assert trusted_step("reward_collapse", [0.5, 0.5, 0.5, 0.1], [1, 2, 3, 4], CFG) == 1
-    # the fall inside the best window: window 3 over steps 1..4, means 0.2133, 0.104; step 3 (0.0)
-    # is in the best window but below its mean: the last good step is 2, so trust up to step 1
+    # the fall inside the best window: window 3 over steps 1..5, means 0.2133, 0.104, 0.0 (the
+    # diffs 0.016, 0.312, 0, 0: noise 0.008/0.953873 = 0.008387); the best window (0.2133) is
+    # 0.2133 - margin above now, the opening 0.32 (steps 1-2) further: the fall is from 0.32,
+    # which step 1 alone reached: trust up to step 0, the initial model
     w3 = CFG.model_copy(update={"reward_window": 3})
-    assert trusted_step("reward_collapse", [0.328, 0.312, 0.0, 0.0], [1, 2, 3, 4], w3) == 1
+    assert trusted_step("reward_collapse", [0.328, 0.312, 0.0, 0.0, 0.0], [1, 2, 3, 4, 5], w3) == 0
+    # a fall after a full window: means over steps 1..7 of [0.3, 0.32, 0.3, 0.31, 0.0, 0.0, 0.0]
+    # are 0.3067, 0.31, 0.2033, 0.1033, 0.0; the best window (steps 2-4, 0.31) beats the openings
+    # (0.3, 0.31 over 1-2 steps, wider margins); its last step >= 0.31 is step 4: trust step 3
+    assert trusted_step("reward_collapse", [0.3, 0.32, 0.3, 0.31, 0.0, 0.0, 0.0], list(range(1, 8)), w3) == 3
     # the bad update of a non-finite loss or an IS blow-up is the current step's: no bound
     assert trusted_step("non_finite", [0.6, 0.8, 0.5, 0.1], [5, 6, 7, 8], CFG) is None
     assert trusted_step("is_blowup", [0.6, 0.8, 0.5, 0.1], [5, 6, 7, 8], CFG) is None
@@ -228,6 +248,11 @@ def test_no_checkpoint_is_the_jobs_policy_never_a_silent_restart():
     assert recovery("reward_collapse", [4], 1, initial).step == 0
     fail = CFG.model_copy(update={"on_no_checkpoint": "fail"})
     assert recovery("reward_collapse", [], 1, fail).action == "fail"
+    # a fall from the job's first steps trusts the initial model only: it is where the job goes
+    # on from, said so, under the default; 'fail' still fails
+    start = recovery("reward_collapse", [2, 4], 0, CFG)
+    assert (start.action, start.step) == ("initial", 0) and "only policy trusted is the initial model" in start.note
+    assert recovery("reward_collapse", [2, 4], 0, fail).action == "fail"
     assert recovery("reward_collapse", [2], 2, fail).action == "checkpoint"
 
 
