@@ -184,6 +184,14 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def _job_ids(db_url: str, name: str) -> list[str]:
+    ledger = Ledger(db_url)
+    try:
+        return [j["id"] for j in ledger.list_jobs(limit=1_000_000) if j["name"] == name]
+    finally:
+        ledger.close()
+
+
 def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
     from trainer_svc.guard_calibration import calibrate
 
@@ -242,7 +250,7 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     console.print("[bold]guard[/]: live collapse")
     live = live_collapse(wd, demo_model)
     db_url = f"sqlite:///{wd / 'ledger.db'}"
-    cal = calibration(db_url, exclude={live["job_id"]})
+    cal = calibration(db_url, exclude={j for j in _job_ids(db_url, "guard-live-default")})
     result: dict[str, Any] = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"),
         "task": {"data": "two-digit add/sub JSONL, columns question/target/op/level", "n_test": N_TEST,
@@ -303,6 +311,21 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rerun_guard(path: str = "results/own_task.json", workdir: str = "runs/bench-own-task") -> dict[str, Any]:
+    """Redo the guard section of a saved result with this checkout's guard: the live collapse job
+    again, and the replay over the same ledger's healthy jobs (the earlier live jobs left out)."""
+    result = json.loads(Path(path).read_text())
+    wd = Path(workdir).resolve()
+    live = live_collapse(wd, prepare_model(wd, 0))
+    db_url = f"sqlite:///{wd / 'ledger.db'}"
+    cal = calibration(db_url, exclude=set(_job_ids(db_url, "guard-live-default")))
+    result["guard"] = {"calibration": cal, "live": live}
+    result["guard_false_trips"], result["guard_live_trip"] = cal["total_trips"], live["tripped"]
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    Path(path).with_suffix(".md").write_text(report(result))
+    return result
+
+
 def rereport(path: str = "results/own_task.json") -> dict[str, Any]:
     """Recompute the gaps and the markdown of a saved result (after a change to this module's
     arithmetic, without rerunning the jobs)."""
@@ -319,5 +342,7 @@ def rereport(path: str = "results/own_task.json") -> dict[str, Any]:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--rereport"]:
         rereport()
+    elif sys.argv[1:2] == ["--rerun-guard"]:
+        rerun_guard(*sys.argv[2:])
     else:
         run_own_task()
