@@ -14,8 +14,8 @@ Phases of the one job (seeded schedule, loopback only, a private redis-server):
    seconds after it serves again, the trainer mid-step or mid-checkpoint, the reward mid-batch),
    Redis shut down and started again once, malformed and oversized entries injected every few
    seconds;
-4. outage: Redis SIGKILLed and started again from its AOF 60 s later: every service rides it out
-   (no exit, no restart) and the job steps again;
+4. outages: Redis SIGKILLed and started again from its AOF 5, 15 and 60 s later: every service
+   rides them out (no exit, no restart) and the job steps again after each;
 5. drain: SIGTERM to the trainer, the reward service and one generator: each exits 0 after
    finishing its work and the job keeps running; then the user's stop ends the job.
 
@@ -69,6 +69,7 @@ STORM_MAX_S = 240.0
 REDIS_RESTART_AFTER_S = 45.0
 INJECT_EVERY_S = 8.0
 OUTAGE_S = float(os.environ.get("CHAOS_REDIS_OUTAGE_S", "60"))
+OUTAGES_S = (5.0, 15.0, OUTAGE_S)
 MAX_MESSAGE_BYTES = 256 * 1024
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "chaos.md"
 RESULTS_JSON = RESULTS.with_suffix(".json")
@@ -271,18 +272,20 @@ def test_chaos(tmp_path, tiny_model, capsys):
         assert redis_done, "the storm ended before the Redis restart"
         wait_until(lambda: stack.step() > max(f.step_at for f in stack.faults), 120, "a step after the storm")
 
-        # 4. outage: Redis SIGKILLed, down for OUTAGE_S, restarted from its AOF; nobody may exit
+        # 4. outages: Redis SIGKILLed, down 5, 15 and OUTAGE_S seconds, each time restarted from its
+        # AOF; no service may exit, and the job must step again after each
         t0 = time.time()
-        f = Fault("redis_outage", "redis", "redis", t0, "outage", stack.step(), detail=f"{OUTAGE_S:.0f} s")
-        rds.kill()
-        while time.time() - t0 < OUTAGE_S:
-            healthy()
-            time.sleep(0.5)
-        rds.start()
-        f.restarted_at = time.time()
-        stack.faults.append(f)
-        wait_until(lambda: stack.step() > f.step_at, 180, "a step after the Redis outage")
-        f.recovered_at = time.time()
+        for down_s in OUTAGES_S:
+            f = Fault("redis_outage", "redis", "redis", time.time(), "outage", stack.step(), detail=f"{down_s:.0f} s")
+            rds.kill()
+            while time.time() - f.at < down_s:
+                healthy()
+                time.sleep(0.5)
+            rds.start()
+            f.restarted_at = time.time()
+            stack.faults.append(f)
+            wait_until(lambda f=f: stack.step() > f.step_at, 180, f"a step after the {down_s:.0f} s Redis outage")
+            f.recovered_at = time.time()
         phases["outage"] = (t0, time.time())
 
         # 5. drain: SIGTERM finishes the work in hand, exits 0, and the job goes on
@@ -346,7 +349,8 @@ def test_chaos(tmp_path, tiny_model, capsys):
 
     rows = [("SIGKILL generator (2 replicas)", "sigkill", "generator"), ("SIGKILL reward", "sigkill", "reward"),
             ("SIGKILL trainer", "sigkill", "trainer"), ("Redis SHUTDOWN + restart (AOF everysec)", "redis_restart", "redis"),
-            (f"Redis SIGKILL, down {OUTAGE_S:.0f} s, restart from AOF (no service restart)", "redis_outage", "redis"),
+            ("Redis SIGKILL, down " + " / ".join(f"{x:.0f}" for x in OUTAGES_S) + " s, restart from AOF (no service restart)",
+             "redis_outage", "redis"),
             ("SIGTERM drain (trainer, reward, generator)", "sigterm", None)]
     lines = [
         f"# Chaos suite (tests/chaos, seed {SEED})", "",
@@ -400,7 +404,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
                            for r in ("generator", "reward", "trainer")},
         "recovery_s_per_role": {r: recoveries("sigkill", r) for r in ("generator", "reward", "trainer")}
         | {"redis_restart": recoveries("redis_restart", "redis"), "redis_outage": recoveries("redis_outage", "redis")},
-        "redis_outage_s": OUTAGE_S, "service_exits_during_outage": 0,  # healthy() asserted it throughout
+        "redis_outages_s": list(OUTAGES_S), "service_exits_during_outages": 0,  # healthy() asserted it throughout
         "injected": injected, "verify_ok": res.ok, "wall_s": t_end - t_start,
         "phases": {n: {"wall_s": w, "steps_per_s": r, "effective": r / base if base else None, "stepping_share": sh}
                    for n, (r, sh, w) in figures.items()},
