@@ -65,6 +65,10 @@ def make_celery(settings: AdminSettings) -> Celery:
         broker_transport_options={"global_keyprefix": settings.key_prefix,
                                   "visibility_timeout": settings.visibility_timeout_s or settings.eval_timeout_s + 600},
         broker_connection_retry_on_startup=True,
+        # the worker rides out a Redis outage (a restart from the AOF) however long it lasts, as
+        # the services do up to REDIS_OUTAGE_S; Celery logs each reconnect attempt
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
         worker_hijack_root_logger=False,
     )
     return app
