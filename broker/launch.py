@@ -9,7 +9,8 @@ one node of a multi-node layout. A process that fails is restarted (`--restart o
 default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
 back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
-stops the rest and the launcher exits 1. See `deploy/README.md`.
+stops the rest and the launcher exits 1. Each service gets its share of the box's cores and its thread
+counts (broker.placement; `--no-placement` turns that off). See `deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+
+from broker.placement import cpuset, gpu_count, plan_placement
 
 log = logging.getLogger("broker.launch")  # also under `python -m`
 
@@ -339,6 +342,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
     ap.add_argument("--start-timeout", type=float, default=120.0,
                     help="seconds to wait for the broker's /health (default 120)")
+    ap.add_argument("--no-placement", action="store_true",
+                    help="start services unpinned with default thread counts (default: split this box's cores "
+                    "between the roles, broker.placement; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
     ap.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
                     help="restart a process that fails (default %(default)s), within the budget below")
     ap.add_argument("--max-restarts", type=int, default=5,
@@ -410,10 +416,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sup.env["JOB_ID"] = _submit(api, args.spec)
                 log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
             rest = services[1:]
+        placed = {} if args.no_placement else plan_placement(
+            [(s.name, s.module) for s in rest], sorted(os.sched_getaffinity(0)), {**os.environ, **env}, gpu_count())
         for s in rest:
             if stop.is_set():
                 break
-            sup.start(s.name, s.module, s.env, args=s.args)
+            where = placed.get(s.name)
+            if where is not None and (where.cpus or where.env):
+                log.info("placing %s on cores %s %s", s.name, cpuset(sorted(where.cpus)) if where.cpus else "(any)",
+                         " ".join(f"{k}={v}" for k, v in sorted(where.env.items())))
+            sup.start(s.name, s.module, {**(where.env if where else {}), **s.env},
+                      cpus=set(where.cpus) if where and where.cpus else None, args=s.args)
         policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
         code = 130 if stop.is_set() else supervise(sup, stop, policy=policy)
     except (RuntimeError, TimeoutError) as exc:
