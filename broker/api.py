@@ -7,6 +7,11 @@ Auth: every `/jobs` route needs `Authorization: Bearer <token>` once any token i
 (`BROKER_TOKENS`, `BROKER_READ_ONLY_TOKENS`, `BROKER_TOKEN_FILE`); a read-only token may only
 read (GET). With no token configured the API is open and says so in a start-up warning.
 `/health` and `/metrics` (Prometheus) are always open.
+
+The edge (broker.edge) checks the token, the URL and the body size before a byte of the body is
+read: 401/403, 400 (a control character in the path or query), 413 (over BROKER_MAX_BODY_BYTES).
+A 422 lists at most MAX_ERRORS_LISTED fields. Redis or the ledger unreachable is a 503, quickly:
+request paths use a Redis client with short socket timeouts and no retries.
 """
 
 from __future__ import annotations
@@ -14,18 +19,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio
+import redis
+import sqlalchemy.exc
 from fastapi import APIRouter, FastAPI, HTTPException, Query, Request, Response, Security
 from fastapi import Path as PathParam
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -34,15 +47,22 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from starlette.routing import Match
+from starlette.types import Scope
 
-from broker.ledger import ADMIN_TASK_KINDS, JOB_STATES, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
+from broker.edge import EdgeGuard, Rejection, install_access_log_filter
+from broker.ledger import ADMIN_TASK_KINDS, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
 from broker.redis_server import resolve_redis_url
 from broker.status_page import status_router
-from broker.streams import CONTROL, JobStreams, connect
+from broker.streams import CONTROL, JobStreams
 from shared.jobspec import JobPatch, JobSpec, format_validation_error
+from shared.logs import escape_control
 from shared.schema import Control
 from shared.settings import AdminSettings, BrokerSettings
+from shared.spectypes import PrintableStr, refuse_nul
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +75,98 @@ bearer = HTTPBearer(
     auto_error=False,
     description="A token from BROKER_TOKENS (read-write) or BROKER_READ_ONLY_TOKENS (GET only).",
 )
-# Job gauges cover the newest jobs only: the ledger has no query by state, and a scrape must
-# stay cheap.
-METRICS_JOB_LIMIT = 1000
+# /metrics: per-job gauges for at most BrokerSettings.metrics_max_jobs unfinished jobs, those a
+# service works on first, then the newest submitted ones: a scrape stays small and fast however
+# many jobs are submitted.
+METRICS_JOB_STATES = (("running", "paused", "stopping"), ("submitted",))
+# A 422 lists this many invalid fields, then counts the rest; each text is cut to these lengths.
+MAX_ERRORS_LISTED = 20
+MAX_FIELD_CHARS = 200
+MAX_MESSAGE_CHARS = 500
+# /health answers within this long, whatever Redis and the ledger do.
+HEALTH_TIMEOUT_S = 0.8
+# Request-path Redis calls: fail fast (503) rather than hold a request thread through an outage.
+REDIS_SOCKET_TIMEOUT_S = 0.5
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(..., description="What went wrong and what to do.")
+
+
+class FieldError(BaseModel):
+    field: str = Field(..., description="Dotted location of the field ('' for the body as a whole).")
+    message: str
+
+
+class ValidationErrorBody(ErrorBody):
+    fields: list[FieldError] = Field(..., description=f"The first {MAX_ERRORS_LISTED} invalid fields.")
+    more_errors: int = Field(0, description="Invalid fields not listed (present only when some are not).")
+
+
+class HealthBody(BaseModel):
+    ok: bool
+    redis: bool
+    ledger_revision: str | None
+    error: str | None = Field(None, description="What is down (503 only).")
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error answers a route gives."""
+    texts = {
+        400: "A control character (NUL included) in the path or query.",
+        401: "Missing or invalid bearer token.",
+        403: "A read-only token asked to write.",
+        404: "No such job, checkpoint or task.",
+        409: "The job's state does not allow this.",
+        413: "The request body is over BROKER_MAX_BODY_BYTES.",
+        422: "Invalid input; `fields` names each offending field.",
+        503: "Redis, the ledger or the admin task queue is unreachable; retry later.",
+    }
+    return {c: {"model": ValidationErrorBody if c == 422 else ErrorBody, "description": texts[c]} for c in codes}
+
+
+def request_redis(url: str) -> redis.Redis:
+    """A Redis client for request paths: short socket timeouts and no retries, so an outage is
+    a quick 503 rather than a request thread held for seconds (services use broker.streams.connect,
+    which rides outages out)."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=30,
+    )
+
+
+def storable(spec: JobSpec) -> dict[str, Any]:
+    """The spec as the ledger stores it (JSON), checked to validate again as read back.
+
+    Raises:
+        ValueError: the stored form would not validate (a spec no service could start).
+    """
+    stored = json.loads(json.dumps(spec.model_dump(mode="json"), allow_nan=False))
+    try:
+        JobSpec.model_validate(stored)
+    except ValidationError as exc:
+        summary = "; ".join(f"{f['field']}: {f['message']}" for f in format_validation_error(exc)[:5])
+        raise ValueError(f"the spec would not validate as stored ({summary})") from None
+    return stored
+
+
+def _errors_body(what: str, fields: list[dict]) -> dict[str, Any]:
+    """A 422 body: at most MAX_ERRORS_LISTED fields, each text cut short, and the rest counted."""
+    listed = [{"field": f["field"][:MAX_FIELD_CHARS], "message": f["message"][:MAX_MESSAGE_CHARS]}
+              for f in fields[:MAX_ERRORS_LISTED]]
+    summary = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in listed)
+    body: dict[str, Any] = {"error": f"{what}: {summary}", "fields": listed}
+    if len(fields) > len(listed):
+        body["more_errors"] = len(fields) - len(listed)
+        body["error"] += f"; and {body['more_errors']} more"
+    return body
+
+
+def _needs_token(dependant: Dependant, authorize: Callable[..., Any]) -> bool:
+    return dependant.call is authorize or any(_needs_token(d, authorize) for d in dependant.dependencies)
 
 
 def load_token_file(path: Path) -> list[tuple[str, Role]]:
@@ -141,10 +250,13 @@ class TokenChecker:
 
 
 class JobCollector:
-    """Job gauges read from the ledger at scrape time, for jobs not yet in a terminal state."""
+    """Job gauges read from the ledger at scrape time, for at most `max_jobs` unfinished jobs
+    (METRICS_JOB_STATES), and `asyncrl_ledger_up` (0 when the ledger cannot be read: the scrape
+    still answers)."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, max_jobs: int) -> None:
         self.ledger = ledger
+        self.max_jobs = max_jobs
 
     def describe(self) -> list[Metric]:
         # Without describe, registering would call collect and so query the ledger.
@@ -166,23 +278,32 @@ class JobCollector:
         samples = GaugeMetricFamily(
             "asyncrl_samples", "Samples in the ledger by status.", labels=["job_id", "status"]
         )
-        live = [st for st in JOB_STATES if st not in TERMINAL_STATES]
-        for job in self.ledger.list_jobs(limit=METRICS_JOB_LIMIT, states=live):
-            job_id = job["id"]
-            last = self.ledger.last_train_step(job_id)
-            step.add_metric([job_id], last["step"] if last else job["step"])
-            metrics = (last["metrics"] or {}) if last else {}
-            for family, key in ((reward, "reward/mean"), (staleness, "off_policy/mean")):
-                if isinstance(metrics.get(key), (int, float)):
-                    family.add_metric([job_id], float(metrics[key]))
-            for status, n in self.ledger.status_counts(job_id).items():
-                samples.add_metric([job_id, status], n)
         tasks = GaugeMetricFamily(
             "asyncrl_admin_tasks", "Admin tasks (Celery) by kind and state.", labels=["kind", "state"]
         )
-        for (kind, state), n in self.ledger.admin_task_counts().items():
-            tasks.add_metric([kind, state], n)
-        yield from (step, reward, staleness, samples, tasks)
+        up = GaugeMetricFamily("asyncrl_ledger_up", "1 when this scrape could read the ledger.")
+        try:
+            jobs: list[dict[str, Any]] = []
+            for states in METRICS_JOB_STATES:
+                if len(jobs) < self.max_jobs:
+                    jobs += self.ledger.list_jobs(limit=self.max_jobs - len(jobs), states=states)
+            for job in jobs:
+                job_id = job["id"]
+                last = self.ledger.last_train_step(job_id)
+                step.add_metric([job_id], last["step"] if last else job["step"])
+                metrics = (last["metrics"] or {}) if last else {}
+                for family, key in ((reward, "reward/mean"), (staleness, "off_policy/mean")):
+                    if isinstance(metrics.get(key), (int, float)):
+                        family.add_metric([job_id], float(metrics[key]))
+                for status, n in self.ledger.status_counts(job_id).items():
+                    samples.add_metric([job_id, status], n)
+            for (kind, state), n in self.ledger.admin_task_counts().items():
+                tasks.add_metric([kind, state], n)
+            up.add_metric([], 1)
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            log.warning("/metrics: the ledger cannot be read (%s); job gauges left out", type(exc).__name__)
+            up.add_metric([], 0)
+        yield from (step, reward, staleness, samples, tasks, up)
 
 
 def _task_view(task: dict[str, Any] | None) -> dict[str, Any]:
@@ -198,13 +319,19 @@ def _task_view(task: dict[str, Any] | None) -> dict[str, Any]:
 class ExportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(
+    name: PrintableStr | None = Field(
         None,
         min_length=1,
         max_length=500,
-        description="Folder under the worker's ADMIN_EXPORT_DIR (relative, no '..'); "
+        description="Folder under the worker's ADMIN_EXPORT_DIR (relative, no '..', printable); "
         "default <job id>/step-NNNNNN.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        refuse_nul(cls.__name__, data)
+        return data
 
 
 def create_app(
@@ -228,41 +355,65 @@ def create_app(
         )
     ledger = ledger or Ledger(settings.database_url)
     redis_url, _ = resolve_redis_url(settings.redis_url)
-    redis_client = connect(redis_url)
-    app = FastAPI(title="asyncrl job API", version="0.1.0")
+    redis_client = request_redis(redis_url)
+    # 400 and 413 come from the edge, for any route.
+    app = FastAPI(title="asyncrl job API", version="0.1.0", responses=_responses(400, 413))
+    install_access_log_filter()
+
+    def access(authorization: str | None, method: str, path: str) -> tuple[str, HTTPException | None]:
+        """(the caller as the audit log names it, the 401/403 to answer or None)."""
+        if not checker.enabled:
+            return "anonymous", None
+        scheme, token = get_authorization_scheme_param(authorization)
+        if not authorization or scheme.lower() != "bearer" or not token:
+            return "anonymous", HTTPException(
+                401,
+                "missing bearer token; send `Authorization: Bearer <token>`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        role = checker.role(token)
+        if role is None:
+            return "anonymous", HTTPException(
+                401,
+                "invalid bearer token",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        actor = f"{role} token {hashlib.sha256(token.encode()).hexdigest()[:8]}"
+        if role == "ro" and method not in READ_METHODS:
+            return actor, HTTPException(
+                403,
+                f"this token is read-only; {method} {escape_control(path)} needs a read-write token",
+                headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'},
+            )
+        return actor, None
 
     async def authorize(
         request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
     ) -> None:
         """Raise 401 without a valid token, 403 when a read-only token asks to write. Leaves
-        `request.state.actor` naming the caller for the audit log (never the token itself)."""
-        request.state.actor = "anonymous"
-        if not checker.enabled:
-            return
-        if creds is None:
-            raise HTTPException(
-                401,
-                "missing bearer token; send `Authorization: Bearer <token>`",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        role = checker.role(creds.credentials)
-        if role is None:
-            raise HTTPException(
-                401,
-                "invalid bearer token",
-                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-            )
-        request.state.actor = f"{role} token {hashlib.sha256(creds.credentials.encode()).hexdigest()[:8]}"
-        if role == "ro" and request.method not in READ_METHODS:
-            raise HTTPException(
-                403,
-                f"this token is read-only; {request.method} {request.url.path} needs a read-write token",
-                headers={"WWW-Authenticate": 'Bearer error="insufficient_scope"'},
-            )
+        `request.state.actor` naming the caller for the audit log (never the token itself).
+        The edge (`gate`) has already refused such a request before its body was read; this
+        repeats the check where the route is, and documents the scheme in the OpenAPI."""
+        actor, denied = access(request.headers.get("authorization"), request.method, request.url.path)
+        request.state.actor = actor
+        if denied is not None:
+            raise denied
+
+    guarded: list[APIRoute] = []  # the routes that depend on `authorize`, filled in at the end
+
+    def gate(scope: Scope) -> Rejection | None:
+        """The edge's token check, for a request to a guarded route."""
+        if not checker.enabled or not any(r.matches(scope)[0] is Match.FULL for r in guarded):
+            return None
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        _, denied = access(auth, scope["method"], scope["path"])
+        return None if denied is None else (denied.status_code, str(denied.detail), dict(denied.headers or {}))
+
+    app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes, gate=gate)
 
     # Every job route authenticates; the role needed follows from the HTTP method, so a route added
     # here later cannot forget either check.
-    jobs = APIRouter(dependencies=[Security(authorize)])
+    jobs = APIRouter(dependencies=[Security(authorize)], responses=_responses(401, 503))
 
     registry = CollectorRegistry()  # per app: several apps in one process must not share series
     requests_total = Counter(
@@ -277,7 +428,7 @@ def create_app(
         ["method", "route"],
         registry=registry,
     )
-    registry.register(JobCollector(ledger))
+    registry.register(JobCollector(ledger, settings.metrics_max_jobs))
 
     @app.middleware("http")
     async def _observe(
@@ -291,7 +442,10 @@ def create_app(
             return response
         finally:
             # The route template, not the path: job ids and 404 probes must not multiply series.
-            route = getattr(request.scope.get("route"), "path", "<unmatched>")
+            # A request the edge refused never reached the router: match its route here.
+            matched = request.scope.get("route") or next(
+                (r for r in app.router.routes if r.matches(request.scope)[0] is Match.FULL), None)
+            route = getattr(matched, "path", "<unmatched>")
             requests_total.labels(request.method, route, str(status)).inc()
             request_seconds.labels(request.method, route).observe(time.perf_counter() - start)
 
@@ -307,10 +461,28 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(req: Request, exc: RequestValidationError) -> JSONResponse:
         fields = format_validation_error(exc)
-        summary = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in fields)
         in_body = any(e.get("loc", ("",))[0] == "body" for e in exc.errors())
         what = ("invalid job spec" if req.url.path == "/jobs" else "invalid request body") if in_body else "invalid request"
-        return JSONResponse(status_code=422, content={"error": f"{what}: {summary}", "fields": fields})
+        return JSONResponse(status_code=422, content=_errors_body(what, fields))
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def _redis_down(_req: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=503, content={
+            "error": f"Redis is unreachable ({type(exc).__name__}); retry later"})
+
+    @app.exception_handler(sqlalchemy.exc.OperationalError)
+    @app.exception_handler(sqlalchemy.exc.InterfaceError)
+    @app.exception_handler(sqlalchemy.exc.TimeoutError)
+    async def _ledger_down(_req: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=503, content={
+            "error": f"the ledger database is unreachable or busy ({type(exc).__name__}); retry later"})
+
+    @app.exception_handler(sqlalchemy.exc.DataError)
+    async def _unstorable(_req: Request, exc: Exception) -> JSONResponse:
+        # The edge and the models refuse what the ledger cannot store; this is the backstop.
+        return JSONResponse(status_code=422, content={
+            "error": "a value in the request cannot be stored in the ledger", "fields": []})
 
     @app.exception_handler(HTTPException)
     async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
@@ -318,26 +490,66 @@ def create_app(
             status_code=exc.status_code, content={"error": exc.detail}, headers=exc.headers
         )
 
-    @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {
-            "ok": True,
-            "redis": bool(redis_client.ping()),
-            "ledger_revision": ledger.current_revision(),
-        }
+    # Health checks run in threads of their own, one at most per dependency: a check stuck on a
+    # dead server (a black-holed PostgreSQL waits for the TCP timeout) is abandoned after
+    # HEALTH_TIMEOUT_S, and the next one reports it still waiting instead of piling up threads.
+    health_threads = anyio.CapacityLimiter(2)
+    checking = {"redis": threading.Lock(), "ledger": threading.Lock()}
+
+    async def _probe(what: str, call: Callable[[], Any], problems: list[str]) -> Any:
+        def check() -> Any:
+            if not checking[what].acquire(blocking=False):
+                raise RuntimeError("the previous check has not answered yet")
+            try:
+                return call()
+            finally:
+                checking[what].release()
+
+        try:
+            with anyio.fail_after(HEALTH_TIMEOUT_S):
+                return await anyio.to_thread.run_sync(check, limiter=health_threads, abandon_on_cancel=True)
+        except TimeoutError:
+            problems.append(f"{what}: no answer within {HEALTH_TIMEOUT_S} s")
+        except Exception as exc:  # any failure of the dependency is the answer, not a 500
+            problems.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+    @app.get("/health", response_model=HealthBody, responses={503: {"model": HealthBody, "description": "Redis or the ledger is down."}})
+    async def health() -> JSONResponse:
+        """Redis and the ledger answer: 200 `{"ok": true, ...}`, else 503 `{"ok": false, "error": ...}`,
+        within a second either way."""
+        problems: list[str] = []
+        results: dict[str, Any] = {}
+
+        async def run(what: str, call: Callable[[], Any]) -> None:
+            results[what] = await _probe(what, call, problems)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "redis", redis_client.ping)
+            tg.start_soon(run, "ledger", ledger.current_revision)
+        ok = not problems
+        body: dict[str, Any] = {"ok": ok, "redis": bool(results.get("redis")), "ledger_revision": results.get("ledger")}
+        if not ok:
+            body["error"] = "; ".join(problems)
+        return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @app.get("/metrics", response_class=Response)
     def metrics() -> Response:
         """Prometheus exposition: request counts and latency, and gauges of the unfinished jobs."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @jobs.post("/jobs", status_code=201)
-    def submit(spec: JobSpec) -> dict[str, Any]:
+    @jobs.post("/jobs", status_code=201, responses=_responses(403, 422))
+    def submit(spec: JobSpec, request: Request) -> dict[str, Any]:
+        try:
+            stored = storable(spec)
+        except ValueError as exc:
+            raise HTTPException(422, f"invalid job spec: {exc}") from None
         job_id = uuid.uuid4().hex[:12]
-        ledger.create_job(job_id, spec.name, spec.model_dump(mode="json"))
-        return {"id": job_id, "state": "submitted", "spec": spec.model_dump(mode="json")}
+        ledger.create_job(job_id, spec.name, stored)
+        log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), request.state.actor)
+        return {"id": job_id, "state": "submitted", "spec": stored}
 
-    @jobs.get("/jobs")
+    @jobs.get("/jobs", responses=_responses(422))
     def list_jobs(limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
         # Bounded: a limit past SQLite's 64-bit INTEGER was a 500; a negative one meant "all".
         return [
@@ -345,7 +557,7 @@ def create_app(
             for j in ledger.list_jobs(limit=limit)
         ]
 
-    @jobs.get("/jobs/{job_id}")
+    @jobs.get("/jobs/{job_id}", responses=_responses(404, 422))
     def job_status(job_id: str) -> dict[str, Any]:
         job = job_or_404(job_id)
         steps = ledger.train_steps(job_id)
@@ -389,21 +601,21 @@ def create_app(
             raise HTTPException(409, f"job '{job_id}' is already {job['state']}; cannot {action} it")
         return job
 
-    @jobs.post("/jobs/{job_id}/stop", status_code=202)
+    @jobs.post("/jobs/{job_id}/stop", status_code=202, responses=_responses(403, 404, 409, 422))
     def stop(job_id: str, request: Request) -> dict[str, Any]:
         """Drain: the trainer finishes its current step, then every service of the job exits."""
         live_job(job_id, "stop")
         control(request, job_id, "stop", "stopping")
         return {"id": job_id, "state": "stopping"}
 
-    @jobs.post("/jobs/{job_id}/cancel", status_code=202)
+    @jobs.post("/jobs/{job_id}/cancel", status_code=202, responses=_responses(403, 404, 409, 422))
     def cancel(job_id: str, request: Request) -> dict[str, Any]:
         """Immediate: services exit without finishing the step or evaluating."""
         live_job(job_id, "cancel")
         control(request, job_id, "cancel", "cancelled")
         return {"id": job_id, "state": "cancelled"}
 
-    @jobs.post("/jobs/{job_id}/pause", status_code=202)
+    @jobs.post("/jobs/{job_id}/pause", status_code=202, responses=_responses(403, 404, 409, 422))
     def pause(job_id: str, request: Request) -> dict[str, Any]:
         """Generation, scoring and training stop taking new work; nothing in flight is lost."""
         job = live_job(job_id, "pause")
@@ -412,7 +624,7 @@ def create_app(
         control(request, job_id, "pause", "paused")
         return {"id": job_id, "state": "paused"}
 
-    @jobs.post("/jobs/{job_id}/resume", status_code=202)
+    @jobs.post("/jobs/{job_id}/resume", status_code=202, responses=_responses(403, 404, 409, 422))
     def resume(job_id: str, request: Request) -> dict[str, Any]:
         job = live_job(job_id, "resume")
         if job["state"] != "paused":
@@ -420,7 +632,7 @@ def create_app(
         control(request, job_id, "resume", "running")
         return {"id": job_id, "state": "running"}
 
-    @jobs.patch("/jobs/{job_id}")
+    @jobs.patch("/jobs/{job_id}", responses=_responses(403, 404, 409, 422))
     def patch(job_id: str, change: JobPatch, request: Request) -> dict[str, Any]:
         """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
         apply them at their next step. The stored spec is updated so a restarted service keeps them."""
@@ -431,23 +643,25 @@ def create_app(
         try:
             spec = JobSpec.model_validate(change.apply(job["spec"]))
         except ValidationError as exc:
-            fields = format_validation_error(exc)
-            summary = "; ".join(f"{f['field']}: {f['message']}" for f in fields)
-            return JSONResponse(status_code=422, content={"error": f"the change makes the spec invalid: {summary}",
-                                                          "fields": fields})  # type: ignore[return-value]
+            body = _errors_body("the change makes the spec invalid", format_validation_error(exc))
+            return JSONResponse(status_code=422, content=body)  # type: ignore[return-value]
         if "max_staleness" in changes and spec.mode == "sync":
             raise HTTPException(422, "max_staleness has no effect in sync mode (the bound is 0)")
-        ledger.update_spec(job_id, spec.model_dump(mode="json"))
+        try:
+            stored = storable(spec)
+        except ValueError as exc:
+            raise HTTPException(422, f"the change makes the spec invalid: {exc}") from None
+        ledger.update_spec(job_id, stored)
         control(request, job_id, "set", None, settings=changes)
-        return {"id": job_id, "changed": changes, "spec": spec.model_dump(mode="json")}
+        return {"id": job_id, "changed": changes, "spec": stored}
 
-    @jobs.get("/jobs/{job_id}/checkpoints")
+    @jobs.get("/jobs/{job_id}/checkpoints", responses=_responses(404, 422))
     def checkpoints(job_id: str) -> list[dict[str, Any]]:
         """Committed HF-format checkpoints of the job (step, policy version, path)."""
         job_or_404(job_id)
         return ledger.checkpoints(job_id)
 
-    @jobs.get("/jobs/{job_id}/verify")
+    @jobs.get("/jobs/{job_id}/verify", responses=_responses(404, 422))
     def verify_job(job_id: str) -> dict[str, Any]:
         """Check the ledger's invariants for the job (broker.verify): every sample in one state,
         staleness = trainer version - generation version, nothing trained twice, step counts.
@@ -458,13 +672,13 @@ def create_app(
         res = verify(ledger, job_id)
         return {"ok": res.ok, **dataclasses.asdict(res)}
 
-    @jobs.get("/jobs/{job_id}/changes")
+    @jobs.get("/jobs/{job_id}/changes", responses=_responses(404, 422))
     def changes(job_id: str) -> list[dict[str, Any]]:
         """The audit log: who changed what, when."""
         job_or_404(job_id)
         return ledger.job_changes(job_id)
 
-    @jobs.get("/jobs/{job_id}/samples")
+    @jobs.get("/jobs/{job_id}/samples", responses=_responses(404, 422))
     def job_samples(
         job_id: str,
         status: Annotated[str | None, Query(description=f"One of: {', '.join(SAMPLE_STATUSES)}.")] = None,
@@ -538,14 +752,16 @@ def create_app(
                                      "check ADMIN_CELERY_BROKER_URL / REDIS_URL and retry") from exc
         return JSONResponse(status_code=202, content=_task_view(ledger.get_admin_task(task_id)))
 
-    @jobs.post("/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202)
+    @jobs.post("/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202,
+               responses={**_responses(403, 404, 422), 200: {"description": "The same task, submitted before (a retried request)."}})
     def evaluate_checkpoint(job_id: str, step: Annotated[int, PathParam(ge=0, le=2**62)], request: Request) -> JSONResponse:
         """Evaluate the checkpoint on the job's held-out set (greedy, the trainer's protocol) in
         the admin worker; the result lands in the ledger's evals (source `checkpoint`) and in
         GET /tasks/{task_id}."""
         return submit_admin(request, job_id, step, "evaluate", {})
 
-    @jobs.post("/jobs/{job_id}/checkpoints/{step}/export", status_code=202)
+    @jobs.post("/jobs/{job_id}/checkpoints/{step}/export", status_code=202,
+               responses={**_responses(403, 404, 422), 200: {"description": "The same task, submitted before (a retried request)."}})
     def export_checkpoint(
         job_id: str, step: Annotated[int, PathParam(ge=0, le=2**62)], request: Request, body: ExportRequest | None = None
     ) -> JSONResponse:
@@ -561,7 +777,7 @@ def create_app(
                 raise HTTPException(422, str(exc)) from None
         return submit_admin(request, job_id, step, "export", {"name": name})
 
-    @jobs.get("/jobs/{job_id}/tasks")
+    @jobs.get("/jobs/{job_id}/tasks", responses=_responses(404, 422))
     def job_tasks(
         job_id: str,
         kind: Annotated[str | None, Query(description=f"One of: {', '.join(ADMIN_TASK_KINDS)}.")] = None,
@@ -572,7 +788,7 @@ def create_app(
             raise HTTPException(422, f"unknown kind '{kind}'; valid: {', '.join(ADMIN_TASK_KINDS)}")
         return [_task_view(t) for t in ledger.admin_tasks(job_id, kind=kind)]
 
-    @jobs.get("/tasks/{task_id}")
+    @jobs.get("/tasks/{task_id}", responses=_responses(404, 422))
     def task_status(task_id: str) -> dict[str, Any]:
         """One admin task: queued, running, succeeded (with its result) or failed (with the error)."""
         task = ledger.get_admin_task(task_id)
@@ -582,4 +798,5 @@ def create_app(
 
     app.include_router(jobs)
     app.include_router(status_router(ledger, authorize))
+    guarded.extend(r for r in app.router.routes if isinstance(r, APIRoute) and _needs_token(r.dependant, authorize))
     return app

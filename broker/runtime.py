@@ -6,16 +6,22 @@ import logging
 import time
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from broker.ledger import Ledger
 from broker.redis_server import redact_url, resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
-from shared.entry import accept_drain, drain_requested
-from shared.jobspec import JobSpec
-from shared.logs import set_context
+from shared.entry import JobOver, accept_drain, drain_requested
+from shared.jobspec import JobSpec, format_validation_error
+from shared.logs import escape_control, set_context
 from shared.schema import Control, Rollout
 from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
+
+# States a service without JOB_ID picks a job from, and how many of the newest it looks at.
+PICKABLE_STATES = ("submitted", "running")
+PICK_SCAN = 100
 
 
 @dataclass
@@ -26,11 +32,42 @@ class JobContext:
     streams: JobStreams
 
 
+def spec_problem(job: dict) -> str | None:
+    """Why the job's stored spec cannot be run (it no longer validates), or None when it can."""
+    try:
+        JobSpec.model_validate(job["spec"])
+    except ValidationError as exc:
+        fields = format_validation_error(exc)
+        summary = "; ".join(f"{f['field'] or 'spec'}: {f['message']}" for f in fields[:5])
+        more = f" (and {len(fields) - 5} more)" if len(fields) > 5 else ""
+        return f"the stored job spec does not validate: {summary}{more}"[:2000]
+    return None
+
+
+def fail_job(ledger: Ledger, job: dict, reason: str) -> None:
+    """Mark the job failed with `reason`, and say so in the log."""
+    log.error("job %s (%s) cannot run, marked failed: %s", job["id"], escape_control(str(job["name"])),
+              escape_control(reason))
+    ledger.set_job_state(job["id"], "failed", error=reason)
+
+
+def pick_job(ledger: Ledger) -> dict | None:
+    """The newest submitted or running job whose spec validates. Newer jobs whose spec does not
+    are marked failed on the way (each with a log line), so no service picks them again."""
+    for job in ledger.list_jobs(limit=PICK_SCAN, states=PICKABLE_STATES):
+        reason = spec_problem(job)
+        if reason is None:
+            return job
+        fail_job(ledger, job, reason)
+    return None
+
+
 def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> dict:
-    """The named job, or the newest submitted/running one; waits up to `timeout_s` for it to appear."""
+    """The named job, or the newest submitted/running one that can run (`pick_job`); waits up to
+    `timeout_s` for it to appear."""
     deadline = time.monotonic() + timeout_s
     while True:
-        job = ledger.get_job(job_id) if job_id else ledger.latest_job()
+        job = ledger.get_job(job_id) if job_id else pick_job(ledger)
         if job is not None:
             return job
         if time.monotonic() > deadline:
@@ -40,9 +77,20 @@ def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> dict:
 
 
 def open_job(settings: CommonSettings) -> JobContext:
+    """Find the job (JOB_ID, else `pick_job`) and open its streams.
+
+    Raises:
+        JobOver: the job's stored spec no longer validates; the job is marked failed with the
+            reason first, and the service exits 0 (restarting would not help).
+        TimeoutError: no such job appeared within `job_wait_s`.
+    """
     url, _ = resolve_redis_url(settings.redis_url)
     ledger = Ledger(settings.database_url)
     job = wait_for_job(ledger, settings.job_id, settings.job_wait_s)
+    reason = spec_problem(job)
+    if reason is not None:
+        fail_job(ledger, job, reason)
+        raise JobOver(f"job {job['id']} failed: {reason}")
     spec = JobSpec.model_validate(job["spec"])
     set_context(job_id=job["id"])
     streams = JobStreams(
@@ -53,7 +101,7 @@ def open_job(settings: CommonSettings) -> JobContext:
         claim_idle_ms=settings.claim_idle_ms,
         max_deliveries=settings.max_deliveries,
     )
-    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], spec.name, redact_url(url),
+    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], escape_control(spec.name), redact_url(url),
              redact_url(settings.database_url))
     return JobContext(job["id"], spec, ledger, streams)
 

@@ -6,8 +6,9 @@ collapse guard's trips, which the page shows above the charts).
 
 Auth: the page and its assets are always open (they hold no data); every data request carries
 the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
-sessionStorage, drops it from the address bar, and sends it as `Authorization: Bearer`. A token in
-a URL can still land in browser history and proxy logs; use a read-only token for the page.
+sessionStorage, drops it from the address bar, and sends it as `Authorization: Bearer`. The API's
+access log shows it as `token=***` (broker.edge.AccessLogFilter), but a token in a URL can still
+land in browser history and proxy logs; use a read-only token for the page.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from shared.spectypes import PrintableStr, SpecModel
 from shared.tasks import Problem, gsm8k_final_answer, synthetic_arithmetic
 
 __all__ = [
@@ -80,8 +81,8 @@ class DatasetError(ValueError):
     """A dataset cannot be read or mapped; the message names the file, the row and the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(SpecModel):
+    """Unknown fields rejected, numbers finite, strings bounded (shared.spectypes)."""
 
 
 def template_fields(template: str) -> list[str]:
@@ -123,7 +124,7 @@ def template_fields(template: str) -> list[str]:
 class DatasetSource(_Strict):
     """One local dataset: a file or a saved folder, with its share of the training mixture."""
 
-    path: str = Field(
+    path: PrintableStr = Field(
         ..., min_length=1, max_length=4096,
         description="Local file (.jsonl, .json, .parquet, .csv) or a folder written by `datasets`' "
         "save_to_disk. A relative path resolves against the current directory of the process that "
@@ -133,7 +134,7 @@ class DatasetSource(_Strict):
         None, description=f"One of {', '.join(FORMATS)}; None infers it from the file's suffix, or "
         "`save_to_disk` for a folder holding dataset_info.json, state.json or dataset_dict.json.",
     )
-    split: str | None = Field(
+    split: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="The split of a DatasetDict folder to read (e.g. 'train'); may be left out "
         "when the folder holds a single split. Only for save_to_disk folders.",
@@ -145,15 +146,15 @@ class DatasetSource(_Strict):
         "weights, n_train rows are split in proportion and a dataset smaller than its share is "
         "repeated.",
     )
-    name: str | None = Field(
+    name: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="Label in Problem.source and logs; defaults to the path (with ':split').",
     )
-    prompt_field: str | None = Field(
+    prompt_field: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="This dataset's prompt column; None: the task's prompt_field.",
     )
-    answer_field: str | None = Field(
+    answer_field: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="This dataset's answer column; None: the task's answer_field.",
     )
@@ -190,12 +191,12 @@ class TaskSpec(_Strict):
         "answer ending '#### <number>') or `arithmetic` (synthetic a+b=, generated from the seed). "
         "Left out: `dataset` when files are given, else `arithmetic`.",
     )
-    path: str | None = Field(
+    path: PrintableStr | None = Field(
         None, min_length=1, max_length=4096,
         description="Shorthand for datasets=[{path}]: one local training file or saved folder "
         "(relative paths resolve against the loading process's current directory).",
     )
-    test_path: str | None = Field(
+    test_path: PrintableStr | None = Field(
         None, min_length=1, max_length=4096,
         description="Shorthand for test=[{path}]: a held-out file; else a seeded split of the training rows.",
     )
@@ -208,17 +209,17 @@ class TaskSpec(_Strict):
         description="Held-out datasets, concatenated in order; none: a seeded split of the "
         "training rows (n_test or test_fraction), disjoint by prompt.",
     )
-    prompt_field: str | None = Field(
+    prompt_field: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="Column holding the prompt text; None: the preset's ('question' for gsm8k, "
         "else 'prompt'). Not with prompt_template or messages_field.",
     )
-    answer_field: str | None = Field(
+    answer_field: PrintableStr | None = Field(
         "answer", min_length=1, max_length=200,
         description="Column holding the reference answer (numbers become strings); null: no "
         "reference answer (Problem.answer is ''), for rewards that need none.",
     )
-    messages_field: str | None = Field(
+    messages_field: PrintableStr | None = Field(
         None, min_length=1, max_length=200,
         description="Column holding chat messages (a list of {role, content}, ending with a user "
         "turn) instead of a prompt column.",

@@ -23,6 +23,12 @@ _drain = threading.Event()
 _accepting = threading.Event()
 
 
+class JobOver(Exception):
+    """The service's job cannot or need not be served (e.g. its stored spec no longer validates,
+    and the job was marked failed with the reason): `run_service` logs it and exits 0, so that no
+    supervisor restarts the service into the same end."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM before the service could drain (or a second one): stop now; the job stays running."""
 
@@ -53,8 +59,8 @@ def _on_sigterm(signum, frame):
 def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> int:
     """Parse settings from the environment, set up logging, import `module:function` and run it.
 
-    Exit codes: 0 done or drained after SIGTERM, 1 failed (logged with traceback), 130 interrupted
-    (SIGINT, or SIGTERM before the loop ran).
+    Exit codes: 0 done, drained after SIGTERM, or the job is over (`JobOver`, logged as an
+    error); 1 failed (logged with traceback); 130 interrupted (SIGINT, or SIGTERM before the loop ran).
     """
     settings = settings_cls()
     setup_logging(service, getattr(settings, "log_level", "INFO"))
@@ -66,6 +72,9 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
     except KeyboardInterrupt:
         log.info("%s interrupted", service)
         return 130
+    except JobOver as exc:
+        log.error("%s: %s; nothing to serve, exiting", service, exc)
+        return 0
     except Exception:
         log.exception("%s failed", service)
         return 1

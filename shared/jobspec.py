@@ -6,13 +6,14 @@ a 422 naming the field rather than a silently ignored setting.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.rewards.spec import REWARDS, RewardSpec
 from shared.schema import SamplingParams
+from shared.spectypes import PrintableStr, SpecModel, refuse_nul
 
 __all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
 
@@ -22,19 +23,35 @@ Loss = Literal["aipo", "ppo_clip", "gspo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# Bounds that no job reaches but that keep every number in what JSON, the ledger's 64-bit
+# integers and the engines accept (numpy seeds are 32-bit).
+MAX_STEPS = 10_000_000
+MAX_SEED = 2**32 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_SCALE = 1e9
+
+# A chat-template variable: a short string, a bounded integer, a finite float or a flag.
+TemplateValue = (
+    Annotated[str, Field(max_length=10_000)]
+    | Annotated[int, Field(ge=-(2**53), le=2**53)]
+    | Annotated[float, Field(ge=-MAX_SCALE, le=MAX_SCALE)]
+    | bool
+)
+
+
+class _Strict(SpecModel):
+    """Unknown fields rejected, numbers finite, strings bounded (shared.spectypes)."""
 
 
 class SamplingSpec(_Strict):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
     max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
-    stop: list[str] = Field(
+    stop: list[Annotated[str, Field(max_length=1000)]] = Field(
         default_factory=list, max_length=64,
         description="Stop strings (vLLM): a completion ends at the first one; the text the reward sees ends there "
                     "(the string itself excluded unless include_stop_str_in_output). E.g. [\"\\n\"] for one-line answers.")
-    stop_token_ids: list[int] = Field(
+    stop_token_ids: list[Annotated[int, Field(le=MAX_TOKEN_ID)]] = Field(
         default_factory=list, max_length=64,
         description="Token ids that end a completion besides the model's EOS (e.g. a chat model's end-of-turn token).")
     min_tokens: int = Field(0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion.")
@@ -76,8 +93,8 @@ class AlgorithmSpec(_Strict):
     )
     lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (1e-6 suits billion-parameter models; tiny ones take 1e-4).")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
-    micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward pass (gradient accumulation).")
+    max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradient clipping by global norm.")
+    micro_batch_size: int = Field(64, ge=1, le=1_000_000, description="Samples per forward/backward pass (gradient accumulation).")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
                            "batch from new groups; each drop is recorded in the ledger with its reason.")
@@ -100,7 +117,7 @@ class AdaptiveStalenessSpec(_Strict):
         "ess", description="Drift signal: normalised ESS of the importance weights, or the k3 mismatch KL."
     )
     threshold: float = Field(
-        0.9, gt=0.0, description="ess: tighten below it (0..1]; mismatch_kl: tighten above it."
+        0.9, gt=0.0, le=MAX_SCALE, description="ess: tighten below it (0..1]; mismatch_kl: tighten above it."
     )
     patience: int = Field(3, ge=1, le=1000, description="Calm steps in a row before the bound loosens by one.")
 
@@ -119,7 +136,7 @@ class GuardSpec(_Strict):
 
     enabled: bool = Field(True, description="Check every update before it is published; false turns the guard off.")
     max_is: float = Field(
-        100.0, gt=1.0, description="Trip when the largest importance weight the loss applies (after AIPO's truncation or "
+        100.0, gt=1.0, le=MAX_SCALE, description="Trip when the largest importance weight the loss applies (after AIPO's truncation or "
                                    "a clip; the raw pi/mu for reinforce, which applies none) exceeds this.")
     min_ess: float = Field(
         0.05, ge=0.0, le=1.0, description="Trip when the normalised ESS of the importance weights the loss applies (raw "
@@ -127,7 +144,7 @@ class GuardSpec(_Strict):
     reward_window: int = Field(5, ge=1, le=10_000, description="Steps in the rolling reward mean.")
     reward_drop: float = Field(
         0.5, gt=0.0, le=1.0, description="Trip when the window mean falls below (1 - this) x the best window mean...")
-    min_best_reward: float = Field(0.2, description="...once the best window mean reached this (there was a signal to lose).")
+    min_best_reward: float = Field(0.2, ge=-MAX_SCALE, le=MAX_SCALE, description="...once the best window mean reached this (there was a signal to lose).")
     reward_false_alarm: float = Field(
         0.001, gt=0.0, lt=0.5, description="...and by more than the reward noise explains: the chance that a healthy run "
                                            "at a steady, noisy reward trips anyway (sets the noise margin, guard.py "
@@ -161,11 +178,11 @@ class EvalSetSpec(_Strict):
     reward: RewardSpec = Field(None, description="Reward of this set; unset: the job's reward.")  # type: ignore[assignment]
     sampling: EvalSamplingSpec = Field(default_factory=EvalSamplingSpec, description="How this set is sampled.")
     every: int | None = Field(
-        None, ge=0, description="Evaluate every N steps (0: only at the start and the end); unset: the job's eval_every.")
-    pass_k: list[int] = Field(
+        None, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at the start and the end); unset: the job's eval_every.")
+    pass_k: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
         default_factory=list, max_length=16,
         description="k values of pass@k (each <= sampling.n); unset: 1 and n. Reported when n > 1.")
-    pass_threshold: float = Field(1.0, description="A sample passes (pass@k, maj@n) when its reward reaches this.")
+    pass_threshold: float = Field(1.0, ge=-MAX_SCALE, le=MAX_SCALE, description="A sample passes (pass@k, maj@n) when its reward reaches this.")
 
     @model_validator(mode="before")
     @classmethod
@@ -187,14 +204,16 @@ class EvalSetSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    name: str = Field("job", min_length=1, max_length=200, description="Human-readable job name.")
-    model_path: str = Field(..., min_length=1, description="Local HF-format model directory (never downloaded).")
+    name: PrintableStr = Field(
+        "job", min_length=1, max_length=200, description="Human-readable job name (printable: no control characters).")
+    model_path: PrintableStr = Field(
+        ..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded).")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
     chat_template: Literal["auto", "on", "off"] = Field(
         "auto", description="Render prompts with the tokenizer's chat template (system prompt, user turn, generation "
                             "prompt): auto when the tokenizer has one, on (an error if it has none), off (plain text).")
-    chat_template_kwargs: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="Extra chat-template variables, e.g. {\"enable_thinking\": false}.")
+    chat_template_kwargs: dict[Annotated[PrintableStr, Field(min_length=1, max_length=200)], TemplateValue] = Field(
+        default_factory=dict, max_length=64, description="Extra chat-template variables, e.g. {\"enable_thinking\": false}.")
     reward: RewardSpec = Field(
         "exact_match", description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards)."
     )
@@ -211,8 +230,8 @@ class JobSpec(_Strict):
     )
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
-    steps: int = Field(100, ge=1, le=10_000_000, description="Optimizer steps to run.")
-    eval_every: int = Field(10, ge=0, description="Evaluate on the held-out set every N steps (0: only at the start and the end).")
+    steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
+    eval_every: int = Field(10, ge=0, le=MAX_STEPS, description="Evaluate on the held-out set every N steps (0: only at the start and the end).")
     eval_sets: list[EvalSetSpec] = Field(
         default_factory=list, max_length=32,
         description="Named evaluation sets; unset: one set `held_out`, the task's held-out split, greedy, every eval_every steps.")
@@ -220,12 +239,18 @@ class JobSpec(_Strict):
         None, ge=1, le=100_000, description="Prompt groups per generate call (counted in samples: held-out groups of one sample fill it together); unset: the generator's GEN_BATCH_GROUPS."
     )
     checkpoint_every: int = Field(
-        0, ge=0, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."
+        0, ge=0, le=MAX_STEPS, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."
     )
     guard: GuardSpec = Field(
         default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
     )
-    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        refuse_nul(cls.__name__, data)
+        return data
 
     @model_validator(mode="after")
     def _overlong_buffer(self) -> JobSpec:

@@ -1,9 +1,32 @@
-"""Structured logging: every line carries the service, job and (when known) policy version."""
+"""Structured logging: every line carries the service, job and (when known) policy version.
+
+One record is one line: user-provided text (job names, paths, request lines) cannot forge a
+record or send terminal escape codes. `escape_control` escapes every control character of such
+text where it is logged; the formatter also escapes, in every message, the controls that never
+belong in one (all but newline and tab: a message the code writes may span lines, e.g. the
+launcher's tail of a failed service's log).
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def escape_control(text: str) -> str:
+    """`text` with every control character written as an escape (`\\n`, `\\x1b`, `\\u2028`)."""
+    return _CONTROL.sub(_escape, text)
 
 
 class _Context(logging.Filter):
@@ -12,8 +35,14 @@ class _Context(logging.Filter):
         self.fields: dict[str, object] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.ctx = " ".join(f"{k}={v}" for k, v in self.fields.items() if v is not None)
+        record.ctx = escape_control(" ".join(f"{k}={v}" for k, v in self.fields.items() if v is not None))
         return True
+
+
+class _OneRecordFormatter(logging.Formatter):
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = _CONTROL_BUT_LINES.sub(_escape, record.message)
+        return super().formatMessage(record)
 
 
 _ctx = _Context()
@@ -23,8 +52,8 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ctx)
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s service=%(service)s %(ctx)s %(name)s: %(message)s",
-                          defaults={"service": service})
+        _OneRecordFormatter("%(asctime)s %(levelname)s service=%(service)s %(ctx)s %(name)s: %(message)s",
+                            defaults={"service": service})
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

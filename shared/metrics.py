@@ -27,12 +27,14 @@ log = logging.getLogger(__name__)
 _SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 
 
-def serve_metrics(port: int, service: str) -> CollectorRegistry | None:
-    """Serve a fresh registry on `port` (all interfaces), in a daemon thread of this process.
+def serve_metrics(port: int, service: str, host: str | None = None) -> CollectorRegistry | None:
+    """Serve a fresh registry on `host:port`, in a daemon thread of this process.
 
     Args:
         port: TCP port; 0 serves nothing.
         service: the service's name, exported as `asyncrl_service_info{service=...}`.
+        host: interface to listen on; None: METRICS_HOST (CommonSettings.metrics_host), which is
+            loopback unless set, like every other port of the system.
 
     Returns:
         The registry to build the service's metrics on, or None when `port` is 0.
@@ -48,8 +50,12 @@ def serve_metrics(port: int, service: str) -> CollectorRegistry | None:
     Info("asyncrl_service", "Which asyncrl service this process runs.", registry=registry).info(
         {"service": service}
     )
-    start_http_server(port, registry=registry)
-    log.info("%s metrics on :%d/metrics", service, port)
+    if host is None:
+        from shared.settings import CommonSettings  # the environment, read only when serving
+
+        host = CommonSettings().metrics_host
+    start_http_server(port, addr=host, registry=registry)
+    log.info("%s metrics on %s:%d/metrics", service, host, port)
     return registry
 
 

@@ -57,6 +57,12 @@ class CommonSettings(BaseSettings):
     claim_idle_ms: int = Field(60_000, ge=1, description="Reclaim entries another consumer left pending this long.")
     max_deliveries: int = Field(5, ge=1, description="After this many deliveries a message is dead-lettered.")
     job_wait_s: float = Field(600.0, ge=0, description="How long a service waits at start-up for its job.")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        validation_alias=AliasChoices("METRICS_HOST", "metrics_host"),
+        description="Interface a service's Prometheus port (its *_METRICS_PORT) listens on; loopback "
+        "unless set (0.0.0.0 for a scraper on another host or container).",
+    )
 
 
 class GeneratorSettings(CommonSettings):
@@ -112,6 +118,16 @@ class BrokerSettings(CommonSettings):
 
     host: str = Field("127.0.0.1", description="API bind address.")
     port: int = Field(8000, ge=1, le=65535, description="API port.")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30,
+        description="Largest request body the API reads (a job spec is a few KiB); a larger one is a 413 "
+        "before any of it is parsed.",
+    )
+    metrics_max_jobs: int = Field(
+        50, ge=0, le=1000,
+        description="/metrics carries per-job gauges for at most this many unfinished jobs (running, "
+        "paused or stopping ones first, then the newest submitted); 0 leaves them out.",
+    )
     # NoDecode: the environment holds a comma-separated string, not the JSON list
     # pydantic-settings would expect.
     tokens: Annotated[tuple[str, ...], NoDecode] = Field(

@@ -22,6 +22,7 @@ imported when the reward service starts (an import error fails the service at st
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from typing import Annotated, Any, Literal, Union
@@ -29,7 +30,6 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     SerializerFunctionWrapHandler,
@@ -42,6 +42,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from shared.spectypes import CONTROL_CHARS, PrintableStr, SpecModel
 
 REWARDS = ("exact_match", "math_verify", "python_exec")
 """The built-in reward functions' names (shared.rewards.builtin.REWARD_FUNCTIONS)."""
@@ -57,13 +59,13 @@ INPUT_NAMES = ("completion", "answer", "prompt", "metadata", "finish_reason")
 
 
 def _import_path(value: str) -> str:
-    if not IMPORT_PATH.match(value):
+    if not IMPORT_PATH.match(value) or CONTROL_CHARS.search(value):
         raise ValueError(f"{value!r} is not {_IMPORT_PATH_HELP}")
     return value
 
 
 def _bare_reward(value: str) -> str:
-    if value in REWARDS or IMPORT_PATH.match(value):
+    if value in REWARDS or (IMPORT_PATH.match(value) and not CONTROL_CHARS.search(value)):
         return value
     raise ValueError(
         f"unknown reward {value!r}: give a built-in name ({', '.join(REWARDS)}), {_IMPORT_PATH_HELP}, "
@@ -79,8 +81,12 @@ RewardName = Annotated[
 ]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(SpecModel):
+    """Unknown fields rejected, numbers finite, strings bounded (shared.spectypes)."""
+
+
+# A python reward's kwargs are free JSON; this bounds what a spec may carry to the function.
+MAX_KWARGS_BYTES = 64 * 1024
 
 
 _TIMEOUT = "Per-sample time budget in seconds (for a batched call: the whole call); over it the sample's status is `timeout`."
@@ -122,6 +128,16 @@ class PythonReward(_Strict):
     @field_validator("kwargs")
     @classmethod
     def _kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if len(v) > 64:
+            raise ValueError(f"kwargs has {len(v)} keys; at most 64")
+        try:
+            size = len(json.dumps(v, allow_nan=False))
+        except ValueError:
+            raise ValueError("kwargs holds a NaN or infinite number; JSON numbers must be finite") from None
+        except TypeError as exc:
+            raise ValueError(f"kwargs must be JSON values ({exc})") from None
+        if size > MAX_KWARGS_BYTES:
+            raise ValueError(f"kwargs is {size} bytes as JSON; at most {MAX_KWARGS_BYTES}")
         for key in v:
             if not key.isidentifier():
                 raise ValueError(f"kwargs key {key!r} is not a Python identifier")
@@ -135,7 +151,9 @@ class HttpReward(_Strict):
 
     kind: Literal["http"] = Field("http", description="Reward kind.")
     url: str = Field(..., pattern=r"^https?://\S+$", max_length=2000, description="Endpoint that takes the POST.")
-    headers: dict[str, str] = Field(default_factory=dict, description="Extra request headers (e.g. a static auth header).")
+    headers: dict[Annotated[PrintableStr, Field(min_length=1, max_length=200)], Annotated[PrintableStr, Field(max_length=8192)]] = Field(
+        default_factory=dict, max_length=64,
+        description="Extra request headers (e.g. a static auth header); no control characters (CR/LF would split a header).")
     batch_size: int = Field(64, ge=1, le=100_000, description="Samples per request.")
     retries: int = Field(2, ge=0, le=20, description="Retries of a request after a connection error, a timeout of the attempt, 429 or 5xx, with exponential back-off.")
     timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Time budget of one request batch, retries included; over it the batch's samples are `timeout`.")
@@ -195,7 +213,7 @@ class ModelReward(_Strict):
     """A learned reward model: a local HF AutoModelForSequenceClassification with one label."""
 
     kind: Literal["model"] = Field("model", description="Reward kind.")
-    path: str = Field(..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded).")
+    path: PrintableStr = Field(..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded).")
     template: str = Field(
         "{prompt}{completion}", min_length=1, max_length=100_000,
         description="The text the model scores, a str.format template over {prompt} {completion} {answer}.",

@@ -1,6 +1,8 @@
 """Property-based API test: schemathesis generates requests from the job API's own OpenAPI schema
-and sends them to a live app (uvicorn on a free port, real local Redis, SQLite ledger); no
-response may be a 5xx.
+and sends them to a live app (uvicorn on a free port, real local Redis, a SQLite and a PostgreSQL
+ledger); no response may be a 5xx, and every status code answered must be documented in the
+OpenAPI (`status_code_conformance`). The number of cases sent goes to results/hostile.json
+(`schemathesis_cases`).
 
 Half of the job-scoped requests name a freshly submitted job instead of a random id, so the
 generated bodies reach the route logic (PATCH validation, state transitions), not only the 404.
@@ -11,7 +13,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from uuid import uuid4
 
@@ -19,9 +22,10 @@ import httpx
 import pytest
 import schemathesis
 import uvicorn
+from hostile_results import record_hostile
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import not_a_server_error, status_code_conformance
 
 from broker.api import create_app
 from broker.ledger import Ledger
@@ -48,10 +52,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+CASES = {"n": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _record_cases() -> Iterator[None]:
+    yield
+    if CASES["n"]:
+        record_hostile(schemathesis_cases=CASES["n"])
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def ledger_url(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    postgres_database: Callable[[], AbstractContextManager[str]],
+) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('st')}/l.db"
+    else:
+        with postgres_database() as url:
+            yield url
+
+
 @pytest.fixture(scope="module")
-def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
+def live_api(ledger_url: str) -> Iterator[LiveApi]:
     prefix = f"test-st-{uuid4().hex}:"
-    ledger = Ledger(f"sqlite:///{tmp_path_factory.mktemp('st')}/l.db")
+    ledger = Ledger(ledger_url)
     app = create_app(BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix), ledger=ledger)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -99,4 +126,5 @@ schema = schemathesis.openapi.from_dict(_openapi())
 def test_no_server_errors(case: schemathesis.Case, real_job: bool, live_api: LiveApi) -> None:
     if real_job and case.path_parameters and "job_id" in case.path_parameters:
         case.path_parameters["job_id"] = live_api.new_job()
-    case.call_and_validate(base_url=live_api.base_url, checks=[not_a_server_error])
+    CASES["n"] += 1
+    case.call_and_validate(base_url=live_api.base_url, checks=[not_a_server_error, status_code_conformance])

@@ -226,3 +226,95 @@ def test_async_mode_bounds_groups_in_flight(k: int, batch: int, in_flight: int) 
     spec = JobSpec(model_path="m", mode="async", max_staleness=k, prompts_per_step=batch)
     assert spec.staleness_bound == k
     assert spec.max_groups_in_flight == in_flight  # (k + 1) * batch
+
+
+# -- bounds: a spec that validates can be stored and served ------------------------------------
+
+# Bounded by their validator rather than the schema: a python reward's free JSON kwargs (at most
+# 64 keys and 64 KiB as JSON, finite numbers: shared.rewards.spec.PythonReward._kwargs).
+BOUNDED_BY_VALIDATOR = {("PythonReward", "kwargs")}
+
+
+def _unbounded(where: str, prop: dict[str, Any]) -> list[str]:
+    """Places in a JSON-schema property where a number, string, list or map has no upper bound."""
+    out: list[str] = []
+    for sub in prop.get("anyOf", []) + prop.get("oneOf", []):
+        out += _unbounded(where, sub)
+    t = prop.get("type")
+    if t in ("number", "integer") and "maximum" not in prop and "exclusiveMaximum" not in prop:
+        out.append(f"{where}: no maximum")
+    if t == "string" and "enum" not in prop and "const" not in prop and "maxLength" not in prop:
+        out.append(f"{where}: no maxLength")
+    if t == "array":
+        if "maxItems" not in prop:
+            out.append(f"{where}: no maxItems")
+        out += _unbounded(f"{where}[]", prop.get("items", {}))
+    if t == "object" and isinstance(prop.get("additionalProperties"), dict):
+        if "maxProperties" not in prop:
+            out.append(f"{where}: no maxProperties")
+        out += _unbounded(f"{where}{{}}", prop["additionalProperties"])
+        out += _unbounded(f"{where}{{key}}", prop.get("propertyNames", {"type": "string", "maxLength": 0}))
+    return out
+
+
+def test_every_number_string_list_and_map_of_the_spec_is_bounded() -> None:
+    schema = JobSpec.model_json_schema()
+    models = {"JobSpec": schema, **schema.get("$defs", {})}
+    problems = [
+        p
+        for model, sub in models.items()
+        for name, prop in sub.get("properties", {}).items()
+        if (model, name) not in BOUNDED_BY_VALIDATOR
+        for p in _unbounded(f"{model}.{name}", prop)
+    ]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("literal", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        lambda x: {"algorithm": {"max_grad_norm": x}},
+        lambda x: {"guard": {"min_best_reward": x}},
+        lambda x: {"eval_sets": [{"name": "e", "pass_threshold": x}]},
+        lambda x: {"chat_template_kwargs": {"t": x}},
+        lambda x: {"task": {"name": "dataset", "path": "d.jsonl", "datasets": [], "test_fraction": x}},
+    ],
+)
+def test_non_finite_numbers_are_refused_everywhere(literal: float, patch: Any) -> None:
+    with pytest.raises(ValidationError):
+        JobSpec.model_validate({"model_path": "m", **patch(literal)})
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model_path": "m", "name": "a\nb"},
+        {"model_path": "m\x1b[2J"},
+        {"model_path": "m", "name": "a\u2028b"},
+        {"model_path": "m", "task": {"name": "dataset", "path": "d\r.jsonl"}},
+        {"model_path": "m", "reward": "evil\n.py:score"},
+        {"model_path": "m", "reward": {"kind": "model", "path": "rm\x00"}},
+    ],
+)
+def test_control_characters_in_names_and_paths_are_refused(spec: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        JobSpec.model_validate(spec)
+
+
+def test_nul_anywhere_is_refused_with_its_location() -> None:
+    spec = {"model_path": "m", "sampling": {"stop": ["ok", "a\x00"]}, "chat_template_kwargs": {"k\x00": 1}}
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(spec)
+    locs = {e["loc"] for e in err.value.errors()}
+    assert locs == {("sampling", "stop", 1), ("chat_template_kwargs", "k\\u0000")}
+
+
+def test_many_unknown_fields_are_one_error() -> None:
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate({"model_path": "m", **{f"k{i}": 0 for i in range(10_000)}})
+    assert len(err.value.errors()) == 1
+    assert "10000 unknown fields" in err.value.errors()[0]["msg"]
+    with pytest.raises(ValidationError) as err:  # a few are each named
+        JobSpec.model_validate({"model_path": "m", "lerning_rate": 1, "stepz": 2})
+    assert [e["loc"] for e in err.value.errors()] == [("lerning_rate",), ("stepz",)]
