@@ -36,6 +36,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,6 @@ from broker.bench_suite import _run, ours_curve, run_trl, trl_python
 from broker.demo import prepare_model, run_job
 from broker.ledger import Ledger
 from shared.datasets import TaskSpec, load_task
-from shared.jobspec import GuardSpec
 
 console = Console()
 
@@ -193,14 +193,20 @@ def _job_ids(db_url: str, name: str) -> list[str]:
 
 
 def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
-    from trainer_svc.guard_calibration import calibrate
-
+    """trainer_svc.guard_calibration over the ledger's jobs but `exclude`, with the default
+    GuardSpec (run as its command: tools in broker/ import no service package)."""
     ledger = Ledger(db_url)
     try:
         jobs = [j["id"] for j in ledger.list_jobs(limit=1_000_000) if j["id"] not in exclude]
     finally:
         ledger.close()
-    return calibrate([db_url], jobs, GuardSpec())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "calibration.json"
+        subprocess.run([sys.executable, "-m", "trainer_svc.guard_calibration", "--url", db_url,
+                        *(a for j in jobs for a in ("--job", j)), "--out", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
+        result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 def live_collapse(wd: Path, model: Path) -> dict[str, Any]:
@@ -277,9 +283,18 @@ def _f(v: Any, d: int = 3) -> str:
     return "-" if v is None else f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
 
-def report(r: dict[str, Any]) -> str:
-    from trainer_svc.guard_calibration import markdown
+def _calibration_table(cal: dict[str, Any]) -> str:
+    lines = [f"GuardSpec: `{json.dumps(cal['guard'])}`", "",
+             "| job | task | mode | k | seed | loss | steps | trips | reasons |", "|---|---|---|---|---|---|---|---|---|"]
+    for j in cal["jobs"]:
+        reasons = "; ".join(f"step {t['step']}: {t['reason']}" for t in j["trips"]) or "-"
+        lines.append(f"| {j['job_id']} | {j['task']} | {j['mode']} | {j['k']} | {j['seed']} | {j['loss']} | "
+                     f"{j['steps']} | {j['n_trips']} | {reasons} |")
+    lines += ["", f"{cal['jobs_with_trips']} of {len(cal['jobs'])} jobs tripped; {cal['total_trips']} trips."]
+    return "\n".join(lines) + "\n"
 
+
+def report(r: dict[str, Any]) -> str:
     g = r["gaps"]
     lines = [f"# Own task beside TRL ({r['date']}, {r['machine']['cores']} cores)", "",
              f"Task: {r['task']['data']}; reward: {r['task']['reward']}; stop {r['task']['stop']!r}; "
@@ -305,7 +320,7 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
     live = r["guard"]["live"]
     lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",
-              markdown(r["guard"]["calibration"]),
+              _calibration_table(r["guard"]["calibration"]),
               f"Live collapse (lr 2e-3, default guard): tripped = {live['tripped']}; "
               f"trips {[(t['step'], t['kind']) for t in live['trips']]}; rewards per step {live['rewards']}", ""]
     return "\n".join(lines)
