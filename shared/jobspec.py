@@ -153,7 +153,9 @@ class GuardSpec(_Strict):
         "lower_lr", description="A trip with no checkpoint to roll back to (checkpoint_every 0, or none from before the "
                                 "collapse): lower_lr keeps the current policy and lowers the lr (a non-finite update "
                                 "fails the job: its weights are unusable); initial restarts from the initial model; "
-                                "fail fails the job. Every trip is recorded and shown either way.")
+                                "fail fails the job. A reward that fell from the job's first steps trusts only the "
+                                "initial model: the job restarts from it unless this is fail. Every trip is recorded "
+                                "and shown either way.")
     lr_factor: float = Field(0.5, gt=0.0, lt=1.0, description="The lr after a trip, relative to before.")
     max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
 
