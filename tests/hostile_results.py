@@ -16,16 +16,22 @@ from typing import Any
 HOSTILE_RESULTS = Path(__file__).resolve().parent.parent / "results" / "hostile.json"
 
 
+COUNTERS = ("good_lost", "good_dead_lettered", "service_exits", "server_errors", "schemathesis_cases")
+PEAKS = ("peak_rss_mib",)
+
+
 def record_hostile(**figures: Any) -> None:
     """Merge figures into results/hostile.json (the hostile-input suite's results file).
 
-    Counters (`good_lost`, `good_dead_lettered`, `service_exits`, `server_errors`,
-    `schemathesis_cases`) add up over the tests that report them; `peak_rss_mib` keeps the
-    largest; anything else is set. Each call also stamps `machine` and `date`. Safe across
-    processes (an flock on a side file).
+    Each test's figures are kept under `by_test` (the calling test's id, from pytest), replacing
+    what that test wrote before, so a rerun does not count twice. The top-level figures are
+    recomputed from them: counters (`COUNTERS`) are summed over the tests, `peak_rss_mib` is the
+    largest, anything else is the latest value written. Each call also stamps `machine` and
+    `date`. Safe across processes (an flock on a side file).
     """
     import platform
 
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     HOSTILE_RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(HOSTILE_RESULTS.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -33,13 +39,19 @@ def record_hostile(**figures: Any) -> None:
             data = json.loads(HOSTILE_RESULTS.read_text()) if HOSTILE_RESULTS.exists() else {}
         except ValueError:
             data = {}
-        for key, value in figures.items():
-            if key in ("good_lost", "good_dead_lettered", "service_exits", "server_errors", "schemathesis_cases"):
-                data[key] = data.get(key, 0) + value
-            elif key == "peak_rss_mib":
-                data[key] = max(data.get(key, 0), value)
-            else:
-                data[key] = value
-        data["machine"] = {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version()}
-        data["date"] = time.strftime("%Y-%m-%d")
-        HOSTILE_RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        by_test = data.get("by_test", {})
+        by_test[test] = {**by_test.get(test, {}), **figures}
+        out: dict[str, Any] = {k: v for k, v in data.items() if k not in (*COUNTERS, *PEAKS, "by_test")}
+        out.update({k: v for k, v in figures.items() if k not in (*COUNTERS, *PEAKS)})
+        for key in COUNTERS:
+            vals = [t[key] for t in by_test.values() if key in t]
+            if vals:
+                out[key] = sum(vals)
+        for key in PEAKS:
+            vals = [t[key] for t in by_test.values() if key in t]
+            if vals:
+                out[key] = max(vals)
+        out["by_test"] = by_test
+        out["machine"] = {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version()}
+        out["date"] = time.strftime("%Y-%m-%d")
+        HOSTILE_RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
