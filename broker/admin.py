@@ -24,13 +24,15 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Annotated, Any
 
 from celery import Celery
+from pydantic import Field, TypeAdapter, ValidationError
 
-from broker.ledger import Ledger
+from broker.ledger import Ledger, row_error
 from broker.redis_server import resolve_redis_url
 from shared.jobspec import JobSpec
+from shared.schema import INT32_MAX, Name, clean_text
 from shared.settings import AdminSettings
 
 log = logging.getLogger(__name__)
@@ -234,11 +236,30 @@ def export(ledger: Ledger, settings: AdminSettings, job_id: str, step: int, name
     return {**result, "already_exported": False}
 
 
+# A task message's arguments, checked as the stream boundary checks messages (shared.schema):
+# strict types, a job id without control characters, a step a ledger `integer` column can hold.
+_TASK_ARGS: TypeAdapter[tuple[str, int]] = TypeAdapter(
+    tuple[Annotated[Name, Field(min_length=1, max_length=128)], Annotated[int, Field(ge=0, le=INT32_MAX)]])
+
+
+def task_args(job_id: Any, step: Any) -> tuple[str, int]:
+    """(job_id, step) of a task message. Raises ValueError with the reason (recorded as the task's
+    failure) for anything else: a hand-made message must fail its task, not the worker."""
+    try:
+        return _TASK_ARGS.validate_python((job_id, step), strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = (first.get("loc") or ("",))[0]
+        which = {0: "job_id", 1: "step"}.get(where, "arguments") if isinstance(where, int) else "arguments"
+        raise ValueError(f"invalid task argument {which}: {first['msg']}") from None
+
+
 def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, dict | None]]) -> dict:
     """The exactly-once shell around one task's work: start (or find it already done), run, record.
 
     A failure is recorded with its message and raised (Celery marks the task failed; the API shows
-    the ledger's message). Returns the task's result.
+    the ledger's message). A result the ledger refuses (a value a column cannot hold) fails the
+    task with the database's reason. Returns the task's result.
     """
     before = ledger.start_admin_task(task_id)
     if before is None:
@@ -249,9 +270,16 @@ def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, dict |
     try:
         result, eval_row = work()
     except Exception as exc:
-        ledger.finish_admin_task(task_id, error=f"{type(exc).__name__}: {exc}")
+        ledger.finish_admin_task(task_id, error=clean_text(f"{type(exc).__name__}: {exc}")[:10_000])
         raise
-    ledger.finish_admin_task(task_id, result=result, eval_row=eval_row)
+    try:
+        ledger.finish_admin_task(task_id, result=result, eval_row=eval_row)
+    except Exception as exc:
+        why = row_error(exc)
+        if why is None:
+            raise
+        ledger.finish_admin_task(task_id, error=f"the ledger refused the task's result: {why}")
+        raise RuntimeError(f"admin task {task_id}: the ledger refused its result: {why}") from None
     return result
 
 
@@ -261,13 +289,24 @@ def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, dict |
 @app.task(name=EVALUATE, bind=True, time_limit=SETTINGS.eval_timeout_s + 120)
 def evaluate_checkpoint(self: Any, job_id: str, step: int) -> dict:
     ledger = _get_ledger()
-    return run_task(ledger, self.request.id, lambda: evaluate(ledger, SETTINGS, job_id, step))
+    return run_task(ledger, self.request.id, lambda: evaluate(ledger, SETTINGS, *task_args(job_id, step)))
 
 
 @app.task(name=EXPORT, bind=True)
 def export_checkpoint(self: Any, job_id: str, step: int, name: str | None = None) -> dict:
     ledger = _get_ledger()
-    return run_task(ledger, self.request.id, lambda: (export(ledger, SETTINGS, job_id, step, name), None))
+    return run_task(ledger, self.request.id,
+                    lambda: (export(ledger, SETTINGS, *task_args(job_id, step), _export_name(name)), None))
+
+
+_EXPORT_NAME: TypeAdapter[str | None] = TypeAdapter(Annotated[Name, Field(min_length=1, max_length=1024)] | None)
+
+
+def _export_name(name: Any) -> str | None:
+    try:
+        return _EXPORT_NAME.validate_python(name, strict=True)
+    except ValidationError as exc:
+        raise ValueError(f"invalid task argument name: {exc.errors()[0]['msg']}") from None
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from alembic import command
 from alembic.config import Config
@@ -54,11 +54,14 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.schema import MetaData
 from sqlalchemy.sql.elements import ColumnElement
+
+from shared.schema import clean_text
 
 __all__ = [
     "ADMIN_TASK_KINDS",
@@ -79,6 +82,8 @@ __all__ = [
     "Sample",
     "TrainStep",
     "main",
+    "row_error",
+    "write_isolating",
 ]
 
 log = logging.getLogger(__name__)
@@ -689,8 +694,17 @@ class Ledger:
         Returns:
             Number of samples that moved to 'scored' (repeats and unknown msg_ids count 0).
         """
+        return len(self.record_scored_ids(items))
+
+    def record_scored_ids(self, items: Sequence[tuple[Any, ...]]) -> set[str]:
+        """`record_scored`, returning the msg_ids scored by this call: those that moved to
+        'scored', and those already scored from the same source, i.e. whose stored
+        reward_details["entry"] equals this item's (a retry of a write whose publish was lost).
+        A sample scored from another entry (a second stream entry carrying its msg_id), used or
+        unknown is not among them. Concurrent callers scoring one msg_id: exactly one of them gets
+        it (the rows are locked FOR UPDATE on PostgreSQL; SQLite writers are serialised)."""
         if not items:
-            return 0
+            return set()
         now = _utcnow()
         stmt = (
             update(_samples)
@@ -706,8 +720,21 @@ class Ledger:
             details = _json_safe(item[3]) if len(item) > 3 and item[3] else None
             params.append({"b_msg_id": msg_id, "b_reward": reward, "b_reward_status": status,
                            "b_reward_details": details})
+        source = {p["b_msg_id"]: (p["b_reward_details"] or {}).get("entry") for p in params}
+        moving: set[str] = set()
         with self._write() as s:
-            return s.connection().execute(stmt, params).rowcount
+            for chunk in _chunks(sorted(source)):
+                c = _samples.c
+                found = select(c.msg_id, c.status, c.reward_details).where(c.msg_id.in_(chunk))
+                if self.engine.dialect.name == "postgresql":
+                    found = found.with_for_update()
+                for msg_id, status, details in s.execute(found):
+                    entry = source[msg_id]
+                    if status == "generated" or (status == "scored" and entry is not None
+                                                 and isinstance(details, dict) and details.get("entry") == entry):
+                        moving.add(msg_id)
+            s.connection().execute(stmt, params)
+        return moving
 
     def record_used(self, items: Sequence[dict[str, Any]]) -> int:
         """Mark samples used by the trainer or evaluator; each sample is used at most once.
@@ -1163,6 +1190,65 @@ class Ledger:
                 .where(_admin_tasks.c.id == task_id)
                 .values(state=state, result=_json_safe(result), error=error, finished_at=_utcnow())
             )
+
+
+# -- poison isolation -------------------------------------------------------------------------------
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def row_error(exc: BaseException) -> str | None:
+    """Why the database refused the *values* written (an out-of-range integer, a NUL in a text
+    column, a constraint), as short text; None when `exc` says nothing about them (connection lost,
+    lock or statement timeout, deadlock, disk full, an SQL bug): that must propagate, not be pinned
+    on a row. The text is the driver's message only: SQLAlchemy's own rendering repeats the
+    statement and its parameters, which may be megabytes of completion."""
+    if isinstance(exc, (sa_exc.DataError, sa_exc.IntegrityError)):
+        text = str(exc.orig)
+    elif isinstance(exc, sa_exc.DBAPIError):
+        return None  # OperationalError, InterfaceError, ProgrammingError, InternalError, ...
+    elif isinstance(exc, sa_exc.StatementError):  # a value a column type could not bind
+        text = str(exc.orig) if exc.orig is not None else str(exc)
+    elif isinstance(exc, (OverflowError, ValueError, TypeError)):
+        # raised while binding: sqlite3 on an integer beyond int64, _json_safe on a non-JSON value,
+        # _check on an unknown kind or status
+        text = str(exc)
+    else:
+        return None
+    return clean_text(f"{type(getattr(exc, 'orig', None) or exc).__name__}: {text}".strip())[:1000]
+
+
+def write_isolating(write: Callable[[Sequence[T]], R], items: Sequence[T]) -> tuple[list[R], dict[int, str]]:
+    """Write `items` with `write` (a `Ledger.record_*` method: one transaction per call); when the
+    database refuses the batch for its values (`row_error`), bisect it and write the halves, down
+    to single items. Returns the results of the writes that committed, and {index in `items`: the
+    database's reason} for each item refused on its own.
+
+    One poisoned item costs about 2 log2(len(items)) extra transactions and nothing else: the
+    others are written. Errors that are not about values propagate unchanged.
+    """
+    results: list[R] = []
+    rejected: dict[int, str] = {}
+
+    def attempt(lo: int, hi: int) -> None:
+        try:
+            results.append(write(items[lo:hi]))
+        except Exception as exc:
+            reason = row_error(exc)
+            if reason is None:
+                raise
+            if hi - lo == 1:
+                rejected[lo] = reason
+                return
+            log.warning("ledger refused a batch of %d (%s); splitting it", hi - lo, reason)
+            mid = (lo + hi) // 2
+            attempt(lo, mid)
+            attempt(mid, hi)
+
+    if items:
+        attempt(0, len(items))
+    return results, rejected
 
 
 def _alembic_config(connection: Connection) -> Config:

@@ -5,6 +5,10 @@ downstream, then XACK. Entries left pending by a dead consumer are reclaimed wit
 `claim_idle_ms`; an entry delivered more than `max_deliveries` times, or one that fails decoding or
 validation, goes to `{job}:dead` with the reason and is acked so the consumer keeps going.
 
+Bounded memory: every read is sized on the server before anything is transferred (the `_READ`
+script): a consumer holds at most `max_read_bytes + max_message_bytes` of entry payload per read,
+and an entry over `max_message_bytes` is dead-lettered from its size alone (see `JobStreams`).
+
 Works against Redis 7.0 and the embedded 6.2 server (no newer commands).
 """
 
@@ -18,16 +22,22 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.redis_retry import OutageRetry
 from shared.schema import (
+    DEAD_RAW_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DeadLetter,
     DecodeError,
     Message,
+    PromptGroup,
+    Rollout,
+    Scored,
+    clean_text,
     decode,
     encode,
 )
@@ -69,6 +79,116 @@ return out
 """
 
 
+# -- bounded reads -----------------------------------------------------------------------------
+# _READ: one script for every read, so a consumer never receives an entry it has not sized.
+# KEYS = (stream,); ARGV = mode, group, consumer, count, max entry bytes, max read bytes, start,
+# min idle ms (claim), field name, bytes kept of an oversized entry, max fields per entry.
+# Modes: "new" (XREADGROUP >), "pending" (XREADGROUP from `start` in the consumer's own PEL),
+# "claim" (XAUTOCLAIM from cursor `start`), "range"/"revrange" (XRANGE / XREVRANGE from `start`).
+# Entries are taken one at a time until `count` or until the bytes returned reach max read bytes:
+# the reply holds at most max read bytes + max entry bytes of payload. An entry over max entry
+# bytes (or with too many fields) comes back as its id, its size and the first bytes of its
+# payload only, and is still delivered (pending), so the caller can dead-letter and ack it.
+# Returns {next start / cursor, {{id, status, payload or size, deliveries, prefix}, ...}}.
+_READ = """
+local key, mode, group, consumer = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local count, max_entry, budget = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local start, min_idle, field = ARGV[7], ARGV[8], ARGV[9]
+local keep, max_fields = tonumber(ARGV[10]), tonumber(ARGV[11])
+local out, total = {}, 0
+
+local function times_delivered(id)
+  local p = redis.call('XPENDING', key, group, id, id, 1)
+  if #p == 1 then return p[1][4] end
+  return 1
+end
+
+local function take(id, fields, n)
+  if #fields > 2 * max_fields then
+    out[#out + 1] = {id, 'fields', #fields / 2, n, ''}
+    return
+  end
+  local size = 0
+  for i = 1, #fields do size = size + #fields[i] end
+  if size > max_entry then
+    local prefix = ''
+    for i = 1, #fields - 1, 2 do
+      if fields[i] == field then prefix = string.sub(fields[i + 1], 1, keep) end
+    end
+    out[#out + 1] = {id, 'big', size, n, prefix}
+    return
+  end
+  out[#out + 1] = {id, 'ok', fields, n, ''}
+  total = total + size
+end
+
+if mode == 'new' then
+  while #out < count and total < budget do
+    local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', key, '>')
+    if not r then break end
+    local e = r[1][2][1]
+    take(e[1], e[2], 1)
+  end
+  return {'', out}
+elseif mode == 'pending' then
+  while #out < count and total < budget do
+    local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', key, start)
+    local es = r and r[1][2] or {}
+    if #es == 0 then break end
+    local e = es[1]
+    start = e[1]
+    if e[2] then
+      take(start, e[2], times_delivered(start))
+    else
+      redis.call('XACK', key, group, start)  -- deleted while pending: nothing to redo
+    end
+  end
+  return {start, out}
+elseif mode == 'claim' then
+  local calls, gone = 0, false
+  while #out < count and total < budget and calls < count do
+    calls = calls + 1
+    local r = redis.call('XAUTOCLAIM', key, group, consumer, min_idle, start, 'COUNT', 1)
+    start = r[1]
+    for _, e in ipairs(r[2]) do
+      if type(e) == 'table' and e[2] then
+        take(e[1], e[2], times_delivered(e[1]))
+      else
+        gone = true
+      end
+    end
+    if start == '0-0' then break end
+  end
+  if gone then
+    -- Deleted while pending: Redis 6.2 answers nil and moves the entry to our PEL (7.0 drops it
+    -- itself); ack it there so it does not pin trim_acked's MINID.
+    for _, p in ipairs(redis.call('XPENDING', key, group, '-', '+', 1000, consumer)) do
+      if #redis.call('XRANGE', key, p[1], p[1]) == 0 then redis.call('XACK', key, group, p[1]) end
+    end
+  end
+  return {start, out}
+else
+  local cmd, stop = 'XRANGE', '+'
+  if mode == 'revrange' then cmd, stop = 'XREVRANGE', '-' end
+  while #out < count and total < budget do
+    local es = redis.call(cmd, key, start, stop, 'COUNT', 1)
+    if #es == 0 then break end
+    local e = es[1]
+    start = '(' .. e[1]
+    take(e[1], e[2], 0)
+  end
+  return {start, out}
+end
+"""
+
+# A stream entry carries one field (FIELD); dead letters two (FIELD, "reason"). More is not ours.
+_MAX_FIELDS = 8
+# A dead letter holds up to DEAD_RAW_BYTES of the entry plus its reason (twice): the dead stream
+# admits that much whatever MAX_MESSAGE_BYTES is.
+_DEAD_ENTRY_BYTES = DEAD_RAW_BYTES + 32 * 1024
+# The wait of a blocking read (scripts cannot block): 2 ms, doubling to 50 ms while idle.
+_IDLE_POLL = ExponentialBackoff(cap=0.05, base=0.002)
+
 def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> redis.Redis:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
     with back-off for up to `outage_s` seconds (default: the REDIS_OUTAGE_S setting, 600;
@@ -104,8 +224,53 @@ class Delivery:
     deliveries: int = 1
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One entry as a read returns it: its fields, or (refused unread) why not and its size."""
+
+    entry_id: str
+    fields: dict | None
+    refusal: str = ""  # "big" (over max_message_bytes) or "fields" (more than _MAX_FIELDS fields)
+    size: int = 0
+    deliveries: int = 1
+    prefix: bytes = b""  # an oversized entry's first DEAD_RAW_BYTES, for its dead letter
+
+
+def _identity(msg: Message) -> Message:
+    """`msg` without its bulk: who it is (ids, group, sample index), not what it says."""
+    if isinstance(msg, Rollout):
+        return msg.model_copy(update={"prompt_ids": b"", "completion_ids": b"", "logprobs": b"", "completion": "",
+                                      "answer": "", "prompt": "", "metadata": {}})
+    if isinstance(msg, Scored):
+        return msg.model_copy(update={"rollout": _identity(msg.rollout), "details": {}, "reward_reason": ""})
+    if isinstance(msg, PromptGroup):
+        return msg.model_copy(update={"prompt": "-", "prompt_ids": b"", "answer": "", "metadata": {}})
+    return msg
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _entry(row: list) -> _Entry:
+    eid, status, payload, n, prefix = row
+    status = _s(status)
+    if status == "ok":
+        it = iter(payload)
+        return _Entry(_s(eid), dict(zip(it, it, strict=True)), deliveries=int(n))
+    return _Entry(_s(eid), None, status, int(payload), int(n), bytes(prefix or b""))
+
+
 class JobStreams:
-    """All streams of one job: `{prefix}{job_id}:{name}`."""
+    """All streams of one job: `{prefix}{job_id}:{name}`.
+
+    Memory: every read is sized before anything crosses the wire (the `_READ` script): a reply
+    holds at most `max_read_bytes + max_message_bytes` of entry payload (default 3 x 8 MiB), and an
+    entry over `max_message_bytes` is dead-lettered from its size and its first 64 KiB alone, never
+    transferred whole. A client without the `@scripting` ACL category falls back to plain
+    XREADGROUP / XAUTOCLAIM / XRANGE, sizes checked after the transfer (bounded per entry only by
+    the server's proto-max-bulk-len); it logs a warning saying so.
+    """
 
     def __init__(
         self,
@@ -116,6 +281,7 @@ class JobStreams:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         claim_idle_ms: int = 60_000,
         max_deliveries: int = 5,
+        max_read_bytes: int | None = None,
     ):
         # redis-py's annotations mix its sync and async return types; responses are handled
         # dynamically here, byte keys and all.
@@ -123,13 +289,18 @@ class JobStreams:
         self.job_id = job_id
         self.prefix = prefix
         self.max_message_bytes = max_message_bytes
+        # Payload one read returns (plus at most one more entry): two full-size messages by default.
+        self.max_read_bytes = max_read_bytes if max_read_bytes is not None else 2 * max_message_bytes
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         # Called with (stream, code) for every dead-lettered entry: services count them in their
         # metrics (shared.metrics *.dead_letter). Set by the service after construction.
         self.on_dead_letter: Callable[[str, str], None] | None = None
         self._last_claim: dict[tuple[str, str], float] = {}
+        self._claim_cursor: dict[tuple[str, str], str] = {}
         self._publish_script: Any = None
+        self._read_script: Any = None
+        self._scripted = True  # False once the server refused EVALSHA (no @scripting): plain reads
 
     def key(self, stream: str) -> str:
         return f"{self.prefix}{self.job_id}:{stream}"
@@ -178,54 +349,75 @@ class JobStreams:
         count: int = 64,
         block_ms: int | None = 1000,
     ) -> list[Delivery]:
-        """Read up to `count` entries for this consumer: first reclaim idle ones, then new ones.
+        """Read up to `count` entries for this consumer: first reclaim idle ones, then new ones,
+        waiting up to `block_ms` for one to arrive (None or 0: no wait).
 
-        Entries that fail to decode, or that were delivered too often, are dead-lettered and acked
-        here; the caller only ever sees valid messages. A vanished stream or group is recreated.
+        Entries that fail to decode, that are oversized, or that were delivered too often, are
+        dead-lettered and acked here; the caller only ever sees valid messages. A read returns at
+        most `max_read_bytes` (+ one entry) of payload, so it may return fewer than `count`
+        entries with more waiting. A vanished stream or group is recreated.
         """
         out = self._reclaim(stream, group, consumer, expected, count)
         if len(out) >= count:
             return out
-        try:
-            resp = self.r.xreadgroup(
-                group, consumer, {self.key(stream): ">"}, count=count - len(out), block=block_ms
-            )
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("stream %s or group %s vanished; recreating", self.key(stream), group)
-            self.ensure_group(stream, group)
-            return out
-        for _key, entries in resp or []:
-            for eid, fields in entries:
-                d = self._decode_entry(stream, group, eid, fields, expected, deliveries=1)
-                if d is not None:
-                    out.append(d)
-        return out
+        deadline = time.monotonic() + block_ms / 1000 if block_ms else None
+        waits = 0
+        while True:
+            try:
+                _, rows = self._read(stream, "new", group=group, consumer=consumer, count=count - len(out))
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("stream %s or group %s vanished; recreating", self.key(stream), group)
+                self.ensure_group(stream, group)
+                return out
+            out += self._deliver(stream, group, rows, expected)
+            now = time.monotonic()
+            if rows or out or deadline is None or now >= deadline:
+                return out
+            # Scripts cannot block, so a wait is a poll: 2 ms after the last entry, backing off to
+            # 50 ms while idle (20 cheap calls a second per consumer).
+            time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
+            waits += 1
 
     def consume_own_pending(
         self, stream: str, group: str, consumer: str, expected: Expected, *, count: int = 64
     ) -> list[Delivery]:
         """Entries already delivered to `consumer` and not acked: what a restarted consumer of the
         same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
-        nothing, before reading new entries; each read counts one delivery."""
-        key = self.key(stream)
+        nothing, before reading new entries; each read counts one delivery. A consumer whose
+        predecessor may have died of one of them passes `count=1`: each suspect is then handled
+        alone, and only the one that kills it again accumulates deliveries."""
         try:
-            resp = self.r.xreadgroup(group, consumer, {key: "0"}, count=count)
+            _, rows = self._read(stream, "pending", group=group, consumer=consumer, count=count, start="0")
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self.ensure_group(stream, group)
             return []
-        entries = [(eid, fields) for _key, es in resp or [] for eid, fields in es]
-        gone = [eid for eid, fields in entries if not fields]  # deleted while pending: nothing to redo
-        if gone:
-            self.ack(stream, group, [e.decode() if isinstance(e, bytes) else e for e in gone])
-        entries = [(eid, fields) for eid, fields in entries if fields]
-        out = self._decode_redelivered(key, stream, group, entries, expected)
+        out = self._deliver(stream, group, rows, expected)
         if out:
-            log.warning("resuming %d entries %s left pending on %s", len(out), consumer, key)
+            log.warning("resuming %d entries %s left pending on %s", len(out), consumer, self.key(stream))
         return out
+
+    def claim_all(self, stream: str, group: str, consumer: str, expected: Expected) -> list[Delivery]:
+        """Claim every entry pending in `group`, whoever holds it and however briefly idle (each
+        claim counts one delivery), in reads bounded like `consume`'s. Only for a consumer that is
+        alone in its group by design, at start-up (trainer_svc.checkpoint.take_over)."""
+        out: list[Delivery] = []
+        cursor = "0-0"
+        while True:
+            try:
+                cursor, rows = self._read(stream, "claim", group=group, consumer=consumer, count=1024,
+                                          start=cursor, min_idle_ms=0)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self.ensure_group(stream, group)
+                return out
+            out += self._deliver(stream, group, rows, expected)
+            if cursor == "0-0":
+                return out
 
     def publish_if_owned(
         self, stream: str, batches: list[tuple[str, list[Message]]], source: str, group: str, consumer: str
@@ -241,98 +433,190 @@ class JobStreams:
         """
         if not batches:
             return []
-        args: list[Any] = [group, consumer, FIELD]
+        if self._scripted:
+            args: list[Any] = [group, consumer, FIELD]
+            for entry_id, msgs in batches:
+                args += [entry_id, len(msgs), *(encode(m) for m in msgs)]
+            if self._publish_script is None:
+                self._publish_script = self.r.register_script(_PUBLISH_IF_OWNED)
+            try:
+                done = self._publish_script(keys=[self.key(source), self.key(stream)], args=args)
+                return [bool(x) for x in done]
+            except NoPermissionError as exc:
+                self._no_scripts(exc)
+        # Without scripts: the ownership check and the publish are two steps, so a reclaim in
+        # between can still yield two copies (the trainer collapses them by msg_id).
+        owned = []
         for entry_id, msgs in batches:
-            args += [entry_id, len(msgs), *(encode(m) for m in msgs)]
-        if self._publish_script is None:
-            self._publish_script = self.r.register_script(_PUBLISH_IF_OWNED)
-        done = self._publish_script(keys=[self.key(source), self.key(stream)], args=args)
-        return [bool(x) for x in done]
+            held = self.r.xpending_range(self.key(source), group, min=entry_id, max=entry_id, count=1,
+                                         consumername=consumer)
+            owned.append(bool(held))
+            if held:
+                pipe = self.r.pipeline(transaction=True)
+                for m in msgs:
+                    pipe.xadd(self.key(stream), {FIELD: encode(m)})
+                pipe.xack(self.key(source), group, entry_id)
+                pipe.execute()
+        return owned
+
+    def _no_scripts(self, exc: NoPermissionError) -> None:
+        """Fall back to plain commands when the server refuses scripts (no ACL +@scripting);
+        re-raise any other permission error (a key outside the user's patterns)."""
+        if "'eval" not in str(exc).lower() and "'script" not in str(exc).lower():
+            raise exc
+        log.warning("Redis user may not run scripts (ACL +@scripting): stream reads are sized after the "
+                    "transfer, so one oversized entry costs its size in memory, and publish-if-owned is not "
+                    "atomic (%s)", exc)
+        self._scripted = False
 
     def _reclaim(self, stream: str, group: str, consumer: str, expected: Expected, count: int) -> list[Delivery]:
         now = time.monotonic()
-        # XAUTOCLAIM scans the PEL; once per idle period per stream is enough.
-        if now - self._last_claim.get((stream, group), 0.0) < self.claim_idle_ms / 2000.0:
-            return []
-        self._last_claim[(stream, group)] = now
-        key = self.key(stream)
+        k = (stream, group)
+        cursor = self._claim_cursor.get(k, "0-0")
+        if cursor == "0-0":
+            # A full pass over the PEL once per half idle period is enough; a pass cut short by
+            # `count` or the read budget goes on from its cursor at the next read.
+            if now - self._last_claim.get(k, 0.0) < self.claim_idle_ms / 2000.0:
+                return []
+            self._last_claim[k] = now
         try:
-            resp = self.r.xautoclaim(key, group, consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count)
+            cursor, rows = self._read(stream, "claim", group=group, consumer=consumer, count=count, start=cursor,
+                                      min_idle_ms=self.claim_idle_ms)
         except ResponseError as exc:
             if "NOGROUP" in str(exc):
+                self._claim_cursor.pop(k, None)
                 self.ensure_group(stream, group)
                 return []
             raise
-        claimed = resp[1] if resp else []
-        if not claimed:
-            return []
-        if any(fields is None for _, fields in claimed):
-            # Deleted while pending: Redis 6.2 answers nil without the id and moves the entry to
-            # our PEL (7.0 drops it itself); ack it there so it does not pin trim_acked's MINID.
-            for p in self.r.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer):
-                if not self.r.xrange(key, min=p["message_id"], max=p["message_id"], count=1):
-                    self.ack(stream, group, [p["message_id"]])
-            claimed = [(eid, fields) for eid, fields in claimed if fields is not None]
-        out = self._decode_redelivered(key, stream, group, claimed, expected)
+        self._claim_cursor[k] = cursor
+        out = self._deliver(stream, group, rows, expected)
         if out:
-            log.warning("reclaimed %d idle entries from %s", len(out), key)
+            log.warning("reclaimed %d idle entries from %s", len(out), self.key(stream))
         return out
 
-    def _decode_redelivered(
-        self, key: str, stream: str, group: str, entries: list, expected: Expected
-    ) -> list[Delivery]:
-        """Decode entries delivered before (own pending or reclaimed), each with its delivery count."""
-        counts = self._delivery_counts(key, group, [eid for eid, _ in entries])
+    def _read(self, stream: str, mode: str, *, group: str = "", consumer: str = "", count: int, start: str = "",
+              min_idle_ms: int = 0) -> tuple[str, list[_Entry]]:
+        """One bounded read (see `_READ` for the modes); returns (next start or cursor, entries)."""
+        key = self.key(stream)
+        if self._scripted:
+            if self._read_script is None:
+                self._read_script = self.r.register_script(_READ)
+            try:
+                nxt, rows = self._read_script(keys=[key], args=[
+                    mode, group, consumer, count, self._max_entry(stream), self.max_read_bytes, start, min_idle_ms,
+                    FIELD, DEAD_RAW_BYTES, _MAX_FIELDS])
+                return _s(nxt), [_entry(r) for r in rows]
+            except NoPermissionError as exc:
+                self._no_scripts(exc)
+        return self._read_plain(key, mode, group, consumer, count, start, min_idle_ms, self._max_entry(stream))
+
+    def _max_entry(self, stream: str) -> int:
+        return max(self.max_message_bytes, _DEAD_ENTRY_BYTES) if stream == DEAD else self.max_message_bytes
+
+    def _read_plain(self, key: str, mode: str, group: str, consumer: str, count: int, start: str,
+                    min_idle_ms: int, max_entry: int) -> tuple[str, list[_Entry]]:
+        """`_read` without a script: the same answers, sized after the transfer."""
+        nxt = start
+        entries: list[tuple[Any, Any]]
+        if mode in ("new", "pending"):
+            resp = self.r.xreadgroup(group, consumer, {key: ">" if mode == "new" else start}, count=count)
+            entries = [(eid, fields) for _k, es in resp or [] for eid, fields in es]
+            if mode == "pending":
+                gone = [_s(eid) for eid, fields in entries if not fields]  # deleted while pending
+                if gone:
+                    self.r.xack(key, group, *gone)
+                entries = [(eid, fields) for eid, fields in entries if fields]
+        elif mode == "claim":
+            resp = self.r.xautoclaim(key, group, consumer, min_idle_time=min_idle_ms, start_id=start, count=count)
+            nxt = _s(resp[0])
+            entries = resp[1] or []
+            if any(fields is None for _, fields in entries):  # as in _READ: Redis 6.2's deleted entries
+                for p in self.r.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer):
+                    if not self.r.xrange(key, min=p["message_id"], max=p["message_id"], count=1):
+                        self.r.xack(key, group, p["message_id"])
+                entries = [(eid, fields) for eid, fields in entries if fields is not None]
+        elif mode == "range":
+            entries = self.r.xrange(key, min=start, max="+", count=count)
+        else:
+            entries = self.r.xrevrange(key, max=start, min="-", count=count)
+        if entries and mode in ("range", "revrange"):
+            nxt = f"({_s(entries[-1][0])}"
         out = []
         for eid, fields in entries:
-            eid_s = eid.decode() if isinstance(eid, bytes) else eid
-            d = self._decode_entry(stream, group, eid, fields, expected, deliveries=counts.get(eid_s, 1))
-            if d is not None:
-                out.append(d)
+            n = 1
+            if mode in ("pending", "claim"):
+                n = next((int(p["times_delivered"]) for p in self.r.xpending_range(key, group, min=eid, max=eid, count=1)), 1)
+            size = sum(len(k) + len(v) for k, v in fields.items())
+            if len(fields) > _MAX_FIELDS:
+                out.append(_Entry(_s(eid), None, "fields", len(fields), n))
+            elif size > max_entry:
+                out.append(_Entry(_s(eid), None, "big", size, n, bytes(fields.get(FIELD, b""))[:DEAD_RAW_BYTES]))
+            else:
+                out.append(_Entry(_s(eid), fields, deliveries=n))
+        return nxt, out
+
+    def _deliver(self, stream: str, group: str | None, rows: list[_Entry], expected: Expected) -> list[Delivery]:
+        """Decode what a read returned; dead-letter (and ack) what cannot be used."""
+        out = []
+        for e in rows:
+            if e.refusal == "big":
+                self.dead_letter(stream, group, e.entry_id,
+                                 f"entry of {e.size} bytes exceeds the limit of {self._max_entry(stream)} bytes "
+                                 "(MAX_MESSAGE_BYTES); refused without reading it", e.prefix, code="oversized")
+            elif e.refusal:
+                self.dead_letter(stream, group, e.entry_id,
+                                 f"entry has {e.size} fields; a stream entry carries one ('{FIELD.decode()}')",
+                                 code="malformed")
+            else:
+                d = self._decode_entry(stream, group, e.entry_id, e.fields, expected, deliveries=e.deliveries)
+                if d is not None:
+                    out.append(d)
         return out
 
-    def _delivery_counts(self, key: str, group: str, ids: list) -> dict[str, int]:
-        res: dict[str, int] = {}
-        for eid in ids:
-            for p in self.r.xpending_range(key, group, min=eid, max=eid, count=1):
-                mid = p["message_id"]
-                res[mid.decode() if isinstance(mid, bytes) else mid] = int(p["times_delivered"])
-        return res
-
     def _decode_entry(
-        self, stream: str, group: str, eid, fields: dict, expected: Expected, *, deliveries: int
+        self, stream: str, group: str | None, eid: str, fields: dict | None, expected: Expected, *, deliveries: int
     ) -> Delivery | None:
-        eid_s = eid.decode() if isinstance(eid, bytes) else eid
         raw = fields.get(FIELD) if fields else None
         if raw is None and fields:
             raw = fields.get(FIELD.decode())
         try:
             if raw is None:
                 raise DecodeError(
-                    f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})", "malformed"
-                )
-            msg = decode(raw, expected, max_bytes=self.max_message_bytes)
+                    f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})"[:500],
+                    "malformed")
+            msg = decode(raw, expected, max_bytes=self._max_entry(stream))
             if msg.job_id != self.job_id:
                 raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job")
         except DecodeError as exc:
-            self.dead_letter(stream, group, eid_s, exc.reason, raw if isinstance(raw, bytes) else b"", code=exc.code)
+            self.dead_letter(stream, group, eid, exc.reason, raw if isinstance(raw, bytes) else b"", code=exc.code)
             return None
-        if deliveries > self.max_deliveries:
+        if group is not None and deliveries > self.max_deliveries:
             self.dead_letter(
-                stream, group, eid_s, f"delivered {deliveries} times (limit {self.max_deliveries})", raw,
+                stream, group, eid, f"delivered {deliveries} times (limit {self.max_deliveries})", raw,
                 code="max_deliveries",
             )
             return None
-        return Delivery(eid_s, msg, deliveries)
+        return Delivery(eid, msg, deliveries)
 
     def dead_letter(
-        self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *, code: str = "rejected"
+        self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *, code: str = "rejected",
+        message: Message | None = None,
     ) -> None:
         """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered.
 
         `code` is a short fixed word for metrics (shared.schema.REJECT_CODES or the consumer's own).
+        `reason` may be anyone's text (a database's error, a decoder's): control characters are
+        replaced and it is cut at 4000 characters; `raw` is cut at DEAD_RAW_BYTES. `message`, the
+        decoded entry when the consumer has it, stands in for `raw`: encoded whole when it fits,
+        else with its bulk (text, token ids, metadata) emptied, so the dead letter still names the
+        group member it was (trainer_svc.feeder.dead_members) however long the completion.
         """
-        log.error("dead-lettering %s %s (%s): %s", self.key(stream), entry_id, code, reason)
+        if message is not None:
+            raw = encode(message)
+            if len(raw) > DEAD_RAW_BYTES:
+                raw = encode(_identity(message))
+        reason = clean_text(reason)[:4000]
+        log.error("dead-lettering %s %s (%s): %s", self.key(stream), entry_id, code, reason[:1000])
         dl = DeadLetter(
             job_id=self.job_id,
             msg_id=f"{stream}/{entry_id}",
@@ -341,7 +625,7 @@ class JobStreams:
             entry_id=entry_id,
             reason=reason,
             code=code,
-            raw=raw[: min(len(raw), 64 * 1024)],
+            raw=bytes(raw[:DEAD_RAW_BYTES]),
         )
         self.r.xadd(self.key(DEAD), {FIELD: encode(dl), b"reason": reason.encode()[:1024]})
         if group is not None:
@@ -393,37 +677,39 @@ class JobStreams:
     def read_broadcast(
         self, stream: str, last_id: str, expected: type[M], *, block_ms: int | None = None, count: int = 100
     ) -> tuple[str, list[M]]:
-        """Messages after `last_id`; returns (new last_id, messages). Invalid entries are skipped
-        (dead-lettered once, by id, without a group)."""
-        resp = self.r.xread({self.key(stream): last_id}, count=count, block=block_ms)
+        """Messages after `last_id` ("0": from the start), waiting up to `block_ms` for one; returns
+        (new last_id, messages). Invalid or oversized entries are skipped (dead-lettered once, by
+        id, without a group). Bounded like `consume`: at most `max_read_bytes` (+ one entry)."""
+        start = "-" if last_id in ("0", "0-0") else f"({last_id}"
+        deadline = time.monotonic() + block_ms / 1000 if block_ms else None
+        waits = 0
+        while True:
+            _, rows = self._read(stream, "range", count=count, start=start)
+            now = time.monotonic()
+            if rows or deadline is None or now >= deadline:
+                break
+            time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
+            waits += 1
         msgs: list[M] = []
-        for _key, entries in resp or []:
-            for eid, fields in entries:
-                last_id = eid.decode() if isinstance(eid, bytes) else eid
-                raw = fields.get(FIELD)
-                try:
-                    if raw is None:
-                        raise DecodeError("entry has no 'd' field", "malformed")
-                    msg = decode(raw, expected, max_bytes=self.max_message_bytes)
-                    if msg.job_id != self.job_id:
-                        raise DecodeError(
-                            f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job"
-                        )
-                    msgs.append(msg)
-                except DecodeError as exc:
-                    self.dead_letter(stream, None, last_id, exc.reason, raw or b"", code=exc.code)
+        for e in rows:
+            last_id = e.entry_id
+            msgs += [d.message for d in self._deliver(stream, None, [e], expected)]  # type: ignore[misc]
         return last_id, msgs
 
     def latest(self, stream: str, expected: type[M]) -> tuple[str, M] | None:
-        """The newest valid message on a broadcast stream (a late joiner's starting point)."""
-        for eid, fields in self.r.xrevrange(self.key(stream), count=20):
+        """The newest valid message among the last 20 entries of a broadcast stream (a late
+        joiner's starting point); oversized entries are skipped unread."""
+        _, rows = self._read(stream, "revrange", count=20, start="+")
+        for e in rows:
+            if e.fields is None:
+                continue
             try:
-                msg = decode(fields.get(FIELD, b""), expected, max_bytes=self.max_message_bytes)
+                msg = decode(e.fields.get(FIELD, b""), expected, max_bytes=self.max_message_bytes)
             except DecodeError:
                 continue
             if msg.job_id != self.job_id:  # as read_broadcast: never another job's message
                 continue
-            return (eid.decode() if isinstance(eid, bytes) else eid), msg
+            return e.entry_id, msg
         return None
 
     # -- generator heartbeats (a hash, not a stream; kept here so Redis access stays in one place) --
@@ -439,9 +725,19 @@ class JobStreams:
         return int(self.r.xlen(self.key(stream)))
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
-        out = []
-        for _eid, fields in self.r.xrange(self.key(DEAD), count=count):
-            out.append(decode(fields[FIELD], DeadLetter))
+        """The oldest `count` dead letters (read in bounded pages); entries on the dead stream that
+        are not dead letters (someone else's XADD) are skipped."""
+        out: list[DeadLetter] = []
+        start = "-"
+        while len(out) < count:
+            start, rows = self._read(DEAD, "range", count=min(1000, count - len(out)), start=start)
+            if not rows:
+                break
+            for e in rows:
+                try:
+                    out.append(decode((e.fields or {}).get(FIELD, b""), DeadLetter, max_bytes=_DEAD_ENTRY_BYTES))
+                except DecodeError as exc:
+                    log.warning("skipping %s %s: not a dead letter (%s)", self.key(DEAD), e.entry_id, exc.reason)
         return out
 
     def delete_all(self) -> None:

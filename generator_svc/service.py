@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from pydantic import ValidationError
 
+from broker.ledger import write_isolating
 from broker.runtime import ControlWatcher, open_job, sample_row
 from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
 from generator_svc.engine import Engine, TransferError
@@ -183,6 +185,34 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
     ]
 
 
+def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: list, version: int, generator_id: str,
+                   streams: JobStreams) -> list[tuple[str, list[Rollout]]]:
+    """Each entry's rollouts from the engine's samples (`results`, one list per group in `units`
+    order). A group whose output is not a valid rollout (a NaN or positive logprob: a broken
+    engine) is dead-lettered with the reason, as `reject_too_long` does, instead of failing the
+    whole call: a training group's entry (acked), or the one problem of an evaluation round."""
+    out = []
+    samples = iter(results)
+    for d, gs in units:
+        made: list[Rollout] = []
+        for g in gs:
+            try:
+                made += rollouts_for(g, next(samples), version, generator_id)
+            except ValidationError as exc:
+                why = f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
+                if isinstance(d.message, EvalRound):
+                    streams.dead_letter(PROMPTS, None, d.entry_id, why, code="invalid_output", message=g)
+                else:
+                    streams.dead_letter(PROMPTS, GROUP_GENERATORS, d.entry_id, why, code="invalid_output", message=g)
+                    made = []
+                    break
+        if made:
+            out.append((d.entry_id, made))
+        elif isinstance(d.message, EvalRound):
+            streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id])  # every problem dead-lettered
+    return out
+
+
 def too_long_reason(prompt_tokens: int, max_model_len: int) -> str | None:
     """Why the engine would refuse a prompt of `prompt_tokens` tokens, or None if it fits.
 
@@ -293,9 +323,10 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
             continue
         count = int(control.settings.get("generation_batch", batch_groups))  # a live knob
         deliveries: list[Delivery] = []
-        if resuming:
-            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, KINDS, count=count)
-            resuming = bool(deliveries)
+        suspect = False
+        if resuming:  # one at a time, alone in its call: the predecessor may have died of one of them
+            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, KINDS, count=1)
+            resuming = suspect = bool(deliveries)
         if not deliveries:
             deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=settings.block_ms,
                                          count=count)
@@ -303,7 +334,7 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         # rather than generate a few sequences at a time (an evaluation round, one entry, counts
         # all of its samples and is never split across calls).
         want = count * ctx.spec.group_size
-        while deliveries and (have := sum(samples_of(d.message) for d in deliveries)) < want:
+        while not suspect and deliveries and (have := sum(samples_of(d.message) for d in deliveries)) < want:
             more = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=None, count=max(1, (want - have) // ctx.spec.group_size))
             if not more:
                 break
@@ -323,14 +354,17 @@ def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorM
         results = engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
                                   [g.sampling for g in groups], [g.n for g in groups])
         dt = time.perf_counter() - t0
-        made = iter([rollouts_for(g, s, policy.version, gid) for g, s in zip(groups, results, strict=True)])
-        per_entry = [(d.entry_id, [r for _ in gs for r in next(made)]) for d, gs in units]
+        per_entry = entry_rollouts(units, results, policy.version, gid, streams)
         published = streams.publish_if_owned(ROLLOUTS, per_entry, PROMPTS, GROUP_GENERATORS, gid)
         rollouts = [r for (_, rs), ok in zip(per_entry, published, strict=True) if ok for r in rs]
         if not all(published):  # reclaimed by another replica meanwhile: its copy is the one
             log.warning("%d of %d entries were taken over by another generator; not published",
                         published.count(False), len(units))
-        ledger.record_generated([ledger_row(r) for r in rollouts])
+        # A row the ledger refuses is only logged here (its rollout is published and its prompt
+        # acked); the reward service writes the same row, meets the same refusal and dead-letters it.
+        _, refused = write_isolating(ledger.record_generated, [ledger_row(r) for r in rollouts])
+        for i, why in refused.items():
+            log.error("ledger refused sample %s: %s", rollouts[i].msg_id, why)
         ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
         metrics.generated(len(rollouts), ntok, dt)
         log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",

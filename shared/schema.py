@@ -4,15 +4,37 @@ Each message carries `schema_version`, `job_id`, `msg_id` (the idempotency key),
 `policy_version`. Token ids and logprobs travel as packed little-endian binary (int32 / float32),
 never as lists of Python numbers. Decoding never unpickles: msgpack -> dict -> pydantic validation,
 and any failure raises `DecodeError` with a reason that goes to the dead-letter stream.
+
+What the wire admits (checked in `decode`, the stream boundary):
+
+- integers are strict (no bool or str for an int) and bounded by the ledger column they land in:
+  [0, 2**31) for PostgreSQL `integer` columns (versions, indices, counts), int64 for byte sizes;
+- floats are finite and in range: logprobs <= LOGPROB_MAX, temperature in [0, MAX_TEMPERATURE];
+- token ids are in [0, 2**31) (a consumer that knows the vocabulary checks the upper end itself);
+- identifiers hold no control characters; free text (prompts, completions, answers, reasons) holds
+  none but tab, newline and carriage return. Built in-process instead (the generator from engine
+  output, the feeder from a dataset), a refused character in free text is replaced by U+FFFD, so
+  what a model or a dataset emits never crashes its producer; token ids are unchanged;
+- msgpack itself is bounded: no ext types, per-string, per-array and per-map limits, and at most
+  `max_elements` values in all, so a small payload cannot expand into a large object graph.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, TypeVar, overload
+import re
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, overload
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -20,12 +42,32 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
+# PostgreSQL `integer` (int4): the ledger column of every version, index and count on the wire.
+INT32_MAX = 2**31 - 1
+# PostgreSQL `bigint`: byte sizes (policy_versions.num_bytes) and offsets.
+INT64_MAX = 2**63 - 1
+# A logprob is log p <= 0; float32 rounding in an engine's log-softmax can land a hair above.
+LOGPROB_MAX = 1e-4
+# Above the job spec's limit (10): the wire refuses nonsense (inf, 1e30), not a future spec's range.
+MAX_TEMPERATURE = 100.0
+# Samples per prompt: the job spec allows 1024 (group_size, eval n); a larger n is an attack on the
+# generator's memory, not a job.
+MAX_SAMPLES_PER_PROMPT = 4096
+
+# msgpack limits matched to the schema. The longest legitimate array is a manifest's chunk
+# checksums (4 MiB chunks: 131072 of them is a 512 GiB model); maps are a message's fields, a
+# dataset row's metadata or a reward's components. DEFAULT_MAX_ELEMENTS bounds every array and map
+# element together: each costs a Python object (~50-60 bytes) however few bytes it took on the wire
+# (an empty array is one byte), so 262144 of them bound the decoded graph to ~16 MiB.
+MAX_ARRAY_LEN = 1 << 17
+MAX_MAP_LEN = 1 << 16
+DEFAULT_MAX_ELEMENTS = 1 << 18
 
 # Why an entry was rejected, as a short fixed word: the dead-letter record and the per-reason
 # metrics carry it (a metric label must not be free text); `reason` holds the details.
 REJECT_CODES = (
     "not_bytes",  # the entry's payload is not a byte string
-    "oversized",  # over the configured MAX_MESSAGE_BYTES
+    "oversized",  # over the configured MAX_MESSAGE_BYTES, or a msgpack container / element budget
     "malformed",  # not msgpack at all, or truncated
     "not_a_map",  # msgpack, but not a map
     "schema_version",  # a schema version this build does not speak
@@ -33,6 +75,13 @@ REJECT_CODES = (
     "wrong_kind",  # a valid message on a stream that carries another kind
     "invalid",  # fails validation (missing/extra field, out-of-range value, inconsistent arrays)
 )
+
+# Validation context key set by `decode`: the input came off the wire (refuse, never repair).
+WIRE = "wire"
+
+# C0 and C1 control characters and DEL; free text keeps \t \n \r.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_TEXT_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 class DecodeError(ValueError):
@@ -43,6 +92,47 @@ class DecodeError(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.code = code
+
+
+def clean_text(value: str) -> str:
+    """`value` with every control character but tab, newline and carriage return replaced by
+    U+FFFD: what producers do with text they did not write (engine output, dataset rows, error
+    messages) before it goes on the wire or into the ledger."""
+    return _TEXT_CONTROL.sub("\ufffd", value)
+
+
+def _no_control(value: str) -> str:
+    m = _CONTROL.search(value)
+    if m is not None:
+        raise ValueError(f"control character {ord(m.group()):#04x} at position {m.start()}; identifiers are printable")
+    return value
+
+
+def _text(value: str, info: ValidationInfo) -> str:
+    m = _TEXT_CONTROL.search(value)
+    if m is None:
+        return value
+    if info.context and info.context.get(WIRE):
+        raise ValueError(
+            f"control character {ord(m.group()):#04x} at position {m.start()}; text may hold tab, newline and "
+            "carriage return only (a producer replaces the others with U+FFFD: shared.schema.clean_text)"
+        )
+    return clean_text(value)
+
+
+# An identifier (ids, names, codes): printable, no control characters at all.
+Name = Annotated[str, AfterValidator(_no_control)]
+# Free text: no control characters but \t \n \r (refused from the wire, replaced in-process).
+Text = Annotated[str, AfterValidator(_text)]
+
+
+def _int32(default: Any = ..., lo: int = 0, **kw: Any) -> Any:
+    """A field stored in a PostgreSQL `integer` column: lo <= value < 2**31."""
+    return Field(default, ge=lo, le=INT32_MAX, **kw)
+
+
+def _int64(default: Any = ..., lo: int = 0, **kw: Any) -> Any:
+    return Field(default, ge=lo, le=INT64_MAX, **kw)
 
 
 def pack_i32(values: Any) -> bytes:
@@ -61,32 +151,55 @@ def unpack_f32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype=_F32)
 
 
+def _whole_values(name: str, buf: bytes) -> None:
+    if len(buf) % 4:
+        raise ValueError(f"{name} holds {len(buf)} bytes, not a whole number of 4-byte values")
+
+
+def _token_ids(name: str, buf: bytes) -> None:
+    """int32 LE token ids: whole values, none negative (the upper end is the consumer's vocabulary)."""
+    _whole_values(name, buf)
+    if buf:
+        ids = unpack_i32(buf)
+        if int(ids.min()) < 0:
+            i = int(np.argmin(ids))
+            raise ValueError(f"{name}[{i}] is {int(ids[i])}: token ids are >= 0")
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: ClassVar[str]
 
     schema_version: int = SCHEMA_VERSION
-    job_id: str = Field(min_length=1, max_length=128)
-    msg_id: str = Field(min_length=1, max_length=256)
-    group_id: str = Field("", max_length=256)
-    policy_version: int = Field(ge=0)
+    job_id: Name = Field(min_length=1, max_length=128)
+    msg_id: Name = Field(min_length=1, max_length=256)
+    group_id: Name = Field("", max_length=256)
+    policy_version: int = _int32()
 
 
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(16, ge=1)
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    max_tokens: int = _int32(16, lo=1)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     # Stopping, applied by vLLM: the completion ends at the first stop string (excluded from the
     # text and the tokens unless include_stop_str_in_output) or stop token id; min_tokens first.
-    stop: list[str] = Field(default_factory=list, max_length=64)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    min_tokens: int = Field(0, ge=0)
+    stop: list[Annotated[Text, Field(min_length=1, max_length=1024)]] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list, max_length=64)
+    min_tokens: int = _int32(0)
     include_stop_str_in_output: bool = False
 
+    @model_validator(mode="after")
+    def _token_budget(self) -> SamplingParams:
+        # vLLM refuses the whole generate call for one such request: refused here, per message.
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        return self
 
-# Row metadata (a dataset's other columns) travels as a msgpack map of JSON-like values.
+
+# Row metadata (a dataset's other columns) travels as a msgpack map of JSON-like values. Opaque to
+# the pipeline (rewards read it; the ledger does not store it), so only decode's size limits apply.
 Metadata = dict[str, Any]
 
 
@@ -96,21 +209,20 @@ class PromptGroup(Message):
 
     kind: ClassVar[str] = "prompt_group"
     purpose: Literal["train", "eval"] = "train"
-    prompt_index: int = Field(ge=0)
-    prompt: str = Field(min_length=1)  # the rendered prompt text (chat template applied)
+    prompt_index: int = _int32()
+    prompt: Text = Field(min_length=1)  # the rendered prompt text (chat template applied)
     # int32 LE: the prompt's token ids, rendered and tokenized once by the feeder. The generator
     # generates from exactly these ids and the trainer trains on them (no second tokenization).
     prompt_ids: bytes = b""
-    answer: str
+    answer: Text
     metadata: Metadata = Field(default_factory=dict)  # the dataset row's other columns, for the reward
-    eval_set: str = Field("", max_length=128)  # purpose "eval": which named evaluation set
-    n: int = Field(ge=1)
+    eval_set: Name = Field("", max_length=128)  # purpose "eval": which named evaluation set
+    n: int = Field(ge=1, le=MAX_SAMPLES_PER_PROMPT)
     sampling: SamplingParams
 
     @model_validator(mode="after")
-    def _whole_ids(self) -> PromptGroup:
-        if len(self.prompt_ids) % 4:
-            raise ValueError(f"prompt_ids holds {len(self.prompt_ids)} bytes, not a whole number of 4-byte values")
+    def _ids(self) -> PromptGroup:
+        _token_ids("prompt_ids", self.prompt_ids)
         return self
 
     def prompt_array(self) -> np.ndarray:
@@ -121,16 +233,15 @@ class EvalItem(BaseModel):
     """One problem of an evaluation round (the fields of a PromptGroup that differ per problem)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    prompt_index: int = Field(ge=0)
-    prompt: str = Field(min_length=1)
+    prompt_index: int = _int32()
+    prompt: Text = Field(min_length=1)
     prompt_ids: bytes = b""  # int32 LE, as PromptGroup.prompt_ids
-    answer: str
+    answer: Text
     metadata: Metadata = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _whole_ids(self) -> EvalItem:
-        if len(self.prompt_ids) % 4:
-            raise ValueError(f"prompt_ids holds {len(self.prompt_ids)} bytes, not a whole number of 4-byte values")
+    def _ids(self) -> EvalItem:
+        _token_ids("prompt_ids", self.prompt_ids)
         return self
 
 
@@ -142,10 +253,21 @@ class EvalRound(Message):
     trainer's version when fed (the generator uses that or a newer one)."""
 
     kind: ClassVar[str] = "eval_round"
-    eval_set: str = Field(min_length=1, max_length=128)
-    n: int = Field(ge=1)
+    eval_set: Name = Field(min_length=1, max_length=128)
+    n: int = Field(ge=1, le=MAX_SAMPLES_PER_PROMPT)
     sampling: SamplingParams
     items: list[EvalItem] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct_problems(self) -> EvalRound:
+        # Each problem is a group `{round}/{prompt_index}`: a repeated index would give two groups
+        # one id, and every sample of one of them would be a duplicate msg_id.
+        seen: set[int] = set()
+        for it in self.items:
+            if it.prompt_index in seen:
+                raise ValueError(f"prompt_index {it.prompt_index} appears twice in the round")
+            seen.add(it.prompt_index)
+        return self
 
     def groups(self) -> list[PromptGroup]:
         """The round as prompt groups, one per problem (what the generator generates)."""
@@ -165,36 +287,49 @@ class Rollout(Message):
 
     kind: ClassVar[str] = "rollout"
     purpose: Literal["train", "eval"] = "train"
-    policy_version_max: int = Field(ge=0)
-    prompt_index: int = Field(ge=0)
-    sample_index: int = Field(ge=0)
-    group_size: int = Field(ge=1)
-    generator_id: str
+    policy_version_max: int = _int32()
+    prompt_index: int = _int32()
+    sample_index: int = _int32()
+    group_size: int = Field(ge=1, le=MAX_SAMPLES_PER_PROMPT)
+    generator_id: Name = Field(max_length=256)
     prompt_ids: bytes  # int32 LE, (P,)
     completion_ids: bytes  # int32 LE, (T,)
     logprobs: bytes  # float32 LE, (T,): behaviour logprob of each sampled token
-    completion: str
-    finish_reason: str | None = None  # vLLM's: "stop" (EOS, stop string or token), "length"
-    answer: str
-    prompt: str = ""  # the rendered prompt text (for rewards that read it: judges, reward models)
+    completion: Text
+    finish_reason: Name | None = Field(None, max_length=64)  # vLLM's: "stop" (EOS, stop string or token), "length"
+    answer: Text
+    prompt: Text = ""  # the rendered prompt text (for rewards that read it: judges, reward models)
     metadata: Metadata = Field(default_factory=dict)
-    eval_set: str = Field("", max_length=128)
-    temperature: float = Field(1.0, ge=0.0)  # sampled at; the trainer rescales its logits alike
+    eval_set: Name = Field("", max_length=128)
+    # sampled at; the trainer rescales its logits alike
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _arrays_consistent(self) -> Rollout:
-        # The trainer indexes logprobs by completion position: a mismatch would be a shape error
-        # deep inside a training step, so it is rejected here, at the stream boundary.
-        for name in ("prompt_ids", "completion_ids", "logprobs"):
-            if len(getattr(self, name)) % 4:
-                raise ValueError(f"{name} holds {len(getattr(self, name))} bytes, not a whole number of 4-byte values")
+        # The trainer indexes logprobs by completion position and embeds the ids: a mismatch, a
+        # negative id or a NaN would be a shape error or garbage deep inside a training step, so
+        # it is rejected here, at the stream boundary.
+        _token_ids("prompt_ids", self.prompt_ids)
+        _token_ids("completion_ids", self.completion_ids)
+        _whole_values("logprobs", self.logprobs)
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"{len(self.logprobs) // 4} logprobs for {len(self.completion_ids) // 4} completion tokens; "
                 "there must be one behaviour logprob per sampled token"
             )
+        if self.logprobs:
+            lp = unpack_f32(self.logprobs)
+            bad = ~np.isfinite(lp) | (lp > LOGPROB_MAX)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"logprobs[{i}] is {float(lp[i])!r}: a behaviour logprob is finite and <= 0")
         if self.sample_index >= self.group_size:
             raise ValueError(f"sample_index {self.sample_index} is outside a group of {self.group_size}")
+        if self.policy_version > self.policy_version_max:
+            raise ValueError(
+                f"policy_version {self.policy_version} exceeds policy_version_max {self.policy_version_max}: "
+                "the versions are the min and max that generated the sample"
+            )
         return self
 
     def completion_array(self) -> np.ndarray:
@@ -213,33 +348,59 @@ class Scored(Message):
 
     kind: ClassVar[str] = "scored"
     rollout: Rollout
-    reward: float
-    details: dict[str, float] = Field(default_factory=dict)  # a weighted sum's terms, by name
+    reward: float = Field(allow_inf_nan=False)
+    # a weighted sum's terms, by name
+    details: dict[Name, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
     # "ok", or why the reward is not the reward function's answer ("timeout", "error": the job's
     # reward policy then gave it `reward`), with the reason.
     reward_status: Literal["ok", "timeout", "error"] = "ok"
-    reward_reason: str = Field("", max_length=2000)
+    reward_reason: Text = Field("", max_length=2000)
+
+    @model_validator(mode="after")
+    def _same_sample(self) -> Scored:
+        r = self.rollout
+        if (self.job_id, self.msg_id, self.group_id) != (r.job_id, r.msg_id, r.group_id):
+            raise ValueError(
+                f"job_id/msg_id/group_id {self.job_id!r}/{self.msg_id!r}/{self.group_id!r} differ from the "
+                f"rollout's {r.job_id!r}/{r.msg_id!r}/{r.group_id!r}: one sample, one key"
+            )
+        return self
 
 
 class TensorEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    shape: list[int]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-    offset: int = Field(ge=0)
-    nbytes: int = Field(ge=0)
+    name: Name = Field(min_length=1, max_length=1024)
+    shape: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(max_length=16)
+    dtype: Name = Field(max_length=32)  # torch dtype name without the "torch." prefix, e.g. "float32"
+    offset: int = _int64()
+    nbytes: int = _int64()
 
 
 class Manifest(BaseModel):
     """What a weight version is: where each tensor sits in one flat buffer, and checksums."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    version: int = Field(ge=0)
+    version: int = _int32()
     tensors: list[TensorEntry]
-    total_bytes: int = Field(ge=0)
-    chunk_bytes: int = Field(gt=0)
-    chunk_checksums: list[str]  # xxh3_64 hex per chunk
-    checksum: str  # xxh3_64 hex over the chunk checksums: one id for the whole version
+    total_bytes: int = _int64()
+    chunk_bytes: int = _int64(lo=1)
+    chunk_checksums: list[Annotated[Name, Field(max_length=64)]]  # xxh3_64 hex per chunk
+    checksum: Name = Field(max_length=64)  # xxh3_64 hex over the chunk checksums: one id for the whole version
+
+    @model_validator(mode="after")
+    def _layout(self) -> Manifest:
+        # A generator allocates total_bytes and fetches chunk by chunk: the numbers must agree
+        # before anything is allocated.
+        for t in self.tensors:
+            if t.offset + t.nbytes > self.total_bytes:
+                raise ValueError(f"tensor {t.name} ends at byte {t.offset + t.nbytes}, past total_bytes {self.total_bytes}")
+        want = -(-self.total_bytes // self.chunk_bytes)
+        if len(self.chunk_checksums) != want:
+            raise ValueError(
+                f"{len(self.chunk_checksums)} chunk checksums for {self.total_bytes} bytes in chunks of "
+                f"{self.chunk_bytes} ({want} chunks)"
+            )
+        return self
 
 
 # trainer_svc -> every generator_svc (plain XREAD)
@@ -251,29 +412,40 @@ class PolicyAnnouncement(Message):
 
     kind: ClassVar[str] = "policy"
     manifest: Manifest
-    transport: str  # transport name, e.g. "tcp"
-    address: str  # transport-specific endpoint, e.g. "127.0.0.1:5555"
-    trainer_run: str = ""  # id of the trainer process that published it; a new one means a restart
+    transport: Name = Field(max_length=64)  # transport name, e.g. "tcp"
+    address: Name = Field(max_length=1024)  # transport-specific endpoint, e.g. "127.0.0.1:5555"
+    trainer_run: Name = Field("", max_length=128)  # id of the trainer process that published it; a new one means a restart
     probe_ids: bytes = b""  # int32 LE, (P,)
     probe_logprobs: bytes = b""  # float32 LE, (P-1,): log p(probe[t+1] | probe[:t+1])
+
+    @model_validator(mode="after")
+    def _probe(self) -> PolicyAnnouncement:
+        _token_ids("probe_ids", self.probe_ids)
+        _whole_values("probe_logprobs", self.probe_logprobs)
+        return self
 
 
 # broker API -> all services
 class Control(Message):
     kind: ClassVar[str] = "control"
     command: Literal["pause", "resume", "stop", "drain", "cancel", "set"]
-    reason: str = ""
-    settings: dict[str, float] = Field(default_factory=dict)  # "set": live knobs (JobPatch fields)
+    reason: Text = Field("", max_length=4000)
+    # "set": live knobs (JobPatch fields)
+    settings: dict[Annotated[Name, Field(max_length=64)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict)
 
 
 # any consumer -> {job}:dead
+DEAD_RAW_BYTES = 64 * 1024  # a dead letter keeps at most this much of the entry, for inspection
+
+
 class DeadLetter(Message):
     kind: ClassVar[str] = "dead"
-    stream: str
-    entry_id: str
-    reason: str
-    code: str = ""  # one of REJECT_CODES, or a consumer's own ("max_deliveries", "non_finite_reward", ...)
-    raw: bytes = b""
+    stream: Name = Field(max_length=64)
+    entry_id: Name = Field(max_length=64)
+    reason: Text = Field(max_length=4000)
+    code: Name = Field("", max_length=64)  # one of REJECT_CODES, or a consumer's own ("max_deliveries", ...)
+    raw: bytes = Field(b"", max_length=DEAD_RAW_BYTES)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -287,31 +459,71 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+class _TooManyValues(Exception):
+    pass
+
+
+class _Budget:
+    """Counts array and map elements as msgpack builds them (its list/object hooks run once per
+    container, bottom-up) and stops the unpacking past `limit`: an 8 MiB payload of empty arrays
+    is millions of Python objects, refused after the first `limit`."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+    def list_hook(self, items: list) -> list:
+        self.left -= len(items) + 1
+        if self.left < 0:
+            raise _TooManyValues
+        return items
+
+    def object_hook(self, d: dict) -> dict:
+        self.left -= 2 * len(d) + 1
+        if self.left < 0:
+            raise _TooManyValues
+        return d
+
+
 M = TypeVar("M", bound=Message)
 
 
 @overload
-def decode(raw: bytes, expected: type[M], *, max_bytes: int = ...) -> M: ...
+def decode(raw: bytes, expected: type[M], *, max_bytes: int = ..., max_elements: int = ...) -> M: ...
 @overload
-def decode(raw: bytes, expected: tuple[type[Message], ...] | None = None, *, max_bytes: int = ...) -> Message: ...
+def decode(raw: bytes, expected: tuple[type[Message], ...] | None = None, *, max_bytes: int = ...,
+           max_elements: int = ...) -> Message: ...
 
 
 def decode(raw: Any, expected: type[Message] | tuple[type[Message], ...] | None = None, *,
-           max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
+           max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Message:
     """Decode and validate one message of the `expected` kind (or one of several). Raises
-    DecodeError with a reason; never unpickles."""
+    DecodeError with a reason; never unpickles.
+
+    Memory: at most `max_bytes` of payload, and `max_elements` array/map elements in all (each one
+    Python object), so a decode holds O(max_bytes + 60 * max_elements) bytes whatever the input."""
     if not isinstance(raw, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload is {type(raw).__name__}, expected bytes", "not_bytes")
     if len(raw) > max_bytes:
         raise DecodeError(f"message of {len(raw)} bytes exceeds the limit of {max_bytes} bytes", "oversized")
+    budget = _Budget(max_elements)
     try:
-        body = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes)
+        body = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+            max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
+            list_hook=budget.list_hook, object_hook=budget.object_hook,
+        )
+    except _TooManyValues:
+        raise DecodeError(
+            f"message holds more than {max_elements} array/map elements (a msgpack expansion bomb?)", "oversized"
+        ) from None
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}", "malformed") from None
+        if isinstance(exc, ValueError) and "exceeds max_" in str(exc):  # a str/bin/array/map/ext limit
+            raise DecodeError(f"msgpack limit: {exc}"[:500], "oversized") from None
+        raise DecodeError(f"not valid msgpack: {type(exc).__name__}: {exc}"[:500], "malformed") from None
     if not isinstance(body, dict):
         raise DecodeError(f"message is a msgpack {type(body).__name__}, expected a map", "not_a_map")
     version = body.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # True == 1 in Python: bool is not a version
         raise DecodeError(
             f"schema_version {version!r} is not supported (this build speaks {SCHEMA_VERSION})", "schema_version"
         )
@@ -324,7 +536,9 @@ def decode(raw: Any, expected: type[Message] | tuple[type[Message], ...] | None 
         carried = "' or '".join(k.kind for k in kinds)
         raise DecodeError(f"message kind '{kind}' on a stream that carries '{carried}'", "wrong_kind")
     try:
-        return cls.model_validate(body)
+        # strict: no bool for an int, no str for a number, no str for bytes (pydantic's lax mode
+        # would coerce them); WIRE: free text with control characters is refused, not repaired.
+        return cls.model_validate(body, strict=True, context={WIRE: True})
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))

@@ -304,7 +304,8 @@ def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
 
 def _like(streams: JobStreams, claim_idle_ms: int) -> JobStreams:
     return JobStreams(streams.r, streams.job_id, prefix=streams.prefix, max_message_bytes=streams.max_message_bytes,
-                      claim_idle_ms=claim_idle_ms, max_deliveries=streams.max_deliveries)
+                      claim_idle_ms=claim_idle_ms, max_deliveries=streams.max_deliveries,
+                      max_read_bytes=streams.max_read_bytes)
 
 
 def singleton_consumer(streams: JobStreams) -> JobStreams:
@@ -319,7 +320,6 @@ def take_over(streams: JobStreams, stream: str, group: str, consumer: str, expec
     before it reads anything: every pending entry then belongs to a dead predecessor. Each take-over
     counts one delivery, so an entry survives max_deliveries - 1 restarts between checkpoints.
     """
-    n = streams.pending_count(stream, group)
-    if n == 0:
+    if streams.pending_count(stream, group) == 0:
         return []
-    return _like(streams, 0).consume(stream, group, consumer, expected, count=n, block_ms=None)
+    return streams.claim_all(stream, group, consumer, expected)  # in reads bounded by bytes

@@ -267,11 +267,16 @@ _DEAD_KINDS: dict[str, tuple[type[Message], ...]] = {
     PROMPTS: (PromptGroup, EvalRound), ROLLOUTS: (Rollout,), SCORED: (Scored,)}
 
 
+# Dead-letter codes that lose no group member: the reward service's second entry of a msg_id it
+# already scored (reward_svc.service.DUPLICATE) is a copy; the first one is alive.
+NOT_A_LOSS = frozenset({"duplicate_msg_id"})
+
+
 def dead_members(dl: DeadLetter) -> list[DeadMember]:
     """The group members a dead letter names (every problem of a dead evaluation round), or none
-    (garbage, a broadcast stream, or a payload cut at the dead letter's size limit)."""
+    (garbage, a broadcast stream, a duplicate, or a payload cut at the dead letter's size limit)."""
     kind = _DEAD_KINDS.get(dl.stream)
-    if kind is None or not dl.raw:
+    if kind is None or not dl.raw or dl.code in NOT_A_LOSS:
         return []
     try:
         msg = decode(dl.raw, kind)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from broker.ledger import write_isolating
 from broker.runtime import ControlWatcher, open_job
 from broker.streams import (
     CONTROL,
@@ -69,7 +70,7 @@ from trainer_svc.algorithms import (
 )
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.evaluation import Evaluator, build_sets
-from trainer_svc.feeder import DeadLetterWatch, Feeder, Group, GroupAssembler, group_seq
+from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, GroupAssembler, group_seq
 from trainer_svc.guard import check as guard_check
 from trainer_svc.guard import non_finite, recovery, rolled_back, trusted_reward, trusted_step
 from trainer_svc.logprobs import pad_batch, token_logprobs, token_logprobs_and_entropy
@@ -215,6 +216,17 @@ def component_means(samples: list[Scored]) -> dict[str, float]:
     return {f"reward/{name}": float(np.mean(v)) for name, v in sums.items()}
 
 
+def out_of_vocab(s: Scored, vocab: int) -> str | None:
+    """Why this model cannot embed a scored sample (a token id >= its vocabulary: the embedding
+    lookup would fail the whole step), or None. The wire checks ids >= 0; only here is the
+    vocabulary known."""
+    for name, ids in (("prompt_ids", s.rollout.prompt_array()), ("completion_ids", s.rollout.completion_array())):
+        if ids.size and int(ids.max()) >= vocab:
+            i = int(np.argmax(ids >= vocab))
+            return f"rollout.{name}[{i}] is {int(ids[i])}, outside the model's vocabulary of {vocab} tokens"
+    return None
+
+
 def micro_batch_inputs(samples: list[Scored], adv: torch.Tensor, pad_id: int, device: str):
     """(input_ids, attention_mask, behaviour logprobs, advantages, mask) for one micro-batch."""
     prompts = [unpack_i32(s.rollout.prompt_ids).tolist() for s in samples]
@@ -246,6 +258,7 @@ class Learner:
         # Every rank builds the job's model; only rank 0 reads `model_path` (a checkpoint the other
         # ranks may not see), and `wrap` hands its weights to them.
         model, self.tokenizer = load_policy(spec, device, model_path if self.ranks.is_main else None)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
         self.model = self.ranks.wrap(model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         a = spec.algorithm
@@ -470,10 +483,18 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
                 "feeder": feeder.state(), "guard": {"rewards": rewards_seen, "trips": trips, "checkpoints": kept,
                           "discarded": discarded}}
 
+    def record_used(items: list[dict]) -> int:
+        """ledger.record_used; an item the database refuses (see broker.ledger.write_isolating)
+        is logged and the rest recorded, so one bad row does not fail a step that trained."""
+        done, refused = write_isolating(ledger.record_used, items)
+        for i, why in refused.items():
+            log.error("ledger refused the use of sample %s: %s", items[i]["msg_id"], why)
+        return sum(done)
+
     def settle_unknown(g: Group, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
         reason, or, when it is a late copy of a sample already used, only acked."""
-        ledger.record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+        record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
                             for m in g.samples])  # record_used leaves used samples as they are
         streams.ack(SCORED, GROUP_TRAINERS, g.entries)
         log.warning("group %s: %s", g.group_id, why)
@@ -482,7 +503,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         """A group with a dead-lettered member (or a dead prompt group) can never be used whole:
         its samples are dropped with the reason, and its feeder or eval slot is freed."""
         why = ("dead-lettered: " + "; ".join(sorted(set(g.dead.values()))))[:1000]
-        ledger.record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+        record_used([{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
                             for m in g.msg_ids])  # rows not written (nothing generated) change nothing
         streams.ack(SCORED, GROUP_TRAINERS, g.entries)
         if g.purpose == "eval":
@@ -493,6 +514,16 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
     def route(deliveries: list) -> int:
         """Scored samples -> complete groups -> `ready`, their eval round, or settled as unknown."""
         for d in deliveries:
+            why = out_of_vocab(d.message, learner.vocab_size)  # type: ignore[arg-type]
+            if why is not None:  # dead-lettered, and its group settled now (as the dead letter would)
+                streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why, code="token_out_of_vocab",
+                                    message=d.message)
+                r = d.message.rollout  # type: ignore[attr-defined]
+                g = assembler.mark_dead(DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose,
+                                                   f"token_out_of_vocab: {why}"))
+                if g is not None:
+                    settle_dead(g)
+                continue
             g = assembler.add(d.entry_id, d.message)  # type: ignore[arg-type]
             if g is None:
                 continue
@@ -712,7 +743,7 @@ def _train(settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, stream
         t_ledger = time.perf_counter()
         used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": trained_version, "staleness": st,
                  "drop_reason": overlong_reason(s, spec)} for s, st in zip(samples, stale, strict=True)]
-        changed = ledger.record_used(used + dropped)
+        changed = record_used(used + dropped)
         # Samples the ledger already had as used: a re-done step's own (expected), else trained twice.
         twice = len(used) + len(dropped) - changed - (len(used) if redo is not None else 0)
         if twice:

@@ -26,12 +26,14 @@ from broker.streams import (
     connect,
 )
 from shared.schema import (
+    DEAD_RAW_BYTES,
     Control,
     DeadLetter,
     Manifest,
     PolicyAnnouncement,
     PromptGroup,
     SamplingParams,
+    decode,
     encode,
 )
 
@@ -401,3 +403,124 @@ def test_heartbeats(js: JobStreams) -> None:
     assert all(before <= b["ts"] <= time.time() for b in beats.values())
     # Heartbeats are per job.
     assert JobStreams(js.r, "job-2", prefix=js.prefix).heartbeats() == {}
+
+
+# -- bounded reads -------------------------------------------------------------------------------
+
+
+def test_reads_are_bounded_by_bytes(make: MakeStreams) -> None:
+    js = make(max_message_bytes=1 << 20, max_read_bytes=1 << 20)
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i, prompt="x" * 600_000) for i in range(5)])
+    # a read stops once its payload reaches max_read_bytes: 2 x 600 KB, whatever `count` allows
+    got = [[d.entry_id for d in consume(js, count=64)] for _ in range(3)]
+    assert got == [ids[:2], ids[2:4], ids[4:]]
+
+
+def test_oversized_entries_are_dead_lettered_without_being_read(embedded_redis: EmbeddedRedis) -> None:
+    r = connect(embedded_redis.url)  # a private server: its output counter is this test's alone
+    js = JobStreams(r, JOB, prefix=f"test-{uuid4().hex}:", max_message_bytes=4096)
+    try:
+        js.ensure_group(PROMPTS, G)
+        big = [js.publish_raw(PROMPTS, {FIELD: bytes([i]) * 5_000_000}) for i in range(3)]
+        ok = js.publish(PROMPTS, prompt(0))
+        sent = r.info("stats")["total_net_output_bytes"]
+        assert [d.entry_id for d in consume(js)] == [ok]
+        assert r.info("stats")["total_net_output_bytes"] - sent < 500_000  # 3 x 64 KiB prefixes, not 15 MB
+        dead = js.dead_letters()
+        assert [d.entry_id for d in dead] == big and {d.code for d in dead} == {"oversized"}
+        assert all("5000001 bytes exceeds the limit of 4096" in d.reason and "without reading" in d.reason
+                   for d in dead)
+        assert [d.raw for d in dead] == [bytes([i]) * DEAD_RAW_BYTES for i in range(3)]
+        assert js.pending_count(PROMPTS, G) == 1
+    finally:
+        js.delete_all()
+        r.close()
+
+
+def test_entries_with_many_fields_are_refused(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    eid = js.publish_raw(PROMPTS, {f"f{i}": b"1" for i in range(1000)})
+    assert consume(js) == []
+    (dead,) = js.dead_letters()
+    assert dead.entry_id == eid and dead.code == "malformed" and "1000 fields" in dead.reason
+
+
+def test_own_pending_one_at_a_time_counts_each_delivery_alone(js: JobStreams) -> None:
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(3)])
+    consume(js)  # a consumer that then dies: all three pending, delivered once
+    seen = []
+    while got := js.consume_own_pending(PROMPTS, G, "c1", PromptGroup, count=1):
+        (d,) = got
+        seen.append((d.entry_id, d.deliveries))
+        js.ack(PROMPTS, G, [d.entry_id])
+    assert seen == [(i, 2) for i in ids]
+
+
+def test_claim_all_takes_every_pending_entry_in_bounded_reads(make: MakeStreams) -> None:
+    a, b = make(), make(max_read_bytes=1)  # b: one entry per read
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(i) for i in range(5)])
+    consume(a, "A")
+    got = b.claim_all(PROMPTS, G, "B", PromptGroup)
+    assert [(d.entry_id, d.deliveries) for d in got] == [(i, 2) for i in ids]
+    assert {p["consumer"] for p in b.r.xpending_range(b.key(PROMPTS), G, "-", "+", 10)} == {b"B"}
+
+
+def test_reclaim_goes_on_from_its_cursor(make: MakeStreams) -> None:
+    a, b = make(claim_idle_ms=50), make(claim_idle_ms=50, max_read_bytes=1)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(i) for i in range(3)])
+    consume(a, "A")
+    time.sleep(0.08)
+    # each read returns one reclaimed entry; the next read continues the pass at once
+    got = [d.entry_id for _ in range(3) for d in consume(b, "B")]
+    assert got == ids
+
+
+def test_dead_letter_of_a_large_message_still_names_its_sample(js: JobStreams) -> None:
+    from shared.schema import Rollout, pack_f32, pack_i32
+
+    r = Rollout(job_id=JOB, msg_id="g/3", group_id="g", policy_version=0, policy_version_max=0, prompt_index=0,
+                sample_index=3, group_size=4, generator_id="gen", prompt_ids=pack_i32([1]),
+                completion_ids=pack_i32(range(40_000)), logprobs=pack_f32([-1.0] * 40_000), completion="x" * 100_000,
+                answer="a")
+    js.dead_letter("rollouts", None, "1-0", "too bad", code="x", message=r)
+    (dead,) = js.dead_letters()
+    assert len(dead.raw) <= DEAD_RAW_BYTES
+    named = decode(dead.raw, Rollout)
+    assert (named.msg_id, named.group_id, named.sample_index, named.group_size) == ("g/3", "g", 3, 4)
+
+
+def test_reason_text_is_made_safe(js: JobStreams) -> None:
+    js.dead_letter(PROMPTS, None, "1-0", "db said \x00 and \x1b[31m" + "y" * 10_000, code="ledger_rejected")
+    (dead,) = js.dead_letters()
+    assert "\x00" not in dead.reason and "\x1b" not in dead.reason and len(dead.reason) == 4000
+
+
+def test_without_scripting_reads_fall_back_to_plain_commands(embedded_redis: EmbeddedRedis) -> None:
+    admin = connect(embedded_redis.url)
+    user = f"noscript{uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@scripting"])
+    host, port = admin.connection_pool.connection_kwargs["host"], admin.connection_pool.connection_kwargs["port"]
+    r = connect(f"redis://{user}:pw@{host}:{port}/0")
+    js = JobStreams(r, JOB, prefix=f"test-{uuid4().hex}:", max_message_bytes=4096, claim_idle_ms=50)
+    try:
+        js.ensure_group(PROMPTS, G)
+        ok = js.publish_many(PROMPTS, [prompt(0), prompt(1)])
+        big = js.publish_raw(PROMPTS, {FIELD: b"z" * 10_000})
+        assert [d.entry_id for d in consume(js)] == ok
+        assert not js._scripted  # noqa: SLF001 - the fallback engaged
+        (dead,) = js.dead_letters()
+        assert dead.entry_id == big and dead.code == "oversized"
+        time.sleep(0.08)
+        assert [d.entry_id for d in consume(js, "c2")] == ok  # reclaim by XAUTOCLAIM
+        assert js.publish_if_owned(CONTROL, [(ok[0], [prompt(7)])], PROMPTS, G, "c2") == [True]
+        assert js.publish_if_owned(CONTROL, [(ok[0], [prompt(7)])], PROMPTS, G, "c2") == [False]  # acked
+        assert js.read_broadcast(CONTROL, "0", PromptGroup)[1] == [prompt(7)]
+    finally:
+        js.delete_all()
+        r.close()
+        admin.acl_deluser(user)
+        admin.close()

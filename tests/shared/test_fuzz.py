@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shared.jobspec import JobPatch, JobSpec, format_validation_error
 from shared.schema import (
+    LOGPROB_MAX,
     MESSAGE_TYPES,
     REJECT_CODES,
     Control,
@@ -200,6 +202,10 @@ def test_rollout_arrays_must_be_consistent(prompt, completion, logprobs, sample_
         len(prompt) % 4 == 0 and len(completion) % 4 == 0 and len(logprobs) == len(completion)
         and 0 <= sample_index < group_size
     )
+    if consistent:  # whole values: token ids >= 0, logprobs finite and <= 0 (LOGPROB_MAX)
+        lp = np.frombuffer(logprobs, "<f4")
+        consistent = (bool((np.frombuffer(prompt, "<i4") >= 0).all() and (np.frombuffer(completion, "<i4") >= 0).all())
+                      and bool((np.isfinite(lp) & (lp <= LOGPROB_MAX)).all()))
     try:
         r = decode(raw, Rollout)
     except DecodeError as exc:

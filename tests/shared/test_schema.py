@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.schema import (
+    DEFAULT_MAX_MESSAGE_BYTES,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     Control,
@@ -26,6 +27,7 @@ from shared.schema import (
     SamplingParams,
     Scored,
     TensorEntry,
+    clean_text,
     decode,
     encode,
     pack_f32,
@@ -41,6 +43,9 @@ F32 = np.array(
     [0.0, -0.0, -1.5, 1e-45, -3.4028235e38, float("inf"), float("-inf"), float("nan"), -0.6931472],
     dtype=np.float32,
 )
+# What a rollout may carry: token ids >= 0, behaviour logprobs finite and <= 0 (same bit-sensitivity).
+TOKENS = [0, 1, 7, 2**31 - 1, 151_645]
+LOGPROBS = np.array([-0.0, -1.5, -1e-45, -3.4028235e38, -0.6931472], dtype=np.float32)
 
 
 def common(**extra) -> dict:
@@ -68,8 +73,8 @@ def rollout(**extra) -> Rollout:
         group_size=8,
         generator_id="gen-0",
         prompt_ids=pack_i32([1, 2, 3]),
-        completion_ids=pack_i32(I32),
-        logprobs=pack_f32(F32[: len(I32)]),
+        completion_ids=pack_i32(TOKENS),
+        logprobs=pack_f32(LOGPROBS),
         completion="The answer is 4.",
         finish_reason="stop",
         answer="4",
@@ -159,12 +164,12 @@ def test_packed_arrays_are_little_endian_and_exact() -> None:
 
 
 def test_rollout_arrays_survive_the_wire_bit_exact() -> None:
-    lp = np.array([-0.1, -2.25, -1e-7, -30.0, -0.6931472, -1e-45, -0.0], dtype=np.float32)
+    lp = np.array([-0.1, -2.25, -1e-7, -1e-45, -0.0], dtype=np.float32)
     msg = rollout().model_copy(update={"logprobs": pack_f32(lp)})
     got = decode(encode(msg), Rollout)
     assert isinstance(got, Rollout)
     assert got.completion_array().dtype == np.dtype("<i4")
-    assert got.completion_array().tolist() == I32
+    assert got.completion_array().tolist() == TOKENS
     assert got.prompt_array().tolist() == [1, 2, 3]
     assert got.logprob_array().tobytes() == lp.tobytes()
 
@@ -372,3 +377,163 @@ def test_decode_mutated_messages_never_raises_anything_else(msg, changes, drop) 
     for k in drop:
         body.pop(k, None)
     check_decode_total(packb(body))
+
+
+# -- the boundary: strict types, ledger-sized integers, finite values, printable text ----------------
+
+
+def rollout_body(**changes) -> bytes:
+    return packb({**valid_body(rollout()), **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "where"),
+    [
+        ({"policy_version": True}, "policy_version"),  # bool is not an int
+        ({"policy_version": "1"}, "policy_version"),  # nor is a numeric string
+        ({"policy_version": 1.0}, "policy_version"),
+        ({"prompt_index": 2**31}, "prompt_index"),  # PostgreSQL integer
+        ({"policy_version": 2**63, "policy_version_max": 2**63}, "policy_version"),
+        ({"sample_index": -1}, "sample_index"),
+        ({"group_size": 10_000}, "group_size"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 1e30}, "temperature"),
+        ({"temperature": "1.0"}, "temperature"),
+        ({"completion": "4\x002"}, "completion"),
+        ({"completion": "\x1b[2Jgone"}, "completion"),
+        ({"generator_id": "gen\n0"}, "generator_id"),
+        ({"msg_id": "m\x00"}, "msg_id"),
+        ({"completion_ids": b"\x00\x00\x00\x80", "logprobs": pack_f32([-1.0])}, "completion_ids"),  # -2**31
+        ({"prompt_ids": "abcd"}, "prompt_ids"),  # str for bytes
+    ],
+)
+def test_rollout_values_are_checked_at_the_boundary(changes, where) -> None:
+    assert where in reason_of(rollout_body(**changes), Rollout)
+
+
+@pytest.mark.parametrize(
+    ("name", "values", "ok"),
+    [
+        ("nan", [np.nan, -1.0], False), ("inf", [-1.0, np.inf], False), ("-inf", [-np.inf, -1.0], False),
+        ("positive", [-1.0, 0.5], False), ("float32 rounding", [-1.0, 5e-5], True), ("zero", [0.0, -0.0], True),
+    ],
+)
+def test_behaviour_logprobs_are_finite_and_not_positive(name, values, ok) -> None:
+    raw = rollout_body(completion_ids=pack_i32([1, 2]), logprobs=pack_f32(values))
+    if ok:
+        assert decode(raw, Rollout).logprob_array().size == 2
+    else:
+        assert "logprobs" in reason_of(raw, Rollout)
+
+
+def test_token_ids_are_not_negative() -> None:
+    assert "completion_ids[1] is -3" in reason_of(rollout_body(completion_ids=pack_i32([1, -3]),
+                                                               logprobs=pack_f32([-1.0, -1.0])), Rollout)
+    assert "prompt_ids[0]" in reason_of(rollout_body(prompt_ids=pack_i32([-1])), Rollout)
+
+
+def test_policy_versions_are_ordered() -> None:
+    reason = reason_of(rollout_body(policy_version=5, policy_version_max=4), Rollout)
+    assert "policy_version 5 exceeds policy_version_max 4" in reason
+    assert decode(rollout_body(policy_version=4, policy_version_max=4), Rollout).policy_version == 4
+
+
+def test_schema_version_true_is_not_one() -> None:
+    body = valid_body()
+    body["schema_version"] = True
+    with pytest.raises(DecodeError) as err:
+        decode(packb(body))
+    assert err.value.code == "schema_version" and "True" in err.value.reason
+
+
+def test_integers_up_to_the_ledger_columns_are_accepted() -> None:
+    got = decode(rollout_body(prompt_index=2**31 - 1, policy_version=2**31 - 1, policy_version_max=2**31 - 1), Rollout)
+    assert got.prompt_index == got.policy_version == 2**31 - 1
+    # byte sizes are int64 (PostgreSQL bigint)
+    big = Manifest(version=1, tensors=[], total_bytes=2**40, chunk_bytes=2**40, chunk_checksums=["a"], checksum="b")
+    assert decode(encode(PolicyAnnouncement(**common(), manifest=big, transport="tcp", address="h:1"))).manifest == big
+
+
+def test_text_keeps_tab_newline_and_return() -> None:
+    text = "line 1\n\tline 2\r\n"
+    assert decode(rollout_body(completion=text), Rollout).completion == text
+
+
+def test_control_characters_built_in_process_become_replacement_characters() -> None:
+    # what an engine or a dataset emits must not crash its producer; the wire never carries it
+    r = rollout().model_copy(update={})
+    made = Rollout(**{**r.model_dump(), "completion": "a\x00b\x1bc\nd", "prompt": "\x7f"})
+    assert made.completion == "a\ufffdb\ufffdc\nd" and made.prompt == "\ufffd"
+    assert clean_text("ok\t\x01") == "ok\t\ufffd"
+    assert decode(encode(made), Rollout).completion == made.completion
+    with pytest.raises(ValueError, match="control character"):  # identifiers are refused everywhere
+        Rollout(**{**r.model_dump(), "msg_id": "m\x00"})
+
+
+def test_scored_values() -> None:
+    body = valid_body(MESSAGES[2])
+    for change, where in [({"reward": float("nan")}, "reward"), ({"details": {"x": float("inf")}}, "details"),
+                          ({"msg_id": "another"}, "one sample, one key"), ({"reward": True}, "reward")]:
+        assert where in reason_of(packb({**body, **change}), Scored)
+
+
+def test_sampling_and_rounds_are_consistent() -> None:
+    body = valid_body(prompt_group())
+    assert "min_tokens" in reason_of(packb({**body, "sampling": {**body["sampling"], "min_tokens": 40}}))
+    assert "n" in reason_of(packb({**body, "n": 2**31}))
+    rnd = valid_body(MESSAGES[6])
+    twice = {**rnd, "items": rnd["items"] * 2}
+    assert "appears twice" in reason_of(packb(twice), EvalRound)
+
+
+def test_manifest_layout_is_consistent() -> None:
+    body = valid_body(MESSAGES[3])
+    short = {**body, "manifest": {**body["manifest"], "chunk_checksums": ["a"]}}
+    assert "chunk checksums" in reason_of(packb(short))
+    past = {**body, "manifest": {**body["manifest"], "total_bytes": 100,
+                                 "chunk_checksums": ["a"], "chunk_bytes": 256}}
+    assert "past total_bytes" in reason_of(packb(past))
+
+
+# -- msgpack bounds: a small payload cannot become a large object graph -------------------------------
+
+
+def test_msgpack_ext_types_are_refused() -> None:
+    body = valid_body()
+    body["reason"] = msgpack.ExtType(5, b"abc")
+    assert reason_of(packb(body))
+    assert reason_of(packb({**valid_body(), "reason": msgpack.Timestamp(1, 0)}))
+
+
+def test_msgpack_bombs_are_refused_cheaply() -> None:
+    import time
+
+    # 8 M empty arrays under one header: refused at the header
+    n = 8 * 1024 * 1024 - 64
+    flat = b"\x81" + packb("x") + b"\xdd" + n.to_bytes(4, "big") + b"\x90" * n
+    with pytest.raises(DecodeError) as err:
+        decode(flat)
+    assert err.value.code == "oversized" and "max_array_len" in err.value.reason
+    # the same number of arrays nested within the per-array limit: refused by the element budget
+    inner = b"\xdd" + (4096).to_bytes(4, "big") + b"\x90" * 4096
+    nested = b"\x81" + packb("x") + b"\xdd" + (2040).to_bytes(4, "big") + inner * 2040
+    assert len(nested) < DEFAULT_MAX_MESSAGE_BYTES
+    t0 = time.perf_counter()
+    with pytest.raises(DecodeError) as err:
+        decode(nested)
+    assert err.value.code == "oversized" and "elements" in err.value.reason
+    assert time.perf_counter() - t0 < 2.0  # stops after DEFAULT_MAX_ELEMENTS, not 8 M
+
+
+def test_element_budget_admits_real_messages() -> None:
+    # a 512 GiB model's manifest in 4 MiB chunks: the largest legitimate array
+    n = 2**17
+    m = Manifest(version=1, tensors=[], total_bytes=n * 4 * 2**20, chunk_bytes=4 * 2**20,
+                 chunk_checksums=[f"{i:016x}" for i in range(n)], checksum="c")
+    msg = PolicyAnnouncement(**common(), manifest=m, transport="tcp", address="h:1")
+    assert decode(encode(msg)).manifest.total_bytes == m.total_bytes
+    with pytest.raises(DecodeError) as err:
+        decode(encode(msg), max_elements=1000)
+    assert err.value.code == "oversized"
