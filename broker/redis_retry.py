@@ -8,12 +8,14 @@ scored batch, a training step's rollouts) stays in its hands meanwhile, because 
 would hand it on simply has not returned yet. Every outage is logged when it starts and when it
 ends (with its length) and counted in `redis_outages_total` / `redis_outage_seconds_total`.
 
-Authentication failures are never retried: a credential that is wrong stays wrong.
+Authentication failures and TLS certificate failures are never retried: a credential or a
+certificate that is wrong stays wrong.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,9 +36,21 @@ OUTAGES = Counter("redis_outages", "Redis outages this process rode out or gave 
 OUTAGE_SECONDS = Counter("redis_outage_seconds", "Seconds of Redis commands failing before they succeeded")
 
 
+def permanent(error: BaseException) -> bool:
+    """A connection error that waiting cannot fix: wrong credentials, an untrusted certificate."""
+    if isinstance(error, AuthenticationError):
+        return True
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError) or "certificate verify failed" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class OutageRetry(Retry):
     """redis-py's Retry bounded by time (`outage_s` of continuous failure) rather than a count,
-    logging and counting each outage; AuthenticationError is raised at once."""
+    logging and counting each outage; a `permanent` error is raised at once."""
 
     def __init__(self, outage_s: float = DEFAULT_OUTAGE_S, *, cap_s: float = 2.0, base_s: float = 0.05):
         super().__init__(ExponentialBackoff(cap=cap_s, base=base_s), retries=-1)
@@ -55,7 +69,7 @@ class OutageRetry(Retry):
             try:
                 result = do()
             except self._supported_errors as error:
-                if isinstance(error, AuthenticationError) or (is_retryable is not None and not is_retryable(error)):
+                if permanent(error) or (is_retryable is not None and not is_retryable(error)):
                     raise
                 failures += 1
                 if with_failure_count:
