@@ -114,7 +114,9 @@ def test_posixsubprocess_fork_exec_of_a_shell(host_dir: Path, guard: bool) -> No
         "except TypeError:  # without allow_vfork\n"
         "    pid = _posixsubprocess.fork_exec(*head, -1, None, None, None, -1, None)\n"
         "os.close(errw)\n"
-        "err = os.read(errr, 1000)\n"
+        "err = b''\n"
+        "while chunk := os.read(errr, 1000):  # the child writes 'OSError:', the errno and the text in pieces\n"
+        "    err += chunk\n"
         "os.waitpid(pid, 0)\n"
         "print('exec failed' if err else 'exec ran', err)\n"
     )
