@@ -466,6 +466,49 @@ def peer_scaling(wd: Path, p: Preset, trl_py: Path, ours: list[dict[str, Any]]) 
     return {"gen_length": rows, "model": "llama 2x128 random init", "group_size": 8, "prompts_per_step": 16}
 
 
+# --- launcher placement --------------------------------------------------------------------
+
+def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
+    """Seconds per step of one job started the README's way (`python -m broker.launch --spec`,
+    its default placement, and with --no-placement) against the same job through run_job, which
+    pins the generator to the first core and the trainer to the last by hand. Median over the
+    steps after the tenth (steady state)."""
+    model = prepare_model(wd, 0)
+
+    def spec(name: str) -> dict[str, Any]:
+        return {"name": name, "model_path": str(model), "mode": "async", "max_staleness": 1, "steps": steps,
+                "eval_every": 0, "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}}
+
+    def step_s(ledger: Ledger, job_id: str) -> float | None:
+        ends = [s["created_at"].timestamp() for s in ledger.train_steps(job_id)][10:]
+        return _median([b - a for a, b in zip(ends, ends[1:], strict=False)])
+
+    out: dict[str, Any] = {"steps": steps}
+    for label, extra in (("launcher", []), ("launcher_no_placement", ["--no-placement"])):
+        console.print(f"[bold]launcher[/]: {label}")
+        db = f"sqlite:///{wd / f'{label}.db'}"
+        path = wd / f"{label}.json"
+        path.write_text(json.dumps(spec(label)))
+        env = {**os.environ, "DATABASE_URL": db, "STREAM_PREFIX": f"launch-{time.time_ns()}:",
+               "BROKER_PORT": str(_free_port())}
+        proc = subprocess.run([sys.executable, "-m", "broker.launch", "--spec", str(path), "--logdir",
+                               str(wd / f"logs-{label}"), *extra], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{label} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        ledger = Ledger(db)
+        try:
+            out[f"{label}_step_s"] = step_s(ledger, ledger.list_jobs(limit=1)[0]["id"])
+        finally:
+            ledger.close()
+    console.print("[bold]launcher[/]: hand-pinned")
+    ledger, job_id, _t0 = _run(wd, spec("pinned"), {"DATABASE_URL": f"sqlite:///{wd / 'pinned.db'}"})
+    out["pinned_step_s"] = step_s(ledger, job_id)
+    for label in ("launcher", "launcher_no_placement"):
+        a, b = out[f"{label}_step_s"], out["pinned_step_s"]
+        out[f"{label}_over_pinned"] = a / b if a and b else None
+    return out
+
+
 # --- the suite -----------------------------------------------------------------------------
 
 def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_dir: str = "results",
@@ -495,6 +538,8 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     pg = postgres_url if postgres_url is not None else os.environ.get("TEST_POSTGRES_URL")
     result["broker"] = bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None)
     result["scaling"] = scaling(wd, p)
+    result["launcher"] = launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps))
+    result["launcher_over_pinned"] = result["launcher"]["launcher_over_pinned"]
     # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
     result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
                               else {"gen_length": [], "error": result["trl_env"]["error"]})
@@ -551,6 +596,9 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         (f"broker + ledger samples/s ({b['tokens_per_rollout']} tokens + logprobs, SQLite)",
          _f(b["samples_per_s"], 0), ">= 20,000"),
         ("broker + ledger ms per sample", _f(b["overhead_ms"], 4), "<= 0.5"),
+        ("s/step started the README's way / hand-pinned (without placement)",
+         f"{_f(r['launcher']['launcher_over_pinned'], 2)} ({_f(r['launcher']['launcher_no_placement_over_pinned'], 2)})",
+         "<= 1.10"),
     ]
     if b.get("ours_postgres"):
         rows.append(("... with the PostgreSQL ledger (samples/s)", _f(b["ours_postgres"]["samples_per_s"], 0), ""))

@@ -119,7 +119,8 @@ def bench(
     which: str = typer.Argument(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
         "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
-        "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration."
+        "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
+        "s/step started the README's way (python -m broker.launch) vs hand-pinned."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -134,6 +135,14 @@ def bench(
         from broker.bench_suite import run_suite
 
         run_suite(preset, out_dir=out)
+    elif which == "launcher":
+        from broker.bench_suite import launcher_vs_pinned
+
+        wd = Path("runs/bench-launcher").resolve()
+        wd.mkdir(parents=True, exist_ok=True)
+        res = launcher_vs_pinned(wd, steps=steps or 80)
+        (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
+        typer.echo(json.dumps(res, indent=2))
     elif which == "own-task":
         from broker.bench_own_task import run_own_task
 
@@ -153,7 +162,7 @@ def bench(
                     + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher")
 
 
 @app.command()
