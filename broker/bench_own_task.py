@@ -194,18 +194,20 @@ def _job_ids(db_url: str, name: str) -> list[str]:
 
 def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
     """trainer_svc.guard_calibration over the ledger's jobs but `exclude`, with the default
-    GuardSpec (run as its command: tools in broker/ import no service package)."""
+    GuardSpec (run as its command: tools in broker/ import no service package); its JSON, with
+    its markdown table under "markdown"."""
     ledger = Ledger(db_url)
     try:
         jobs = [j["id"] for j in ledger.list_jobs(limit=1_000_000) if j["id"] not in exclude]
     finally:
         ledger.close()
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "calibration.json"
+        out, md = Path(tmp) / "calibration.json", Path(tmp) / "calibration.md"
         subprocess.run([sys.executable, "-m", "trainer_svc.guard_calibration", "--url", db_url,
-                        *(a for j in jobs for a in ("--job", j)), "--out", str(out)],
+                        *(a for j in jobs for a in ("--job", j)), "--out", str(out), "--md", str(md)],
                        check=True, stdout=subprocess.DEVNULL)
         result: dict[str, Any] = json.loads(out.read_text())
+        result["markdown"] = md.read_text()
     return result
 
 
@@ -283,17 +285,6 @@ def _f(v: Any, d: int = 3) -> str:
     return "-" if v is None else f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
 
-def _calibration_table(cal: dict[str, Any]) -> str:
-    lines = [f"GuardSpec: `{json.dumps(cal['guard'])}`", "",
-             "| job | task | mode | k | seed | loss | steps | trips | reasons |", "|---|---|---|---|---|---|---|---|---|"]
-    for j in cal["jobs"]:
-        reasons = "; ".join(f"step {t['step']}: {t['reason']}" for t in j["trips"]) or "-"
-        lines.append(f"| {j['job_id']} | {j['task']} | {j['mode']} | {j['k']} | {j['seed']} | {j['loss']} | "
-                     f"{j['steps']} | {j['n_trips']} | {reasons} |")
-    lines += ["", f"{cal['jobs_with_trips']} of {len(cal['jobs'])} jobs tripped; {cal['total_trips']} trips."]
-    return "\n".join(lines) + "\n"
-
-
 def report(r: dict[str, Any]) -> str:
     g = r["gaps"]
     lines = [f"# Own task beside TRL ({r['date']}, {r['machine']['cores']} cores)", "",
@@ -320,7 +311,7 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
     live = r["guard"]["live"]
     lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",
-              _calibration_table(r["guard"]["calibration"]),
+              r["guard"]["calibration"]["markdown"],
               f"Live collapse (lr 2e-3, default guard): tripped = {live['tripped']}; "
               f"trips {[(t['step'], t['kind']) for t in live['trips']]}; rewards per step {live['rewards']}", ""]
     return "\n".join(lines)
