@@ -168,11 +168,13 @@ def test_judge_sends_the_template_and_reads_the_reply_by_rule(server, monkeypatc
         "judge reply 'nothing here' cannot be read by rule 'number': no number in it")
     assert "its number 7 is outside [0, 1]" in results[4].reason
     assert results[5].status == "error" and "judge template: KeyError: 'id'" in results[5].reason
-    body = server.bodies[0]
-    assert body["model"] == "tiny-judge" and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    # The judge's requests run concurrently: find the first item's by its content, not its arrival order.
+    assert len(server.bodies) == 5 and all(b["model"] == "tiny-judge" for b in server.bodies)
+    (body,) = [b for b in server.bodies if b["messages"][-1]["content"].endswith("\n0.75")]
+    assert body["max_tokens"] == 5 and body["temperature"] == 0.0
     assert body["messages"] == [{"role": "system", "content": "be strict"},
                                 {"role": "user", "content": "Q: 2+2= A: 4 id=7\n0.75"}]
-    assert server.headers[0]["authorization"] == "Bearer sekrit"
+    assert all(h["authorization"] == "Bearer sekrit" for h in server.headers)
 
     yes_no = {**spec, "rule": "yes_no", "template": "{completion}", "api_key_env": None, "system": None}
     results = score(yes_no, [item("Yes, it is"), item("no."), item("maybe")])
