@@ -1,4 +1,4 @@
-"""GPU variant of the performance suite (broker.bench_suite) for one machine with an NVIDIA GPU.
+"""GPU variant of the performance suite (bench.suite) for one machine with an NVIDIA GPU.
 
 Needs the CUDA install (`pip install -e ".[cuda,dev]"`: CUDA torch and the `vllm` package), Redis
 (REDIS_URL, else a local or private one, as for the demo) and nothing from the network: the model
@@ -13,7 +13,7 @@ Measures, in one run, the ratios of the CPU suite plus absolute figures:
   8 samples) and of the generator inside a running job, and their ratio (target >= 0.95);
 - seconds per step of the whole system (trainer on CUDA in fp32 with AdamW, generator in bf16)
   against generation length, async k=1 and sync, and the system's tokens/s;
-- broker and ledger overhead (broker.bench_broker: device-independent, for the same table).
+- broker and ledger overhead (bench.broker_overhead: device-independent, for the same table).
 
 The time-to-reward comparison with TRL is a CPU-suite section only: a random-init model learns no
 arithmetic, and the tiny warm-started model says nothing about a GPU.
@@ -76,9 +76,9 @@ if __name__ == "__main__":
 
 
 def system(wd: Path, model: Path, mode: str, max_tokens: int, steps: int) -> dict[str, Any]:
-    """One job on the whole system (broker.demo.run_job) with the GPU settings; step figures."""
-    from broker.bench_suite import _batch_rates, _environ
-    from broker.demo import run_job
+    """One job on the whole system (asyncrl.demo.run_job) with the GPU settings; step figures."""
+    from bench.suite import _batch_rates, _environ
+    from asyncrl.demo import run_job
     from broker.ledger import Ledger
 
     spec = {"name": f"gpu-{mode}-{max_tokens}", "model_path": str(model), "mode": mode, "steps": steps,
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this is the GPU variant; on a CPU machine run `asyncrl bench suite`")
     sys.path.insert(0, str(REPO))
-    from broker.bench import machine
-    from broker.bench_broker import bench_broker
+    from bench.claims import machine
+    from bench.broker_overhead import bench_broker
 
     wd = Path(a.workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)

@@ -334,7 +334,7 @@ def test_systemd_units_pass_systemd_analyze():
 
 
 def test_launcher_starts_real_modules_like_compose_and_systemd():
-    from broker.launch import ROLES, plan
+    from asyncrl.launch import ROLES, plan
 
     services = plan(ROLES, 2, {}, host="h")
     for s in services:

@@ -16,8 +16,8 @@ import uuid
 import httpx
 import pytest
 
-from broker.demo import prepare_model
-from broker.launch import Supervisor
+from asyncrl.demo import prepare_model
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.verify import verify

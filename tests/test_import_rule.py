@@ -1,4 +1,9 @@
-"""The layering: shared <- broker <- {generator_svc, reward_svc, trainer_svc}; vllm in one module.
+"""The layering: shared <- broker <- {generator_svc, reward_svc, trainer_svc} <- {asyncrl, bench};
+vllm in one module.
+
+The top layer (the CLI, demo and launcher in `asyncrl`; benchmarks and peers in `bench`) starts
+services and may import anything; nothing below imports it. Services started as processes count
+too: a `-m module` argument in a lower layer must name a module that layer may import.
 
 Static (ast over every module, imports inside functions included) plus one dynamic check that the
 light packages import without torch or vllm.
@@ -15,14 +20,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("generator_svc", "reward_svc", "trainer_svc")
-PACKAGES = ("shared", "broker", *SERVICES)
+TOOLS = ("asyncrl", "bench")
+PACKAGES = ("shared", "broker", *SERVICES, *TOOLS)
 VLLM_HOME = "generator_svc/engine.py"
 
 # What each package may not import (top-level module names).
 FORBIDDEN = {
-    "shared": {"broker", *SERVICES},
-    "broker": set(SERVICES),
-    **{svc: set(SERVICES) - {svc} for svc in SERVICES},
+    "shared": {"broker", *SERVICES, *TOOLS},
+    "broker": {*SERVICES, *TOOLS},
+    **{svc: {*SERVICES, *TOOLS} - {svc} for svc in SERVICES},
+    **{tool: set() for tool in TOOLS},
+}
+# Processes a lower layer starts against the rule, each with its reason.
+STARTED_ACROSS = {
+    # The admin worker (Celery) evaluates a checkpoint in a child process so the worker never loads
+    # torch or vLLM itself; it is the one broker task that runs a service's code.
+    ("broker/admin.py", "generator_svc.evaluate"),
 }
 LIGHT_MODULES = (
     "shared.schema",
@@ -38,8 +51,8 @@ LIGHT_MODULES = (
     "broker.ledger",
     "broker.api",
     "broker.runtime",
-    "broker.demo",
-    "broker.cli",
+    "asyncrl.demo",
+    "asyncrl.cli",
 )
 
 
@@ -110,7 +123,42 @@ def test_layering(package: str) -> None:
         for name in sorted(imported_modules(path)):
             if name.split(".")[0] in FORBIDDEN[package]:
                 violations.append(f"{path.relative_to(REPO)} imports {name}")
-    assert not violations, "layering is shared <- broker <- services:\n" + "\n".join(violations)
+    assert not violations, "layering is shared <- broker <- services <- tools:\n" + "\n".join(violations)
+
+
+def started_modules(path: Path) -> set[str]:
+    """Modules `path` starts as processes: the string after a literal "-m" in a list or tuple."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            items = node.elts
+            for a, b in zip(items, items[1:]):
+                if (isinstance(a, ast.Constant) and a.value == "-m"
+                        and isinstance(b, ast.Constant) and isinstance(b.value, str)):
+                    found.add(b.value)
+    return found
+
+
+def test_started_modules_parser(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('cmd = [sys.executable, "-m", "trainer_svc.train", "--x"]\nother = ("-m", "bench.suite")\n')
+    assert started_modules(probe) == {"trainer_svc.train", "bench.suite"}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_processes_started_follow_the_layering(package: str) -> None:
+    violations = []
+    for path in python_files(package):
+        rel = str(path.relative_to(REPO))
+        for name in sorted(started_modules(path)):
+            if name.split(".")[0] in FORBIDDEN[package] and (rel, name) not in STARTED_ACROSS:
+                violations.append(f"{rel} starts {name}")
+    assert not violations, "a lower layer starts a higher one's module:\n" + "\n".join(violations)
+
+
+def test_every_exception_is_still_needed() -> None:
+    for rel, name in STARTED_ACROSS:
+        assert name in started_modules(REPO / rel), f"{rel} no longer starts {name}: drop the exception"
 
 
 def test_vllm_is_imported_in_one_module_only() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.launch import Supervisor
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, POLICY, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from broker.launch import Supervisor
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from shared.jobspec import JobSpec

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from broker import cli
+from asyncrl import cli
 from broker.api import configured_tokens, create_app, load_token_file
 from broker.ledger import Ledger
 from broker.streams import connect

@@ -1,6 +1,6 @@
 """Collapse-guard trips as shown to the user (broker/guard_report.py, the demo summary)."""
 
-from broker.demo import summarize
+from asyncrl.demo import summarize
 from broker.guard_report import GUARD_ACTOR, describe, guard_trips
 from broker.ledger import Ledger
 

@@ -8,7 +8,7 @@ Pieces:
   changes nothing) and records every prompt group the trainer fed, with the time it saw it. That
   is the independent list the loss count is taken against: the ledger only holds groups that were
   generated.
-- `Stack`: the services under a `broker.launch.Supervisor`, with SIGKILL (of the whole process
+- `Stack`: the services under a `asyncrl.launch.Supervisor`, with SIGKILL (of the whole process
   group: vLLM's engine core dies with its generator) and SIGTERM by role, restarts with the same
   consumer names, and a record of every fault.
 - `account`: what happened to every fed group, from the witness, the ledger, the dead-letter
@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 
-from broker.launch import Supervisor
+from asyncrl.launch import Supervisor
 from broker.ledger import USED_STATUSES, Ledger
 from broker.streams import PROMPTS, JobStreams, connect
 from shared.schema import DecodeError, EvalRound, PromptGroup, decode

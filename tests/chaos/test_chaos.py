@@ -38,7 +38,7 @@ import pytest
 import redis
 from sqlalchemy import func, select
 
-from broker.launch import Supervisor
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger, Sample
 from broker.streams import CONTROL, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect
 from broker.verify import verify

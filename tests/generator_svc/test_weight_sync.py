@@ -19,7 +19,7 @@ import msgpack
 import pytest
 import torch
 
-from broker.launch import Supervisor
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import POLICY, JobStreams, connect

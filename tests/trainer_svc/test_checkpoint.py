@@ -43,7 +43,7 @@ def _draws() -> tuple:
 def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_path, streams):
     from transformers import AutoModelForCausalLM
 
-    from trainer_svc.bench import fake_batch
+    from bench.t_train import fake_batch
     from trainer_svc.train import Learner, flatten_batch
 
     spec = JobSpec(model_path=str(tiny), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},

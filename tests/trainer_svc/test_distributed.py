@@ -195,7 +195,7 @@ def _free_port() -> int:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_job_on_two_ranks(tmp_path, tiny_model):
-    from broker.launch import Supervisor
+    from asyncrl.launch import Supervisor
     from broker.ledger import Ledger
     from broker.redis_server import resolve_redis_url
     from broker.streams import POLICY, JobStreams, connect

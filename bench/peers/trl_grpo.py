@@ -1,10 +1,10 @@
 """TRL's GRPOTrainer on the suite's task: the peer side of the time-to-reward comparison.
 
-Runs with the Python of the TRL virtual environment that broker.bench_suite creates; it imports
+Runs with the Python of the TRL virtual environment that bench.suite creates; it imports
 nothing from this project (the task, the held-out split and the reward's rule arrive in a JSON
 file), only torch, transformers, datasets and trl, and it writes one JSON result file.
 
-    <trl-venv>/bin/python broker/peers/trl_grpo.py --config cfg.json --out result.json
+    <trl-venv>/bin/python bench/peers/trl_grpo.py --config cfg.json --out result.json
 
 Config keys: model_path, train and test (lists of {"prompt", "answer"}, optionally "metadata"),
 group_size, prompts_per_step, micro_batch_size, steps, lr, max_tokens, temperature, eval_every,
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 # The answer rule of shared.tasks.extract_answer + shared.rewards.exact_match, restated here
-# because this script cannot import the project (tests/test_bench_suite.py checks they agree).
+# because this script cannot import the project (tests/bench/test_suite.py checks they agree).
 _NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 

@@ -11,7 +11,7 @@ Measured in the receiver (wall time of one call), median of a few repetitions af
 MB = 10^6 bytes. Results: results/transfer.json and results/transfer.md. On a 2-vCPU machine the
 numbers move by tens of percent between runs (notes/ucx-on-cpu.md): rank, never assert.
 
-    python -m broker.bench_transfer [sizes in MB ...]
+    python -m bench.transfer [sizes in MB ...]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.bench import machine
+from bench.claims import machine
 from shared.schema import Manifest
 from shared.transport import TcpWeightClient, TcpWeightServer, build_manifest
 from shared.transport_ucx import DEFAULT_PIECE_BYTES, UcxWeightClient, UcxWeightServer, ucx_options

@@ -50,8 +50,8 @@ def _fail(message: str) -> NoReturn:
 
 def _poll(api: str, path: str, token: str | None) -> Any:
     """A watcher's GET: rides out an outage of the API (or of Redis and the ledger behind it) for
-    up to broker.http_retry.DEFAULT_OUTAGE_S; exits 1 on a 4xx or when the outage lasts longer."""
-    from broker.http_retry import ApiUnavailable, get_json
+    up to asyncrl.http_retry.DEFAULT_OUTAGE_S; exits 1 on a 4xx or when the outage lasts longer."""
+    from asyncrl.http_retry import ApiUnavailable, get_json
 
     try:
         body = get_json(httpx.get, api.rstrip("/") + path, headers=_auth(token), timeout=TIMEOUT_S)
@@ -109,7 +109,7 @@ def demo(
 ) -> None:
     """Build a tiny model, warm-start it, and run an RL job with every service as a process."""
     logging.basicConfig(level=logging.WARNING)
-    from broker.demo import run_demo
+    from asyncrl.demo import run_demo
 
     run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed)
 
@@ -120,7 +120,7 @@ def bench(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
         "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
-        "s/step started the README's way (python -m broker.launch) vs hand-pinned."
+        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -129,14 +129,14 @@ def bench(
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
-    from broker.bench import bench_async, bench_parity, bench_swap
+    from bench.claims import bench_async, bench_parity, bench_swap
 
     if which == "suite":
-        from broker.bench_suite import run_suite
+        from bench.suite import run_suite
 
         run_suite(preset, out_dir=out)
     elif which == "launcher":
-        from broker.bench_suite import launcher_vs_pinned
+        from bench.suite import launcher_vs_pinned
 
         wd = Path("runs/bench-launcher").resolve()
         wd.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ def bench(
         (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
         typer.echo(json.dumps(res, indent=2))
     elif which == "own-task":
-        from broker.bench_own_task import run_own_task
+        from bench.own_task import run_own_task
 
         run_own_task(out_dir=out, seeds=seeds, steps=steps or 150)
     elif which == "async":
@@ -152,7 +152,7 @@ def bench(
     elif which == "parity":
         bench_parity(steps=steps or 40, seeds=tuple(range(seeds)), out_dir=out)
     elif which == "transfer":
-        from broker.bench_transfer import bench_transfer
+        from bench.transfer import bench_transfer
 
         result = bench_transfer(out_dir=out)
         result["swap_latency_s"] = bench_swap(steps=steps or 12)

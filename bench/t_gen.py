@@ -1,6 +1,6 @@
 """T_gen: the engine alone generating one step's batch (no Redis, no ledger). Prints JSON.
 
-    python -m generator_svc.bench --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5
+    python -m bench.t_gen --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5
 """
 
 from __future__ import annotations

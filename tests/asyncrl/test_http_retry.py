@@ -1,4 +1,4 @@
-"""Watchers ride out an API outage (broker.http_retry.get_json) against a real HTTP server that
+"""Watchers ride out an API outage (asyncrl.http_retry.get_json) against a real HTTP server that
 answers 503 (then refuses connections) for a while before it recovers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from broker.http_retry import ApiUnavailable, get_json
+from asyncrl.http_retry import ApiUnavailable, get_json
 
 pytestmark = [pytest.mark.hostile]
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from broker import api as broker_api
 from broker.api import create_app
-from broker.cli import TERMINAL_STATES, app
+from asyncrl.cli import TERMINAL_STATES, app
 from broker.ledger import Ledger
 from broker.streams import connect
 from shared.settings import AdminSettings, BrokerSettings

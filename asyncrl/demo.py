@@ -26,8 +26,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from broker.guard_report import describe, guard_trips
-from broker.http_retry import get_json
-from broker.launch import Supervisor
+from asyncrl.http_retry import get_json
+from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 

@@ -1,7 +1,7 @@
 """The one-box launcher: the process plan, supervision, and a clean stop (SIGTERM, grace, SIGKILL).
 
 Fast cases run trivial modules written into the test's folder; the CLI cases run the real
-`python -m broker.launch` with the real broker and reward service against the real Redis (a fresh
+`python -m asyncrl.launch` with the real broker and reward service against the real Redis (a fresh
 key prefix) and a SQLite ledger: no model, no vLLM.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.launch import RestartPolicy, Supervisor, main, plan, supervise
+from asyncrl.launch import RestartPolicy, Supervisor, main, plan, supervise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -124,7 +124,7 @@ def test_on_failure_restarts_within_the_budget_and_logs_why(modules, tmp_path, c
     sup = Supervisor(tmp_path / "a", {})
     sup.start("trainer", "flaky_mod")
     policy = RestartPolicy(on_failure=True, max_restarts=3, window_s=60, backoff_s=0.05)
-    with caplog.at_level("WARNING", logger="broker.launch"):
+    with caplog.at_level("WARNING", logger="asyncrl.launch"):
         assert supervise(sup, stop, poll_s=0.02, policy=policy) == 0  # failed twice, then done
     assert (modules / "flaky_mod.count").read_text() == "3"
     assert [p.name for p in sup.procs] == ["trainer"] and len(sup.procs[0].restarts) == 2
@@ -134,7 +134,7 @@ def test_on_failure_restarts_within_the_budget_and_logs_why(modules, tmp_path, c
     (modules / "flaky_mod.count").unlink()
     sup = Supervisor(tmp_path / "b", {})
     sup.start("reward", "bad_mod")
-    with caplog.at_level("ERROR", logger="broker.launch"):
+    with caplog.at_level("ERROR", logger="asyncrl.launch"):
         assert supervise(sup, stop, poll_s=0.02, policy=RestartPolicy(True, 2, 60, 0.05)) == 1
     assert len(sup.procs[0].restarts) == 2
     assert any("restart budget spent" in r.message for r in caplog.records)
@@ -192,7 +192,7 @@ def test_cli_starts_the_real_services_and_stops_them_on_sigterm(tmp_path):
     env["REWARD_JOB_WAIT_S"] = "600"  # the reward service waits for its job until stopped
     logdir = tmp_path / "logs"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "broker.launch", "--roles", "broker,reward", "--logdir", str(logdir),
+        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(logdir),
          "--grace", "15"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -226,7 +226,7 @@ def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
     env, port = _launcher_env(tmp_path)
     env["REWARD_JOB_WAIT_S"] = "0"  # the job does not exist: the reward service fails at once
     res = subprocess.run(
-        [sys.executable, "-m", "broker.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
+        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
     )
     assert res.returncode == 1, res.stderr

@@ -3,14 +3,14 @@
 Processes only talk through Redis and the ledger; this module just starts them with the right
 environment, watches them, and stops them (SIGTERM, then SIGKILL after a grace period).
 
-`python -m broker.launch --generators 2` starts the broker API, two generators, the reward
+`python -m asyncrl.launch --generators 2` starts the broker API, two generators, the reward
 service and the trainer (`--admin` adds the Celery admin worker); `--roles` picks a subset for
 one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`, the
 default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
 back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
 stops the rest and the launcher exits 1. Each service gets its share of the box's cores and its thread
-counts (broker.placement; `--no-placement` turns that off). See `deploy/README.md`.
+counts (asyncrl.placement; `--no-placement` turns that off). See `deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from broker.placement import cpuset, gpu_count, plan_placement
+from asyncrl.placement import cpuset, gpu_count, plan_placement
 
-log = logging.getLogger("broker.launch")  # also under `python -m`
+log = logging.getLogger("asyncrl.launch")  # also under `python -m`
 
 
 @dataclass
@@ -178,7 +178,7 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-# --- the `python -m broker.launch` command ---------------------------------------------------
+# --- the `python -m asyncrl.launch` command ---------------------------------------------------
 
 ROLES = ("broker", "generator", "reward", "trainer", "admin")
 DEFAULT_ROLES = ("broker", "generator", "reward", "trainer")
@@ -326,7 +326,7 @@ def _submit(api: str, spec_path: Path) -> str:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m broker.launch",
+        prog="python -m asyncrl.launch",
         description="Start the broker API, N generators, the reward service and the trainer (and "
         "optionally the Celery admin worker) on this box as supervised processes, one log each. "
         "Settings come from the environment (see deploy/env.example). Ctrl-C or SIGTERM stops "
@@ -344,7 +344,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="seconds to wait for the broker's /health (default 120)")
     ap.add_argument("--no-placement", action="store_true",
                     help="start services unpinned with default thread counts (default: split this box's cores "
-                    "between the roles, broker.placement; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
+                    "between the roles, asyncrl.placement; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
     ap.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
                     help="restart a process that fails (default %(default)s), within the budget below")
     ap.add_argument("--max-restarts", type=int, default=5,
@@ -367,7 +367,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m broker.launch`; returns the exit code (0 job done, 1 a process failed, 130 stopped)."""
+    """`python -m asyncrl.launch`; returns the exit code (0 job done, 1 a process failed, 130 stopped)."""
     from broker.redis_server import resolve_redis_url
     from shared.logs import setup_logging
     from shared.settings import BrokerSettings

@@ -1,4 +1,4 @@
-"""The performance suite (broker.bench_suite): its small pure parts, and the `ci` preset end to end.
+"""The performance suite (bench.suite): its small pure parts, and the `ci` preset end to end.
 
 The end-to-end test checks that the result file is complete (every section, numbers where numbers
 belong), never the values: those depend on the machine. It creates the TRL environment under
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from broker import bench_suite
-from broker.peers import trl_grpo
+from bench import suite as bench_suite
+from bench.peers import trl_grpo
 from shared.rewards import exact_match
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_peer_reward_rule_matches_ours(completion: str, answer: str) -> None:
 
 
 def test_peer_script_imports_nothing_of_the_project() -> None:
-    text = (REPO / "broker" / "peers" / "trl_grpo.py").read_text()
+    text = (REPO / "bench" / "peers" / "trl_grpo.py").read_text()
     for pkg in ("shared", "broker", "trainer_svc", "generator_svc", "reward_svc"):
         assert f"from {pkg}" not in text and f"import {pkg}" not in text, pkg
 

@@ -12,11 +12,11 @@ Sections (results/own_task.json holds them under these keys):
 
 - `curves`: the held-out curve (100 problems split off the file by the job's seed, one greedy
   completion each, the user's reward) of ours in sync, async k=1 and k=2 and of TRL's
-  GRPOTrainer (broker/peers/trl_grpo.py, the same reward file and stop rule, the same train/test
+  GRPOTrainer (bench/peers/trl_grpo.py, the same reward file and stop rule, the same train/test
   split, batch 8 prompts x 8 samples, lr, temperature, max tokens, both cores), 3 seeds each.
   Ours is started as a user would (the job spec below and nothing else: defaults for all the
   rest). A point's time is the end of the step that produced the policy, in seconds since the
-  launch; TRL's evaluation time is taken off its clock (broker.bench_suite).
+  launch; TRL's evaluation time is taken off its clock (bench.suite).
 - `gaps`: ours - TRL held-out reward at TRL's last step (mean over seeds), and the wall time to
   TRL's final held-out reward, ours / TRL, both on the seed-mean curves.
 - `guard`: trainer_svc.guard_calibration's replay of every healthy job's recorded metrics through
@@ -43,9 +43,9 @@ from typing import Any
 
 from rich.console import Console
 
-from broker.bench import machine
-from broker.bench_suite import _run, ours_curve, run_trl, trl_python
-from broker.demo import prepare_model, run_job
+from bench.claims import machine
+from bench.suite import _run, ours_curve, run_trl, trl_python
+from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
 from shared.datasets import TaskSpec, load_task
 

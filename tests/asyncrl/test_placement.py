@@ -1,10 +1,10 @@
-"""Placement of one node's services on its cores (broker.placement), and its use by the launcher."""
+"""Placement of one node's services on its cores (asyncrl.placement), and its use by the launcher."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.placement import Placement, cpuset, parse_cpuset, plan_placement
+from asyncrl.placement import Placement, cpuset, parse_cpuset, plan_placement
 
 ONE_BOX = [("generator-0", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")]
 

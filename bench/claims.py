@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from broker.demo import prepare_model, run_job
+from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
 
 console = Console()
@@ -78,11 +78,11 @@ def bench_async(workdir: str = "runs/bench", steps: int = 20, prompts: int = 16,
     gen_core, train_core = _cores()
     shape = ["--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens)]
     console.print("[bold]T_gen[/]: the engine alone on one step's batch")
-    _pinned([sys.executable, "-m", "generator_svc.bench", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
+    _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
             gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
     t_gen = json.loads((wd / "t_gen.json").read_text())
     console.print("[bold]T_train[/]: the trainer alone on one batch")
-    _pinned([sys.executable, "-m", "trainer_svc.bench", "--model", str(model), *shape, "--threads", "1",
+    _pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1",
              "--out", str(wd / "t_train.json")], train_core)
     t_train = json.loads((wd / "t_train.json").read_text())
 

@@ -3,10 +3,10 @@ overhead, and scaling, measured in one run on this machine (`asyncrl bench suite
 
 Sections (each a function below; results/suite.json holds them under these keys):
 
-- `time_to_reward`: the tiny model after the demo's warm start (broker.demo.prepare_model), the
+- `time_to_reward`: the tiny model after the demo's warm start (asyncrl.demo.prepare_model), the
   synthetic arithmetic task, 16 prompts x 8 samples per step, lr 1e-4, on the same two cores:
-  our system in async (k=1) and sync mode (broker.demo.run_job) versus TRL's GRPOTrainer in a
-  virtual environment of its own (broker/peers/trl_grpo.py). Held-out protocol for both: one
+  our system in async (k=1) and sync mode (asyncrl.demo.run_job) versus TRL's GRPOTrainer in a
+  virtual environment of its own (bench/peers/trl_grpo.py). Held-out protocol for both: one
   greedy completion of every held-out problem, exact match, after step 0 and every
   `eval_every` steps; a policy's point on the curve is the end of the training step that
   produced it, in seconds since the system (ours) or the process (TRL) was launched. TRL's
@@ -14,15 +14,15 @@ Sections (each a function below; results/suite.json holds them under these keys)
   stays on ours. Time to target: the first evaluated policy at or above `target`.
 - `generator`: tokens/s of the generator inside a running job (ledger rows: completion tokens
   per generate batch over the wall time between batches; the Prometheus counters give the
-  engine-only rate) divided by tokens/s of the engine alone (generator_svc.bench) on the same
+  engine-only rate) divided by tokens/s of the engine alone (bench.t_gen) on the same
   model, settings, batch and core. The job is sized so that the generator is the bottleneck.
-- `broker`: broker.bench_broker (one hop with codec + ledger vs raw XADD and redis-benchmark).
+- `broker`: bench.broker_overhead (one hop with codec + ledger vs raw XADD and redis-benchmark).
 - `scaling`: seconds per step against generation length, group size and model size.
 - `peer_scaling`: TRL's seconds per step at the same generation lengths and model (no target:
   a random-init model learns nothing; this is the cost of a step).
 - `gpu`: deploy/gpu_bench.py is the CUDA variant; recorded as unrun unless it was run.
 
-Presets: `ci` (the smallest complete result, what tests/test_bench_suite.py runs), `quick`
+Presets: `ci` (the smallest complete result, what tests/bench/test_suite.py runs), `quick`
 (the default, well under 10 minutes once the TRL environment exists) and `full` (3 seeds,
 longer runs; the committed results/suite.*).
 """
@@ -48,9 +48,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from broker.bench import _cores, _pinned, machine
-from broker.bench_broker import bench_broker
-from broker.demo import prepare_model, run_job
+from bench.claims import _cores, _pinned, machine
+from bench.broker_overhead import bench_broker
+from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
 from shared.datasets import TaskSpec, load_task
 
@@ -186,7 +186,7 @@ def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: 
 
 
 def run_trl(py: Path, run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run broker/peers/trl_grpo.py with `cfg` (its keys: that script's docstring; workdir,
+    """Run bench/peers/trl_grpo.py with `cfg` (its keys: that script's docstring; workdir,
     threads and t_launch are filled in here) in `run_dir`; its result JSON."""
     run_dir.mkdir(parents=True)
     cfg = {"threads": len(os.sched_getaffinity(0)), **cfg, "workdir": str(run_dir)}
@@ -339,7 +339,7 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
     max_tokens, prompts, n = 64, 16, 8
     gen_core, _ = _cores()
     console.print("[bold]generator efficiency[/]: the engine alone")
-    _pinned([sys.executable, "-m", "generator_svc.bench", "--model", str(model), "--prompts", str(prompts),
+    _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
              "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
             gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
     alone = json.loads((wd / "gen_alone.json").read_text())
@@ -401,7 +401,7 @@ def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_t
     console.print("[bold]generator efficiency[/]: the engine alone, a training loop on the other core")
     load = subprocess.Popen([sys.executable, "-c", _LOAD], preexec_fn=lambda: os.sched_setaffinity(0, {other}))
     try:
-        _pinned([sys.executable, "-m", "generator_svc.bench", "--model", str(model), "--prompts", str(prompts),
+        _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
                  "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_loaded.json")],
                 gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)})
     finally:
@@ -469,7 +469,7 @@ def peer_scaling(wd: Path, p: Preset, trl_py: Path, ours: list[dict[str, Any]]) 
 # --- launcher placement --------------------------------------------------------------------
 
 def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
-    """Seconds per step of one job started the README's way (`python -m broker.launch --spec`,
+    """Seconds per step of one job started the README's way (`python -m asyncrl.launch --spec`,
     its default placement, and with --no-placement) against the same job through run_job, which
     pins the generator to the first core and the trainer to the last by hand. Median over the
     steps after the tenth (steady state)."""
@@ -491,7 +491,7 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
         path.write_text(json.dumps(spec(label)))
         env = {**os.environ, "DATABASE_URL": db, "STREAM_PREFIX": f"launch-{time.time_ns()}:",
                "BROKER_PORT": str(_free_port())}
-        proc = subprocess.run([sys.executable, "-m", "broker.launch", "--spec", str(path), "--logdir",
+        proc = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--spec", str(path), "--logdir",
                                str(wd / f"logs-{label}"), *extra], env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{label} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

@@ -99,7 +99,7 @@ def _codec_path(redis_url: str, db_url: str, n: int, tokens: int, batch: int, co
     core_p, core_c = (cores[0], cores[-1]) if len(cores) > 1 else (None, None)
     procs = []
     for role, core in (("producer", core_p), ("consumer", core_c)):
-        cmd = [sys.executable, "-m", "broker.bench_broker", role, "--redis-url", redis_url, "--db-url", db_url,
+        cmd = [sys.executable, "-m", "bench.broker_overhead", role, "--redis-url", redis_url, "--db-url", db_url,
                "--prefix", prefix, "--job-id", job_id, "-n", str(n), "--tokens", str(tokens), "--batch", str(batch)]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                       preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None))

@@ -4,7 +4,7 @@ Fabricates a batch with the shapes of a real step (prompts_per_step x group_size
 max_tokens tokens, behaviour logprobs, rewards) and times `Learner.step` plus flattening,
 checksumming and serving the new weights. Prints nothing; writes JSON.
 
-    python -m trainer_svc.bench --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5 --out F
+    python -m bench.t_train --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5 --out F
 """
 
 from __future__ import annotations
