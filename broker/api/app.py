@@ -42,7 +42,7 @@ def create_app(
     redis_url, _ = resolve_redis_url(settings.redis_url)
     # 400 and 413 come from the edge, for any route.
     app = FastAPI(title="asyncrl job API", version="0.1.0", responses=error_responses(400, 413))
-    app.state.api = ApiContext(
+    app.state.api = ctx = ApiContext(
         settings=settings,
         admin=admin,
         ledger=ledger,
@@ -56,5 +56,5 @@ def create_app(
     guarded = [r for r in app.routes if isinstance(r, APIRoute) and needs_token(r.dependant, authorize)]
     app.add_middleware(EdgeGuard, max_body_bytes=settings.max_body_bytes, gate=TokenGate(checker, guarded))
     # Added last, so outermost: it also counts the requests the edge refuses.
-    app.middleware("http")(app.state.api.metrics.observe)
+    app.middleware("http")(ctx.metrics.observe)
     return app

@@ -56,7 +56,7 @@ class ApiContext:
     checker: TokenChecker
     metrics: RequestMetrics
     health: HealthProbe = field(default_factory=HealthProbe)
-    _celery: Any = None
+    _celery: Any = field(default=None, init=False, repr=False)
 
     def celery(self) -> Any:
         """The Celery app that sends admin tasks, built at the first one: most API uses never
@@ -99,7 +99,7 @@ StreamsDep = Annotated[JobStreams, Depends(job_streams)]
 async def authorize(
     request: Request,
     ctx: ContextDep,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+    _creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],  # the scheme, for the OpenAPI
 ) -> str:
     """The caller as the audit log names it (never the token itself).
 
