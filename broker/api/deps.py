@@ -82,17 +82,12 @@ async def get_ledger(ctx: ContextDep) -> Ledger:
     return ctx.ledger
 
 
-async def get_admin_settings(ctx: ContextDep) -> AdminSettings:
-    return ctx.admin
-
-
 async def job_streams(job_id: str, ctx: ContextDep) -> JobStreams:
     """The streams of the job the path names."""
     return ctx.streams(job_id)
 
 
 LedgerDep = Annotated[Ledger, Depends(get_ledger)]
-AdminSettingsDep = Annotated[AdminSettings, Depends(get_admin_settings)]
 StreamsDep = Annotated[JobStreams, Depends(job_streams)]
 
 
