@@ -1,4 +1,5 @@
-"""The status page: an HTML view of the jobs served by the job API at `/` and `/status`.
+"""The status page: an HTML view of the jobs served by the job API at `/` and `/status`
+(routes in broker.api.routes.status); this module holds its files and builds its data.
 
 The page (`broker/static/`, no external assets: the machines are offline) polls the JSON API
 every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series and the
@@ -7,19 +8,15 @@ collapse guard's trips, which the page shows above the charts).
 Auth: the page and its assets are always open (they hold no data); every data request carries
 the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
 sessionStorage, drops it from the address bar, and sends it as `Authorization: Bearer`. The API's
-access log shows it as `token=***` (broker.edge.AccessLogFilter), but a token in a URL can still
+access log shows it as `token=***` (broker.api.edge.AccessLogFilter), but a token in a URL can still
 land in browser history and proxy logs; use a read-only token for the page.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-from fastapi import APIRouter, HTTPException, Security
-from fastapi.responses import FileResponse, HTMLResponse
 
 from broker.guard_report import describe, guard_trips
 from broker.ledger import Ledger
@@ -77,33 +74,3 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
         for t in guard_trips(ledger.job_changes(job_id))
     ]
     return {"job_id": job_id, "steps": steps, "evals": evals, "guard_trips": trips}
-
-
-def status_router(ledger: Ledger, authorize: Callable[..., Awaitable[None]]) -> APIRouter:
-    """Routes of the status page; `authorize` is the job API's bearer-token dependency."""
-    router = APIRouter(tags=["status page"])
-    page = (STATIC_DIR / "status.html").read_text()
-
-    @router.get("/", response_class=HTMLResponse, include_in_schema=False)
-    @router.get("/status", response_class=HTMLResponse)
-    def status_page() -> HTMLResponse:
-        """The status page (HTML); `?job=<id>` selects a job, `?token=<token>` authenticates."""
-        return HTMLResponse(page)
-
-    @router.get("/status/static/{name}", include_in_schema=False)
-    def asset(name: str) -> FileResponse:
-        if name not in ASSETS:
-            raise HTTPException(404, f"no status page asset '{name}'")
-        return FileResponse(STATIC_DIR / name, media_type=ASSETS[name])
-
-    # Out of the OpenAPI schema: the page's own feed, not part of the public /jobs API.
-    @router.get(
-        "/status/data/{job_id}", dependencies=[Security(authorize)], include_in_schema=False
-    )
-    def status_data(job_id: str) -> dict[str, Any]:
-        """Per-step series of a job: `steps` (STEP_METRICS by step) and held-out `evals`."""
-        if ledger.get_job(job_id) is None:
-            raise HTTPException(404, f"no job '{job_id}'; GET /jobs lists the known ones")
-        return step_series(ledger, job_id)
-
-    return router

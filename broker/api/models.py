@@ -1,0 +1,219 @@
+"""What the job API answers: one pydantic model per response body, so the OpenAPI documents each.
+
+The models are projections of ledger rows: a route returns the row (a dict) and its
+`response_model` keeps the fields below, in this order. Timestamps are ISO 8601 UTC; admin tasks
+spell UTC `+00:00`, every other timestamp `Z`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, PlainSerializer, WithJsonSchema
+
+from shared.jobspec import JobPatch
+
+# A metric as the trainer or an evaluation records it: a number, null where it was not finite.
+# Other scalars pass through unchanged (smart union: an int stays an int, a bool a bool).
+MetricValue = float | int | bool | str | None
+Metrics = dict[str, MetricValue]
+# `datetime.isoformat()`: "+00:00" rather than pydantic's "Z".
+IsoTimestamp = Annotated[
+    datetime,
+    PlainSerializer(lambda t: t.isoformat(), return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "format": "date-time"}),
+]
+StoredSpec = Annotated[
+    dict[str, Any],
+    Field(description="The job spec as stored: the POST /jobs body (JobSpec) with every default filled in."),
+]
+
+
+class JobSummary(BaseModel):
+    """A job in the list."""
+
+    id: str
+    name: str
+    state: str = Field(..., description="submitted, running, paused, stopping, stopped, finished, failed or cancelled.")
+    step: int = Field(..., description="Last completed trainer step; 0 before the first.")
+    created_at: datetime
+    updated_at: datetime
+
+
+class SubmittedJob(BaseModel):
+    id: str
+    state: Literal["submitted"]
+    spec: StoredSpec
+
+
+class EvalRecord(BaseModel):
+    """A held-out evaluation of the policy at one step."""
+
+    job_id: str
+    step: int
+    source: str = Field(..., description="`pipeline` (the trainer's round) or `checkpoint` (the admin worker).")
+    name: str = Field(..., description="The evaluation set.")
+    policy_version_min: int
+    policy_version_max: int
+    reward_mean: float
+    n: int
+    metrics: Metrics | None = Field(..., description="pass@k, mean@n and the like; null for a greedy round.")
+    wall_s: float | None = Field(..., description="Seconds from the job's start to the round's end.")
+    created_at: datetime
+
+
+class GeneratorState(BaseModel):
+    """One generator as the ledger and its heartbeat know it; a key is absent until known."""
+
+    versions_loaded: list[int] = Field(..., description="Policy versions it loaded, in order.")
+    last_loaded_at: datetime | None = Field(None, description="When it loaded its last version (absent: none yet).")
+    heartbeat: dict[str, Any] | None = Field(
+        None,
+        description="Its last heartbeat (version, loaded_at, fingerprint, `ts` in Unix seconds); absent: none.",
+    )
+
+
+class JobStatus(BaseModel):
+    """A job, its progress and its generators."""
+
+    id: str
+    name: str
+    state: str
+    step: int
+    error: str | None = Field(..., description="Why the job failed.")
+    created_at: datetime
+    started_at: datetime | None = Field(..., description="When a trainer first started it: eval `wall_s` counts from here.")
+    spec: StoredSpec
+    last_metrics: Metrics | None = Field(..., description="The last train step's metrics; null before the first.")
+    evals: list[EvalRecord]
+    samples: dict[str, int] = Field(..., description="Samples by status (statuses with none are absent).")
+    staleness: dict[int, int] = Field(..., description="Trained samples by staleness.")
+    generators: dict[str, GeneratorState] = Field(..., description="By generator id.")
+
+
+class StateChange(BaseModel):
+    """A control command was published; the job is now in `state`."""
+
+    id: str
+    state: str
+
+
+class PatchedJob(BaseModel):
+    id: str
+    changed: JobPatch = Field(..., description="The knobs that changed (only those given).")
+    spec: StoredSpec
+
+
+class SampleRecord(BaseModel):
+    msg_id: str
+    group_id: str
+    sample_index: int
+    kind: str = Field(..., description="train or eval.")
+    prompt_index: int
+    generator_id: str
+    gen_version_min: int
+    gen_version_max: int
+    trainer_version: int | None = Field(..., description="The trainer's version when it used the sample.")
+    staleness: int | None = Field(..., description="trainer_version - gen_version_min.")
+    reward: float | None
+    status: str
+    completion: str
+    num_completion_tokens: int
+    created_at: datetime
+
+
+class SamplePage(BaseModel):
+    total: int = Field(..., description="Every sample that matches, on any page.")
+    limit: int
+    offset: int
+    items: list[SampleRecord]
+
+
+class CheckpointRecord(BaseModel):
+    """A committed HF-format checkpoint."""
+
+    job_id: str
+    step: int
+    policy_version: int
+    path: str
+    created_at: datetime
+
+
+class ChangeRecord(BaseModel):
+    """An audit record: who changed what, when."""
+
+    id: int
+    job_id: str
+    actor: str = Field(..., description="`rw token <sha256 prefix>`, `anonymous`, or the service that did it.")
+    changes: dict[str, Any] = Field(..., description="The command and its settings, e.g. {\"command\": \"pause\"}.")
+    created_at: datetime
+
+
+class Finding(BaseModel):
+    check: str
+    level: Literal["violation", "info"]
+    count: int
+    message: str
+    examples: list[str]
+
+
+class VerifyReport(BaseModel):
+    """The ledger's invariants for one job (broker.verify)."""
+
+    ok: bool = Field(..., description="No check has violations.")
+    job_id: str
+    job_state: str
+    counts: dict[str, int] = Field(..., description="Samples by status.")
+    in_flight: int
+    steps: int
+    checks: dict[str, int] = Field(..., description="Check name -> violating rows (0: it holds).")
+    violations: list[Finding]
+    info: list[Finding]
+
+
+class AdminTask(BaseModel):
+    """An admin task (Celery): queued, running, succeeded (with its result) or failed (with the error)."""
+
+    id: str
+    job_id: str
+    kind: str = Field(..., description="evaluate or export.")
+    params: dict[str, Any]
+    state: str
+    actor: str
+    result: dict[str, Any] | None
+    error: str | None
+    attempts: int = Field(..., description="Deliveries that started it (above 1 after a worker died).")
+    created_at: IsoTimestamp
+    started_at: IsoTimestamp | None
+    finished_at: IsoTimestamp | None
+
+
+class EvalPoint(BaseModel):
+    step: int
+    reward_mean: float | None
+    n: int
+    policy_version_min: int
+    policy_version_max: int
+    source: str
+    name: str
+    wall_s: float | None
+    metrics: Metrics | None
+
+
+class GuardTrip(BaseModel):
+    step: int | None
+    kind: str | None
+    action: str | None
+    text: str = Field(..., description="One line: where, why, and what it did.")
+
+
+class StatusData(BaseModel):
+    """The status page's series of one job."""
+
+    job_id: str
+    steps: list[dict[str, float | int | None]] = Field(
+        ..., description="One row per train step: step, policy_version and the plotted metrics (null where absent)."
+    )
+    evals: list[EvalPoint]
+    guard_trips: list[GuardTrip]

@@ -1,0 +1,1 @@
+"""One router per resource of the job API; `broker.api.main` assembles them."""

@@ -1,0 +1,81 @@
+"""Live control of a job: stop, cancel, pause, resume, and PATCH its live knobs.
+
+Each command goes to every service of the job on its control stream and into the audit log
+(GET /jobs/{job_id}/changes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from broker.api.crud import live_job, send_control, storable
+from broker.api.deps import Actor, LedgerDep, StreamsDep
+from broker.api.errors import error_responses, errors_body
+from broker.api.models import PatchedJob, StateChange
+from shared.jobspec import JobPatch, JobSpec, format_validation_error
+
+router = APIRouter(tags=["control"], responses=error_responses(403, 404, 409, 422))
+
+
+@router.post("/jobs/{job_id}/stop", status_code=202, response_model=StateChange)
+def stop(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+    """Drain: the trainer finishes its current step, then every service of the job exits."""
+    live_job(ledger, job_id, "stop")
+    send_control(ledger, streams, job_id, actor, "stop", "stopping")
+    return {"id": job_id, "state": "stopping"}
+
+
+@router.post("/jobs/{job_id}/cancel", status_code=202, response_model=StateChange)
+def cancel(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+    """Immediate: services exit without finishing the step or evaluating."""
+    live_job(ledger, job_id, "cancel")
+    send_control(ledger, streams, job_id, actor, "cancel", "cancelled")
+    return {"id": job_id, "state": "cancelled"}
+
+
+@router.post("/jobs/{job_id}/pause", status_code=202, response_model=StateChange)
+def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+    """Generation, scoring and training stop taking new work; nothing in flight is lost."""
+    job = live_job(ledger, job_id, "pause")
+    if job["state"] == "paused":
+        raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
+    send_control(ledger, streams, job_id, actor, "pause", "paused")
+    return {"id": job_id, "state": "paused"}
+
+
+@router.post("/jobs/{job_id}/resume", status_code=202, response_model=StateChange)
+def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+    job = live_job(ledger, job_id, "resume")
+    if job["state"] != "paused":
+        raise HTTPException(409, f"job '{job_id}' is {job['state']}, not paused; nothing to resume")
+    send_control(ledger, streams, job_id, actor, "resume", "running")
+    return {"id": job_id, "state": "running"}
+
+
+# exclude_unset: `changed` lists only the knobs given.
+@router.patch("/jobs/{job_id}", response_model=PatchedJob, response_model_exclude_unset=True)
+def patch(job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> Any:
+    """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
+    apply them at their next step. The stored spec is updated so a restarted service keeps them."""
+    job = live_job(ledger, job_id, "change")
+    changes = change.changes()
+    if not changes:
+        raise HTTPException(422, "nothing to change: give at least one of " + ", ".join(JobPatch.model_fields))
+    try:
+        spec = JobSpec.model_validate(change.apply(job["spec"]))
+    except ValidationError as exc:
+        body = errors_body("the change makes the spec invalid", format_validation_error(exc))
+        return JSONResponse(status_code=422, content=body)
+    if "max_staleness" in changes and spec.mode == "sync":
+        raise HTTPException(422, "max_staleness has no effect in sync mode (the bound is 0)")
+    try:
+        stored = storable(spec)
+    except ValueError as exc:
+        raise HTTPException(422, f"the change makes the spec invalid: {exc}") from None
+    ledger.update_spec(job_id, stored)
+    send_control(ledger, streams, job_id, actor, "set", None, settings=changes)
+    return {"id": job_id, "changed": changes, "spec": stored}

@@ -1,0 +1,64 @@
+"""Jobs: submit, list, inspect."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query
+
+from broker.api.crud import job_or_404, storable
+from broker.api.deps import Actor, LedgerDep, StreamsDep
+from broker.api.errors import error_responses
+from broker.api.models import JobStatus, JobSummary, SubmittedJob
+from shared.jobspec import JobSpec
+from shared.logs import escape_control
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["jobs"])
+
+
+@router.post("/jobs", status_code=201, response_model=SubmittedJob, responses=error_responses(403, 422))
+def submit(spec: JobSpec, ledger: LedgerDep, actor: Actor) -> dict[str, Any]:
+    """Submit a job; the services that watch for new jobs pick it up."""
+    try:
+        stored = storable(spec)
+    except ValueError as exc:
+        raise HTTPException(422, f"invalid job spec: {exc}") from None
+    job_id = uuid.uuid4().hex[:12]
+    ledger.create_job(job_id, spec.name, stored)
+    log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), actor)
+    return {"id": job_id, "state": "submitted", "spec": stored}
+
+
+@router.get("/jobs", response_model=list[JobSummary], responses=error_responses(422))
+def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+    """The newest `limit` jobs, newest first."""
+    # Bounded: a limit past SQLite's 64-bit INTEGER was a 500; a negative one meant "all".
+    return ledger.list_jobs(limit=limit)
+
+
+# exclude_unset: a generator's `last_loaded_at` and `heartbeat` are absent until known.
+@router.get("/jobs/{job_id}", response_model=JobStatus, response_model_exclude_unset=True,
+            responses=error_responses(404, 422))
+def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> dict[str, Any]:
+    """The job, its last metrics, evaluations, sample counts, staleness and generators."""
+    job = job_or_404(ledger, job_id)
+    steps = ledger.train_steps(job_id)
+    generators: dict[str, dict[str, Any]] = {}
+    for row in ledger.generator_loads(job_id):
+        g = generators.setdefault(row["generator_id"], {"versions_loaded": []})
+        g["versions_loaded"].append(row["version"])
+        g["last_loaded_at"] = row["loaded_at"]
+    for gid, hb in streams.heartbeats().items():
+        generators.setdefault(gid, {"versions_loaded": []})["heartbeat"] = hb
+    return {
+        **{k: job[k] for k in ("id", "name", "state", "step", "error", "created_at", "started_at", "spec")},
+        "last_metrics": steps[-1]["metrics"] if steps else None,
+        "evals": ledger.evals(job_id),
+        "samples": ledger.status_counts(job_id),
+        "staleness": ledger.staleness_histogram(job_id),
+        "generators": generators,
+    }
