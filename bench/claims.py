@@ -9,7 +9,7 @@ last, in the component runs and in the system runs alike.
 `parity`: learning curves of sync vs async (k = 1, 2, 4 with AIPO, and k = 4 without importance
 correction) on the synthetic task, over seeds: held-out reward per step and per second.
 
-Results go to results/<name>.json, results/<name>.md and PNG plots (shared/notes/bench-results.md).
+Results go to results/<name>.json, results/<name>.md and PNG plots.
 """
 
 from __future__ import annotations

@@ -546,7 +546,7 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     result["gpu"] = {"status": "unrun", "script": "deploy/gpu_bench.py",
                      "why": "no NVIDIA GPU on this machine"}
     ttr = result["time_to_reward"]
-    # The keys of shared/notes/bench-results.md (results/bench.json row), at the top level.
+    # The keys of the results/bench.json row, at the top level.
     result["time_to_reward_s"] = {"ours": ttr["summary"]["ours_async"]["time_to_target_s"],
                                   "ours_sync": ttr["summary"]["ours_sync"]["time_to_target_s"],
                                   "trl": ttr["summary"]["trl"]["time_to_target_s"]}

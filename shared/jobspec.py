@@ -289,7 +289,7 @@ class JobSpec(_Strict):
 
     @property
     def max_groups_in_flight(self) -> int:
-        """Prompt groups the feeder may have outstanding: (k + 1) * batch (DESIGN.md, backpressure)."""
+        """Prompt groups the feeder may have outstanding: (k + 1) * batch: the backpressure that keeps generators within the staleness budget."""
         return (self.staleness_bound + 1) * self.prompts_per_step
 
 
