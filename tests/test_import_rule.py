@@ -29,6 +29,7 @@ LIGHT_MODULES = (
     "shared.jobspec",
     "shared.settings",
     "shared.transport",
+    "shared.ids",
     "shared.tasks",
     "shared.rewards",
     "shared.datasets",
@@ -38,6 +39,7 @@ LIGHT_MODULES = (
     "broker.ledger",
     "broker.api",
     "broker.runtime",
+    "broker.service",
     "broker.demo",
     "broker.cli",
 )
