@@ -1,7 +1,7 @@
 """Redis Streams plumbing: the only module in the project that issues stream commands.
 
-Semantics: consumers read with XREADGROUP, handle, write the ledger, publish
-downstream, then XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
+Semantics: consumers read with XREADGROUP, handle, write the ledger, publish downstream, then
+XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
 `claim_idle_ms`; an entry delivered more than `max_deliveries` times, or one that fails decoding or
 validation, goes to `{job}:dead` with the reason and is acked so the consumer keeps going.
 
@@ -230,7 +230,7 @@ class Consumer:
 
 def _consumer(c: Consumer | str, legacy: tuple) -> Consumer:
     """`c`, or the Consumer the old call form spells out: `(stream, group, name, expected)` as four
-    positional arguments (still used by trainer_svc and broker.bench_broker)."""
+    positional arguments, still used by trainer_svc, broker.bench_broker and some tests."""
     if isinstance(c, Consumer):
         if legacy:
             raise TypeError(f"a Consumer takes no further positional arguments, got {len(legacy)}")

@@ -5,8 +5,7 @@ from shared.transport.ucx import (
     DEFAULT_PIECE_BYTES,
     UcxWeightClient,
     UcxWeightServer,
-    get_worker,
     ucx_options,
 )
 
-__all__ = ["DEFAULT_PIECE_BYTES", "UcxWeightClient", "UcxWeightServer", "get_worker", "ucx_options"]
+__all__ = ["DEFAULT_PIECE_BYTES", "UcxWeightClient", "UcxWeightServer", "ucx_options"]
