@@ -1,12 +1,12 @@
 """Generator service: prompt groups -> completions with behaviour logprobs, tagged with the policy version.
 
 The loop is broker.service.ServiceLoop; `Generation` is its handler. Each batch: prompt groups
-(consumer group `generators`) -> make sure the engine holds at
-least the version each group was fed at (pull + verify + swap in place, between generate calls) ->
-one generate call at that single version -> publish each group's rollouts and ack its prompt entry
-in one atomic step, only if this generator still holds the entry -> ledger rows (status
-`generated`). A prompt group the engine cannot take (a prompt that fills the context) goes to the
-dead-letter stream with the reason before the call; the rest of the batch is generated.
+(consumer group `generators`) -> make sure the engine holds at least the version each group was
+fed at (pull + verify + swap in place, between generate calls) -> one generate call at that
+single version -> publish each group's rollouts and ack its prompt entry in one atomic step, only
+if this generator still holds the entry -> ledger rows (status `generated`). A prompt group the
+engine cannot take (a prompt that fills the context) goes to the dead-letter stream with the
+reason before the call; the rest of the batch is generated.
 
 Partial rollouts across restarts. A restarted generator (same GEN_GENERATOR_ID) first generates the
 entries it left pending; another replica reclaims a dead one's after `claim_idle_ms`. Publishing is
