@@ -1,7 +1,7 @@
 """Redis Streams plumbing: the only module in the project that issues stream commands.
 
-Semantics (DESIGN.md, data flow): consumers read with XREADGROUP, handle, write the ledger, publish
-downstream, then XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
+Semantics: consumers read with XREADGROUP, handle, write the ledger, publish downstream, then
+XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
 `claim_idle_ms`; an entry delivered more than `max_deliveries` times, or one that fails decoding or
 validation, goes to `{job}:dead` with the reason and is acked so the consumer keeps going.
 
@@ -28,6 +28,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.redis_retry import OutageRetry
+from shared.ids import dead_letter_id
 from shared.schema import (
     DEAD_RAW_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -216,8 +217,31 @@ def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float 
 
 
 @dataclass(frozen=True)
+class Consumer:
+    """One reader of a consumer group: the stream it reads, its group, its name in the group (a
+    restarted process of the same name resumes what its predecessor left pending), and the message
+    kind(s) it accepts; anything else on the stream is dead-lettered."""
+
+    stream: str
+    group: str
+    name: str
+    expected: Expected
+
+
+def _consumer(c: Consumer | str, legacy: tuple) -> Consumer:
+    """`c`, or the Consumer the old call form spells out: `(stream, group, name, expected)` as four
+    positional arguments, still used by trainer_svc, broker.bench_broker and some tests."""
+    if isinstance(c, Consumer):
+        if legacy:
+            raise TypeError(f"a Consumer takes no further positional arguments, got {len(legacy)}")
+        return c
+    return Consumer(c, *legacy)
+
+
+@dataclass(frozen=True)
 class Delivery:
-    """One decoded stream entry handed to a consumer; ack it with `JobStreams.ack(stream, group, [entry_id])`."""
+    """One decoded stream entry handed to a consumer; ack it with
+    `JobStreams.ack(consumer.stream, consumer.group, [entry_id])`."""
 
     entry_id: str
     message: Message
@@ -250,6 +274,23 @@ def _identity(msg: Message) -> Message:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _field(fields: dict | None) -> Any:
+    """The message field of an entry's fields (byte keys, or str keys from a decoding client)."""
+    if not fields:
+        return None
+    raw = fields.get(FIELD)
+    return fields.get(FIELD.decode()) if raw is None else raw
+
+
+def _payload(e: _Entry) -> bytes:
+    """What a dead letter of `e` keeps of it: the bytes of its message field, or of an oversized
+    entry its first DEAD_RAW_BYTES."""
+    if e.fields is None:
+        return e.prefix
+    raw = _field(e.fields)
+    return raw if isinstance(raw, bytes) else b""
 
 
 def _entry(row: list) -> _Entry:
@@ -340,16 +381,9 @@ class JobStreams:
 
     # -- consume (consumer groups) -----------------------------------------------------------
     def consume(
-        self,
-        stream: str,
-        group: str,
-        consumer: str,
-        expected: Expected,
-        *,
-        count: int = 64,
-        block_ms: int | None = 1000,
+        self, c: Consumer | str, *legacy: Any, count: int = 64, block_ms: int | None = 1000
     ) -> list[Delivery]:
-        """Read up to `count` entries for this consumer: first reclaim idle ones, then new ones,
+        """Read up to `count` entries for consumer `c`: first reclaim idle ones, then new ones,
         waiting up to `block_ms` for one to arrive (None or 0: no wait).
 
         Entries that fail to decode, that are oversized, or that were delivered too often, are
@@ -357,21 +391,18 @@ class JobStreams:
         most `max_read_bytes` (+ one entry) of payload, so it may return fewer than `count`
         entries with more waiting. A vanished stream or group is recreated.
         """
-        out = self._reclaim(stream, group, consumer, expected, count)
+        c = _consumer(c, legacy)
+        out = self._reclaim(c, count)
         if len(out) >= count:
             return out
         deadline = time.monotonic() + block_ms / 1000 if block_ms else None
         waits = 0
         while True:
-            try:
-                _, rows = self._read(stream, "new", group=group, consumer=consumer, count=count - len(out))
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("stream %s or group %s vanished; recreating", self.key(stream), group)
-                self.ensure_group(stream, group)
+            read = self._group_read(c, "new", count - len(out))
+            if read is None:
                 return out
-            out += self._deliver(stream, group, rows, expected)
+            _, rows = read
+            out += self._deliver(c.stream, c.group, rows, c.expected)
             now = time.monotonic()
             if rows or out or deadline is None or now >= deadline:
                 return out
@@ -380,84 +411,94 @@ class JobStreams:
             time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
             waits += 1
 
-    def consume_own_pending(
-        self, stream: str, group: str, consumer: str, expected: Expected, *, count: int = 64
-    ) -> list[Delivery]:
-        """Entries already delivered to `consumer` and not acked: what a restarted consumer of the
-        same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
+    def consume_own_pending(self, c: Consumer | str, *legacy: Any, count: int = 64) -> list[Delivery]:
+        """Entries already delivered to consumer `c` and not acked: what a restarted consumer of
+        the same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
         nothing, before reading new entries; each read counts one delivery. A consumer whose
         predecessor may have died of one of them passes `count=1`: each suspect is then handled
         alone, and only the one that kills it again accumulates deliveries."""
-        try:
-            _, rows = self._read(stream, "pending", group=group, consumer=consumer, count=count, start="0")
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_group(stream, group)
-            return []
-        out = self._deliver(stream, group, rows, expected)
+        c = _consumer(c, legacy)
+        read = self._group_read(c, "pending", count, start="0")
+        out = self._deliver(c.stream, c.group, read[1], c.expected) if read else []
         if out:
-            log.warning("resuming %d entries %s left pending on %s", len(out), consumer, self.key(stream))
+            log.warning("resuming %d entries %s left pending on %s", len(out), c.name, self.key(c.stream))
         return out
 
-    def claim_all(self, stream: str, group: str, consumer: str, expected: Expected) -> list[Delivery]:
-        """Claim every entry pending in `group`, whoever holds it and however briefly idle (each
-        claim counts one delivery), in reads bounded like `consume`'s. Only for a consumer that is
-        alone in its group by design, at start-up (trainer_svc.checkpoint.take_over)."""
+    def claim_all(self, c: Consumer | str, *legacy: Any) -> list[Delivery]:
+        """Claim every entry pending in `c`'s group, whoever holds it and however briefly idle
+        (each claim counts one delivery), in reads bounded like `consume`'s. Only for a consumer
+        that is alone in its group by design, at start-up (trainer_svc.checkpoint.take_over)."""
+        c = _consumer(c, legacy)
         out: list[Delivery] = []
         cursor = "0-0"
         while True:
-            try:
-                cursor, rows = self._read(stream, "claim", group=group, consumer=consumer, count=1024,
-                                          start=cursor, min_idle_ms=0)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self.ensure_group(stream, group)
+            read = self._group_read(c, "claim", 1024, start=cursor)
+            if read is None:
                 return out
-            out += self._deliver(stream, group, rows, expected)
+            cursor, rows = read
+            out += self._deliver(c.stream, c.group, rows, c.expected)
             if cursor == "0-0":
                 return out
 
-    def publish_if_owned(
-        self, stream: str, batches: list[tuple[str, list[Message]]], source: str, group: str, consumer: str
-    ) -> list[bool]:
-        """For each (entry id of `source`, messages): if `consumer` still holds the entry pending in
-        `group`, XADD the messages to `stream` and XACK the entry, all in one atomic script;
-        returns which entries were published.
+    def publish_if_owned(self, c: Consumer | str, *args: Any) -> list[bool]:
+        """`publish_if_owned(c, stream, batches)`: for each (entry id of `c.stream`, messages) in
+        `batches`: if consumer `c` still holds the entry pending, XADD the messages to `stream` and
+        XACK the entry, all in one atomic script; returns which entries were published.
 
         A consumer whose entry was reclaimed meanwhile (it looked dead: idle past claim_idle_ms),
         or that was acked already, publishes nothing: the claimer's copy is the only one, so a
         redelivered input never yields two different outputs. Atomic, so a crash leaves either
         both the outputs and the ack or neither (AOF logs a script's effects as one MULTI/EXEC).
         """
+        if isinstance(c, str):  # the old form: (stream, batches, source, group, consumer)
+            stream, batches, source, group, name = c, *args
+            c = Consumer(source, group, name, ())
+        else:
+            stream, batches = args
         if not batches:
             return []
         if self._scripted:
-            args: list[Any] = [group, consumer, FIELD]
-            for entry_id, msgs in batches:
-                args += [entry_id, len(msgs), *(encode(m) for m in msgs)]
             if self._publish_script is None:
                 self._publish_script = self.r.register_script(_PUBLISH_IF_OWNED)
+            argv: list[Any] = [c.group, c.name, FIELD]
+            for entry_id, msgs in batches:
+                argv += [entry_id, len(msgs), *(encode(m) for m in msgs)]
             try:
-                done = self._publish_script(keys=[self.key(source), self.key(stream)], args=args)
+                done = self._publish_script(keys=[self.key(c.stream), self.key(stream)], args=argv)
                 return [bool(x) for x in done]
             except NoPermissionError as exc:
                 self._no_scripts(exc)
-        # Without scripts: the ownership check and the publish are two steps, so a reclaim in
-        # between can still yield two copies (the trainer collapses them by msg_id).
+        return self._publish_if_owned_plain(c, stream, batches)
+
+    def _publish_if_owned_plain(self, c: Consumer, stream: str, batches: list[tuple[str, list[Message]]]) -> list[bool]:
+        """`publish_if_owned` without scripts: the ownership check and the publish are two steps,
+        so a reclaim in between can still yield two copies (the trainer collapses them by msg_id)."""
         owned = []
         for entry_id, msgs in batches:
-            held = self.r.xpending_range(self.key(source), group, min=entry_id, max=entry_id, count=1,
-                                         consumername=consumer)
+            held = self.r.xpending_range(self.key(c.stream), c.group, min=entry_id, max=entry_id, count=1,
+                                         consumername=c.name)
             owned.append(bool(held))
             if held:
                 pipe = self.r.pipeline(transaction=True)
                 for m in msgs:
                     pipe.xadd(self.key(stream), {FIELD: encode(m)})
-                pipe.xack(self.key(source), group, entry_id)
+                pipe.xack(self.key(c.stream), c.group, entry_id)
                 pipe.execute()
         return owned
+
+    def _group_read(self, c: Consumer, mode: str, count: int, *, start: str = "",
+                    min_idle_ms: int = 0) -> tuple[str, list[_Entry]] | None:
+        """One bounded read of `c`'s group (`_read`); None when the stream or the group vanished
+        (both are recreated: the next read finds them)."""
+        try:
+            return self._read(c.stream, mode, group=c.group, consumer=c.name, count=count, start=start,
+                              min_idle_ms=min_idle_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("stream %s or group %s vanished; recreating", self.key(c.stream), c.group)
+            self.ensure_group(c.stream, c.group)
+            return None
 
     def _no_scripts(self, exc: NoPermissionError) -> None:
         """Fall back to plain commands when the server refuses scripts (no ACL +@scripting);
@@ -469,9 +510,9 @@ class JobStreams:
                     "atomic (%s)", exc)
         self._scripted = False
 
-    def _reclaim(self, stream: str, group: str, consumer: str, expected: Expected, count: int) -> list[Delivery]:
+    def _reclaim(self, c: Consumer, count: int) -> list[Delivery]:
         now = time.monotonic()
-        k = (stream, group)
+        k = (c.stream, c.group)
         cursor = self._claim_cursor.get(k, "0-0")
         if cursor == "0-0":
             # A full pass over the PEL once per half idle period is enough; a pass cut short by
@@ -479,19 +520,15 @@ class JobStreams:
             if now - self._last_claim.get(k, 0.0) < self.claim_idle_ms / 2000.0:
                 return []
             self._last_claim[k] = now
-        try:
-            cursor, rows = self._read(stream, "claim", group=group, consumer=consumer, count=count, start=cursor,
-                                      min_idle_ms=self.claim_idle_ms)
-        except ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                self._claim_cursor.pop(k, None)
-                self.ensure_group(stream, group)
-                return []
-            raise
+        read = self._group_read(c, "claim", count, start=cursor, min_idle_ms=self.claim_idle_ms)
+        if read is None:
+            self._claim_cursor.pop(k, None)
+            return []
+        cursor, rows = read
         self._claim_cursor[k] = cursor
-        out = self._deliver(stream, group, rows, expected)
+        out = self._deliver(c.stream, c.group, rows, c.expected)
         if out:
-            log.warning("reclaimed %d idle entries from %s", len(out), self.key(stream))
+            log.warning("reclaimed %d idle entries from %s", len(out), self.key(c.stream))
         return out
 
     def _read(self, stream: str, mode: str, *, group: str = "", consumer: str = "", count: int, start: str = "",
@@ -556,47 +593,43 @@ class JobStreams:
         return nxt, out
 
     def _deliver(self, stream: str, group: str | None, rows: list[_Entry], expected: Expected) -> list[Delivery]:
-        """Decode what a read returned; dead-letter (and ack) what cannot be used."""
+        """Decode what a read returned; dead-letter (and ack, with a `group`) what cannot be used."""
         out = []
         for e in rows:
-            if e.refusal == "big":
+            try:
+                msg = self._decode(stream, e, expected)
+            except DecodeError as exc:
+                self.dead_letter(stream, group, e.entry_id, exc.reason, _payload(e), code=exc.code)
+                continue
+            if group is not None and e.deliveries > self.max_deliveries:
                 self.dead_letter(stream, group, e.entry_id,
-                                 f"entry of {e.size} bytes exceeds the limit of {self._max_entry(stream)} bytes "
-                                 "(MAX_MESSAGE_BYTES); refused without reading it", e.prefix, code="oversized")
-            elif e.refusal:
-                self.dead_letter(stream, group, e.entry_id,
-                                 f"entry has {e.size} fields; a stream entry carries one ('{FIELD.decode()}')",
-                                 code="malformed")
-            else:
-                d = self._decode_entry(stream, group, e.entry_id, e.fields, expected, deliveries=e.deliveries)
-                if d is not None:
-                    out.append(d)
+                                 f"delivered {e.deliveries} times (limit {self.max_deliveries})", _payload(e),
+                                 code="max_deliveries")
+                continue
+            out.append(Delivery(e.entry_id, msg, e.deliveries))
         return out
 
-    def _decode_entry(
-        self, stream: str, group: str | None, eid: str, fields: dict | None, expected: Expected, *, deliveries: int
-    ) -> Delivery | None:
-        raw = fields.get(FIELD) if fields else None
-        if raw is None and fields:
-            raw = fields.get(FIELD.decode())
-        try:
-            if raw is None:
-                raise DecodeError(
-                    f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, fields or {}))})"[:500],
-                    "malformed")
-            msg = decode(raw, expected, max_bytes=self._max_entry(stream))
-            if msg.job_id != self.job_id:
-                raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job")
-        except DecodeError as exc:
-            self.dead_letter(stream, group, eid, exc.reason, raw if isinstance(raw, bytes) else b"", code=exc.code)
-            return None
-        if group is not None and deliveries > self.max_deliveries:
-            self.dead_letter(
-                stream, group, eid, f"delivered {deliveries} times (limit {self.max_deliveries})", raw,
-                code="max_deliveries",
-            )
-            return None
-        return Delivery(eid, msg, deliveries)
+    def _decode(self, stream: str, e: _Entry, expected: Expected) -> Message:
+        """The one message entry `e` carries, of the `expected` kind and of this job.
+
+        Raises:
+            DecodeError: refused unread (oversized, too many fields), no message field, not a
+                valid message of that kind, or another job's.
+        """
+        if e.refusal == "big":
+            raise DecodeError(f"entry of {e.size} bytes exceeds the limit of {self._max_entry(stream)} bytes "
+                              "(MAX_MESSAGE_BYTES); refused without reading it", "oversized")
+        if e.refusal:
+            raise DecodeError(f"entry has {e.size} fields; a stream entry carries one ('{FIELD.decode()}')",
+                              "malformed")
+        raw = _field(e.fields)
+        if raw is None:
+            raise DecodeError(
+                f"entry has no '{FIELD.decode()}' field (fields: {sorted(map(str, e.fields or {}))})"[:500], "malformed")
+        msg = decode(raw, expected, max_bytes=self._max_entry(stream))
+        if msg.job_id != self.job_id:
+            raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.job_id}'", "wrong_job")
+        return msg
 
     def dead_letter(
         self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *, code: str = "rejected",
@@ -619,7 +652,7 @@ class JobStreams:
         log.error("dead-lettering %s %s (%s): %s", self.key(stream), entry_id, code, reason[:1000])
         dl = DeadLetter(
             job_id=self.job_id,
-            msg_id=f"{stream}/{entry_id}",
+            msg_id=dead_letter_id(stream, entry_id),
             policy_version=0,
             stream=stream,
             entry_id=entry_id,
@@ -698,18 +731,13 @@ class JobStreams:
 
     def latest(self, stream: str, expected: type[M]) -> tuple[str, M] | None:
         """The newest valid message among the last 20 entries of a broadcast stream (a late
-        joiner's starting point); oversized entries are skipped unread."""
+        joiner's starting point); invalid and oversized entries (those unread) are skipped."""
         _, rows = self._read(stream, "revrange", count=20, start="+")
         for e in rows:
-            if e.fields is None:
-                continue
             try:
-                msg = decode(e.fields.get(FIELD, b""), expected, max_bytes=self.max_message_bytes)
+                return e.entry_id, self._decode(stream, e, expected)  # type: ignore[return-value]
             except DecodeError:
                 continue
-            if msg.job_id != self.job_id:  # as read_broadcast: never another job's message
-                continue
-            return e.entry_id, msg
         return None
 
     # -- generator heartbeats (a hash, not a stream; kept here so Redis access stays in one place) --
@@ -735,7 +763,7 @@ class JobStreams:
                 break
             for e in rows:
                 try:
-                    out.append(decode((e.fields or {}).get(FIELD, b""), DeadLetter, max_bytes=_DEAD_ENTRY_BYTES))
+                    out.append(self._decode(DEAD, e, DeadLetter))  # type: ignore[arg-type]
                 except DecodeError as exc:
                     log.warning("skipping %s %s: not a dead letter (%s)", self.key(DEAD), e.entry_id, exc.reason)
         return out

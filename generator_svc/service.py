@@ -1,11 +1,12 @@
 """Generator service: prompt groups -> completions with behaviour logprobs, tagged with the policy version.
 
-Loop: read a batch of prompt groups (consumer group `generators`) -> make sure the engine holds at
-least the version each group was fed at (pull + verify + swap in place, between generate calls) ->
-one generate call at that single version -> publish each group's rollouts and ack its prompt entry
-in one atomic step, only if this generator still holds the entry -> ledger rows (status
-`generated`). A prompt group the engine cannot take (a prompt that fills the context) goes to the
-dead-letter stream with the reason before the call; the rest of the batch is generated.
+The loop is broker.service.ServiceLoop; `Generation` is its handler. Each batch: prompt groups
+(consumer group `generators`) -> make sure the engine holds at least the version each group was
+fed at (pull + verify + swap in place, between generate calls) -> one generate call at that
+single version -> publish each group's rollouts and ack its prompt entry in one atomic step, only
+if this generator still holds the entry -> ledger rows (status `generated`). A prompt group the
+engine cannot take (a prompt that fills the context) goes to the dead-letter stream with the
+reason before the call; the rest of the batch is generated.
 
 Partial rollouts across restarts. A restarted generator (same GEN_GENERATOR_ID) first generates the
 entries it left pending; another replica reclaims a dead one's after `claim_idle_ms`. Publishing is
@@ -26,9 +27,19 @@ import numpy as np
 from pydantic import ValidationError
 
 from broker.ledger import write_isolating
-from broker.runtime import ControlWatcher, open_job, sample_row
-from broker.streams import GROUP_GENERATORS, POLICY, PROMPTS, ROLLOUTS, Delivery, JobStreams
+from broker.runtime import ControlWatcher, JobContext, open_job, sample_row
+from broker.service import ServiceLoop
+from broker.streams import (
+    GROUP_GENERATORS,
+    POLICY,
+    PROMPTS,
+    ROLLOUTS,
+    Consumer,
+    Delivery,
+    JobStreams,
+)
 from generator_svc.engine import Engine, TransferError
+from shared.ids import sample_id
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
 from shared.schema import (
@@ -161,7 +172,7 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
     return [
         Rollout(
             job_id=group.job_id,
-            msg_id=f"{group.msg_id}/{i}",
+            msg_id=sample_id(group.msg_id, i),
             group_id=group.group_id,
             policy_version=version,
             policy_version_max=version,  # one generate call never spans a swap
@@ -200,17 +211,30 @@ def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: lis
                 made += rollouts_for(g, next(samples), version, generator_id)
             except ValidationError as exc:
                 why = f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
-                if isinstance(d.message, EvalRound):
-                    streams.dead_letter(PROMPTS, None, d.entry_id, why, code="invalid_output", message=g)
-                else:
-                    streams.dead_letter(PROMPTS, GROUP_GENERATORS, d.entry_id, why, code="invalid_output", message=g)
+                _dead_group(streams, d, why, "invalid_output", message=g)
+                if not isinstance(d.message, EvalRound):
                     made = []
                     break
         if made:
             out.append((d.entry_id, made))
-        elif isinstance(d.message, EvalRound):
-            streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id])  # every problem dead-lettered
+        else:
+            _all_dead(streams, d)
     return out
+
+
+def _dead_group(streams: JobStreams, d: Delivery, why: str, code: str, raw: bytes = b"",
+                message: PromptGroup | None = None) -> None:
+    """Dead-letter one group of entry `d`: a training group's entry with it (acked), an evaluation
+    problem alone (its round's entry stays for the others)."""
+    group = None if isinstance(d.message, EvalRound) else GROUP_GENERATORS
+    streams.dead_letter(PROMPTS, group, d.entry_id, why, raw, code=code, message=message)
+
+
+def _all_dead(streams: JobStreams, d: Delivery) -> None:
+    """Entry `d` has nothing left to generate: an evaluation round whose every problem was
+    dead-lettered is acked (a training group's entry was acked with its dead letter)."""
+    if isinstance(d.message, EvalRound):
+        streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id])
 
 
 def too_long_reason(prompt_tokens: int, max_model_len: int) -> str | None:
@@ -240,7 +264,7 @@ def reject_too_long(
     flat = [g for _, gs in units for g in gs]
     missing = [g.prompt for g in flat if not g.prompt_ids]  # a text prompt: the engine tokenizes it
     counted = iter(count_tokens(missing) if missing else [])
-    lengths = {id(g): len(g.prompt_ids) // 4 if g.prompt_ids else next(counted) for g in flat}
+    lengths = {id(g): g.num_prompt_tokens if g.prompt_ids else next(counted) for g in flat}
     keep = []
     for d, gs in units:
         fits = []
@@ -248,16 +272,14 @@ def reject_too_long(
             reason = too_long_reason(lengths[id(g)], max_model_len)
             if reason is None:
                 fits.append(g)
-            elif isinstance(d.message, EvalRound):
-                streams.dead_letter(PROMPTS, None, d.entry_id, f"group {g.group_id}: {reason}", encode(g),
-                                    code="prompt_too_long")
             else:
-                streams.dead_letter(PROMPTS, GROUP_GENERATORS, d.entry_id, f"group {g.group_id}: {reason}",
-                                    code="prompt_too_long")
+                # An evaluation problem's dead letter carries it, so the trainer settles just that one.
+                raw = encode(g) if isinstance(d.message, EvalRound) else b""
+                _dead_group(streams, d, f"group {g.group_id}: {reason}", "prompt_too_long", raw)
         if fits:
             keep.append((d, fits))
-        elif isinstance(d.message, EvalRound):
-            streams.ack(PROMPTS, GROUP_GENERATORS, [d.entry_id])  # every problem dead-lettered
+        else:
+            _all_dead(streams, d)
     return keep
 
 
@@ -270,8 +292,6 @@ def prompt_token_counter(model_path: str) -> Callable[[Sequence[str]], list[int]
     return lambda prompts: [len(ids) for ids in tok(list(prompts), add_special_tokens=True)["input_ids"]]
 
 
-ledger_row = sample_row  # the ledger row of one rollout (broker.runtime)
-
 # What the prompts stream carries: training groups and whole evaluation rounds.
 KINDS = (PromptGroup, EvalRound)
 
@@ -283,14 +303,13 @@ def samples_of(msg) -> int:
 
 def run(settings: GeneratorSettings) -> None:
     ctx = open_job(settings)
-    streams, spec = ctx.streams, ctx.spec
     metrics = GeneratorMetrics(serve_metrics(settings.metrics_port, "generator"), ctx.job_id)
-    gid = settings.generator_id
-    set_context(generator_id=gid)
-    streams.ensure_group(PROMPTS, GROUP_GENERATORS)
+    set_context(generator_id=settings.generator_id)
+    consumer = Consumer(PROMPTS, GROUP_GENERATORS, settings.generator_id, KINDS)
+    ctx.streams.ensure_group(consumer.stream, consumer.group)  # before the engine's slow start
     engine = Engine(
-        spec.model_path,
-        seed=spec.seed,
+        ctx.spec.model_path,
+        seed=ctx.spec.seed,
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -299,74 +318,79 @@ def run(settings: GeneratorSettings) -> None:
         in_process=settings.engine_in_process,
     )
     try:
-        _serve(settings, ctx, engine, metrics)
+        policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id, settings.verify_atol,
+                                settings.load_retries, metrics)
+        handler = Generation(settings, ctx, consumer, engine, policy, metrics)
+        # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
+        loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
+                           on_dead_letter=metrics.dead_letter)
+        log.info("generator %s ready", consumer.name)
+        state = loop.run()
+        log.info("generator %s stopping (%s)", consumer.name, state)
     finally:
         engine.close()
 
 
-def _serve(settings: GeneratorSettings, ctx, engine: Engine, metrics: GeneratorMetrics) -> None:
-    streams, ledger, gid = ctx.streams, ctx.ledger, settings.generator_id
-    policy = PolicyFollower(streams, engine, ledger, gid, settings.verify_atol, settings.load_retries, metrics)
-    control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
-    batch_groups = ctx.spec.generation_batch or settings.batch_groups
-    streams.on_dead_letter = metrics.dead_letter
-    count_tokens = prompt_token_counter(ctx.spec.model_path)
-    log.info("generator %s ready", gid)
-    resuming = True  # first the entries a predecessor of this name left pending
-    while True:
-        policy.beat()
-        control.poll()
-        if control.done:
-            break
-        if control.state == "paused":
-            control.poll(block_ms=settings.block_ms)
-            continue
-        count = int(control.settings.get("generation_batch", batch_groups))  # a live knob
-        deliveries: list[Delivery] = []
-        suspect = False
-        if resuming:  # one at a time, alone in its call: the predecessor may have died of one of them
-            deliveries = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, gid, KINDS, count=1)
-            resuming = suspect = bool(deliveries)
-        if not deliveries:
-            deliveries = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=settings.block_ms,
-                                         count=count)
-        # The batch is `count` groups' worth of samples: take more of what is already waiting
-        # rather than generate a few sequences at a time (an evaluation round, one entry, counts
-        # all of its samples and is never split across calls).
-        want = count * ctx.spec.group_size
-        while not suspect and deliveries and (have := sum(samples_of(d.message) for d in deliveries)) < want:
-            more = streams.consume(PROMPTS, GROUP_GENERATORS, gid, KINDS, block_ms=None, count=max(1, (want - have) // ctx.spec.group_size))
-            if not more:
-                break
-            deliveries += more
-        if not deliveries:
-            policy.poll()
-            if policy.stale():
-                policy.sync(0, settings.job_wait_s)  # idle: pick up new weights early
-            continue
-        units = reject_too_long(deliveries, count_tokens, settings.max_model_len, streams)
+class Generation:
+    """The generator's handler (broker.service.Handler): one generate call per batch of prompt
+    entries, at one policy version no older than any of its groups was fed at."""
+
+    def __init__(self, settings: GeneratorSettings, ctx: JobContext, consumer: Consumer, engine: Engine,
+                 policy: PolicyFollower, metrics: GeneratorMetrics):
+        self.settings, self.streams, self.ledger, self.consumer = settings, ctx.streams, ctx.ledger, consumer
+        self.engine, self.policy, self.metrics = engine, policy, metrics
+        self.group_size = ctx.spec.group_size
+        self.default_batch = ctx.spec.generation_batch or settings.batch_groups
+        self.count_tokens = prompt_token_counter(ctx.spec.model_path)
+        self.count = self.default_batch
+
+    def tick(self) -> None:
+        self.policy.beat()
+
+    def batch_size(self, control: ControlWatcher) -> int:
+        self.count = int(control.settings.get("generation_batch", self.default_batch))  # a live knob
+        return self.count
+
+    def more(self, deliveries: list[Delivery]) -> int:
+        """The batch is `count` groups' worth of samples: take more of what is already waiting
+        rather than generate a few sequences at a time (an evaluation round, one entry, counts
+        all of its samples and is never split across calls)."""
+        want = self.count * self.group_size
+        have = sum(samples_of(d.message) for d in deliveries)
+        return max(1, (want - have) // self.group_size) if have < want else 0
+
+    def idle(self) -> None:
+        self.policy.poll()
+        if self.policy.stale():
+            self.policy.sync(0, self.settings.job_wait_s)  # idle: pick up new weights early
+
+    def handle(self, deliveries: list[Delivery]) -> None:
+        units = reject_too_long(deliveries, self.count_tokens, self.settings.max_model_len, self.streams)
         if not units:
-            continue
+            return
         groups = [g for _, gs in units for g in gs]
         # A group fed at version v must not be generated by an older policy (sync mode relies on it).
-        policy.sync(max(g.policy_version for g in groups), settings.job_wait_s)
+        self.policy.sync(max(g.policy_version for g in groups), self.settings.job_wait_s)
         t0 = time.perf_counter()
-        results = engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
-                                  [g.sampling for g in groups], [g.n for g in groups])
+        results = self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
+                                       [g.sampling for g in groups], [g.n for g in groups])
         dt = time.perf_counter() - t0
-        per_entry = entry_rollouts(units, results, policy.version, gid, streams)
-        published = streams.publish_if_owned(ROLLOUTS, per_entry, PROMPTS, GROUP_GENERATORS, gid)
+        per_entry = entry_rollouts(units, results, self.policy.version, self.consumer.name, self.streams)
+        published = self.streams.publish_if_owned(self.consumer, ROLLOUTS, per_entry)
         rollouts = [r for (_, rs), ok in zip(per_entry, published, strict=True) if ok for r in rs]
         if not all(published):  # reclaimed by another replica meanwhile: its copy is the one
             log.warning("%d of %d entries were taken over by another generator; not published",
                         published.count(False), len(units))
-        # A row the ledger refuses is only logged here (its rollout is published and its prompt
-        # acked); the reward service writes the same row, meets the same refusal and dead-letters it.
-        _, refused = write_isolating(ledger.record_generated, [ledger_row(r) for r in rollouts])
+        self._record(rollouts, len(groups), dt)
+
+    def _record(self, rollouts: list[Rollout], groups: int, dt: float) -> None:
+        """Ledger rows and metrics of the published rollouts. A row the ledger refuses is only
+        logged here (its rollout is published and its prompt acked); the reward service writes
+        the same row, meets the same refusal and dead-letters it."""
+        _, refused = write_isolating(self.ledger.record_generated, [sample_row(r) for r in rollouts])
         for i, why in refused.items():
             log.error("ledger refused sample %s: %s", rollouts[i].msg_id, why)
-        ntok = sum(len(r.completion_ids) // 4 for r in rollouts)
-        metrics.generated(len(rollouts), ntok, dt)
+        ntok = sum(r.num_completion_tokens for r in rollouts)
+        self.metrics.generated(len(rollouts), ntok, dt)
         log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
-                 policy.version, len(groups), len(rollouts), ntok, dt, ntok / max(dt, 1e-9))
-    log.info("generator %s stopping (%s)", gid, control.state)
+                 self.policy.version, groups, len(rollouts), ntok, dt, ntok / max(dt, 1e-9))

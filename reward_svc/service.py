@@ -1,12 +1,12 @@
 """Reward service: rollouts -> scored completions.
 
-Loop: read rollouts (consumer group `rewarders`) -> ledger rows of the batch (inserted if the
-generator died before writing them; keyed by msg_id) -> score the batch with the job's reward
-(shared.rewards: every sample concurrently, each within its time budget; a rollout of an
-evaluation set that names its own reward is scored with that one) -> ledger (status
-`scored`, with the reward status and its components or reason) -> publish to `{job}:scored` ->
-ack. A restarted service of the same REWARD_CONSUMER_ID first scores what its predecessor left
-pending; SIGTERM finishes the batch.
+The loop is broker.service.ServiceLoop; `Scoring` is its handler. Each batch: rollouts (consumer
+group `rewarders`) -> ledger rows of the batch (inserted if the generator died before writing
+them; keyed by msg_id) -> score the batch with the job's reward (shared.rewards: every sample
+concurrently, each within its time budget; a rollout of an evaluation set that names its own
+reward is scored with that one) -> ledger (status `scored`, with the reward status and its
+components or reason) -> publish to `{job}:scored` -> ack. A restarted service of the same
+REWARD_CONSUMER_ID first scores what its predecessor left pending; SIGTERM finishes the batch.
 
 A sample whose reward timed out or failed (raised, bad return value, endpoint down) follows the
 reward's `on_failure`: "zero" publishes reward 0.0 with reward_status and reward_reason, "drop"
@@ -38,8 +38,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from broker.ledger import Ledger, write_isolating
-from broker.runtime import ControlWatcher, JobContext, open_job, sample_row
-from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Delivery, JobStreams
+from broker.runtime import ControlWatcher, open_job, sample_row
+from broker.service import ServiceLoop
+from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
 from shared.jobspec import JobSpec
 from shared.metrics import RewardMetrics, serve_metrics
 from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
@@ -130,89 +131,98 @@ def run(settings: RewardSettings) -> None:
     scorers = build_scorers(ctx.spec, settings.workers)
     loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
-        _serve(settings, ctx, scorers, loop, metrics)
+        consumer = Consumer(ROLLOUTS, GROUP_REWARDERS, settings.consumer_id, Rollout)
+        handler = Scoring(ctx.streams, ctx.ledger, consumer, scorers, loop, metrics, settings.batch)
+        # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
+        service = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
+                              on_dead_letter=metrics.dead_letter)  # malformed, oversized, too often delivered
+        log.info("reward %s ready (%s, on_failure %s, %d workers%s)", consumer.name, scorers[""].description,
+                 scorers[""].on_failure, settings.workers,
+                 "".join(f"; eval set {k}: {s.description}" for k, s in scorers.items() if k))
+        state = service.run()
+        log.info("reward %s stopping (%s)", consumer.name, state)
     finally:
         for s in scorers.values():
             loop.run_until_complete(s.aclose())
         loop.close()
 
 
-def _serve(settings: RewardSettings, ctx: JobContext, scorers: dict[str, RewardScorer],
-           loop: asyncio.AbstractEventLoop, metrics: RewardMetrics) -> None:
-    streams, ledger = ctx.streams, ctx.ledger
-    streams.on_dead_letter = metrics.dead_letter  # malformed, oversized, too often delivered
-    streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
-    control = ControlWatcher(streams, exit_on=("drain",))  # a user's stop is the trainer's to finish
-    cid = settings.consumer_id
-    log.info("reward %s ready (%s, on_failure %s, %d workers%s)", cid, scorers[""].description,
-             scorers[""].on_failure, settings.workers,
-             "".join(f"; eval set {k}: {s.description}" for k, s in scorers.items() if k))
-    resuming = True  # first the entries a predecessor of this name left pending
-    while True:
-        control.poll()
-        if control.done:
-            break
-        if control.state == "paused":
-            control.poll(block_ms=settings.block_ms)
-            continue
-        deliveries = []
-        if resuming:  # one at a time: the predecessor may have died of one of them
-            deliveries = streams.consume_own_pending(ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=1)
-            resuming = bool(deliveries)
-        if not deliveries:
-            deliveries = streams.consume(
-                ROLLOUTS, GROUP_REWARDERS, cid, Rollout, count=settings.batch, block_ms=settings.block_ms
-            )
-        if not deliveries:
-            continue
+class Scoring:
+    """The reward service's handler (broker.service.Handler): scores a batch of rollouts at once,
+    a slow or hung sample costing its own time budget, not the others'."""
+
+    def __init__(self, streams: JobStreams, ledger: Ledger, consumer: Consumer, scorers: dict[str, RewardScorer],
+                 loop: asyncio.AbstractEventLoop, metrics: RewardMetrics, batch: int):
+        self.streams, self.ledger, self.consumer = streams, ledger, consumer
+        self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch
+
+    def batch_size(self, control: ControlWatcher) -> int:
+        return self.batch
+
+    def more(self, deliveries: list[Delivery]) -> int:
+        return 0  # score what one read returned
+
+    def idle(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+    def handle(self, deliveries: list[Delivery]) -> None:
         t0 = time.perf_counter()
         # Before any dead letter: the trainer settles a group once a member is dead-lettered, and
         # its rows must exist by then (a generator killed after publishing never wrote them).
-        deliveries = record_generated(streams, ledger, deliveries)
+        todo = self._scorable(record_generated(self.streams, self.ledger, deliveries))
+        # score: the whole batch at once
+        results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))  # type: ignore[misc]
+        batch = [(d, s) for d, (scorer, res) in zip(todo, results, strict=True)
+                 if (s := self._scored(d, scorer, res)) is not None]
+        # ledger + publish + ack: publish and ack as one atomic step, only while this consumer still
+        # holds the entry (a replica that reclaimed it meanwhile publishes its own copy)
+        batch = record_scored(self.streams, self.ledger, batch)
+        done = self.streams.publish_if_owned(self.consumer, SCORED, [(d.entry_id, [s]) for d, s in batch])
+        batch = [b for b, ok in zip(batch, done, strict=True) if ok]
+        self.metrics.scored([s.reward for _, s in batch])
+        self.metrics.statuses(Counter(res.status for _, res in results))
+        log.debug("scored %d in %.3fs", len(batch), time.perf_counter() - t0)
+
+    def _scorable(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """The deliveries to score; dead-lettered instead: an empty completion, and a msg_id seen
+        twice in one read."""
         todo, seen = [], set()
         for d in deliveries:
             r: Rollout = d.message  # type: ignore[assignment]
             if not r.completion_ids:
                 # No token to carry a gradient, and a zero-length sequence divides by zero in the
                 # per-sequence loss aggregations.
-                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
-                                    "empty completion: the rollout has no completion tokens", code="empty_completion",
-                                    message=r)
+                self._dead(d, "empty completion: the rollout has no completion tokens", "empty_completion")
             elif r.msg_id in seen:
-                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
-                                    f"msg_id {r.msg_id} appears twice in one read", code=DUPLICATE, message=r)
+                self._dead(d, f"msg_id {r.msg_id} appears twice in one read", DUPLICATE)
             else:
                 seen.add(r.msg_id)
                 todo.append(d)
-        # score: the whole batch at once; a slow or hung sample costs its own budget, not the others'
-        results = loop.run_until_complete(score(scorers, [d.message for d in todo]))  # type: ignore[misc]
-        batch = []
-        for d, (scorer, res) in zip(todo, results, strict=True):
-            r = d.message  # type: ignore[assignment]
-            reward = scorer.reward_for(res)
-            if reward is None:  # on_failure "drop": the trainer drops the group
-                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"reward {res.status}: {res.reason}",
-                                    code=f"reward_{res.status}", message=r)
-                continue
-            details = {clean_text(str(k))[:256]: float(v) for k, v in res.components.items()}
-            bad = [k for k, v in details.items() if not math.isfinite(v)]
-            if not math.isfinite(reward) or bad:
-                what = f"reward {reward}" if not math.isfinite(reward) else f"reward component {bad[0]} {details[bad[0]]}"
-                streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"{what} is not finite",
-                                    code="non_finite_reward", message=r)
-                continue
-            if not res.ok:
-                log.warning("reward %s on %s: %s (reward %s under on_failure %s)", res.status, r.msg_id, res.reason,
-                            reward, scorer.on_failure)
-            batch.append((d, Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id,
-                                    policy_version=r.policy_version, rollout=r, reward=reward, details=details,
-                                    reward_status=res.status, reward_reason=clean_text(res.reason)[:MAX_REASON])))
-        # ledger + publish + ack: publish and ack as one atomic step, only while this consumer still
-        # holds the entry (a replica that reclaimed it meanwhile publishes its own copy)
-        batch = record_scored(streams, ledger, batch)
-        done = streams.publish_if_owned(SCORED, [(d.entry_id, [s]) for d, s in batch], ROLLOUTS, GROUP_REWARDERS, cid)
-        batch = [b for b, ok in zip(batch, done, strict=True) if ok]
-        metrics.scored([s.reward for _, s in batch])
-        metrics.statuses(Counter(res.status for _, res in results))
-        log.debug("scored %d in %.3fs", len(batch), time.perf_counter() - t0)
-    log.info("reward %s stopping (%s)", cid, control.state)
+        return todo
+
+    def _scored(self, d: Delivery, scorer: RewardScorer, res: RewardResult) -> Scored | None:
+        """The scored message of one rollout, or None when it is dead-lettered instead: a failed
+        reward under on_failure "drop" (the trainer drops the group), or a non-finite one."""
+        r: Rollout = d.message  # type: ignore[assignment]
+        reward = scorer.reward_for(res)
+        if reward is None:
+            self._dead(d, f"reward {res.status}: {res.reason}", f"reward_{res.status}")
+            return None
+        details = {clean_text(str(k))[:256]: float(v) for k, v in res.components.items()}
+        bad = [k for k, v in details.items() if not math.isfinite(v)]
+        if not math.isfinite(reward) or bad:
+            what = f"reward {reward}" if not math.isfinite(reward) else f"reward component {bad[0]} {details[bad[0]]}"
+            self._dead(d, f"{what} is not finite", "non_finite_reward")
+            return None
+        if not res.ok:
+            log.warning("reward %s on %s: %s (reward %s under on_failure %s)", res.status, r.msg_id, res.reason,
+                        reward, scorer.on_failure)
+        return Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id, policy_version=r.policy_version,
+                      rollout=r, reward=reward, details=details, reward_status=res.status,
+                      reward_reason=clean_text(res.reason)[:MAX_REASON])
+
+    def _dead(self, d: Delivery, reason: str, code: str) -> None:
+        self.streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, reason, code=code, message=d.message)

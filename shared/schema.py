@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from shared.ids import eval_group_id
+
 SCHEMA_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -228,6 +230,11 @@ class PromptGroup(Message):
     def prompt_array(self) -> np.ndarray:
         return unpack_i32(self.prompt_ids)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in `prompt_ids` (0 for a text prompt, which the engine tokenizes)."""
+        return len(self.prompt_array())
+
 
 class EvalItem(BaseModel):
     """One problem of an evaluation round (the fields of a PromptGroup that differ per problem)."""
@@ -272,8 +279,8 @@ class EvalRound(Message):
     def groups(self) -> list[PromptGroup]:
         """The round as prompt groups, one per problem (what the generator generates)."""
         return [
-            PromptGroup(job_id=self.job_id, msg_id=f"{self.group_id}/{it.prompt_index}",
-                        group_id=f"{self.group_id}/{it.prompt_index}", policy_version=self.policy_version,
+            PromptGroup(job_id=self.job_id, msg_id=eval_group_id(self.group_id, it.prompt_index),
+                        group_id=eval_group_id(self.group_id, it.prompt_index), policy_version=self.policy_version,
                         purpose="eval", prompt_index=it.prompt_index, prompt=it.prompt, prompt_ids=it.prompt_ids,
                         answer=it.answer, metadata=it.metadata, eval_set=self.eval_set, n=self.n,
                         sampling=self.sampling)
@@ -314,7 +321,7 @@ class Rollout(Message):
         _whole_values("logprobs", self.logprobs)
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
-                f"{len(self.logprobs) // 4} logprobs for {len(self.completion_ids) // 4} completion tokens; "
+                f"{len(self.logprob_array())} logprobs for {self.num_completion_tokens} completion tokens; "
                 "there must be one behaviour logprob per sampled token"
             )
         if self.logprobs:
@@ -340,6 +347,14 @@ class Rollout(Message):
 
     def logprob_array(self) -> np.ndarray:
         return unpack_f32(self.logprobs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_array())
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_array())
 
 
 # reward_svc -> trainer_svc

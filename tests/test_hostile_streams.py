@@ -510,7 +510,7 @@ def test_trainer_dead_letters_token_ids_outside_its_vocabulary() -> None:
 def test_generator_dead_letters_a_group_the_engine_botched() -> None:
     from types import SimpleNamespace
 
-    from broker.streams import GROUP_GENERATORS, PROMPTS, Delivery
+    from broker.streams import GROUP_GENERATORS, PROMPTS, Consumer, Delivery
     from generator_svc.service import entry_rollouts
     from shared.schema import PromptGroup, SamplingParams
 
@@ -521,7 +521,7 @@ def test_generator_dead_letters_a_group_the_engine_botched() -> None:
         groups = [PromptGroup(job_id=job, msg_id=f"{job}/g{i}", group_id=f"{job}/g{i}", policy_version=0,
                               prompt_index=i, prompt="1+1=", answer="2", n=1, sampling=SamplingParams()) for i in range(2)]
         ids = js.publish_many(PROMPTS, groups)
-        js.consume(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup, block_ms=None)
+        js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), block_ms=None)
         units = [(Delivery(eid, g), [g]) for eid, g in zip(ids, groups, strict=True)]
         sample = lambda lp, text: SimpleNamespace(prompt_ids=[1], completion_ids=[2], logprobs=[lp],  # noqa: E731
                                                   text=text, finish_reason="stop")

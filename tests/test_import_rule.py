@@ -42,6 +42,7 @@ LIGHT_MODULES = (
     "shared.jobspec",
     "shared.settings",
     "shared.transport",
+    "shared.ids",
     "shared.tasks",
     "shared.rewards",
     "shared.datasets",
@@ -51,6 +52,7 @@ LIGHT_MODULES = (
     "broker.ledger",
     "broker.api",
     "broker.runtime",
+    "broker.service",
     "asyncrl.demo",
     "asyncrl.cli",
 )

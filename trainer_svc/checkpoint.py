@@ -58,8 +58,8 @@ import numpy as np
 import torch
 
 from broker.streams import Delivery, JobStreams
+from shared.ids import group_seq, sample_id
 from shared.schema import Message
-from trainer_svc.feeder import group_seq
 
 log = logging.getLogger(__name__)
 
@@ -286,9 +286,9 @@ def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
         # In flight: what was fed and is not used yet (a group is used whole: trained or dropped in
         # one ledger transaction), plus the groups the replayed steps consume again.
         flying = list(feeder["in_flight"])
-        used = ledger.used_msg_ids(job_id, [f"{g}/0" for g in flying])
+        used = ledger.used_msg_ids(job_id, [sample_id(g, 0) for g in flying])
         replayed = {g for ids in replay.values() for g in ids}
-        keep = {g for g in flying if f"{g}/0" not in used} | replayed
+        keep = {g for g in flying if sample_id(g, 0) not in used} | replayed
         feeder["in_flight"] = sorted(keep, key=group_seq)
         # [step, eval set] per open round (a bare step: the default set, from journals before named sets)
         opened = {r: (v, "held_out") if isinstance(v, int) else (int(v[0]), str(v[1]))

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
+
+# eval_round and group_seq: trainer_svc.evaluation and .train import them from this module.
+from shared.ids import eval_round, eval_round_id, group_seq, id_prefix, sample_ids, train_group_id  # noqa: F401
 from shared.jobspec import JobSpec
 from shared.prompts import Rendered
 from shared.schema import (
@@ -34,17 +37,6 @@ from shared.tasks import Problem
 Render = Callable[[Problem], Rendered]
 
 
-def eval_round(group_id: str) -> str:
-    """The eval round an eval group belongs to: `{job}/e{round}/{prompt index}` -> `{job}/e{round}`."""
-    return group_id.rsplit("/", 1)[0]
-
-
-def group_seq(group_id: str) -> int:
-    """The feed counter of a training group id `{prefix}/g{seq}`: the order groups were fed in,
-    across trainer restarts too (a resumed feeder continues the count)."""
-    return int(group_id.rsplit("/", 1)[1].removeprefix("g"))
-
-
 class Feeder:
     """Group ids (and so every msg_id derived from them) start with the job id: they are the
     ledger's idempotency keys and must be unique across all jobs sharing one database.
@@ -60,7 +52,7 @@ class Feeder:
         self.render = render
         self._rendered: dict[int, Rendered] = {}  # training prompts by index: rendered once
         # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
-        self.prefix = f"{streams.job_id}/{run_id}" if run_id else streams.job_id
+        self.prefix = id_prefix(streams.job_id, run_id)
         self.spec = spec
         self.train = list(train)
         self.journal = journal
@@ -123,7 +115,7 @@ class Feeder:
             r = self._rendered.get(p.index)
             if r is None:
                 r = self._rendered[p.index] = self.render(p)
-            gid = f"{self.prefix}/g{self.seq}"
+            gid = train_group_id(self.prefix, self.seq)
             self.seq += 1
             msgs.append(
                 PromptGroup(
@@ -158,7 +150,7 @@ class Feeder:
         """Feed one evaluation round of `eval_set` (its problems as rendered `items`, `n` samples
         each) for the policy after `step`, as one entry (shared.schema.EvalRound); returns the
         round's id (see `eval_round`)."""
-        rnd = f"{self.prefix}/e{self.eval_rounds}"
+        rnd = eval_round_id(self.prefix, self.eval_rounds)
         self.eval_rounds += 1
         self.open_evals[rnd] = [step, eval_set]
         self.streams.publish(PROMPTS, EvalRound(job_id=self.streams.job_id, msg_id=rnd, group_id=rnd,
@@ -193,7 +185,7 @@ class Group:
     def msg_ids(self) -> list[str]:
         """Every sample's msg_id, arrived or not (a rollout's msg_id is `{group msg_id}/{index}`,
         and a group's msg_id is its group id)."""
-        return [f"{self.group_id}/{i}" for i in range(self.size)]
+        return sample_ids(self.group_id, self.size)
 
     @property
     def gen_version_min(self) -> int:

@@ -22,6 +22,7 @@ from broker.streams import (
     GROUP_GENERATORS,
     POLICY,
     PROMPTS,
+    Consumer,
     JobStreams,
     connect,
 )
@@ -115,8 +116,12 @@ def js(make: MakeStreams) -> JobStreams:
     return make()
 
 
+def reader(name: str = "c1") -> Consumer:
+    return Consumer(PROMPTS, G, name, PromptGroup)
+
+
 def consume(s: JobStreams, consumer: str = "c1", *, count: int = 100) -> list:
-    return s.consume(PROMPTS, G, consumer, PromptGroup, count=count, block_ms=None)
+    return s.consume(reader(consumer), count=count, block_ms=None)
 
 
 # -- consumer groups -------------------------------------------------------------------------------
@@ -142,7 +147,7 @@ def test_publish_consume_ack_round_trip(js: JobStreams) -> None:
     assert js.pending_count(PROMPTS, G) == 0
 
     one = js.publish(PROMPTS, prompt(9))
-    (d,) = js.consume(PROMPTS, G, "c1", PromptGroup, block_ms=50)
+    (d,) = js.consume(reader(), block_ms=50)
     assert (d.entry_id, d.message) == (one, prompt(9))
     assert js.length(PROMPTS) == 4
     assert js.dead_letters() == []
@@ -285,7 +290,7 @@ def test_deleted_stream_is_recreated_on_reclaim(make: MakeStreams) -> None:
     js = make(claim_idle_ms=10)
     js.ensure_group(PROMPTS, G)
     js.r.delete(js.key(PROMPTS))
-    assert js.consume(PROMPTS, G, "c1", PromptGroup, block_ms=None) == []  # NOGROUP from XAUTOCLAIM
+    assert js.consume(reader(), block_ms=None) == []  # NOGROUP from XAUTOCLAIM
     eid = js.publish(PROMPTS, prompt(1))
     time.sleep(0.01)
     assert [d.entry_id for d in consume(js)] == [eid]
@@ -451,7 +456,7 @@ def test_own_pending_one_at_a_time_counts_each_delivery_alone(js: JobStreams) ->
     ids = js.publish_many(PROMPTS, [prompt(i) for i in range(3)])
     consume(js)  # a consumer that then dies: all three pending, delivered once
     seen = []
-    while got := js.consume_own_pending(PROMPTS, G, "c1", PromptGroup, count=1):
+    while got := js.consume_own_pending(reader(), count=1):
         (d,) = got
         seen.append((d.entry_id, d.deliveries))
         js.ack(PROMPTS, G, [d.entry_id])
@@ -463,7 +468,7 @@ def test_claim_all_takes_every_pending_entry_in_bounded_reads(make: MakeStreams)
     a.ensure_group(PROMPTS, G)
     ids = a.publish_many(PROMPTS, [prompt(i) for i in range(5)])
     consume(a, "A")
-    got = b.claim_all(PROMPTS, G, "B", PromptGroup)
+    got = b.claim_all(reader("B"))
     assert [(d.entry_id, d.deliveries) for d in got] == [(i, 2) for i in ids]
     assert {p["consumer"] for p in b.r.xpending_range(b.key(PROMPTS), G, "-", "+", 10)} == {b"B"}
 
@@ -516,11 +521,24 @@ def test_without_scripting_reads_fall_back_to_plain_commands(embedded_redis: Emb
         assert dead.entry_id == big and dead.code == "oversized"
         time.sleep(0.08)
         assert [d.entry_id for d in consume(js, "c2")] == ok  # reclaim by XAUTOCLAIM
-        assert js.publish_if_owned(CONTROL, [(ok[0], [prompt(7)])], PROMPTS, G, "c2") == [True]
-        assert js.publish_if_owned(CONTROL, [(ok[0], [prompt(7)])], PROMPTS, G, "c2") == [False]  # acked
+        assert js.publish_if_owned(reader("c2"), CONTROL, [(ok[0], [prompt(7)])]) == [True]
+        assert js.publish_if_owned(reader("c2"), CONTROL, [(ok[0], [prompt(7)])]) == [False]  # acked
         assert js.read_broadcast(CONTROL, "0", PromptGroup)[1] == [prompt(7)]
     finally:
         js.delete_all()
         r.close()
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_the_old_positional_call_forms_still_work(js: JobStreams) -> None:
+    """trainer_svc and broker.bench_broker still spell a consumer as (stream, group, name, kind)."""
+    js.ensure_group(PROMPTS, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(2)])
+    assert [d.entry_id for d in js.consume(PROMPTS, G, "c1", PromptGroup, count=1, block_ms=None)] == ids[:1]
+    assert [d.entry_id for d in js.consume_own_pending(PROMPTS, G, "c1", PromptGroup)] == ids[:1]
+    assert js.publish_if_owned(CONTROL, [(ids[0], [prompt(7)])], PROMPTS, G, "c1") == [True]
+    js.consume(reader("c2"), block_ms=None)
+    assert [d.entry_id for d in js.claim_all(PROMPTS, G, "c3", PromptGroup)] == ids[1:]
+    with pytest.raises(TypeError, match="no further positional"):
+        js.consume(reader(), G)

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from broker.redis_server import resolve_redis_url
-from broker.streams import GROUP_GENERATORS, PROMPTS, JobStreams, connect
+from broker.streams import GROUP_GENERATORS, PROMPTS, Consumer, JobStreams, connect
 from generator_svc.service import prompt_token_counter, reject_too_long, too_long_reason
 from shared.schema import EvalItem, EvalRound, PromptGroup, SamplingParams, decode, pack_i32
 
@@ -46,7 +46,7 @@ def test_over_long_groups_are_dead_lettered_and_the_rest_kept(model_dir: str) ->
     try:
         js.ensure_group(PROMPTS, GROUP_GENERATORS)
         js.publish_many(PROMPTS, [group(0, "1+1="), group(1, "x" * (MAX_LEN - 1)), group(2, "x" * 200), group(3, "2+2=")])
-        got = js.consume(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup, block_ms=100)
+        got = js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), block_ms=100)
         kept = reject_too_long(got, count, MAX_LEN, js)
         assert [gs[0].group_id for _, gs in kept] == [f"{JOB}/g0", f"{JOB}/g3"]
         dead = {d.msg_id.split("/", 1)[1]: d for d in js.dead_letters()}
@@ -93,7 +93,7 @@ def test_an_over_long_problem_leaves_the_rest_of_its_evaluation_round(model_dir:
                  EvalItem(prompt_index=1, prompt="long", prompt_ids=pack_i32(range(MAX_LEN + 3)), answer="2")]
         js.publish(PROMPTS, EvalRound(job_id=JOB, msg_id=f"{JOB}/e0", group_id=f"{JOB}/e0", policy_version=0,
                                       eval_set="held_out", n=1, sampling=SamplingParams(temperature=0.0), items=items))
-        got = js.consume(PROMPTS, GROUP_GENERATORS, "gen-0", (PromptGroup, EvalRound), block_ms=100)
+        got = js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", (PromptGroup, EvalRound)), block_ms=100)
         (kept,) = reject_too_long(got, count, MAX_LEN, js)
         assert [g.group_id for g in kept[1]] == [f"{JOB}/e0/0"]  # lengths from the carried ids
         (dead,) = js.dead_letters()

@@ -20,7 +20,7 @@ from shared.transport import (
     make_server,
     version_checksum,
 )
-from shared.transport_ucx import UcxWeightClient
+from shared.transport.ucx import UcxWeightClient
 
 CHUNK = 1000  # small on purpose: the buffer below spans dozens of chunks, the last one partial
 

@@ -18,7 +18,7 @@ pytest.importorskip("ucxx")
 
 from shared.schema import Manifest  # noqa: E402
 from shared.transport import build_manifest, make_server  # noqa: E402
-from shared.transport_ucx import UcxWeightClient, UcxWeightServer, ucx_options  # noqa: E402
+from shared.transport.ucx import UcxWeightClient, UcxWeightServer, ucx_options  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 64 * 1024
@@ -106,13 +106,13 @@ def test_client_dying_mid_transfer_does_not_wedge_the_server(server: UcxWeightSe
             "-c",
             textwrap.dedent(f"""
             import os, socket
-            from shared.transport import _recv_msg, _send_msg
-            from shared.transport_ucx import get_worker
+            from shared.transport.ucx import get_worker
+            from shared.transport.wire import recv_msg, send_msg
             sock = socket.create_connection(("127.0.0.1", {server.port}))
-            _send_msg(sock, {{"worker": get_worker().address}})
-            assert _recv_msg(sock)["ok"]
-            _send_msg(sock, {{"version": {m.version}, "offset": 0, "length": {m.total_bytes}, "tag": 1 << 24, "piece": 65536}})
-            assert _recv_msg(sock)["ok"]
+            send_msg(sock, {{"worker": get_worker().address}})
+            assert recv_msg(sock)["ok"]
+            send_msg(sock, {{"version": {m.version}, "offset": 0, "length": {m.total_bytes}, "tag": 1 << 24, "piece": 65536}})
+            assert recv_msg(sock)["ok"]
             os._exit(0)  # never posts the receives
         """),
         ],
@@ -149,7 +149,7 @@ def test_shared_imports_without_ucxx() -> None:
     """The registry names "ucx" without loading ucxx; it is imported on the first server/client."""
     code = (
         "import sys\n"
-        "import shared.transport, shared.transport_ucx\n"
+        "import shared.transport, shared.transport.ucx, shared.transport_ucx\n"
         "assert 'ucx' in shared.transport.TRANSPORTS\n"
         "print(sorted(m for m in ('ucxx', 'torch', 'vllm') if m in sys.modules))\n"
     )
