@@ -30,7 +30,8 @@ import numpy as np
 
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
-from broker.streams import FIELD, GROUP_REWARDERS, ROLLOUTS, JobStreams, connect
+from broker.runtime import sample_row
+from broker.streams import FIELD, GROUP_REWARDERS, ROLLOUTS, Consumer, JobStreams, connect
 from shared.schema import Rollout, encode, pack_f32, pack_i32
 
 
@@ -50,30 +51,22 @@ def make_rollouts(job_id: str, n: int, tokens: int, start: int = 0) -> list[Roll
     ]
 
 
-def _row(r: Rollout) -> dict[str, Any]:
-    return {
-        "msg_id": r.msg_id, "job_id": r.job_id, "group_id": r.group_id, "sample_index": r.sample_index,
-        "prompt_index": r.prompt_index, "generator_id": r.generator_id, "gen_version_min": r.policy_version,
-        "num_prompt_tokens": len(r.prompt_ids) // 4, "num_completion_tokens": len(r.completion_ids) // 4,
-        "completion": r.completion,
-    }
-
-
 def _producer(streams: JobStreams, ledger: Ledger, job_id: str, n: int, tokens: int, batch: int) -> None:
     # Built before the clock starts: the generator has its samples from the engine already.
     batches = [make_rollouts(job_id, min(batch, n - i), tokens, start=i) for i in range(0, n, batch)]
     _ready_then_go()
     for msgs in batches:
-        ledger.record_generated([_row(m) for m in msgs])
+        ledger.record_generated([sample_row(m) for m in msgs])
         streams.publish_many(ROLLOUTS, msgs)
 
 
 def _consumer(streams: JobStreams, ledger: Ledger, n: int, batch: int) -> float:
+    reader = Consumer(ROLLOUTS, GROUP_REWARDERS, "bench", Rollout)
     _ready_then_go()
     t0 = time.perf_counter()
     got = 0
     while got < n:
-        ds = streams.consume(ROLLOUTS, GROUP_REWARDERS, "bench", Rollout, count=batch, block_ms=5000)
+        ds = streams.consume(reader, count=batch, block_ms=5000)
         if not ds:
             raise TimeoutError(f"consumer saw {got} of {n} rollouts, then nothing for 5 s")
         ledger.record_scored([(d.message.msg_id, 1.0) for d in ds])

@@ -34,7 +34,7 @@ import numpy as np
 from bench.claims import machine
 from shared.schema import Manifest
 from shared.transport import TcpWeightClient, TcpWeightServer, build_manifest
-from shared.transport_ucx import DEFAULT_PIECE_BYTES, UcxWeightClient, UcxWeightServer, ucx_options
+from shared.transport.ucx import DEFAULT_PIECE_BYTES, UcxWeightClient, UcxWeightServer, ucx_options
 
 MB = 1_000_000
 _U64 = struct.Struct("<Q")

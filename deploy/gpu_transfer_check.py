@@ -23,7 +23,7 @@ def _receiver(address: str, manifest_json: str, reps: int, q) -> None:
 
     from shared.schema import Manifest
     from shared.transport import bad_chunks
-    from shared.transport_ucx import UcxWeightClient
+    from shared.transport.ucx import UcxWeightClient
 
     torch.cuda.init()
     m = Manifest.model_validate_json(manifest_json)
@@ -43,7 +43,7 @@ def main() -> None:
     import torch
 
     from shared.transport import build_manifest
-    from shared.transport_ucx import UcxWeightServer
+    from shared.transport.ucx import UcxWeightServer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.0)

@@ -149,7 +149,7 @@ def test_shared_imports_without_ucxx() -> None:
     """The registry names "ucx" without loading ucxx; it is imported on the first server/client."""
     code = (
         "import sys\n"
-        "import shared.transport, shared.transport.ucx, shared.transport_ucx\n"
+        "import shared.transport, shared.transport.ucx\n"
         "assert 'ucx' in shared.transport.TRANSPORTS\n"
         "print(sorted(m for m in ('ucxx', 'torch', 'vllm') if m in sys.modules))\n"
     )
