@@ -47,7 +47,6 @@ from shared.schema import (
     PolicyAnnouncement,
     PromptGroup,
     Rollout,
-    encode,
     pack_f32,
     pack_i32,
     unpack_f32,
@@ -273,9 +272,9 @@ def reject_too_long(
             if reason is None:
                 fits.append(g)
             else:
-                # An evaluation problem's dead letter carries it, so the trainer settles just that one.
-                raw = encode(g) if isinstance(d.message, EvalRound) else b""
-                _dead_group(streams, d, f"group {g.group_id}: {reason}", "prompt_too_long", raw)
+                # The dead letter carries the group, so the trainer settles just it (and frees its
+                # feeder slot): a training group, or one problem of an evaluation round.
+                _dead_group(streams, d, f"group {g.group_id}: {reason}", "prompt_too_long", message=g)
         if fits:
             keep.append((d, fits))
         else:

@@ -13,6 +13,7 @@ from broker.redis_server import resolve_redis_url
 from broker.streams import GROUP_GENERATORS, PROMPTS, Consumer, JobStreams, connect
 from generator_svc.service import prompt_token_counter, reject_too_long, too_long_reason
 from shared.schema import EvalItem, EvalRound, PromptGroup, SamplingParams, decode, pack_i32
+from trainer_svc.feeder import dead_members
 
 JOB = "job-long"
 MAX_LEN = 32
@@ -56,6 +57,9 @@ def test_over_long_groups_are_dead_lettered_and_the_rest_kept(model_dir: str) ->
         assert f"group {JOB}/g2: prompt of 201 tokens" in reasons[1]
         assert counted == [(PROMPTS, "prompt_too_long")] * 2
         assert js.pending_count(PROMPTS, GROUP_GENERATORS) == 2  # the dead ones are acked
+        # each dead letter names its group, so the trainer frees the group's feeder slot
+        members = sorted((m.group_id, m.purpose) for d in dead.values() for m in dead_members(d))
+        assert members == [(f"{JOB}/g1", "train"), (f"{JOB}/g2", "train")]
     finally:
         js.delete_all()
 
