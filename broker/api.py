@@ -55,6 +55,7 @@ from starlette.types import Scope
 
 from broker.edge import EdgeGuard, Rejection, install_access_log_filter
 from broker.ledger import ADMIN_TASK_KINDS, SAMPLE_KINDS, SAMPLE_STATUSES, Ledger
+from broker.ledger.rows import AdminTaskRow, JobRow
 from broker.redis_server import resolve_redis_url
 from broker.status_page import status_router
 from broker.streams import CONTROL, JobStreams
@@ -283,7 +284,7 @@ class JobCollector:
         )
         up = GaugeMetricFamily("asyncrl_ledger_up", "1 when this scrape could read the ledger.")
         try:
-            jobs: list[dict[str, Any]] = []
+            jobs: list[JobRow] = []
             for states in METRICS_JOB_STATES:
                 if len(jobs) < self.max_jobs:
                     jobs += self.ledger.list_jobs(limit=self.max_jobs - len(jobs), states=states)
@@ -306,10 +307,10 @@ class JobCollector:
         yield from (step, reward, staleness, samples, tasks, up)
 
 
-def _task_view(task: dict[str, Any] | None) -> dict[str, Any]:
+def _task_view(task: AdminTaskRow | None) -> dict[str, Any]:
     """An admin task as the API shows it (JSON-ready)."""
     assert task is not None
-    out = dict(task)
+    out: dict[str, Any] = dict(task)
     for key in ("created_at", "started_at", "finished_at"):
         if out.get(key) is not None:
             out[key] = out[key].isoformat()
@@ -452,7 +453,7 @@ def create_app(
     def streams(job_id: str) -> JobStreams:
         return JobStreams(redis_client, job_id, prefix=settings.stream_prefix)
 
-    def job_or_404(job_id: str) -> dict[str, Any]:
+    def job_or_404(job_id: str) -> JobRow:
         job = ledger.get_job(job_id)
         if job is None:
             raise HTTPException(404, f"no job '{job_id}'; GET /jobs lists the known ones")
@@ -595,7 +596,7 @@ def create_app(
         if state is not None:
             ledger.set_job_state(job_id, state)
 
-    def live_job(job_id: str, action: str) -> dict[str, Any]:
+    def live_job(job_id: str, action: str) -> JobRow:
         job = job_or_404(job_id)
         if job["state"] in TERMINAL_STATES:
             raise HTTPException(409, f"job '{job_id}' is already {job['state']}; cannot {action} it")
@@ -659,7 +660,7 @@ def create_app(
     def checkpoints(job_id: str) -> list[dict[str, Any]]:
         """Committed HF-format checkpoints of the job (step, policy version, path)."""
         job_or_404(job_id)
-        return ledger.checkpoints(job_id)
+        return [dict(c) for c in ledger.checkpoints(job_id)]
 
     @jobs.get("/jobs/{job_id}/verify", responses=_responses(404, 422))
     def verify_job(job_id: str) -> dict[str, Any]:
@@ -676,7 +677,7 @@ def create_app(
     def changes(job_id: str) -> list[dict[str, Any]]:
         """The audit log: who changed what, when."""
         job_or_404(job_id)
-        return ledger.job_changes(job_id)
+        return [dict(c) for c in ledger.job_changes(job_id)]
 
     @jobs.get("/jobs/{job_id}/samples", responses=_responses(404, 422))
     def job_samples(
@@ -712,7 +713,7 @@ def create_app(
             "min_reward": min_reward,
             "max_reward": max_reward,
         }
-        rows = ledger.samples(job_id, **filters, limit=limit, offset=offset)
+        rows: list[dict[str, Any]] = [dict(r) for r in ledger.samples(job_id, **filters, limit=limit, offset=offset)]
         return {
             "total": ledger.count_samples(job_id, **filters),
             "limit": limit,

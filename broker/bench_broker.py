@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from broker.ledger import Ledger
+from broker.ledger.rows import SampleIn
 from broker.redis_server import resolve_redis_url
 from broker.streams import FIELD, GROUP_REWARDERS, ROLLOUTS, JobStreams, connect
 from shared.schema import Rollout, encode, pack_f32, pack_i32
@@ -50,7 +51,7 @@ def make_rollouts(job_id: str, n: int, tokens: int, start: int = 0) -> list[Roll
     ]
 
 
-def _row(r: Rollout) -> dict[str, Any]:
+def _row(r: Rollout) -> SampleIn:
     return {
         "msg_id": r.msg_id, "job_id": r.job_id, "group_id": r.group_id, "sample_index": r.sample_index,
         "prompt_index": r.prompt_index, "generator_id": r.generator_id, "gen_version_min": r.policy_version,
