@@ -17,6 +17,9 @@ from sqlalchemy import inspect, text
 
 from broker.ledger import Base, Ledger
 from broker.ledger import rows as ledger_rows
+from broker.ledger.engine import Database
+from broker.ledger.jobs import JobRepository
+from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = "0005"
@@ -151,6 +154,18 @@ def test_import_without_torch_or_vllm() -> None:
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'",
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_repository_works_alone_over_a_database(ledger_url: str) -> None:
+    db = Database(ledger_url)
+    try:
+        db.upgrade()
+        assert JobRepository(db).create_job("j1", "alone", {})
+        assert SampleRepository(db).record_generated([sample("a", job_id="j1")]) == 1
+    finally:
+        db.close()
+    with Ledger(ledger_url) as led:
+        assert led.get_job("j1")["name"] == "alone" and led.status_counts("j1") == {"generated": 1}
 
 
 # -- jobs ----------------------------------------------------------------------------------------
