@@ -29,6 +29,7 @@ from broker.guard_report import describe, guard_trips
 from asyncrl.http_retry import get_json
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
+from broker.ledger.rows import EvalRow, TrainStepRow
 from broker.redis_server import resolve_redis_url
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,7 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
     return summary
 
 
-def plot(steps: list[dict], evals: list[dict], out: Path) -> Path:
+def plot(steps: list[TrainStepRow], evals: list[EvalRow], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
+from broker.ledger.rows import TrainStepRow
 
 console = Console()
 
@@ -61,7 +62,7 @@ def _cores() -> tuple[int | None, int | None]:
     return (cores[0], cores[-1]) if len(cores) > 1 else (None, None)
 
 
-def _steady(steps: list[dict], skip: int) -> list[dict]:
+def _steady(steps: list[TrainStepRow], skip: int) -> list[TrainStepRow]:
     """Steps after the first `skip` (engine start-up, first weight loads) and not at an eval."""
     return steps[skip:] if len(steps) > skip + 2 else steps[1:]
 

@@ -52,6 +52,7 @@ from bench.claims import _cores, _pinned, machine
 from bench.broker_overhead import bench_broker
 from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
+from broker.ledger.rows import SampleRow
 from shared.datasets import TaskSpec, load_task
 
 console = Console()
@@ -321,7 +322,7 @@ class _Scraper:
         self._thread.join(2)
 
 
-def _batch_rates(rows: list[dict[str, Any]], skip: int = 2) -> tuple[float | None, int]:
+def _batch_rates(rows: list[SampleRow], skip: int = 2) -> tuple[float | None, int]:
     """Tokens/s over the wall time between generate batches (rows of one batch share a stamp)."""
     batches: dict[float, int] = {}
     for r in rows:

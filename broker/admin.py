@@ -24,12 +24,13 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from celery import Celery
 from pydantic import Field, TypeAdapter, ValidationError
 
 from broker.ledger import Ledger, row_error
+from broker.ledger.rows import CheckpointRow, EvalArgs
 from broker.redis_server import resolve_redis_url
 from shared.jobspec import JobSpec
 from shared.schema import INT32_MAX, Name, clean_text
@@ -91,7 +92,7 @@ def _get_ledger() -> Ledger:
 # -- the work, as plain functions (tested without Celery) --------------------------------------
 
 
-def committed_checkpoint(ledger: Ledger, job_id: str, step: int) -> dict[str, Any]:
+def committed_checkpoint(ledger: Ledger, job_id: str, step: int) -> CheckpointRow:
     """The ledger's checkpoint row of (job, step), checked to be a committed directory on disk.
 
     Raises:
@@ -110,7 +111,7 @@ def committed_checkpoint(ledger: Ledger, job_id: str, step: int) -> dict[str, An
     return row
 
 
-def evaluate(ledger: Ledger, settings: AdminSettings, job_id: str, step: int) -> tuple[dict, dict]:
+def evaluate(ledger: Ledger, settings: AdminSettings, job_id: str, step: int) -> tuple[dict, EvalArgs]:
     """Held-out reward of the checkpoint at `step` (`generator_svc.evaluate` in a subprocess).
 
     Returns (result, eval row for the ledger). Raises RuntimeError when the evaluation fails.
@@ -136,7 +137,7 @@ def evaluate(ledger: Ledger, settings: AdminSettings, job_id: str, step: int) ->
             raise RuntimeError(f"evaluation exited with code {proc.returncode}:\n{tail}")
         result = json.loads(out_file.read_text())
     result.update(checkpoint=ck["path"], policy_version=ck["policy_version"], step=step)
-    eval_row = {"job_id": job_id, "step": step, "vmin": ck["policy_version"], "vmax": ck["policy_version"],
+    eval_row: EvalArgs = {"job_id": job_id, "step": step, "vmin": ck["policy_version"], "vmax": ck["policy_version"],
                 "reward_mean": result["reward_mean"], "n": result["n"]}
     return result, eval_row
 
@@ -212,7 +213,7 @@ def export(ledger: Ledger, settings: AdminSettings, job_id: str, step: int, name
     files = sorted(p for p in src.rglob("*") if p.is_file() and p.relative_to(src).parts[0] not in NOT_EXPORTED)
     if not any(p.name == "config.json" for p in files):
         raise FileNotFoundError(f"checkpoint {src} has no config.json: not an HF-format model")
-    manifest = {"job_id": job_id, "step": step, "policy_version": ck["policy_version"], "source": str(src),
+    manifest: dict[str, Any] = {"job_id": job_id, "step": step, "policy_version": ck["policy_version"], "source": str(src),
                 "files": {str(p.relative_to(src)): _sha256(p) for p in files}}
     result = {"path": str(dest), "files": len(files), "bytes": sum(p.stat().st_size for p in files)}
     if dest.exists():
@@ -254,7 +255,7 @@ def task_args(job_id: Any, step: Any) -> tuple[str, int]:
         raise ValueError(f"invalid task argument {which}: {first['msg']}") from None
 
 
-def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, dict | None]]) -> dict:
+def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, EvalArgs | None]]) -> dict:
     """The exactly-once shell around one task's work: start (or find it already done), run, record.
 
     A failure is recorded with its message and raised (Celery marks the task failed; the API shows
@@ -266,7 +267,7 @@ def run_task(ledger: Ledger, task_id: str, work: Callable[[], tuple[dict, dict |
         raise LookupError(f"admin task {task_id} is not in the ledger; submit tasks through the job API")
     if before["state"] == "succeeded":  # a redelivery after the first run succeeded
         log.info("admin task %s already succeeded; not running it again", task_id)
-        return before["result"]
+        return cast(dict, before["result"])  # a succeeded task recorded its result
     try:
         result, eval_row = work()
     except Exception as exc:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from broker.ledger import Ledger
+from broker.ledger.rows import JobRow
 from broker.redis_server import redact_url, resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
 from shared.entry import JobOver, accept_drain, drain_requested
@@ -32,7 +33,7 @@ class JobContext:
     streams: JobStreams
 
 
-def spec_problem(job: dict) -> str | None:
+def spec_problem(job: JobRow) -> str | None:
     """Why the job's stored spec cannot be run (it no longer validates), or None when it can."""
     try:
         JobSpec.model_validate(job["spec"])
@@ -44,14 +45,14 @@ def spec_problem(job: dict) -> str | None:
     return None
 
 
-def fail_job(ledger: Ledger, job: dict, reason: str) -> None:
+def fail_job(ledger: Ledger, job: JobRow, reason: str) -> None:
     """Mark the job failed with `reason`, and say so in the log."""
     log.error("job %s (%s) cannot run, marked failed: %s", job["id"], escape_control(str(job["name"])),
               escape_control(reason))
     ledger.set_job_state(job["id"], "failed", error=reason)
 
 
-def pick_job(ledger: Ledger) -> dict | None:
+def pick_job(ledger: Ledger) -> JobRow | None:
     """The newest submitted or running job whose spec validates. Newer jobs whose spec does not
     are marked failed on the way (each with a log line), so no service picks them again."""
     for job in ledger.list_jobs(limit=PICK_SCAN, states=PICKABLE_STATES):
@@ -62,7 +63,7 @@ def pick_job(ledger: Ledger) -> dict | None:
     return None
 
 
-def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> dict:
+def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> JobRow:
     """The named job, or the newest submitted/running one that can run (`pick_job`); waits up to
     `timeout_s` for it to appear."""
     deadline = time.monotonic() + timeout_s

@@ -3,7 +3,7 @@
     python -m broker.verify [--url URL] [--job JOB]
 
 `verify(ledger, job_id)` is the same check as a function (tests and the chaos suite call it). It
-only reads: every query is SQLAlchemy Core on the ledger's tables with bound parameters, grouped in
+only reads: every query is a named audit query of the ledger (`broker.ledger.audit`), grouped in
 SQL so a job of millions of samples is checked without loading its rows.
 
 Invariants (names as in `VerifyResult.checks`):
@@ -37,28 +37,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table as RichTable
-from sqlalchemy import Table, and_, func, not_, or_, select
-from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.engine import make_url
 
-from broker.ledger import (
-    SAMPLE_STATUSES,
-    USED_STATUSES,
-    GeneratorLoad,
-    Ledger,
-    Sample,
-    TrainStep,
-)
+from broker.ledger import SAMPLE_STATUSES, Ledger
+from broker.ledger.audit import JobAudit
+from broker.ledger.rows import Offenders, TrainStepRow
 
 __all__ = ["CHECKS", "Finding", "VerifyResult", "main", "verify"]
-
-_samples = cast(Table, Sample.__table__)
-_steps = cast(Table, TrainStep.__table__)
-_loads = cast(Table, GeneratorLoad.__table__)
 
 CHECKS = (
     "status_known",
@@ -110,19 +99,89 @@ class VerifyResult:
         (self.violations if finding.level == "violation" else self.info).append(finding)
 
 
-def _count_and_examples(conn: Connection, where: ColumnElement[bool], key: Any) -> tuple[int, tuple[str, ...]]:
-    """How many samples match `where`, and the first few values of `key` among them."""
-    n = conn.execute(select(func.count()).select_from(_samples).where(where)).scalar_one()
-    if not n:
-        return 0, ()
-    ex = conn.execute(select(key).where(where).order_by(_samples.c.id).limit(_EXAMPLES)).scalars()
-    return int(n), tuple(str(e) for e in ex)
+def _check(res: VerifyResult, name: str, found: Offenders, message: str) -> None:
+    """Count `found` against check `name`: a violation when there is any."""
+    res.checks[name] += found.total
+    if found.total:
+        res.add(Finding(name, "violation", found.total, message, found.examples))
 
 
-def _grouped(conn: Connection, stmt: Any) -> tuple[int, tuple[str, ...]]:
-    """Run a GROUP BY ... HAVING statement whose columns name the offender."""
-    rows = conn.execute(stmt).all()
-    return len(rows), tuple("/".join(str(x) for x in r) for r in rows[:_EXAMPLES])
+def _check_samples(q: JobAudit, res: VerifyResult) -> None:
+    """Per-sample invariants: status, trainer version, staleness, generation version order."""
+    _check(res, "status_known", q.unknown_status(), f"samples with a status outside {SAMPLE_STATUSES}")
+    _check(res, "used_has_version", q.used_without_version(), "used samples without a trainer version")
+    _check(res, "staleness", q.wrong_staleness(),
+           "used samples whose staleness is not trainer_version - gen_version_min")
+    _check(res, "gen_version_order", q.reversed_gen_versions(), "samples with gen_version_min > gen_version_max")
+
+
+def _check_groups(q: JobAudit, res: VerifyResult, spec: dict[str, Any]) -> None:
+    """Used at most once, groups whole."""
+    _check(res, "msg_id_unique", q.duplicate_msg_ids(), "msg_ids with more than one row")
+    _check(res, "trained_once", q.trained_twice(), "(group_id, sample_index) pairs trained more than once")
+    _check(res, "group_one_step", q.split_groups(),
+           "training groups used in more than one step or split between trained and dropped")
+    if "group_size" in spec:
+        _check(res, "group_complete", q.groups_not_of_size(int(spec["group_size"])),
+               f"trained groups without exactly group_size={spec['group_size']} trained samples")
+
+
+def _check_steps(q: JobAudit, res: VerifyResult, steps: list[TrainStepRow], running: bool) -> None:
+    """Train steps against trained rows: each step's `samples` metric, and a step for every
+    trainer version with trained rows (a running job's newest may still be being recorded)."""
+    per_version = q.trained_per_version()  # rows without a version: used_has_version's finding
+    newest = max((s["policy_version"] for s in steps), default=0)
+    by_trained: dict[int, list[TrainStepRow]] = {}
+    for s in steps:
+        by_trained.setdefault(int(s["policy_version"]) - 1, []).append(s)
+    bad_steps: list[str] = []
+    no_metric = 0
+    for v, rows in sorted(by_trained.items()):
+        claimed = [(r["metrics"] or {}).get("samples") for r in rows]
+        if any(x is None for x in claimed):
+            no_metric += 1
+            continue
+        # Two steps that produced the same version (a trainer restarted without resume)
+        # claim the same rows: their sum must match.
+        total = sum(int(x) for x in claimed if x is not None)
+        if total != per_version.get(v, 0):
+            bad_steps.append(f"step {rows[0]['step']}: {total} samples, {per_version.get(v, 0)} trained rows at v{v}")
+    _check(res, "step_samples", Offenders(len(bad_steps), tuple(bad_steps[:_EXAMPLES])),
+           "train steps whose sample count differs from the trained rows")
+    if no_metric:
+        res.add(Finding("step_samples", "info", no_metric, "train steps without a 'samples' metric (not checked)"))
+    orphans = sorted(v for v in per_version if v not in by_trained)
+    # A running job's current step writes its samples before its train_steps row.
+    if running:
+        pending = [v for v in orphans if v >= newest]
+        orphans = [v for v in orphans if v < newest]
+        if pending:
+            res.add(Finding("trained_has_step", "info", len(pending),
+                            "trainer versions with trained rows whose step is still being recorded",
+                            tuple(f"v{v}" for v in pending)))
+    _check(res, "trained_has_step", Offenders(len(orphans), tuple(f"v{v}" for v in orphans[:_EXAMPLES])),
+           "trainer versions with trained rows but no train step")
+
+
+def _check_loads(q: JobAudit, res: VerifyResult) -> None:
+    """Generation versions were loaded, for generators that recorded loads."""
+    loads = q.loaded_versions()
+    unloaded, unknown_gens = 0, set()
+    unloaded_ex: list[str] = []
+    for g, vmin, vmax, k in q.trained_generation_versions():
+        if g not in loads:
+            unknown_gens.add(g)
+            continue
+        missing = sorted({vmin, vmax} - loads[g])
+        if missing:
+            unloaded += k
+            unloaded_ex.append(f"{g} v{missing[0]}")
+    _check(res, "gen_version_loaded", Offenders(unloaded, tuple(unloaded_ex[:_EXAMPLES])),
+           "trained samples whose generation version their generator never recorded loading")
+    if unknown_gens:
+        res.add(Finding("gen_version_loaded", "info", len(unknown_gens),
+                        "generators with trained samples but no recorded loads (not checked)",
+                        tuple(sorted(unknown_gens)[:_EXAMPLES])))
 
 
 def verify(ledger: Ledger, job_id: str) -> VerifyResult:
@@ -136,17 +195,10 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
         raise LookupError(f"no job {job_id!r} in the ledger")
     spec = job.get("spec") or {}
     running = job["state"] not in _FINISHED
-    c = _samples.c
-    mine = c.job_id == job_id
-    used = and_(mine, c.status.in_(USED_STATUSES))
-    trained = and_(mine, c.status == "trained")
 
-    with ledger.engine.connect() as conn:
-        counts = {
-            s: int(n)
-            for s, n in conn.execute(select(c.status, func.count()).where(mine).group_by(c.status))
-        }
-        steps = [dict(r) for r in conn.execute(select(_steps).where(_steps.c.job_id == job_id)).mappings()]
+    with ledger.audit(job_id, examples=_EXAMPLES) as q:
+        counts = q.status_counts()
+        steps = q.train_steps()
         res = VerifyResult(
             job_id=job_id,
             job_state=job["state"],
@@ -155,121 +207,10 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
             steps=len(steps),
             checks=dict.fromkeys(CHECKS, 0),
         )
-
-        def check(name: str, n: int, message: str, examples: tuple[str, ...] = ()) -> None:
-            res.checks[name] += n
-            if n:
-                res.add(Finding(name, "violation", n, message, examples))
-
-        # -- per-sample invariants ----------------------------------------------------------
-        n, ex = _count_and_examples(conn, and_(mine, not_(c.status.in_(SAMPLE_STATUSES))), c.msg_id)
-        check("status_known", n, f"samples with a status outside {SAMPLE_STATUSES}", ex)
-        n, ex = _count_and_examples(conn, and_(used, c.trainer_version.is_(None)), c.msg_id)
-        check("used_has_version", n, "used samples without a trainer version", ex)
-        stale_wrong = and_(
-            used,
-            c.trainer_version.is_not(None),
-            or_(c.staleness.is_(None), c.staleness != c.trainer_version - c.gen_version_min),
-        )
-        n, ex = _count_and_examples(conn, stale_wrong, c.msg_id)
-        check("staleness", n, "used samples whose staleness is not trainer_version - gen_version_min", ex)
-        n, ex = _count_and_examples(conn, and_(mine, c.gen_version_min > c.gen_version_max), c.msg_id)
-        check("gen_version_order", n, "samples with gen_version_min > gen_version_max", ex)
-
-        # -- used at most once, groups whole --------------------------------------------------
-        n, ex = _grouped(conn, select(c.msg_id).where(mine).group_by(c.msg_id).having(func.count() > 1))
-        check("msg_id_unique", n, "msg_ids with more than one row", ex)
-        n, ex = _grouped(
-            conn,
-            select(c.group_id, c.sample_index)
-            .where(trained)
-            .group_by(c.group_id, c.sample_index)
-            .having(func.count() > 1),
-        )
-        check("trained_once", n, "(group_id, sample_index) pairs trained more than once", ex)
-        n, ex = _grouped(
-            conn,
-            select(c.group_id)
-            .where(used, c.kind == "train")
-            .group_by(c.group_id)
-            .having(or_(func.count(c.trainer_version.distinct()) > 1, func.count(c.status.distinct()) > 1)),
-        )
-        check("group_one_step", n, "training groups used in more than one step or split between trained and dropped", ex)
-        if "group_size" in spec:
-            n, ex = _grouped(
-                conn,
-                select(c.group_id)
-                .where(trained, c.kind == "train")
-                .group_by(c.group_id)
-                .having(func.count() != int(spec["group_size"])),
-            )
-            check("group_complete", n, f"trained groups without exactly group_size={spec['group_size']} trained samples", ex)
-
-        # -- steps against trained rows -------------------------------------------------------
-        per_version = {
-            int(v): int(k)
-            for v, k in conn.execute(
-                select(c.trainer_version, func.count())
-                .where(trained, c.trainer_version.is_not(None))  # null: used_has_version's finding
-                .group_by(c.trainer_version)
-            )
-        }
-        newest = max((s["policy_version"] for s in steps), default=0)
-        by_trained: dict[int, list[dict]] = {}
-        for s in steps:
-            by_trained.setdefault(int(s["policy_version"]) - 1, []).append(s)
-        bad_steps: list[str] = []
-        no_metric = 0
-        for v, rows in sorted(by_trained.items()):
-            claimed = [(r["metrics"] or {}).get("samples") for r in rows]
-            if any(x is None for x in claimed):
-                no_metric += 1
-                continue
-            # Two steps that produced the same version (a trainer restarted without resume)
-            # claim the same rows: their sum must match.
-            total = sum(int(x) for x in claimed if x is not None)
-            if total != per_version.get(v, 0):
-                bad_steps.append(f"step {rows[0]['step']}: {total} samples, {per_version.get(v, 0)} trained rows at v{v}")
-        check("step_samples", len(bad_steps), "train steps whose sample count differs from the trained rows", tuple(bad_steps[:_EXAMPLES]))
-        if no_metric:
-            res.add(Finding("step_samples", "info", no_metric, "train steps without a 'samples' metric (not checked)"))
-        orphans = sorted(v for v in per_version if v not in by_trained)
-        # A running job's current step writes its samples before its train_steps row.
-        if running:
-            pending = [v for v in orphans if v >= newest]
-            orphans = [v for v in orphans if v < newest]
-            if pending:
-                res.add(Finding("trained_has_step", "info", len(pending),
-                                "trainer versions with trained rows whose step is still being recorded",
-                                tuple(f"v{v}" for v in pending)))
-        check("trained_has_step", len(orphans), "trainer versions with trained rows but no train step",
-              tuple(f"v{v}" for v in orphans[:_EXAMPLES]))
-
-        # -- generation versions were loaded --------------------------------------------------
-        loads: dict[str, set[int]] = {}
-        for g, v in conn.execute(select(_loads.c.generator_id, _loads.c.version).where(_loads.c.job_id == job_id)):
-            loads.setdefault(g, set()).add(int(v))
-        used_versions = conn.execute(
-            select(c.generator_id, c.gen_version_min, c.gen_version_max, func.count())
-            .where(trained)
-            .group_by(c.generator_id, c.gen_version_min, c.gen_version_max)
-        ).all()
-        unloaded, unknown_gens = 0, set()
-        unloaded_ex: list[str] = []
-        for g, vmin, vmax, k in used_versions:
-            if g not in loads:
-                unknown_gens.add(g)
-                continue
-            missing = sorted({int(vmin), int(vmax)} - loads[g])
-            if missing:
-                unloaded += int(k)
-                unloaded_ex.append(f"{g} v{missing[0]}")
-        check("gen_version_loaded", unloaded, "trained samples whose generation version their generator never recorded loading",
-              tuple(unloaded_ex[:_EXAMPLES]))
-        if unknown_gens:
-            res.add(Finding("gen_version_loaded", "info", len(unknown_gens),
-                            "generators with trained samples but no recorded loads (not checked)",
-                            tuple(sorted(unknown_gens)[:_EXAMPLES])))
+        _check_samples(q, res)
+        _check_groups(q, res, spec)
+        _check_steps(q, res, steps, running)
+        _check_loads(q, res)
 
     # -- in flight ------------------------------------------------------------------------------
     if res.in_flight:

@@ -38,7 +38,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "(mp.Pipe: pickled tuples of strings and floats); nothing crosses a network, Redis or a "
         "shared filesystem, and no service imports the benchmark"
     ),
-    ("broker/ledger.py", "_configure_sqlite._on_connect", "sql built at run time: execute"): (
+    ("broker/ledger/engine.py", "_configure_sqlite._on_connect", "sql built at run time: execute"): (
         "SQLite's PRAGMA statements take no bound parameters; the only value interpolated is the "
         "module constant _SQLITE_BUSY_TIMEOUT_MS (an int)"
     ),

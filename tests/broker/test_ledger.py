@@ -16,6 +16,10 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from broker.ledger import Base, Ledger
+from broker.ledger import rows as ledger_rows
+from broker.ledger.engine import Database
+from broker.ledger.jobs import JobRepository
+from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = "0005"
@@ -65,6 +69,32 @@ def test_models_match_the_migrations(ledger: Ledger) -> None:
     with ledger.engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
         assert compare_metadata(ctx, Base.metadata) == []
+
+
+@pytest.mark.parametrize(
+    ("shape", "table"),
+    [
+        (ledger_rows.JobRow, "jobs"),
+        (ledger_rows.JobChangeRow, "job_changes"),
+        (ledger_rows.SampleRow, "samples"),
+        (ledger_rows.PolicyVersionRow, "policy_versions"),
+        (ledger_rows.GeneratorLoadRow, "generator_loads"),
+        (ledger_rows.TrainStepRow, "train_steps"),
+        (ledger_rows.CheckpointRow, "checkpoints"),
+        (ledger_rows.EvalRow, "evals"),
+        (ledger_rows.AdminTaskRow, "admin_tasks"),
+    ],
+)
+def test_row_shapes_match_the_tables(shape: Any, table: str) -> None:
+    # A row read back has exactly its table's columns.
+    assert shape.__required_keys__ | shape.__optional_keys__ == set(Base.metadata.tables[table].columns.keys())
+
+
+def test_sample_input_shape_matches_the_table() -> None:
+    columns = set(Base.metadata.tables["samples"].columns.keys())
+    sample_in = ledger_rows.SampleIn
+    assert sample_in.__required_keys__ | sample_in.__optional_keys__ == columns - {"id"}
+    assert set(sample("m1")) == sample_in.__required_keys__
 
 
 def test_upgrade_at_head_is_a_noop(ledger_url: str) -> None:
@@ -124,6 +154,18 @@ def test_import_without_torch_or_vllm() -> None:
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'",
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_repository_works_alone_over_a_database(ledger_url: str) -> None:
+    db = Database(ledger_url)
+    try:
+        db.upgrade()
+        assert JobRepository(db).create_job("j1", "alone", {})
+        assert SampleRepository(db).record_generated([sample("a", job_id="j1")]) == 1
+    finally:
+        db.close()
+    with Ledger(ledger_url) as led:
+        assert led.get_job("j1")["name"] == "alone" and led.status_counts("j1") == {"generated": 1}
 
 
 # -- jobs ----------------------------------------------------------------------------------------

@@ -4,11 +4,14 @@ non-zero on violations."""
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, update
 
+import broker.verify
 from broker.ledger import GeneratorLoad, Ledger, Sample, TrainStep
 from broker.verify import CHECKS, main, verify
 
@@ -211,3 +214,11 @@ def test_cli_exit_codes_and_table(ledger_url: str, capsys, monkeypatch) -> None:
 def test_cli_does_not_create_a_missing_sqlite_ledger(tmp_path) -> None:
     assert main(["--url", f"sqlite:///{tmp_path}/none/ledger.db"]) == 2
     assert not (tmp_path / "none").exists()
+
+
+def test_verify_runs_no_sql_of_its_own() -> None:
+    # Its queries are the ledger's (broker.ledger.audit); verify.py keeps findings and report.
+    tree = ast.parse(Path(broker.verify.__file__).read_text())
+    imports = {(n.module or "", a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert {name for module, name in imports if module.startswith("sqlalchemy")} <= {"make_url"}
+    assert not {module for module, _ in imports if module == "broker.ledger.models"}

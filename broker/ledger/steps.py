@@ -1,0 +1,80 @@
+"""Train steps (each step's metrics and the policy version it produced) and the checkpoints
+committed at them."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import select
+
+from broker.ledger.engine import Repository
+from broker.ledger.models import checkpoints_t, train_steps_t, utcnow
+from broker.ledger.rows import CheckpointRow, TrainStepRow
+
+__all__ = ["StepRepository"]
+
+
+class StepRepository(Repository):
+    def record_train_step(
+        self, job_id: str, step: int, policy_version: int, metrics: dict[str, Any]
+    ) -> None:
+        """Upsert a train step's metrics (a replayed step overwrites, keeping created_at).
+
+        Non-finite metric values are stored as null.
+        """
+        ins = self._db.insert(train_steps_t).values(
+            job_id=job_id,
+            step=step,
+            policy_version=policy_version,
+            metrics=metrics,
+            created_at=utcnow(),
+        )
+        stmt = ins.on_conflict_do_update(
+            index_elements=["job_id", "step"],
+            set_={"policy_version": ins.excluded.policy_version, "metrics": ins.excluded.metrics},
+        )
+        with self._db.write() as s:
+            s.execute(stmt)
+
+    def last_train_step(self, job_id: str) -> TrainStepRow | None:
+        """The job's newest train step, or None before the first."""
+        stmt = (
+            select(train_steps_t)
+            .where(train_steps_t.c.job_id == job_id)
+            .order_by(train_steps_t.c.step.desc())
+            .limit(1)
+        )
+        with self._db.read() as s:
+            row = s.execute(stmt).mappings().first()
+        return cast(TrainStepRow, dict(row)) if row is not None else None
+
+    def train_steps(self, job_id: str) -> list[TrainStepRow]:
+        """A job's train steps ordered by step."""
+        stmt = (
+            select(train_steps_t)
+            .where(train_steps_t.c.job_id == job_id)
+            .order_by(train_steps_t.c.step)
+        )
+        with self._db.read() as s:
+            return [cast(TrainStepRow, dict(r)) for r in s.execute(stmt).mappings()]
+
+    def record_checkpoint(self, job_id: str, step: int, policy_version: int, path: str) -> None:
+        """Record a committed checkpoint (idempotent per job and step)."""
+        stmt = (
+            self._db.insert(checkpoints_t)
+            .values(job_id=job_id, step=step, policy_version=policy_version, path=path,
+                    created_at=utcnow())
+            .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        )
+        with self._db.write() as s:
+            s.execute(stmt)
+
+    def checkpoints(self, job_id: str) -> list[CheckpointRow]:
+        """A job's checkpoints, oldest first."""
+        stmt = (
+            select(checkpoints_t)
+            .where(checkpoints_t.c.job_id == job_id)
+            .order_by(checkpoints_t.c.step)
+        )
+        with self._db.read() as s:
+            return [cast(CheckpointRow, dict(r)) for r in s.execute(stmt).mappings()]
