@@ -25,9 +25,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker.guard_report import describe, guard_trips
 from asyncrl.http_retry import get_json
 from asyncrl.launch import Supervisor
+from broker.guard_report import describe, guard_trips
 from broker.ledger import Ledger
 from broker.ledger.rows import EvalRow, TrainStepRow
 from broker.redis_server import resolve_redis_url

@@ -43,9 +43,9 @@ from typing import Any
 
 from rich.console import Console
 
+from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
 from bench.suite import _run, ours_curve, run_trl, trl_python
-from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
 from shared.datasets import TaskSpec, load_task
 

@@ -48,9 +48,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.claims import _cores, _pinned, machine
-from bench.broker_overhead import bench_broker
 from asyncrl.demo import prepare_model, run_job
+from bench.broker_overhead import bench_broker
+from bench.claims import _cores, _pinned, machine
 from broker.ledger import Ledger
 from broker.ledger.rows import SampleRow
 from shared.datasets import TaskSpec, load_task

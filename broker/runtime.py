@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from broker.ledger import Ledger
-from broker.ledger.rows import JobRow
+from broker.ledger.rows import JobRow, SampleIn
 from broker.redis_server import redact_url, resolve_redis_url
 from broker.streams import CONTROL, JobStreams, connect
 from shared.entry import JobOver, accept_drain, drain_requested
@@ -155,7 +155,7 @@ class ControlWatcher:
         return self.state in ("stopping", "cancelled", "terminating")
 
 
-def sample_row(r: Rollout) -> dict:
+def sample_row(r: Rollout) -> SampleIn:
     """The ledger row of one generated sample (status `generated`), from its rollout alone: the
     generator writes it after publishing, the reward service again before scoring (msg_id keyed,
     so whichever comes first inserts and the other is a no-op)."""

@@ -77,8 +77,8 @@ if __name__ == "__main__":
 
 def system(wd: Path, model: Path, mode: str, max_tokens: int, steps: int) -> dict[str, Any]:
     """One job on the whole system (asyncrl.demo.run_job) with the GPU settings; step figures."""
-    from bench.suite import _batch_rates, _environ
     from asyncrl.demo import run_job
+    from bench.suite import _batch_rates, _environ
     from broker.ledger import Ledger
 
     spec = {"name": f"gpu-{mode}-{max_tokens}", "model_path": str(model), "mode": mode, "steps": steps,
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: this is the GPU variant; on a CPU machine run `asyncrl bench suite`")
     sys.path.insert(0, str(REPO))
-    from bench.claims import machine
     from bench.broker_overhead import bench_broker
+    from bench.claims import machine
 
     wd = Path(a.workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,7 @@ def started_modules(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, (ast.List, ast.Tuple)):
             items = node.elts
-            for a, b in zip(items, items[1:]):
+            for a, b in zip(items, items[1:], strict=False):
                 if (isinstance(a, ast.Constant) and a.value == "-m"
                         and isinstance(b, ast.Constant) and isinstance(b.value, str)):
                     found.add(b.value)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "broker", "generator_svc", "reward_svc", "trainer_svc")
+PACKAGES = ("shared", "broker", "generator_svc", "reward_svc", "trainer_svc", "asyncrl", "bench")
 
 PICKLING_MODULES = {
     "pickle", "cPickle", "_pickle", "cloudpickle", "dill", "joblib", "marshal", "shelve", "copyreg",

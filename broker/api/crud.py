@@ -10,6 +10,7 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 
 from broker.ledger import Ledger
+from broker.ledger.rows import JobRow
 from broker.streams import CONTROL, JobStreams
 from shared.jobspec import JobSpec, format_validation_error
 from shared.schema import Control
@@ -32,7 +33,7 @@ def storable(spec: JobSpec) -> dict[str, Any]:
     return stored
 
 
-def job_or_404(ledger: Ledger, job_id: str) -> dict[str, Any]:
+def job_or_404(ledger: Ledger, job_id: str) -> JobRow:
     """The job's ledger row.
 
     A call in the route rather than a dependency: FastAPI runs dependencies before it validates
@@ -47,7 +48,7 @@ def job_or_404(ledger: Ledger, job_id: str) -> dict[str, Any]:
     return job
 
 
-def live_job(ledger: Ledger, job_id: str, action: str) -> dict[str, Any]:
+def live_job(ledger: Ledger, job_id: str, action: str) -> JobRow:
     """The job's row, if it has not ended.
 
     Raises:

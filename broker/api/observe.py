@@ -18,6 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.routing import Match
 
 from broker.ledger import Ledger
+from broker.ledger.rows import JobRow
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class JobCollector:
         )
         up = GaugeMetricFamily("asyncrl_ledger_up", "1 when this scrape could read the ledger.")
         try:
-            jobs: list[dict[str, Any]] = []
+            jobs: list[JobRow] = []
             for states in METRICS_JOB_STATES:
                 if len(jobs) < self.max_jobs:
                     jobs += self.ledger.list_jobs(limit=self.max_jobs - len(jobs), states=states)

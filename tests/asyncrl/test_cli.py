@@ -16,9 +16,9 @@ import pytest
 import uvicorn
 from typer.testing import CliRunner
 
+from asyncrl.cli import TERMINAL_STATES, app
 from broker import api as broker_api
 from broker.api import create_app
-from asyncrl.cli import TERMINAL_STATES, app
 from broker.ledger import Ledger
 from broker.streams import connect
 from shared.settings import AdminSettings, BrokerSettings

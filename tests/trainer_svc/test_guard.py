@@ -265,8 +265,8 @@ def test_check_reports_the_first_kind():
 
 
 def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
-    from shared.jobspec import JobSpec
     from bench.t_train import fake_batch
+    from shared.jobspec import JobSpec
     from trainer_svc.tiny_model import build_tiny_model
     from trainer_svc.train import Learner, flatten_batch
 

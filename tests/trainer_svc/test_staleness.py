@@ -57,8 +57,8 @@ def test_adaptive_bound_rejects_bad_configuration():
 
 
 def test_learner_applies_the_staleness_lr_scale(tmp_path):
-    from shared.jobspec import JobSpec
     from bench.t_train import fake_batch
+    from shared.jobspec import JobSpec
     from trainer_svc.tiny_model import build_tiny_model
     from trainer_svc.train import Learner, flatten_batch
 

@@ -13,6 +13,7 @@ from broker.api.crud import job_or_404
 from broker.api.deps import Actor, ContextDep, LedgerDep
 from broker.api.errors import error_responses
 from broker.api.models import AdminTask, CheckpointRecord
+from broker.ledger.rows import AdminTaskRow, CheckpointRow
 from shared.spectypes import PrintableStr, refuse_nul
 
 router = APIRouter(tags=["checkpoints"])
@@ -43,7 +44,7 @@ class ExportRequest(BaseModel):
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=list[CheckpointRecord], responses=error_responses(404, 422))
-def checkpoints(job_id: str, ledger: LedgerDep) -> list[dict[str, Any]]:
+def checkpoints(job_id: str, ledger: LedgerDep) -> list[CheckpointRow]:
     """Committed HF-format checkpoints of the job (step, policy version, path)."""
     job_or_404(ledger, job_id)
     return ledger.checkpoints(job_id)
@@ -51,7 +52,7 @@ def checkpoints(job_id: str, ledger: LedgerDep) -> list[dict[str, Any]]:
 
 def submit_admin(
     ctx: ContextDep, actor: str, response: Response, job_id: str, step: int, kind: str, params: dict[str, Any]
-) -> dict[str, Any]:
+) -> AdminTaskRow:
     """Record the task in the ledger, then enqueue it. The same request again while the first
     is queued, running or done answers that task (200) instead of starting another: client
     retries are safe. A failed task may be submitted again.
@@ -90,7 +91,7 @@ def submit_admin(
 
 @router.post("/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202, response_model=AdminTask,
              responses=TASK_RESPONSES)
-def evaluate_checkpoint(job_id: str, step: Step, ctx: ContextDep, actor: Actor, response: Response) -> dict[str, Any]:
+def evaluate_checkpoint(job_id: str, step: Step, ctx: ContextDep, actor: Actor, response: Response) -> AdminTaskRow:
     """Evaluate the checkpoint on the job's held-out set (greedy, the trainer's protocol) in
     the admin worker; the result lands in the ledger's evals (source `checkpoint`) and in
     GET /tasks/{task_id}."""
@@ -101,7 +102,7 @@ def evaluate_checkpoint(job_id: str, step: Step, ctx: ContextDep, actor: Actor, 
              responses=TASK_RESPONSES)
 def export_checkpoint(
     job_id: str, step: Step, ctx: ContextDep, actor: Actor, response: Response, body: ExportRequest | None = None
-) -> dict[str, Any]:
+) -> AdminTaskRow:
     """Copy the checkpoint's HF-format files (no trainer state) to a folder under the worker's
     ADMIN_EXPORT_DIR, verified and renamed into place."""
     name = body.name if body is not None else None

@@ -12,6 +12,7 @@ from broker.api.crud import job_or_404, storable
 from broker.api.deps import Actor, LedgerDep, StreamsDep
 from broker.api.errors import error_responses
 from broker.api.models import JobStatus, JobSummary, SubmittedJob
+from broker.ledger.rows import JobRow
 from shared.jobspec import JobSpec
 from shared.logs import escape_control
 
@@ -34,7 +35,7 @@ def submit(spec: JobSpec, ledger: LedgerDep, actor: Actor) -> dict[str, Any]:
 
 
 @router.get("/jobs", response_model=list[JobSummary], responses=error_responses(422))
-def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobRow]:
     """The newest `limit` jobs, newest first."""
     # Bounded: a limit past SQLite's 64-bit INTEGER was a 500; a negative one meant "all".
     return ledger.list_jobs(limit=limit)

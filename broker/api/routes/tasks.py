@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
@@ -11,6 +11,7 @@ from broker.api.deps import LedgerDep
 from broker.api.errors import error_responses
 from broker.api.models import AdminTask
 from broker.ledger import ADMIN_TASK_KINDS
+from broker.ledger.rows import AdminTaskRow
 
 router = APIRouter(tags=["tasks"], responses=error_responses(404, 422))
 
@@ -20,7 +21,7 @@ def job_tasks(
     job_id: str,
     ledger: LedgerDep,
     kind: Annotated[str | None, Query(description=f"One of: {', '.join(ADMIN_TASK_KINDS)}.")] = None,
-) -> list[dict[str, Any]]:
+) -> list[AdminTaskRow]:
     """The job's admin tasks, oldest first."""
     job_or_404(ledger, job_id)
     if kind is not None and kind not in ADMIN_TASK_KINDS:
@@ -29,7 +30,7 @@ def job_tasks(
 
 
 @router.get("/tasks/{task_id}", response_model=AdminTask)
-def task_status(task_id: str, ledger: LedgerDep) -> dict[str, Any]:
+def task_status(task_id: str, ledger: LedgerDep) -> AdminTaskRow:
     """One admin task: queued, running, succeeded (with its result) or failed (with the error)."""
     task = ledger.get_admin_task(task_id)
     if task is None:
