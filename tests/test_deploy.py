@@ -250,7 +250,7 @@ def test_docker_compose_config_accepts_the_files(files, tmp_path):
 
 # --- Dockerfiles ----------------------------------------------------------------------------
 
-PACKAGES = {"shared", "broker", "generator_svc", "reward_svc", "trainer_svc"}
+PACKAGES = {"shared", "broker", "generator_svc", "reward_svc", "trainer_svc", "asyncrl", "bench"}
 
 
 @pytest.mark.parametrize("dockerfile,extra", [("deploy/Dockerfile.cpu", "cpu"), ("deploy/Dockerfile.cuda", "cuda")])
