@@ -164,6 +164,17 @@ class Parts:
         return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
                                self.job_id, self.settings.keep_versions, self.state.run_id, self.learner.snapshot())
 
+    def compare_redone(self, checksum: str) -> None:
+        """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""
+        st, resume = self.state, self.resume
+        assert resume is not None
+        before = resume.checksums.get(st.version)
+        if before == checksum:
+            log.info("re-done step %d reproduces version %d (checksum %s)", st.step, st.version, checksum)
+        else:
+            log.warning("re-done step %d gives version %d checksum %s, the predecessor published %s "
+                        "(non-deterministic kernels?)", st.step, st.version, checksum, before)
+
     def roll_back(self, rb: RollBack) -> bool:
         """Carry out a collapse guard trip: the policy the plan trusts (none: what
         guard.on_no_checkpoint says), a lower lr, a tighter staleness bound if the importance

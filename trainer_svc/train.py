@@ -117,13 +117,7 @@ def _train(p: Parts) -> None:
         # publish weights
         publish_s, checksum = p.publish()
         if batch.redo is not None:
-            assert p.resume is not None
-            before = p.resume.checksums.get(st.version)
-            if before == checksum:
-                log.info("re-done step %d reproduces version %d (checksum %s)", st.step, st.version, checksum)
-            else:
-                log.warning("re-done step %d gives version %d checksum %s, the predecessor published %s "
-                            "(non-deterministic kernels?)", st.step, st.version, checksum, before)
+            p.compare_redone(checksum)
 
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         times = {"time/wait_s": t_data - t_start, "time/train_s": t_train - t_data, "time/publish_s": publish_s}
