@@ -20,8 +20,11 @@ import torch
 from shared.jobspec import JobSpec
 from shared.schema import Rollout, Scored, pack_f32, pack_i32
 from shared.transport import TcpWeightServer, build_manifest
+from trainer_svc.batch import TrainBatch
 from trainer_svc.feeder import Group
-from trainer_svc.train import Learner, flatten_batch, flatten_weights
+from trainer_svc.learner import Learner
+from trainer_svc.sink import flatten_batch
+from trainer_svc.weights import flatten_weights
 
 
 def fake_batch(prompts: int, n: int, max_tokens: int, vocab: int, seed: int = 0) -> list[Group]:
@@ -62,7 +65,7 @@ def main() -> None:
     step_s, publish_s = [], []
     for rep in range(a.reps + 1):  # the first repetition warms up
         t0 = time.perf_counter()
-        learner.step(samples, rewards)
+        learner.step(TrainBatch.of(samples, rewards))
         t1 = time.perf_counter()
         entries, buf = flatten_weights(learner.model)
         server.serve(build_manifest(rep, entries, buf), buf)

@@ -224,14 +224,13 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
 
 
 def _in_flight_bound(spec: dict) -> int | None:
-    """(k + 1) * prompts_per_step training groups of group_size, plus one evaluation round."""
+    """(k + 1) * prompts_per_step training groups of group_size, plus one evaluation round
+    (shared/staleness_bound.py); None for a spec that does not say."""
+    from shared.staleness_bound import in_flight_samples
+
     try:
-        k = int(spec.get("max_staleness", 1)) if spec.get("mode", "async") == "async" else 0
-        if spec.get("adaptive_staleness"):
-            k = max(k, int(spec["adaptive_staleness"].get("k_max", k)))
-        evals = int((spec.get("task") or {}).get("n_test", 0))
-        return (k + 1) * int(spec["prompts_per_step"]) * int(spec["group_size"]) + evals
-    except (KeyError, TypeError, ValueError):
+        return in_flight_samples(spec)
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 

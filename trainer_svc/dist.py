@@ -8,11 +8,12 @@ Who does what with N ranks:
 - **rank 0** is the trainer the rest of the system sees: the feeder, the scored stream, the ledger,
   the control stream, the weight server, checkpoints. Before each piece of collective work
   (building the model, a step, a weight snapshot, a checkpoint gather, a roll-back) it
-  `announce`s it to the other ranks: one msgpack message broadcast as a uint8 tensor (a length,
-  then the bytes; never pickle, so no `broadcast_object_list`). A step's message carries the whole
-  global batch, encoded with the wire schema: every rank needs all rewards (group advantages) and
-  all completion lengths (global loss normalisation) anyway, it keeps the other ranks off Redis
-  and the ledger entirely, and the batch is small next to the weights (16 groups x 8 samples x 1k
+  `announce`s it to the other ranks: one msgpack header broadcast as a uint8 tensor (a length,
+  then the bytes; never pickle, so no `broadcast_object_list`), then the call's tensors, each
+  broadcast as it is. A step's announcement carries the whole global batch as tensors
+  (trainer_svc/batch.py `TrainBatch`): every rank needs all rewards (group advantages) and all
+  completion lengths (global loss normalisation) anyway, it keeps the other ranks off Redis and
+  the ledger entirely, and the batch is small next to the weights (16 groups x 8 samples x 1k
   tokens ~ 1 MB). Pause, resume, stop and cancel are rank 0's decisions: while it waits it sends a
   `tick` now and then so a long pause never reaches the collective timeout, and `exit` at the end.
 - **ranks 1..N-1** hold no connection to anything but the process group: `receive` an
@@ -100,23 +101,37 @@ class Ranks:
 
     # --- rank 0 -> the others ------------------------------------------------------------------
 
-    def announce(self, op: str, **payload: Any) -> None:
+    def announce(self, op: str, tensors: Mapping[str, torch.Tensor] | None = None, **payload: Any) -> None:
         """Rank 0: tell every other rank which collective call comes next, with its arguments
-        (msgpack-able). A no-op on the other ranks and at world size 1."""
+        (`payload` msgpack-able, `tensors` by name). A no-op on the other ranks and at world size 1."""
         if not self.sharded or not self.is_main:
             return
-        data = msgpack.packb({"op": op, **payload}, use_bin_type=True)
+        tensors = dict(tensors or {})
+        heads = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+        data = msgpack.packb({"op": op, **payload, "tensors": heads}, use_bin_type=True)
         dist.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=self._comm), 0)
         dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._comm), 0)
+        for t in tensors.values():
+            if t.numel():
+                dist.broadcast(_sendable(t).contiguous().to(self._comm), 0)
         self._last_sent = time.monotonic()
 
     def receive(self) -> dict[str, Any]:
-        """Ranks 1..N-1: the next announcement from rank 0 (blocks)."""
+        """Ranks 1..N-1: the next announcement from rank 0 (blocks); its tensors, on the CPU,
+        under "tensors"."""
         n = torch.zeros(1, dtype=torch.int64, device=self._comm)
         dist.broadcast(n, 0)
         buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self._comm)
         dist.broadcast(buf, 0)
-        return msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
+        m = msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
+        tensors = {}
+        for name, dtype, shape in m.pop("tensors", []):
+            want = getattr(torch, dtype)
+            t = _sendable(torch.empty(shape, dtype=want)).to(self._comm)
+            if t.numel():
+                dist.broadcast(t, 0)
+            tensors[name] = t.cpu().to(want)
+        return {**m, "tensors": tensors}
 
     def keepalive(self) -> None:
         """Rank 0, while it waits (for data, or paused): a tick if it has been quiet a while."""
@@ -238,6 +253,11 @@ class Ranks:
                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, by_name,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a dtype every backend broadcasts (gloo has no bool)."""
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

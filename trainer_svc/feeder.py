@@ -2,7 +2,7 @@
 
 The feeder lives in the trainer because its pace must follow the optimizer step: it keeps at most
 `(max_staleness + 1) * prompts_per_step` training groups in flight (fed but not yet consumed), so a
-generator can never run further ahead than the staleness budget allows (DESIGN.md, backpressure).
+generator can never run further ahead than the staleness budget allows (backpressure).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from shared.schema import (
     decode,
     pack_i32,
 )
+from shared.staleness_bound import groups_in_flight
 from shared.tasks import Problem
 
 # A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
@@ -103,11 +104,11 @@ class Feeder:
         self.cursor += 1
         return p
 
-    def top_up(self, version: int, bound: int | None = None) -> int:
+    def top_up(self, version: int, bound: int) -> int:
         """Feed training groups until (bound + 1) * prompts_per_step are in flight; returns how many
-        were fed. `bound` is the current staleness bound (it moves under adaptive staleness)."""
-        k = self.spec.staleness_bound if bound is None else bound
-        cap = (k + 1) * self.spec.prompts_per_step
+        were fed. `bound` is the current staleness bound (trainer_svc/staleness.py StalenessBound;
+        it moves under adaptive staleness, live knobs and the collapse guard)."""
+        cap = groups_in_flight(bound, self.spec.prompts_per_step)
         sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p)
         msgs = []
         while len(self.in_flight) + len(msgs) < cap:

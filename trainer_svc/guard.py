@@ -265,3 +265,110 @@ def check(
     if (r := reward_collapse(rewards, cfg, batch_noise(metrics))) is not None:
         return "reward_collapse", r
     return None
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """What a trip does (`CollapseGuard.trip`): the recovery, and from which step on the
+    trajectory goes (`back_to`; the current step when the policy is kept)."""
+
+    kind: str
+    reason: str
+    step: int  # the step that tripped
+    plan: Recovery
+    back_to: int
+
+    @property
+    def redo(self) -> bool:
+        """Whether the step is to be redone (False: the current policy was kept, its update stands)."""
+        return self.plan.step is not None
+
+    def change(self) -> dict[str, object]:
+        """The ledger's change record of the trip, before the loop adds what it lowered."""
+        return {"reason": self.reason, "kind": self.kind, "step": self.step, "action": self.plan.action,
+                "note": self.plan.note}
+
+
+class CollapseGuard:
+    """The collapse guard of one trajectory: its trips so far, the [step, reward] series and the
+    checkpoints of the current trajectory, and the [lo, hi] policy versions roll-backs discarded.
+
+    `inspect` runs the checks (`check`) on a step before anyone sees its update; `trip` turns a
+    trip into a `RollBack` and moves this state to the trajectory it goes on from. The pure
+    functions above do the judging."""
+
+    def __init__(self, cfg: GuardSpec, loss: str):
+        self.cfg, self.loss = cfg, loss
+        self.trips = 0
+        self.rewards: list[list[float]] = []
+        self.checkpoints: list[int] = []
+        self.discarded: list[list[int]] = []
+        self.measured: float | None = None  # the step being inspected: its trusted reward
+        self.window: list[float] = []
+
+    def gone(self, versions: set[int]) -> list[int]:
+        """Those of `versions` a roll-back discarded."""
+        return [v for v in versions if rolled_back(v, self.discarded)]
+
+    def inspect(self, metrics: Mapping[str, float], rewards: Sequence[float], versions: Sequence[int],
+                retry: bool = False, redo: bool = False) -> tuple[str, str] | None:
+        """(kind, reason) of a trip of this step, or None. `rewards`, `versions`: each sample's
+        reward and the policy that generated it (the series counts only samples of policies on
+        the current trajectory). `retry`: the redo of a rolled-back step, on the same samples now
+        even further off-policy (AIPO truncates their weights): only a garbage update trips it
+        again. `redo`: a resume's re-done step, which stood once already: never trips."""
+        self.measured = trusted_reward(rewards, versions, self.discarded)
+        self.window = [] if self.measured is None else [r for _, r in self.rewards] + [self.measured]
+        if retry:
+            return None if (bad := non_finite(metrics)) is None else ("non_finite", bad)
+        if redo or not self.cfg.enabled:
+            return None
+        return check(metrics, self.window, self.cfg, self.loss)
+
+    def trip(self, kind: str, reason: str, step: int, version: int) -> RollBack:
+        """A trip at `step` (the one just trained, from policy `version`): back to the newest
+        checkpoint of this trajectory the guard still trusts (`trusted_step`), or with none what
+        guard.on_no_checkpoint says (`recovery`). The series, checkpoints and discarded versions
+        follow the trajectory from `back_to` on, unless the plan is `fail`.
+
+        Raises:
+            RuntimeError: the guard tripped more than max_trips times.
+        """
+        self.trips += 1
+        if self.trips > self.cfg.max_trips:
+            raise RuntimeError(f"collapse guard tripped {self.trips} times (last at step {step}: {reason}); giving up")
+        bound = trusted_step(kind, self.window, [int(s) for s, _ in self.rewards] + [step], self.cfg)
+        plan = recovery(kind, self.checkpoints, bound, self.cfg)
+        back_to = step - 1 if plan.step is None else plan.step  # kept: the trajectory goes on from here
+        out = RollBack(kind, reason, step, plan, back_to)
+        if plan.action == "fail":
+            return out
+        # the trajectory goes on from back_to: later checkpoints, rewards and versions are not its own
+        self.checkpoints = [c for c in self.checkpoints if c <= back_to]
+        self.rewards = [x for x in self.rewards if x[0] <= back_to]
+        if plan.step is None and kind == "reward_collapse":  # the kept policy's reward is measured afresh
+            self.rewards = []
+        if step - 1 > back_to:  # one version per step: back_to's weights are version - (step - 1 - back_to)
+            self.discarded = [*self.discarded, [version - (step - 1 - back_to) + 1, version]]
+        return out
+
+    def stood(self, step: int) -> None:
+        """`step`'s update stands: its trusted reward joins the series."""
+        if self.measured is not None:
+            self.rewards.append([step, self.measured])
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of `step` on this trajectory."""
+        self.checkpoints = [*(c for c in self.checkpoints if c != step), step]
+
+    def state(self) -> dict[str, object]:
+        """The checkpoint's `guard` entry: rewards, trips, checkpoints, discarded."""
+        return {"rewards": self.rewards, "trips": self.trips, "checkpoints": self.checkpoints,
+                "discarded": self.discarded}
+
+    def restore(self, state: Mapping[str, Sequence]) -> None:
+        """The inverse of `state`."""
+        self.rewards = [list(x) for x in state["rewards"]]
+        self.trips = int(state["trips"])  # type: ignore[call-overload]
+        self.checkpoints = [int(c) for c in state["checkpoints"]]
+        self.discarded = [[int(lo), int(hi)] for lo, hi in state["discarded"]]

@@ -1,11 +1,17 @@
-"""Staleness control beyond the fixed bound: an adaptive bound and a staleness-aware step size.
+"""The staleness bound k: its one owner, its adaptive policy, and a staleness-aware step size.
 
-Pure and small; the trainer feeds them one step's metrics and applies what they return.
+`StalenessBound` is the only writer of k while a job runs: the spec's starting value
+(shared/staleness_bound.py), the live knob `max_staleness`, the collapse guard's tightening, a
+resume, and the adaptive controller (its policy, when the job has one). The rest is pure and small.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from shared.jobspec import JobSpec
+from shared.staleness_bound import start_bound
 
 
 def staleness_lr_scale(mean_staleness: float) -> float:
@@ -62,3 +68,58 @@ class AdaptiveStaleness:
                 self.k = min(self.k_max, self.k + 1)
                 self.calm = 0
         return self.k
+
+
+class StalenessBound:
+    """The current bound k of one trainer run: samples more than k versions old are dropped, and
+    the feeder keeps (k + 1) * prompts_per_step groups in flight.
+
+    Under adaptive staleness (async jobs with `adaptive_staleness`) k is the controller's, and
+    every write goes through it (so it stays in [k_min, k_max]); else k is held here. Sync jobs
+    keep k = 0 whatever is written."""
+
+    def __init__(self, spec: JobSpec):
+        self.asynchronous = spec.mode == "async"
+        a = spec.adaptive_staleness if self.asynchronous else None
+        self.policy = None if a is None else AdaptiveStaleness(a.k_min, a.k_max, a.metric, a.threshold, a.patience)
+        self._k = start_bound(spec.mode, spec.max_staleness, None if a is None else a.k_max)
+
+    @property
+    def k(self) -> int:
+        if self.policy is not None:
+            assert self.policy.k is not None
+            return self.policy.k
+        return self._k
+
+    def set_knob(self, k: int) -> None:
+        """The live knob `max_staleness` (async only; clamped to the adaptive range)."""
+        if not self.asynchronous:
+            return
+        if self.policy is not None:
+            self.policy.k = min(max(int(k), self.policy.k_min), self.policy.k_max)
+        self._k = int(k) if self.policy is None else self.k
+
+    def tighten(self) -> None:
+        """One version tighter (the collapse guard's answer to blown-up importance weights; async
+        only), never below the adaptive k_min nor 0."""
+        if not self.asynchronous:
+            return
+        k = max(self.policy.k_min if self.policy is not None else 0, self.k - 1)
+        if self.policy is not None:
+            self.policy.k = k
+        self._k = k
+
+    def after_step(self, metrics: dict[str, float]) -> None:
+        """The adaptive policy's bound for the next step, from this step's drift (no policy: k stays)."""
+        if self.policy is not None:
+            self._k = self.policy.update(metrics)
+
+    def state(self) -> dict[str, Any]:
+        """`k` and `adaptive` (the controller's k and calm count, or None), the checkpoint's keys."""
+        return {"k": self.k, "adaptive": None if self.policy is None else {"k": self.policy.k, "calm": self.policy.calm}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The inverse of `state`."""
+        self._k = int(state["k"])
+        if self.policy is not None and state.get("adaptive") is not None:
+            self.policy.k, self.policy.calm = int(state["adaptive"]["k"]), int(state["adaptive"]["calm"])

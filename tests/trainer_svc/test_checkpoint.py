@@ -15,6 +15,7 @@ from shared.prompts import renderer
 from shared.schema import EvalItem, Rollout, SamplingParams, Scored, pack_f32, pack_i32
 from shared.tasks import Problem
 from trainer_svc import checkpoint
+from trainer_svc.batch import TrainBatch
 from trainer_svc.feeder import Feeder, group_seq
 from trainer_svc.tiny_model import build_tokenizer
 
@@ -44,15 +45,16 @@ def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_p
     from transformers import AutoModelForCausalLM
 
     from bench.t_train import fake_batch
-    from trainer_svc.train import Learner, flatten_batch
+    from trainer_svc.learner import Learner
+    from trainer_svc.sink import flatten_batch
 
     spec = JobSpec(model_path=str(tiny), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
                    algorithm={"lr": 1e-3}, task={"n_train": 8, "n_test": 2})
     a = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, a.model.config.vocab_size))
-    a.step(samples, rewards)  # optimizer state exists (exp_avg, exp_avg_sq, step)
+    a.step(TrainBatch.of(samples, rewards))  # optimizer state exists (exp_avg, exp_avg_sq, step)
     feeder = Feeder(streams, spec, [Problem(i, f"{i}+1=", str(i + 1)) for i in range(8)], RENDER)
-    feeder.top_up(1)  # cap 2 groups
+    feeder.top_up(1, spec.staleness_bound)  # cap 2 groups
     final = checkpoint.step_dir(tmp_path, "job1", 1)
     state = {"job_id": "job1", "step": 1, "policy_version": 1, "k": 1, "lr": 1e-3, "knobs": {},
              "adaptive": None, "run_id": "r0", "feeder": feeder.state()}
@@ -84,8 +86,8 @@ def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_p
         for key in sa["state"][i]:
             assert torch.equal(sa["state"][i][key], sb["state"][i][key]), (i, key)
     # the strongest check: the next step from the restored state is the same update, bit for bit
-    a.step(samples, rewards)
-    b.step(samples, rewards)
+    a.step(TrainBatch.of(samples, rewards))
+    b.step(TrainBatch.of(samples, rewards))
     for (na, pa), pb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), na
 
@@ -107,8 +109,8 @@ def test_feeder_journals_after_every_publish(streams):
     spec = JobSpec(model_path="m", max_staleness=0, prompts_per_step=2, group_size=2)
     seen = []
     f = Feeder(streams, spec, [Problem(i, "p", "a") for i in range(4)], RENDER, "run1", journal=seen.append)
-    f.top_up(0)
-    f.top_up(0)  # full: nothing published, nothing journaled
+    f.top_up(0, spec.staleness_bound)
+    f.top_up(0, spec.staleness_bound)  # full: nothing published, nothing journaled
     rnd = f.feed_eval(0, 4, "held_out", [EvalItem(prompt_index=0, prompt="p", answer="a")], 1, SamplingParams())
     assert [s["seq"] for s in seen] == [2, 2] and seen[0]["in_flight"] == ["job1/run1/g0", "job1/run1/g1"]
     assert seen[1]["open_evals"] == {rnd: [4, "held_out"]}

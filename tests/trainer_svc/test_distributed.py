@@ -31,6 +31,7 @@ import torch
 
 from shared.jobspec import JobSpec
 from shared.schema import Rollout, Scored, pack_f32, pack_i32
+from trainer_svc.batch import TrainBatch
 
 STEPS = 2
 CASES = {"one-micro-batch-per-rank": 64, "padded": 4}  # micro_batch_size; 9 samples -> shares 5 and 4
@@ -42,7 +43,7 @@ def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple
     metrics, seconds = [], []
     for _ in range(STEPS):
         t0 = time.perf_counter()
-        metrics.append(learner.step(samples, rewards))
+        metrics.append(learner.step(TrainBatch.of(samples, rewards)))
         seconds.append(time.perf_counter() - t0)
     return metrics, seconds
 
@@ -74,7 +75,7 @@ def _worker(model: str, out: str) -> None:
     from shared.settings import TrainerSettings
     from trainer_svc import checkpoint
     from trainer_svc.dist import KEEPALIVE_S, Ranks
-    from trainer_svc.train import Learner, follow
+    from trainer_svc.learner import Learner, follow
 
     torch.set_num_threads(1)
     ranks = Ranks.from_env("cpu")
@@ -96,7 +97,7 @@ def _worker(model: str, out: str) -> None:
         ckpt = checkpoint.step_dir(out, case, STEPS)
         checkpoint.save(ckpt, learner.model, learner.tokenizer, optim, {"step": STEPS, "policy_version": STEPS},
                         model_state=weights)
-        learner.step(samples, rewards)  # moves on, then rolls back to the checkpoint
+        learner.step(TrainBatch.of(samples, rewards))  # moves on, then rolls back to the checkpoint
         learner.restore(ckpt)
         back_w, back_o = learner.full_state()
         restored = all(torch.equal(back_w[k], weights[k]) for k in weights) and all(
@@ -136,7 +137,8 @@ def tiny_model(tmp_path_factory):
 @pytest.mark.slow
 def test_two_ranks_step_like_one(tmp_path, tiny_model):
     from trainer_svc import checkpoint
-    from trainer_svc.train import Learner, probe
+    from trainer_svc.learner import Learner
+    from trainer_svc.weights import probe
 
     t0 = time.perf_counter()
     proc = _torchrun(__file__, str(tiny_model), str(tmp_path))
@@ -175,7 +177,7 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
         checkpoint.load_state(Path(got["ckpt"]))
         for k, v in resumed.model.state_dict().items():
             assert torch.equal(v, two["weights"][k]), k
-        m1, m2 = one.step(samples, rewards), resumed.step(samples, rewards)
+        m1, m2 = one.step(TrainBatch.of(samples, rewards)), resumed.step(TrainBatch.of(samples, rewards))
         assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
         print(f"\n{case} (micro-batch {mb}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
               f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")

@@ -41,11 +41,11 @@ def _problems(n):
 def test_in_flight_cap_is_k_plus_one_batches(streams, mode, k, cap):
     spec = JobSpec(model_path="m", mode=mode, max_staleness=k, prompts_per_step=4, group_size=2)
     feeder = Feeder(streams, spec, _problems(10), RENDER)
-    assert feeder.top_up(0) == cap
-    assert feeder.top_up(0) == 0  # full: nothing more until groups are consumed
+    assert feeder.top_up(0, spec.staleness_bound) == cap
+    assert feeder.top_up(0, spec.staleness_bound) == 0  # full: nothing more until groups are consumed
     for gid in list(feeder.in_flight)[:3]:
         feeder.done(gid)
-    assert feeder.top_up(1) == 3
+    assert feeder.top_up(1, spec.staleness_bound) == 3
     if mode == "async" and k >= 1:  # a tighter bound (adaptive staleness) shrinks the cap
         assert feeder.top_up(1, bound=k - 1) == 0
     _, msgs = streams.read_broadcast(PROMPTS, "0", PromptGroup)
@@ -85,7 +85,7 @@ def test_training_groups_carry_the_rendered_prompt_ids_metadata_and_stop_rules(s
     spec = JobSpec(model_path="m", prompts_per_step=1, max_staleness=0, group_size=2,
                    sampling={"stop": ["\n"], "min_tokens": 1, "max_tokens": 6})
     problems = [Problem(0, "12+3=", "15", metadata={"difficulty": 2, "tags": ["add"]})]
-    Feeder(streams, spec, problems, RENDER).top_up(0)
+    Feeder(streams, spec, problems, RENDER).top_up(0, spec.staleness_bound)
     _, (msg,) = streams.read_broadcast(PROMPTS, "0", PromptGroup)
     tok = build_tokenizer()
     assert msg.prompt_array().tolist() == tok("12+3=")["input_ids"]  # what vLLM makes of the text, <s> first

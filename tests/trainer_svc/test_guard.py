@@ -16,6 +16,7 @@ from trainer_svc.algorithms import (
     finalize_metrics,
     policy_loss,
 )
+from trainer_svc.batch import TrainBatch
 from trainer_svc.guard import (
     IS_SIGNALS,
     Recovery,
@@ -267,20 +268,21 @@ def test_check_reports_the_first_kind():
 def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
     from bench.t_train import fake_batch
     from shared.jobspec import JobSpec
+    from trainer_svc.learner import Learner
+    from trainer_svc.sink import flatten_batch
     from trainer_svc.tiny_model import build_tiny_model
-    from trainer_svc.train import Learner, flatten_batch
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
     spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
                    algorithm={"lr": 1e-2})
     learner = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, learner.model.config.vocab_size))
-    learner.step(samples, rewards)
+    learner.step(TrainBatch.of(samples, rewards))
     final = checkpoint.step_dir(tmp_path, "job", 1)
     checkpoint.save(final, learner.model, learner.tokenizer, learner.optimizer, {"step": 1, "policy_version": 1})
     good = {n: t.clone() for n, t in learner.model.state_dict().items()}
     good_avg = learner.optimizer.state_dict()["state"][0]["exp_avg"].clone()
-    learner.step(samples, rewards)  # the "bad" step
+    learner.step(TrainBatch.of(samples, rewards))  # the "bad" step
     assert not torch.equal(learner.model.state_dict()["lm_head.weight"], good["lm_head.weight"])
     learner.restore(final)
     for n, t in learner.model.state_dict().items():
@@ -290,4 +292,4 @@ def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
     # without a checkpoint: the job's initial model and a fresh optimizer
     learner.restore(None)
     assert learner.optimizer.state_dict()["state"] == {}
-    assert learner.step(samples, rewards)["lr"] == pytest.approx(1e-2)  # and it trains on from there
+    assert learner.step(TrainBatch.of(samples, rewards))["lr"] == pytest.approx(1e-2)  # and it trains on from there

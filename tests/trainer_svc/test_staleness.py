@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trainer_svc.algorithms import is_fresh
+from trainer_svc.batch import TrainBatch
 from trainer_svc.staleness import AdaptiveStaleness, staleness_lr_scale
 
 
@@ -59,15 +60,16 @@ def test_adaptive_bound_rejects_bad_configuration():
 def test_learner_applies_the_staleness_lr_scale(tmp_path):
     from bench.t_train import fake_batch
     from shared.jobspec import JobSpec
+    from trainer_svc.learner import Learner
+    from trainer_svc.sink import flatten_batch
     from trainer_svc.tiny_model import build_tiny_model
-    from trainer_svc.train import Learner, flatten_batch
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
     spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
                    algorithm={"lr": 1e-3, "staleness_lr": True})
     learner = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, learner.model.config.vocab_size))
-    metrics = learner.step(samples, rewards, lr_scale=staleness_lr_scale(2.0))
+    metrics = learner.step(TrainBatch.of(samples, rewards), lr_scale=staleness_lr_scale(2.0))
     assert metrics["lr"] == pytest.approx(5e-4)
     assert learner.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
-    assert learner.step(samples, rewards, lr_scale=1.0)["lr"] == pytest.approx(1e-3)
+    assert learner.step(TrainBatch.of(samples, rewards), lr_scale=1.0)["lr"] == pytest.approx(1e-3)

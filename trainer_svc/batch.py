@@ -1,0 +1,113 @@
+"""A global training batch as tensors: what the learner and the other ranks see.
+
+Scored wire messages become a `TrainBatch` once, at the edge (`TrainBatch.of`); from there on the
+step, the rank broadcast (trainer_svc/dist.py) and every micro-batch work on tensors. Ragged
+sequences are stored flat with their lengths, so a micro-batch pads only its own rows (the same
+padding `logprobs.pad_batch` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+
+from shared.schema import Scored
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """B samples in group order, G groups of n. Flat fields hold every sample's tokens back to
+    back; `*_lens` cut them apart."""
+
+    prompt_tokens: torch.Tensor  # (sum P_i,) int64
+    prompt_lens: torch.Tensor  # (B,) int64
+    completion_tokens: torch.Tensor  # (sum C_i,) int64
+    completion_lens: torch.Tensor  # (B,) int64
+    behaviour_logprobs: torch.Tensor  # (sum C_i,) float32: the sampler's logprob of each completion token
+    rewards: torch.Tensor  # (G, n) float32
+    temperatures: torch.Tensor  # (B,) float32: each sample's sampling temperature
+    truncated: torch.Tensor  # (B,) bool: cut at max_tokens rather than ended by EOS or a stop rule
+    versions: torch.Tensor  # (B,) int64: the policy version that generated each sample
+    terms: torch.Tensor  # (K,) float64: the mean of each reward term (`term_names`) over the samples that have it
+    term_names: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, samples: Sequence[Scored], rewards: torch.Tensor) -> TrainBatch:
+        """`samples` in group order, `rewards` (G, n) their rewards (the batch's, to shape later)."""
+        prompts = [s.rollout.prompt_array() for s in samples]
+        comps = [s.rollout.completion_array() for s in samples]
+        sums: dict[str, list[float]] = {}
+        for s in samples:
+            for name, v in s.details.items():
+                sums.setdefault(name, []).append(v)
+
+        def flat(arrays: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0)).to(dtype)
+
+        return cls(
+            prompt_tokens=flat(prompts, torch.int64),
+            prompt_lens=torch.tensor([a.size for a in prompts], dtype=torch.int64),
+            completion_tokens=flat(comps, torch.int64),
+            completion_lens=torch.tensor([a.size for a in comps], dtype=torch.int64),
+            behaviour_logprobs=flat([s.rollout.logprob_array() for s in samples], torch.float32),
+            rewards=rewards.to(torch.float32),
+            temperatures=torch.tensor([s.rollout.temperature for s in samples], dtype=torch.float32),
+            truncated=torch.tensor([s.rollout.finish_reason == "length" for s in samples], dtype=torch.bool),
+            versions=torch.tensor([s.rollout.policy_version for s in samples], dtype=torch.int64),
+            terms=torch.tensor([float(np.mean(v)) for v in sums.values()], dtype=torch.float64),
+            term_names=tuple(sums),
+        )
+
+    def __len__(self) -> int:
+        return int(self.prompt_lens.numel())
+
+    def with_rewards(self, rewards: torch.Tensor) -> TrainBatch:
+        """The same samples with other (G, n) rewards (the over-long treatment's)."""
+        return replace(self, rewards=rewards)
+
+    def reward_terms(self) -> dict[str, float]:
+        """`reward/<term>`: each term of a weighted-sum reward on its own."""
+        return {f"reward/{name}": float(v) for name, v in zip(self.term_names, self.terms.tolist(), strict=True)}
+
+    # --- to and from the other ranks -----------------------------------------------------------
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor field by name (`from_tensors` inverts it with `term_names`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "term_names"}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], term_names: Sequence[str]) -> TrainBatch:
+        return cls(**tensors, term_names=tuple(term_names))
+
+    # --- one micro-batch -----------------------------------------------------------------------
+
+    def micro_batch(self, lo: int, hi: int, pad_id: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Samples [lo, hi) as model inputs: input_ids (b, L), attention_mask (b, L), behaviour
+        logprobs (b, L-1), completion mask (b, L-1) and temperatures (b,), with L the longest
+        prompt + completion of these rows; right-padded like `logprobs.pad_batch`."""
+        p_off = _offsets(self.prompt_lens)
+        c_off = _offsets(self.completion_lens)
+        lengths = self.prompt_lens[lo:hi] + self.completion_lens[lo:hi]
+        b, seq_len = hi - lo, int(lengths.max())
+        input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, seq_len), dtype=torch.long)
+        mask = torch.zeros((b, max(seq_len - 1, 0)), dtype=torch.float32)
+        behaviour = torch.zeros_like(mask)
+        for row, i in enumerate(range(lo, hi)):
+            p, c = int(self.prompt_lens[i]), int(self.completion_lens[i])
+            input_ids[row, :p] = self.prompt_tokens[p_off[i] : p_off[i] + p]
+            input_ids[row, p : p + c] = self.completion_tokens[c_off[i] : c_off[i] + c]
+            attn[row, : p + c] = 1
+            # token j (j in [p, p + c)) is scored at shifted position j - 1
+            mask[row, p - 1 : p + c - 1] = 1.0
+            behaviour[row, p - 1 : p + c - 1] = self.behaviour_logprobs[c_off[i] : c_off[i] + c]
+        return input_ids, attn, behaviour, mask, self.temperatures[lo:hi]
+
+
+def _offsets(lens: torch.Tensor) -> list[int]:
+    """Start of each row in the flat tensor cut by `lens`."""
+    return [0, *torch.cumsum(lens, 0).tolist()[:-1]]

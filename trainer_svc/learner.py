@@ -1,0 +1,195 @@
+"""The learner: the policy, its optimizer and the algorithm, one optimizer step on one global batch
+(`Learner`), and what ranks 1..N-1 run instead of the loop (`follow`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.entry import accept_drain
+from shared.jobspec import JobSpec
+from shared.settings import TrainerSettings
+from trainer_svc import checkpoint
+from trainer_svc.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    BatchNorm,
+    LossConfig,
+    LossInputs,
+    accumulate,
+    finalize_metrics,
+    lookup,
+    policy_loss,
+)
+from trainer_svc.batch import TrainBatch
+from trainer_svc.dist import Ranks, full_value
+from trainer_svc.logprobs import token_logprobs, token_logprobs_and_entropy
+from trainer_svc.shaping import overlong_penalty
+from trainer_svc.weights import probe
+
+
+def load_policy(spec: JobSpec, device: str, path: str | Path | None = None):
+    """The policy and tokenizer from `path` (a checkpoint), else the job's model."""
+    path = path or spec.model_path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model.train()
+    return model, tokenizer
+
+
+def shape_overlong(batch: TrainBatch, spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The job's over-long treatment (algorithm.overlong): rewards (G, n) with DAPO's soft length
+    penalty added to truncated samples ("penalty"), and a (B,) weight that masks truncated samples
+    out of the loss ("mask": advantage 0, so no gradient from them)."""
+    a = spec.algorithm
+    rewards, cut = batch.rewards, batch.truncated
+    keep = torch.ones(len(batch))
+    if a.overlong == "mask":
+        keep = (~cut).to(torch.float32)
+    elif a.overlong == "penalty":
+        rewards = rewards + (overlong_penalty(batch.completion_lens, spec.sampling.max_tokens, a.overlong_buffer,
+                                              a.overlong_penalty) * cut).view_as(rewards)
+    return rewards, keep
+
+
+class Learner:
+    """The policy, its optimizer and the algorithm: one optimizer step on one global batch.
+
+    advantages -> loss over micro-batches (normalised by global-batch counts, so the gradient does
+    not depend on the micro-batch size, nor on how the batch is split across ranks) -> clip ->
+    step. Used by the trainer loop and by the bench.
+
+    With `ranks` of world size > 1 the model is sharded (FSDP2) and every method that touches it
+    is collective: rank 0 announces the call with its arguments (trainer_svc/dist.py), and `follow`
+    makes the same call on the other ranks.
+    """
+
+    def __init__(self, spec: JobSpec, device: str, model_path: str | Path | None = None, ranks: Ranks | None = None):
+        self.ranks = ranks or Ranks(device=device)
+        self.ranks.announce("init", spec=spec.model_dump(mode="json"))
+        self.spec = spec
+        self.device = device = self.ranks.device
+        # Every rank builds the job's model; only rank 0 reads `model_path` (a checkpoint the other
+        # ranks may not see), and `wrap` hands its weights to them.
+        model, self.tokenizer = load_policy(spec, device, model_path if self.ranks.is_main else None)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
+        self.model = self.ranks.wrap(model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        a = spec.algorithm
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
+        self.cfg = LossConfig.from_spec(a)
+        self.lr = a.lr  # the step size when `step` is given none
+        self.ref_model = None
+        if a.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
+            self.ref_model, _ = load_policy(spec, device)
+            self.ref_model.eval().requires_grad_(False)
+
+    def step(self, batch: TrainBatch, lr_scale: float = 1.0, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step on `batch` (samples in group order). The step size is `lr` if given,
+        else the base lr times `lr_scale`. Returns the step's metrics."""
+        spec = self.spec
+        self.ranks.announce("step", tensors=batch.tensors(), terms=list(batch.term_names), lr_scale=lr_scale, lr=lr)
+        rewards, keep = shape_overlong(batch, spec)
+        advantages = self.advantage_fn(rewards).reshape(-1) * keep  # (B,)
+        norm = BatchNorm.from_lengths(batch.completion_lens.tolist(), max_len=spec.sampling.max_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        # This rank's share of the global batch, in micro-batches; None pads the count to that of
+        # the busiest rank (every FSDP forward is a collective) and contributes no gradient.
+        for part in self.ranks.micro_batches(len(batch), spec.algorithm.micro_batch_size):
+            sums = accumulate(sums, self._backward(batch, advantages, norm, part))
+        sums = self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
+        grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                    spec.algorithm.max_grad_norm)))
+        lr = self.lr * lr_scale if lr is None else lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return {
+            **finalize_metrics(sums, norm),
+            **batch.reward_terms(),
+            "overlong/truncated": float(int(batch.truncated.sum())),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(norm.num_tokens),
+            "samples": float(len(batch)),
+        }
+
+    def _backward(self, batch: TrainBatch, advantages: torch.Tensor, norm: BatchNorm,
+                  part: tuple[int, int] | None) -> dict[str, float]:
+        """Loss and backward of samples [lo, hi) of `batch` (`part`; None: a padding micro-batch
+        that contributes no gradient); returns its metric sums."""
+        lo, hi = part or (0, 1)
+        ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, self.pad_id)
+        ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
+        adv = advantages[lo:hi].to(self.device)
+        # each sample's own sampling temperature: the behaviour policy it was drawn from
+        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.ref_model, ids, attn, temp)
+        out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
+        if part is None:
+            (out.loss * 0.0).backward()
+            return {k: -math.inf if k.endswith("max") else 0.0 for k in out.metrics}
+        # This rank's share of the global sum; x N undoes the average of FSDP's gradient reduction.
+        (out.loss * self.ranks.world_size).backward()
+        return out.metrics
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], tuple[list[int], list[float]]]:
+        """The full weights (on rank 0; {} on the others) and the probe fingerprint, for
+        `weights.publish_weights`."""
+        self.ranks.announce("snapshot")
+        return self.ranks.model_state(self.model), probe(self.model)
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(full weights, full optimizer state in `optimizer.state_dict()` layout) on rank 0, for a
+        checkpoint; ({}, {}) on the others."""
+        self.ranks.announce("full_state")
+        return self.ranks.model_state(self.model), self.ranks.optimizer_state(self.model, self.optimizer)
+
+    def restore(self, path: str | Path | None, weights: bool = True) -> None:
+        """Checkpoint `path` (None: the job's initial model and an empty optimizer state) into the
+        live model (unless not `weights`) and optimizer, in place; rank 0 reads the files. RNG and
+        cursors stay as they are (the collapse guard's undo; a resume restores those itself)."""
+        self.ranks.announce("restore", path=None if path is None else str(path), weights=weights)
+        main = self.ranks.is_main
+        if weights:
+            self.ranks.load_model_state(self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {})
+        optimizer = None if path is None else checkpoint.read_optimizer(Path(path)) if main else {}
+        self.ranks.load_optimizer_state(self.model, self.optimizer, optimizer)
+
+
+# Ranks 1..N-1: what to do on each announcement of rank 0 (the Learner calls above).
+FOLLOW = {
+    "step": lambda learner, m: learner.step(TrainBatch.from_tensors(m["tensors"], m["terms"]), m["lr_scale"], m["lr"]),
+    "snapshot": lambda learner, m: learner.snapshot(),
+    "full_state": lambda learner, m: learner.full_state(),
+    "restore": lambda learner, m: learner.restore(m["path"], m["weights"]),
+    "tick": lambda learner, m: None,  # rank 0 is waiting (for data, or paused)
+}
+
+
+def follow(settings: TrainerSettings, ranks: Ranks) -> None:
+    """A rank other than 0: no Redis, no ledger, no weight server; rank 0's collective Learner
+    calls, in the order it announces them, until it announces `exit`."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    # torchrun passes a SIGTERM to every rank: rank 0 drains (finishes its step, checkpoints, then
+    # announces exit), and that needs this rank in the collectives until then.
+    accept_drain()
+    first = ranks.receive()
+    if first["op"] != "init":
+        raise RuntimeError(f"rank {ranks.rank}: expected the init announcement, got {first['op']!r}")
+    spec = JobSpec.model_validate(first["spec"])
+    torch.manual_seed(spec.seed)
+    learner = Learner(spec, settings.device, ranks=ranks)
+    while (m := ranks.receive())["op"] != "exit":
+        lookup(FOLLOW, m["op"], "announcement")(learner, m)

@@ -1,0 +1,237 @@
+"""The trainer's parts for one job, built and resumed (`Parts.build`, `Parts.resume`), and the
+verbs the loop (trainer_svc/train.py) calls on them that need more than one part."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from broker.runtime import ControlWatcher
+from broker.streams import (
+    CONTROL,
+    GROUP_GENERATORS,
+    GROUP_REWARDERS,
+    GROUP_TRAINERS,
+    PROMPTS,
+    ROLLOUTS,
+    SCORED,
+    JobStreams,
+)
+from shared.datasets import load_source, load_task
+from shared.jobspec import JobSpec
+from shared.metrics import TrainerMetrics, serve_metrics
+from shared.prompts import renderer
+from shared.schema import Control, Scored
+from shared.settings import TrainerSettings
+from shared.transport import WeightServer, make_server
+from trainer_svc import checkpoint
+from trainer_svc.dist import Ranks
+from trainer_svc.evaluation import Evaluator, build_sets
+from trainer_svc.feeder import Feeder
+from trainer_svc.guard import CollapseGuard, RollBack
+from trainer_svc.learner import Learner
+from trainer_svc.sink import TrainSink
+from trainer_svc.staleness import StalenessBound
+from trainer_svc.state import LoopState
+from trainer_svc.weights import publish_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parts:
+    settings: TrainerSettings
+    spec: JobSpec
+    job_id: str
+    ledger: Any
+    streams: JobStreams
+    ranks: Ranks
+    prom: TrainerMetrics
+    learner: Learner
+    state: LoopState
+    feeder: Feeder
+    evaluator: Evaluator
+    sink: TrainSink
+    control: ControlWatcher
+    server: WeightServer
+    scored_in: JobStreams
+    resume: checkpoint.Resume | None
+    held: list[str] = field(default_factory=list)  # scored entries of trained steps, acked once a checkpoint covers them
+    t_boot: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams,
+              ranks: Ranks) -> Parts:
+        t_boot = time.perf_counter()
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        torch.manual_seed(spec.seed)
+        prom = TrainerMetrics(serve_metrics(settings.metrics_port, "trainer"), job_id)
+        # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
+        resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
+        learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)
+        if not spec.checkpoint_every:
+            log.warning("checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
+                        "and Redis holds every trained sample until the job ends")
+        train_set, test_set = load_task(spec.task, spec.seed)
+        eval_problems = {es.name: (test_set if es.dataset is None else load_source(es.dataset, spec.task, spec.seed))
+                         [: es.max_problems] for es in spec.evaluation_sets()}
+        # prompts rendered once (chat template or plain text) and carried as token ids from here on
+        render = renderer(learner.tokenizer, spec.chat_template, spec.chat_template_kwargs)
+        for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
+            streams.ensure_group(stream, group)
+        # A new run id per trainer process, resumed or not. Announcements carry it, so generators drop
+        # the dead trainer's weight server and reload from this one even though the version numbers
+        # repeat (the re-done steps re-publish them). New group ids carry it too: the feed counter
+        # continues from the journal, and the run id keeps them apart from any group a predecessor fed
+        # after its last journal write. The predecessor's in-flight groups keep their ids.
+        run_id = uuid.uuid4().hex[:8]
+        feeder = Feeder(streams, spec, train_set, render, run_id,
+                        journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
+        evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id)
+        guard = CollapseGuard(spec.guard, spec.algorithm.loss)
+        control = ControlWatcher(streams)
+        state = LoopState(run_id, learner.lr, StalenessBound(spec), guard, feeder, control.settings)
+        server = make_server(
+            settings.transport, host=settings.bind_host, port=settings.bind_port,
+            keep=settings.keep_versions, advertise_host=settings.advertise_host,
+        )
+        return cls(settings, spec, job_id, ledger, streams, ranks, prom, learner, state, feeder, evaluator,
+                   TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size), control, server,
+                   checkpoint.singleton_consumer(streams), resume, t_boot=t_boot)
+
+    def take_over(self) -> int:
+        """Continue where a predecessor stopped: its feeder state and replayed steps, every entry it
+        left pending (checkpoint.take_over), then the checkpoint's loop state and RNG, last, and the
+        live knobs set since it. Returns how many entries were taken over."""
+        resume, state, sink = self.resume, self.state, self.sink
+        if resume is not None:
+            state.step, state.version = resume.step, resume.version
+            if resume.feeder is not None:
+                self.feeder.restore(resume.feeder)
+            sink.expect_replay(resume.replay)
+            self.evaluator.restore(self.feeder.open_evals, resume.eval_steps)
+        taken = checkpoint.take_over(self.streams, SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
+        sink.add(taken, state.version)
+        sink.check_replay()
+        if resume is not None and resume.checkpoint is not None:
+            self.learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
+            applied = state.restore(checkpoint.load_state(resume.checkpoint))
+            self.control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
+            since = {key: v for key, v in self.control.settings.items() if applied.get(key) != v}
+            self.control.changed = False
+            if since:
+                self.apply_knobs(since)
+        return len(taken)
+
+    # --- verbs ---------------------------------------------------------------------------------
+
+    def apply_knobs(self, knobs: dict[str, float]) -> None:
+        """Live knobs (PATCH /jobs/{id}), from this step on."""
+        if "lr" in knobs:
+            self.state.lr = float(knobs["lr"])
+        if "max_staleness" in knobs:
+            self.state.bound.set_knob(int(knobs["max_staleness"]))
+        self.feeder.temperature = float(knobs.get("temperature", self.feeder.temperature))
+        self.feeder.top_p = float(knobs.get("top_p", self.feeder.top_p))
+        log.info("live knobs applied: %s", knobs)
+
+    def feed(self) -> None:
+        """Keep (k + 1) * batch training groups in flight."""
+        self.feeder.top_up(self.state.version, self.state.bound.k)
+
+    def take_scored(self, block_ms: int) -> int:
+        """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
+        and refill the slots they freed; returns how many entries were read."""
+        self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
+        n = self.sink.add(self.scored_in.consume(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored, count=512,
+                                                 block_ms=block_ms), self.state.version)
+        if self.sink.poll_dead(self.state.version) and self.state.step < self.spec.steps and not self.control.done:
+            self.feed()  # refill the freed slots
+        return n
+
+    def wait_paused(self) -> None:
+        self.ranks.keepalive()
+        self.control.poll(block_ms=self.settings.block_ms)
+
+    def publish(self) -> tuple[float, str]:
+        """Serve and announce the current version; (seconds, checksum)."""
+        return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
+                               self.job_id, self.settings.keep_versions, self.state.run_id, self.learner.snapshot())
+
+    def compare_redone(self, checksum: str) -> None:
+        """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""
+        st, resume = self.state, self.resume
+        assert resume is not None
+        before = resume.checksums.get(st.version)
+        if before == checksum:
+            log.info("re-done step %d reproduces version %d (checksum %s)", st.step, st.version, checksum)
+        else:
+            log.warning("re-done step %d gives version %d checksum %s, the predecessor published %s "
+                        "(non-deterministic kernels?)", st.step, st.version, checksum, before)
+
+    def roll_back(self, rb: RollBack) -> bool:
+        """Carry out a collapse guard trip: the policy the plan trusts (none: what
+        guard.on_no_checkpoint says), a lower lr, a tighter staleness bound if the importance
+        weights blew up, the change recorded in the ledger. Returns whether the step is to be
+        redone (False: the current policy was kept, this step's update stands).
+
+        Raises:
+            RuntimeError: the plan is to fail the job.
+        """
+        state, change = self.state, rb.change()
+        if rb.plan.action == "fail":
+            self.ledger.record_change(self.job_id, "trainer collapse guard", change)
+            raise RuntimeError(f"collapse guard: {rb.reason} at step {rb.step}; {rb.plan.note}")
+        if rb.redo:
+            back_to = rb.back_to
+            self.learner.restore(checkpoint.step_dir(self.settings.checkpoint_dir, self.job_id, back_to)
+                                 if back_to else None)
+        state.lr *= self.spec.guard.lr_factor
+        if rb.kind == "is_blowup":
+            state.bound.tighten()
+        change |= {"rolled_back_to_step": rb.plan.step, "discarded_steps": list(range(rb.back_to + 1, rb.step)),
+                   "lr": state.lr, "max_staleness": state.bound.k}
+        self.ledger.record_change(self.job_id, "trainer collapse guard", change)
+        log.error("collapse guard: %s at step %d; %s; lr %.3g, staleness bound %d",
+                  rb.reason, rb.step, rb.plan.note, state.lr, state.bound.k)
+        return rb.redo
+
+    def checkpoint(self) -> None:
+        """Checkpoint this step boundary, then ack the entries of the steps it covers."""
+        self.state.checkpoint(self.learner, self.settings.checkpoint_dir, self.job_id, self.ledger)
+        self.streams.ack(SCORED, GROUP_TRAINERS, self.held)
+        self.held.clear()
+
+    def finish(self) -> None:
+        """After the loop: checkpoint what a restart or an export needs, the final evaluation, the job's state."""
+        st, control, ledger, job_id = self.state, self.control, self.ledger, self.job_id
+        if control.state == "terminating":  # SIGTERM: a restart of this process, not the user's stop
+            if st.step > 0:
+                self.checkpoint()
+            log.info("trainer terminated at step %d (version %d), checkpointed; the job stays running", st.step, st.version)
+            self.server.close()
+            return
+        if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
+            ledger.set_job_state(job_id, "cancelled")
+            log.info("trainer cancelled at step %d (version %d)", st.step, st.version)
+            self.server.close()
+            return
+        if st.step > 0:  # the final policy, for evaluation and export
+            self.checkpoint()
+        # final evaluation of every set, then wait for every outstanding round
+        self.evaluator.start_due(st.step, st.version, final=True)
+        deadline = time.monotonic() + self.settings.job_wait_s
+        while self.evaluator.pending and time.monotonic() < deadline:
+            self.take_scored(self.settings.block_ms)
+        ledger.set_job_state(job_id, "finished" if st.step >= self.spec.steps else "stopped")
+        # The job is over for every service of it: generators and rewarders exit on this.
+        self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=f"end-{st.step}", policy_version=st.version,
+                                           command="drain", reason=f"trainer finished at step {st.step}"))
+        log.info("trainer done at step %d (version %d)", st.step, st.version)
+        self.server.close()

@@ -1,0 +1,243 @@
+"""The train sink: scored deliveries in, a complete, fresh batch out (or nothing yet).
+
+Everything between the scored stream and a step lives here: group assembly, dead letters (the
+stream's and this trainer's own, for tokens the model cannot embed), evaluation groups handed to
+their round, groups nobody in this trainer's lineage fed, and the batch filter (staleness bound,
+dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume. The loop
+`add`s what it reads and `take`s a batch when one is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from broker.ledger import write_isolating
+from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
+from shared.jobspec import JobSpec
+from shared.schema import Scored
+from trainer_svc.algorithms import is_fresh, staleness
+from trainer_svc.batch import TrainBatch
+from trainer_svc.evaluation import Evaluator
+from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, GroupAssembler, group_seq
+from trainer_svc.guard import CollapseGuard
+from trainer_svc.shaping import no_signal
+
+log = logging.getLogger(__name__)
+
+
+def record_used(ledger, items: list[dict]) -> int:
+    """ledger.record_used; an item the database refuses (see broker.ledger.write_isolating) is
+    logged and the rest recorded, so one bad row does not fail a step that trained. Returns how
+    many rows changed."""
+    done, refused = write_isolating(ledger.record_used, items)
+    for i, why in refused.items():
+        log.error("ledger refused the use of sample %s: %s", items[i]["msg_id"], why)
+    return sum(done)
+
+
+def out_of_vocab(s: Scored, vocab: int) -> str | None:
+    """Why this model cannot embed a scored sample (a token id >= its vocabulary: the embedding
+    lookup would fail the whole step), or None. The wire checks ids >= 0; only here is the
+    vocabulary known."""
+    for name, ids in (("prompt_ids", s.rollout.prompt_array()), ("completion_ids", s.rollout.completion_array())):
+        if ids.size and int(ids.max()) >= vocab:
+            i = int(np.argmax(ids >= vocab))
+            return f"rollout.{name}[{i}] is {int(ids[i])}, outside the model's vocabulary of {vocab} tokens"
+    return None
+
+
+def overlong_reason(s: Scored, spec: JobSpec) -> str | None:
+    """What the over-long treatment did to a trained sample, for its ledger row."""
+    if s.rollout.finish_reason != "length" or spec.algorithm.overlong == "keep":
+        return None
+    what = "masked from the loss" if spec.algorithm.overlong == "mask" else "length penalty added to its reward"
+    return f"over-long (cut at max_tokens {spec.sampling.max_tokens}): {what}"
+
+
+def flatten_batch(groups: list[Group]) -> tuple[list[Scored], torch.Tensor]:
+    """Samples in group order and their rewards as (G, n)."""
+    samples = [s for g in groups for s in sorted(g.samples.values(), key=lambda s: s.rollout.sample_index)]
+    n = groups[0].size
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32).view(len(groups), n)
+    return samples, rewards
+
+
+@dataclass
+class Batch:
+    """One step's batch, and what filling it dropped."""
+
+    step: int  # the step it trains
+    version: int  # the policy it trains
+    bound: int  # the staleness bound it was filtered under
+    redo: list[str] | None  # a resume's re-done step: exactly these groups
+    groups: list[Group] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)  # ledger rows of dropped samples
+    drop_entries: list[str] = field(default_factory=list)  # their stream entries
+    filtered: int = 0  # groups dropped by dynamic sampling
+    samples: list[Scored] = field(default_factory=list)  # in group order, once whole
+    data: TrainBatch | None = None  # `samples` as tensors, once whole
+
+
+class TrainSink:
+    def __init__(self, spec: JobSpec, streams: JobStreams, ledger, feeder: Feeder, evaluator: Evaluator,
+                 guard: CollapseGuard, vocab_size: int):
+        self.spec, self.streams, self.ledger, self.feeder, self.evaluator = spec, streams, ledger, feeder, evaluator
+        self.guard, self.vocab_size = guard, vocab_size
+        self.assembler = GroupAssembler()
+        self.dead_letters = DeadLetterWatch(streams, streams.job_id)  # groups that can no longer complete
+        self.ready: list[Group] = []  # complete groups waiting for a batch slot
+        self.replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
+        self.pending: Batch | None = None
+
+    # --- in ------------------------------------------------------------------------------------
+
+    def add(self, deliveries: list, version: int) -> int:
+        """Scored samples -> complete groups -> ready, their eval round, or settled as unknown;
+        then every eval round they completed is recorded. Returns how many were delivered."""
+        for d in deliveries:
+            why = out_of_vocab(d.message, self.vocab_size)
+            if why is not None:  # dead-lettered, and its group settled now (as the dead letter would)
+                self.streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why, code="token_out_of_vocab",
+                                         message=d.message)
+                r = d.message.rollout
+                g = self.assembler.mark_dead(DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose,
+                                                        f"token_out_of_vocab: {why}"))
+                if g is not None:
+                    self._settle_dead(g, version)
+                continue
+            g = self.assembler.add(d.entry_id, d.message)
+            if g is not None:
+                self._route(g, version)
+        self.evaluator.record_complete(version)
+        return len(deliveries)
+
+    def poll_dead(self, version: int) -> int:
+        """Settle the groups the dead-letter stream says can no longer complete; returns how many
+        (their feeder slots are free again)."""
+        freed = [g for g in map(self.assembler.mark_dead, self.dead_letters.poll()) if g is not None]
+        for g in freed:
+            self._settle_dead(g, version)
+        if freed:
+            self.evaluator.record_complete(version)  # eval rounds the dead groups completed
+        return len(freed)
+
+    def _route(self, g: Group, version: int) -> None:
+        if g.dead:
+            self._settle_dead(g, version)
+        elif g.purpose == "eval":
+            if not self.evaluator.add(g):
+                self._settle_unknown(g, version, "eval round not started by a trainer run this one resumed from")
+        elif g.group_id not in self.feeder.in_flight:
+            self._settle_unknown(g, version, "not in flight for this trainer run (fed by a predecessor after its last "
+                                 "journal write)")
+        else:
+            self.ready.append(g)
+
+    def _settle_unknown(self, g: Group, version: int, why: str) -> None:
+        """A complete group this run did not feed (or a round it did not start): dropped with the
+        reason, or, when it is a late copy of a sample already used, only acked."""
+        record_used(self.ledger, [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+                                  for m in g.samples])  # record_used leaves used samples as they are
+        self.streams.ack(SCORED, GROUP_TRAINERS, g.entries)
+        log.warning("group %s: %s", g.group_id, why)
+
+    def _settle_dead(self, g: Group, version: int) -> None:
+        """A group with a dead-lettered member (or a dead prompt group) can never be used whole:
+        its samples are dropped with the reason, and its feeder or eval slot is freed."""
+        why = ("dead-lettered: " + "; ".join(sorted(set(g.dead.values()))))[:1000]
+        record_used(self.ledger, [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
+                                  for m in g.msg_ids])  # rows not written (nothing generated) change nothing
+        self.streams.ack(SCORED, GROUP_TRAINERS, g.entries)
+        if g.purpose == "eval":
+            self.evaluator.dead(g)
+        self.feeder.done(g.group_id)
+        log.warning("group %s: %s", g.group_id, why)
+
+    # --- a resume's replayed steps -------------------------------------------------------------
+
+    def expect_replay(self, replay: dict[int, list[str]]) -> None:
+        """The steps a predecessor trained after the checkpoint, by their groups (in flight again)."""
+        self.replay = dict(replay)
+        self.feeder.in_flight |= {g for ids in replay.values() for g in ids}
+
+    def check_replay(self) -> None:
+        """After the take-over: every replayed group must be here, or the resume cannot be exact.
+
+        Raises:
+            RuntimeError: naming the first missing group.
+        """
+        have = {g.group_id for g in self.ready}
+        missing = sorted({g for ids in self.replay.values() for g in ids} - have, key=group_seq)
+        if missing:
+            raise RuntimeError(
+                f"cannot resume exactly: steps {sorted(self.replay)} trained {len(missing)} groups after the last "
+                f"checkpoint whose samples are no longer pending in Redis (first: {missing[0]}); Redis lost them "
+                "or they were dead-lettered after too many deliveries")
+
+    # --- out -----------------------------------------------------------------------------------
+
+    def begin(self, step: int, version: int, bound: int) -> None:
+        """Start filling the batch of step `step` (1-based) for policy `version` under `bound`.
+        A step a predecessor trained after the checkpoint takes exactly its groups again."""
+        redo = self.replay.pop(step, None)
+        b = self.pending = Batch(step, version, bound, redo)
+        if redo is not None:
+            b.groups = [g for g in self.ready if g.group_id in redo]
+            self.ready[:] = [g for g in self.ready if g.group_id not in redo]
+
+    def take(self) -> Batch | None:
+        """The batch begun, once it holds prompts_per_step complete groups within the bound
+        (sorted in feed order: arrival order must not matter); None while it is short. Groups
+        that fail the filter are dropped: ledger rows and entries kept on the batch."""
+        b, spec = self.pending, self.spec
+        assert b is not None
+        want = spec.prompts_per_step
+        while self.ready and len(b.groups) < want:
+            g = self.ready.pop(0)
+            why = self._unfit(b, g)
+            if why is None:
+                b.groups.append(g)
+                continue
+            for s in g.samples.values():
+                b.dropped.append({"msg_id": s.msg_id, "status": "dropped", "trainer_version": b.version,
+                                  "staleness": staleness(b.version, g.gen_version_min), "drop_reason": why})
+            b.drop_entries += g.entries
+            self.feeder.done(g.group_id)
+        if len(b.groups) < want:
+            return None
+        b.groups.sort(key=lambda g: group_seq(g.group_id))
+        b.samples, rewards = flatten_batch(b.groups)
+        b.data = TrainBatch.of(b.samples, rewards)
+        self.pending = None
+        return b
+
+    def _unfit(self, b: Batch, g: Group) -> str | None:
+        """Why group `g` may not join batch `b` (counting a dynamic-sampling drop), or None."""
+        a = self.spec.algorithm
+        gone = self.guard.gone({s.rollout.policy_version for s in g.samples.values()})
+        flat = (b.redo is None and a.dynamic_sampling and not gone
+                and b.filtered < a.dynamic_sampling_max_drops * self.spec.prompts_per_step
+                and bool(no_signal(torch.tensor([[s.reward for s in g.samples.values()]]))[0]))
+        if is_fresh(b.version, g.gen_version_min, b.bound) and not gone and not flat:
+            return None
+        b.filtered += flat
+        return (f"generated by policy version {min(gone)}, rolled back" if gone
+                else "dynamic sampling: every reward of the group is equal (no gradient)" if flat
+                else f"staleness > {b.bound}")
+
+    def dropped_any(self) -> bool:
+        """Whether filling the batch begun has dropped groups (their feeder slots are free)."""
+        return self.pending is not None and bool(self.pending.dropped)
+
+    def release(self, b: Batch) -> list[str]:
+        """After step `b` is recorded: ack what it dropped and the strays (duplicates of completed
+        groups), free its feeder slots; returns its trained entries, to hold until a checkpoint."""
+        self.streams.ack(SCORED, GROUP_TRAINERS, b.drop_entries + self.assembler.strays)
+        self.assembler.strays.clear()
+        for g in b.groups:
+            self.feeder.done(g.group_id)
+        return [e for g in b.groups for e in g.entries]
