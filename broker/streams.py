@@ -228,16 +228,6 @@ class Consumer:
     expected: Expected
 
 
-def _consumer(c: Consumer | str, legacy: tuple) -> Consumer:
-    """`c`, or the Consumer the old call form spells out: `(stream, group, name, expected)` as four
-    positional arguments, still used by trainer_svc, broker.bench_broker and some tests."""
-    if isinstance(c, Consumer):
-        if legacy:
-            raise TypeError(f"a Consumer takes no further positional arguments, got {len(legacy)}")
-        return c
-    return Consumer(c, *legacy)
-
-
 @dataclass(frozen=True)
 class Delivery:
     """One decoded stream entry handed to a consumer; ack it with
@@ -381,7 +371,7 @@ class JobStreams:
 
     # -- consume (consumer groups) -----------------------------------------------------------
     def consume(
-        self, c: Consumer | str, *legacy: Any, count: int = 64, block_ms: int | None = 1000
+        self, c: Consumer, *, count: int = 64, block_ms: int | None = 1000
     ) -> list[Delivery]:
         """Read up to `count` entries for consumer `c`: first reclaim idle ones, then new ones,
         waiting up to `block_ms` for one to arrive (None or 0: no wait).
@@ -391,7 +381,6 @@ class JobStreams:
         most `max_read_bytes` (+ one entry) of payload, so it may return fewer than `count`
         entries with more waiting. A vanished stream or group is recreated.
         """
-        c = _consumer(c, legacy)
         out = self._reclaim(c, count)
         if len(out) >= count:
             return out
@@ -411,24 +400,22 @@ class JobStreams:
             time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
             waits += 1
 
-    def consume_own_pending(self, c: Consumer | str, *legacy: Any, count: int = 64) -> list[Delivery]:
+    def consume_own_pending(self, c: Consumer, *, count: int = 64) -> list[Delivery]:
         """Entries already delivered to consumer `c` and not acked: what a restarted consumer of
         the same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
         nothing, before reading new entries; each read counts one delivery. A consumer whose
         predecessor may have died of one of them passes `count=1`: each suspect is then handled
         alone, and only the one that kills it again accumulates deliveries."""
-        c = _consumer(c, legacy)
         read = self._group_read(c, "pending", count, start="0")
         out = self._deliver(c.stream, c.group, read[1], c.expected) if read else []
         if out:
             log.warning("resuming %d entries %s left pending on %s", len(out), c.name, self.key(c.stream))
         return out
 
-    def claim_all(self, c: Consumer | str, *legacy: Any) -> list[Delivery]:
+    def claim_all(self, c: Consumer) -> list[Delivery]:
         """Claim every entry pending in `c`'s group, whoever holds it and however briefly idle
         (each claim counts one delivery), in reads bounded like `consume`'s. Only for a consumer
         that is alone in its group by design, at start-up (trainer_svc.checkpoint.take_over)."""
-        c = _consumer(c, legacy)
         out: list[Delivery] = []
         cursor = "0-0"
         while True:
@@ -440,8 +427,8 @@ class JobStreams:
             if cursor == "0-0":
                 return out
 
-    def publish_if_owned(self, c: Consumer | str, *args: Any) -> list[bool]:
-        """`publish_if_owned(c, stream, batches)`: for each (entry id of `c.stream`, messages) in
+    def publish_if_owned(self, c: Consumer, stream: str, batches: list[tuple[str, list[Message]]]) -> list[bool]:
+        """For each (entry id of `c.stream`, messages) in
         `batches`: if consumer `c` still holds the entry pending, XADD the messages to `stream` and
         XACK the entry, all in one atomic script; returns which entries were published.
 
@@ -450,11 +437,6 @@ class JobStreams:
         redelivered input never yields two different outputs. Atomic, so a crash leaves either
         both the outputs and the ack or neither (AOF logs a script's effects as one MULTI/EXEC).
         """
-        if isinstance(c, str):  # the old form: (stream, batches, source, group, consumer)
-            stream, batches, source, group, name = c, *args
-            c = Consumer(source, group, name, ())
-        else:
-            stream, batches = args
         if not batches:
             return []
         if self._scripted:

@@ -57,9 +57,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from broker.streams import Delivery, JobStreams
+from broker.streams import Consumer, Delivery, JobStreams
 from shared.ids import group_seq, sample_id
-from shared.schema import Message
 
 log = logging.getLogger(__name__)
 
@@ -313,13 +312,13 @@ def singleton_consumer(streams: JobStreams) -> JobStreams:
     return _like(streams, NEVER_MS)
 
 
-def take_over(streams: JobStreams, stream: str, group: str, consumer: str, expected: type[Message]) -> list[Delivery]:
-    """Claim every entry pending in `group`, whoever holds it and however briefly idle.
+def take_over(streams: JobStreams, c: Consumer) -> list[Delivery]:
+    """Claim every entry pending in `c.group` for `c`, whoever holds it and however briefly idle.
 
     Only for a consumer that is alone in its group by design (the trainer: one per job), at start,
     before it reads anything: every pending entry then belongs to a dead predecessor. Each take-over
     counts one delivery, so an entry survives max_deliveries - 1 restarts between checkpoints.
     """
-    if streams.pending_count(stream, group) == 0:
+    if streams.pending_count(c.stream, c.group) == 0:
         return []
-    return streams.claim_all(stream, group, consumer, expected)  # in reads bounded by bytes
+    return streams.claim_all(c)  # in reads bounded by bytes

@@ -20,6 +20,7 @@ from broker.streams import (
     PROMPTS,
     ROLLOUTS,
     SCORED,
+    Consumer,
     JobStreams,
 )
 from shared.datasets import load_source, load_task
@@ -59,10 +60,15 @@ class Parts:
     sink: TrainSink
     control: ControlWatcher
     server: WeightServer
-    scored_in: JobStreams
+    scored_in: JobStreams  # the scored stream without idle reclaim (checkpoint.singleton_consumer)
     resume: checkpoint.Resume | None
     held: list[str] = field(default_factory=list)  # scored entries of trained steps, acked once a checkpoint covers them
     t_boot: float = field(default_factory=time.perf_counter)
+
+    @property
+    def reader(self) -> Consumer:
+        """The trainer in its group: one per job, so its name is the settings' consumer id."""
+        return Consumer(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
 
     @classmethod
     def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams,
@@ -116,7 +122,7 @@ class Parts:
                 self.feeder.restore(resume.feeder)
             sink.expect_replay(resume.replay)
             self.evaluator.restore(self.feeder.open_evals, resume.eval_steps)
-        taken = checkpoint.take_over(self.streams, SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
+        taken = checkpoint.take_over(self.streams, self.reader)
         sink.add(taken, state.version)
         sink.check_replay()
         if resume is not None and resume.checkpoint is not None:
@@ -149,8 +155,7 @@ class Parts:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
         and refill the slots they freed; returns how many entries were read."""
         self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
-        n = self.sink.add(self.scored_in.consume(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored, count=512,
-                                                 block_ms=block_ms), self.state.version)
+        n = self.sink.add(self.scored_in.consume(self.reader, count=512, block_ms=block_ms), self.state.version)
         if self.sink.poll_dead(self.state.version) and self.state.step < self.spec.steps and not self.control.done:
             self.feed()  # refill the freed slots
         return n

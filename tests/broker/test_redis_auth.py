@@ -21,7 +21,7 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from broker.redis_server import check_redis_url, redact_url, resolve_redis_url
-from broker.streams import GROUP_GENERATORS, PROMPTS, JobStreams, connect
+from broker.streams import GROUP_GENERATORS, PROMPTS, Consumer, JobStreams, connect
 from shared.schema import PromptGroup, SamplingParams
 
 REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -91,7 +91,7 @@ def round_trip(url: str) -> None:
     js = JobStreams(connect(url), JOB, prefix=PREFIX, claim_idle_ms=60_000)
     js.ensure_group(PROMPTS, GROUP_GENERATORS)
     ids = js.publish_many(PROMPTS, [prompt(0), prompt(1)])
-    got = js.consume(PROMPTS, GROUP_GENERATORS, "c1", PromptGroup, block_ms=100)
+    got = js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "c1", PromptGroup), block_ms=100)
     assert [d.entry_id for d in got] == ids
     assert js.ack(PROMPTS, GROUP_GENERATORS, ids) == 2
     js.delete_all()

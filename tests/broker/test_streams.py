@@ -529,16 +529,3 @@ def test_without_scripting_reads_fall_back_to_plain_commands(embedded_redis: Emb
         r.close()
         admin.acl_deluser(user)
         admin.close()
-
-
-def test_the_old_positional_call_forms_still_work(js: JobStreams) -> None:
-    """trainer_svc and broker.bench_broker still spell a consumer as (stream, group, name, kind)."""
-    js.ensure_group(PROMPTS, G)
-    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(2)])
-    assert [d.entry_id for d in js.consume(PROMPTS, G, "c1", PromptGroup, count=1, block_ms=None)] == ids[:1]
-    assert [d.entry_id for d in js.consume_own_pending(PROMPTS, G, "c1", PromptGroup)] == ids[:1]
-    assert js.publish_if_owned(CONTROL, [(ids[0], [prompt(7)])], PROMPTS, G, "c1") == [True]
-    js.consume(reader("c2"), block_ms=None)
-    assert [d.entry_id for d in js.claim_all(PROMPTS, G, "c3", PromptGroup)] == ids[1:]
-    with pytest.raises(TypeError, match="no further positional"):
-        js.consume(reader(), G)

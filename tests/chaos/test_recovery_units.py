@@ -12,7 +12,15 @@ import pytest
 
 import shared.entry as entry
 from broker.runtime import ControlWatcher
-from broker.streams import CONTROL, GROUP_GENERATORS, PROMPTS, ROLLOUTS, JobStreams, connect
+from broker.streams import (
+    CONTROL,
+    GROUP_GENERATORS,
+    PROMPTS,
+    ROLLOUTS,
+    Consumer,
+    JobStreams,
+    connect,
+)
 from shared.schema import (
     Control,
     PromptGroup,
@@ -78,32 +86,29 @@ def test_sigterm_drains_once_the_loop_runs_and_interrupts_before(streams, clean_
 def test_restarted_consumer_reads_its_own_pending_first(streams):
     streams.ensure_group(PROMPTS, GROUP_GENERATORS)
     streams.publish_many(PROMPTS, [_prompt(0), _prompt(1)])
-    first = streams.consume(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup, count=10, block_ms=None)
+    first = streams.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), count=10, block_ms=None)
     assert len(first) == 2
     # the same consumer name after a kill: its pending entries, at once, with their delivery count
-    again = streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup)
+    again = streams.consume_own_pending(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup))
     assert [d.entry_id for d in again] == [d.entry_id for d in first]
     assert [d.deliveries for d in again] == [2, 2]
-    assert streams.consume_own_pending(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup) == []
+    assert streams.consume_own_pending(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup)) == []
 
 
 def test_publish_only_while_the_entry_is_held(streams):
     streams.ensure_group(PROMPTS, GROUP_GENERATORS)
     streams.publish_many(PROMPTS, [_prompt(0), _prompt(1)])
-    a, b = streams.consume(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup, count=2, block_ms=None)
+    a, b = streams.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), count=2, block_ms=None)
     # gen-0 looks dead: gen-1 reclaims entry a (idle > claim_idle_ms) and generates it too
     time.sleep(0.1)
     streams._last_claim.clear()
-    (taken,) = streams.consume(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup, count=1, block_ms=None)
+    (taken,) = streams.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), count=1, block_ms=None)
     assert taken.entry_id == a.entry_id
-    done = streams.publish_if_owned(ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)]), (b.entry_id, [_rollout("gb", 0)])],
-                                    PROMPTS, GROUP_GENERATORS, "gen-0")
+    done = streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)]), (b.entry_id, [_rollout("gb", 0)])])
     assert done == [False, True]  # gen-0's late copy of a is not published; b still is, and acked
-    assert streams.publish_if_owned(ROLLOUTS, [(a.entry_id, [_rollout("ga", 0), _rollout("ga", 1)])],
-                                    PROMPTS, GROUP_GENERATORS, "gen-1") == [True]
+    assert streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0), _rollout("ga", 1)])]) == [True]
     # a repeat (a retried call whose reply was lost) publishes nothing more
-    assert streams.publish_if_owned(ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)])], PROMPTS, GROUP_GENERATORS,
-                                    "gen-1") == [False]
+    assert streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)])]) == [False]
     assert streams.length(ROLLOUTS) == 3 and streams.pending_count(PROMPTS, GROUP_GENERATORS) == 0
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker.streams import GROUP_TRAINERS, SCORED, JobStreams, connect
+from broker.streams import GROUP_TRAINERS, SCORED, Consumer, JobStreams, connect
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
 from shared.schema import EvalItem, Rollout, SamplingParams, Scored, pack_f32, pack_i32
@@ -161,13 +161,13 @@ def test_take_over_claims_a_dead_predecessors_entries_at_once(streams):
     streams.ensure_group(SCORED, GROUP_TRAINERS)
     streams.publish_many(SCORED, [_scored("job1/r/g0", i) for i in range(2)] + [_scored("job1/r/g1", 0)])
     dead = checkpoint.singleton_consumer(streams)
-    assert len(dead.consume(SCORED, GROUP_TRAINERS, "trainer-old", Scored, count=10, block_ms=None)) == 3
+    assert len(dead.consume(Consumer(SCORED, GROUP_TRAINERS, "trainer-old", Scored), count=10, block_ms=None)) == 3
     streams.publish(SCORED, _scored("job1/r/g1", 1))  # arrived while the trainer was down
     # claim_idle_ms is 60 s by default: a plain consumer would not see the old entries for a minute
-    got = checkpoint.take_over(streams, SCORED, GROUP_TRAINERS, "trainer-new", Scored)
+    got = checkpoint.take_over(streams, Consumer(SCORED, GROUP_TRAINERS, "trainer-new", Scored))
     assert sorted(d.message.msg_id for d in got) == ["job1/r/g0/0", "job1/r/g0/1", "job1/r/g1/0"]
     assert all(d.deliveries == 2 for d in got)
-    new = checkpoint.singleton_consumer(streams).consume(SCORED, GROUP_TRAINERS, "trainer-new", Scored,
+    new = checkpoint.singleton_consumer(streams).consume(Consumer(SCORED, GROUP_TRAINERS, "trainer-new", Scored),
                                                          count=10, block_ms=None)
     assert [d.message.msg_id for d in new] == ["job1/r/g1/1"]
 
