@@ -6,6 +6,8 @@
     eval group      {eval round}/{prompt index}
     sample          {group id}/{sample index}  (a group's msg_id is its group id)
     dead letter     {stream}/{entry id}
+    policy version  {job}/v{version}
+    control         {command}-{nonce}          (the API's commands; the trainer's job end: end-{step})
 
 Every id starts with the job id: ids are the ledger's idempotency keys and must be unique across
 all jobs sharing one database. Pure functions, no I/O.
@@ -66,3 +68,13 @@ def sample_ids(group_id: str, size: int) -> list[str]:
 def dead_letter_id(stream: str, entry_id: str) -> str:
     """The msg_id of the dead letter of entry `entry_id` of `stream`."""
     return f"{stream}/{entry_id}"
+
+
+def policy_version_id(job_id: str, version: int) -> str:
+    """The msg_id of the announcement of policy `version` (re-done steps re-announce the same id)."""
+    return f"{job_id}/v{version}"
+
+
+def control_id(command: str, nonce: str) -> str:
+    """The msg_id of one control command; `nonce` tells two sends of the same command apart."""
+    return f"{command}-{nonce}"

@@ -25,8 +25,8 @@ import pytest
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
+from shared.ids import group_seq
 from shared.jobspec import JobSpec
-from trainer_svc.feeder import group_seq
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

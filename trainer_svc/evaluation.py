@@ -16,12 +16,13 @@ from typing import Any
 
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
 from shared.evalmetrics import round_metrics
+from shared.ids import eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
 from shared.prompts import Rendered
 from shared.schema import EvalItem, SamplingParams, pack_i32
 from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
-from trainer_svc.feeder import Feeder, Group, eval_round
+from trainer_svc.feeder import Feeder, Group
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
-
-# eval_round and group_seq: trainer_svc.evaluation and .train import them from this module.
-from shared.ids import eval_round, eval_round_id, group_seq, id_prefix, sample_ids, train_group_id  # noqa: F401
+from shared.ids import eval_round_id, group_seq, id_prefix, sample_ids, train_group_id
 from shared.jobspec import JobSpec
 from shared.prompts import Rendered
 from shared.schema import (

@@ -24,6 +24,7 @@ from broker.streams import (
     JobStreams,
 )
 from shared.datasets import load_source, load_task
+from shared.ids import control_id
 from shared.jobspec import JobSpec
 from shared.metrics import TrainerMetrics, serve_metrics
 from shared.prompts import renderer
@@ -236,7 +237,7 @@ class Parts:
             self.take_scored(self.settings.block_ms)
         ledger.set_job_state(job_id, "finished" if st.step >= self.spec.steps else "stopped")
         # The job is over for every service of it: generators and rewarders exit on this.
-        self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=f"end-{st.step}", policy_version=st.version,
+        self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("end", str(st.step)), policy_version=st.version,
                                            command="drain", reason=f"trainer finished at step {st.step}"))
         log.info("trainer done at step %d (version %d)", st.step, st.version)
         self.server.close()

@@ -17,12 +17,13 @@ import torch
 
 from broker.ledger import write_isolating
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
+from shared.ids import group_seq
 from shared.jobspec import JobSpec
 from shared.schema import Scored
 from trainer_svc.algorithms import is_fresh, staleness
 from trainer_svc.batch import TrainBatch
 from trainer_svc.evaluation import Evaluator
-from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, GroupAssembler, group_seq
+from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, GroupAssembler
 from trainer_svc.guard import CollapseGuard
 from trainer_svc.shaping import no_signal
 

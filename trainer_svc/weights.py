@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from broker.streams import POLICY, JobStreams
+from shared.ids import policy_version_id
 from shared.schema import PolicyAnnouncement, pack_f32, pack_i32
 from shared.transport import WeightServer, build_manifest
 from trainer_svc.logprobs import token_logprobs
@@ -68,7 +69,7 @@ def publish_weights(
     streams.publish(
         POLICY,
         PolicyAnnouncement(
-            job_id=job_id, msg_id=f"{job_id}/v{version}", policy_version=version,
+            job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
             manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
             probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
         ),

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from broker.ledger import Ledger
 from broker.ledger.rows import JobRow
 from broker.streams import CONTROL, JobStreams
+from shared.ids import control_id
 from shared.jobspec import JobSpec, format_validation_error
 from shared.schema import Control
 
@@ -65,7 +66,7 @@ def send_control(
 ) -> None:
     """Tell every service of the job (`streams`: its control stream), record who did it, move the
     job's state."""
-    msg = Control(job_id=job_id, msg_id=f"{command}-{uuid.uuid4().hex[:8]}", policy_version=0,
+    msg = Control(job_id=job_id, msg_id=control_id(command, uuid.uuid4().hex[:8]), policy_version=0,
                   command=command, **extra)  # type: ignore[arg-type]
     streams.publish(CONTROL, msg)
     ledger.record_change(job_id, actor, {"command": command, **extra})

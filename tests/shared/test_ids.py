@@ -36,3 +36,9 @@ def test_sample_and_dead_letter_ids() -> None:
     assert ids.sample_ids("job-1/g4", 3) == ["job-1/g4/0", "job-1/g4/1", "job-1/g4/2"]
     assert ids.sample_ids("job-1/g4", 0) == []
     assert ids.dead_letter_id("prompts", "17-0") == "prompts/17-0"
+
+
+def test_policy_version_and_control_ids() -> None:
+    assert ids.policy_version_id("job-1", 12) == "job-1/v12"
+    assert ids.control_id("pause", "ab12cd34") == "pause-ab12cd34"
+    assert ids.control_id("end", "40") == "end-40"

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from broker.streams import GROUP_TRAINERS, SCORED, Consumer, JobStreams, connect
+from shared.ids import group_seq
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
 from shared.schema import EvalItem, Rollout, SamplingParams, Scored, pack_f32, pack_i32
 from shared.tasks import Problem
 from trainer_svc import checkpoint
 from trainer_svc.batch import TrainBatch
-from trainer_svc.feeder import Feeder, group_seq
+from trainer_svc.feeder import Feeder
 from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())

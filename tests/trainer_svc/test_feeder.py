@@ -6,6 +6,7 @@ import uuid
 import pytest
 
 from broker.streams import PROMPTS, JobStreams, connect
+from shared.ids import eval_round
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
 from shared.schema import (
@@ -19,7 +20,7 @@ from shared.schema import (
     pack_i32,
 )
 from shared.tasks import Problem
-from trainer_svc.feeder import Feeder, GroupAssembler, eval_round
+from trainer_svc.feeder import Feeder, GroupAssembler
 from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: plain text, <s> first
