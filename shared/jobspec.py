@@ -14,6 +14,7 @@ from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.rewards.spec import REWARDS, RewardSpec
 from shared.schema import SamplingParams
 from shared.spectypes import PrintableStr, SpecModel, refuse_nul
+from shared.staleness_bound import groups_in_flight, start_bound
 
 __all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
 
@@ -281,16 +282,14 @@ class JobSpec(_Strict):
     @property
     def staleness_bound(self) -> int:
         """The starting bound: sync mode is async with k = 0; adaptive starts at its k_max."""
-        if self.mode == "sync":
-            return 0
-        if self.adaptive_staleness is not None:
-            return self.adaptive_staleness.k_max
-        return self.max_staleness
+        adaptive = self.adaptive_staleness
+        return start_bound(self.mode, self.max_staleness, None if adaptive is None else adaptive.k_max)
 
     @property
     def max_groups_in_flight(self) -> int:
-        """Prompt groups the feeder may have outstanding: (k + 1) * batch: the backpressure that keeps generators within the staleness budget."""
-        return (self.staleness_bound + 1) * self.prompts_per_step
+        """Prompt groups the feeder may have outstanding: (k + 1) * batch: the backpressure that
+        keeps generators within the staleness budget."""
+        return groups_in_flight(self.staleness_bound, self.prompts_per_step)
 
 
 class JobPatch(_Strict):
