@@ -190,7 +190,7 @@ def test_compose_ports_match_the_settings():
 def test_compose_redis_postgres_and_volumes():
     services = compose("docker-compose.yml")["services"]
     redis = services["redis"]
-    assert redis["image"] == "redis:7.0"  # DESIGN: Redis 7.0, no newer commands
+    assert redis["image"] == "redis:7.0"  # Redis 7.0 (Debian): the code relies on no newer command
     cmd = " ".join(redis["command"])
     assert "--appendonly yes" in cmd and "--appendfsync everysec" in cmd
     assert "--maxmemory-policy noeviction" in cmd

@@ -12,8 +12,8 @@ transport's) carries msgpack frames; the bytes go over UCX tag messages:
 
 The data flows server -> client, so it is the *client's* worker address that is exchanged out of
 band (on the control channel), and the server makes an endpoint from it with error handling off:
-per `shared/notes/ucx-on-cpu.md` that is what lets UCX use shared memory / CMA zero-copy between
-two processes on one box (listener endpoints need error handling on, which forces `tcp/lo`).
+that is what lets UCX use shared memory / CMA zero-copy between two processes on one box (listener
+endpoints need error handling on, which forces `tcp/lo`; measured in results/transfer.md).
 Between hosts UCX picks TCP (the PyPI libucx has no RDMA), with 512k segments (3x over defaults).
 
 Each process has one UCX context + worker, progressed by ucxx's own C++ thread (no asyncio, no
