@@ -280,3 +280,18 @@ class GenerationVersions(NamedTuple):
     gen_version_min: int
     gen_version_max: int
     samples: int
+
+
+class SampleFilters(TypedDict, total=False):
+    """The filters of `Ledger.samples` and `Ledger.count_samples`: a status or kind, and inclusive
+    bounds on trainer version, staleness and reward (a bound excludes rows where that column is
+    still null: not yet used, or not yet scored)."""
+
+    status: str | None
+    kind: str | None
+    min_trainer_version: int | None
+    max_trainer_version: int | None
+    min_staleness: int | None
+    max_staleness: int | None
+    min_reward: float | None
+    max_reward: float | None

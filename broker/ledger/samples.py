@@ -14,6 +14,7 @@ from typing import Any, cast
 from sqlalchemy import JSON, Float, Integer, String, Update, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
+from typing_extensions import Unpack
 
 from broker.ledger.engine import Repository, chunks, json_safe
 from broker.ledger.models import samples_t, utcnow
@@ -23,6 +24,7 @@ from broker.ledger.rows import (
     SAMPLE_STATUSES,
     UNUSED_STATUSES,
     USED_STATUSES,
+    SampleFilters,
     SampleIn,
     SampleRow,
     ScoredItem,
@@ -129,20 +131,8 @@ class SampleRepository(Repository):
             return int(s.connection().execute(_used_update(), params).rowcount)
 
     def samples(
-        self,
-        job_id: str,
-        *,
-        status: str | None = None,
-        kind: str | None = None,
-        min_trainer_version: int | None = None,
-        max_trainer_version: int | None = None,
-        min_staleness: int | None = None,
-        max_staleness: int | None = None,
-        min_reward: float | None = None,
-        max_reward: float | None = None,
-        limit: int | None = None,
-        offset: int = 0,
-    ) -> list[SampleRow]:
+        self, job_id: str, *, limit: int | None = None, offset: int = 0, **filters: Unpack[SampleFilters]
+) -> list[SampleRow]:
         """A job's samples in insertion order (row id, so pages are stable), optionally filtered.
 
         Bounds are inclusive; a bound on trainer_version, staleness or reward excludes samples
@@ -151,50 +141,18 @@ class SampleRepository(Repository):
         Raises:
             ValueError: unknown status or kind.
         """
-        where = _sample_filters(
-            job_id,
-            status=status,
-            kind=kind,
-            min_trainer_version=min_trainer_version,
-            max_trainer_version=max_trainer_version,
-            min_staleness=min_staleness,
-            max_staleness=max_staleness,
-            min_reward=min_reward,
-            max_reward=max_reward,
-        )
+        where = _sample_filters(job_id, **filters)
         stmt = select(samples_t).where(*where).order_by(samples_t.c.id).offset(offset).limit(limit)
         with self._db.read() as s:
             return [cast(SampleRow, dict(r)) for r in s.execute(stmt).mappings()]
 
-    def count_samples(
-        self,
-        job_id: str,
-        *,
-        status: str | None = None,
-        kind: str | None = None,
-        min_trainer_version: int | None = None,
-        max_trainer_version: int | None = None,
-        min_staleness: int | None = None,
-        max_staleness: int | None = None,
-        min_reward: float | None = None,
-        max_reward: float | None = None,
-    ) -> int:
+    def count_samples(self, job_id: str, **filters: Unpack[SampleFilters]) -> int:
         """How many samples `samples` returns for the same filters without limit and offset.
 
         Raises:
             ValueError: unknown status or kind.
         """
-        where = _sample_filters(
-            job_id,
-            status=status,
-            kind=kind,
-            min_trainer_version=min_trainer_version,
-            max_trainer_version=max_trainer_version,
-            min_staleness=min_staleness,
-            max_staleness=max_staleness,
-            min_reward=min_reward,
-            max_reward=max_reward,
-        )
+        where = _sample_filters(job_id, **filters)
         with self._db.read() as s:
             return int(s.execute(select(func.count()).select_from(samples_t).where(*where)).scalar_one())
 
@@ -345,35 +303,26 @@ def _used_update() -> Update:
     )
 
 
-def _sample_filters(
-    job_id: str,
-    *,
-    status: str | None,
-    kind: str | None,
-    min_trainer_version: int | None,
-    max_trainer_version: int | None,
-    min_staleness: int | None,
-    max_staleness: int | None,
-    min_reward: float | None,
-    max_reward: float | None,
-) -> list[ColumnElement[bool]]:
+def _sample_filters(job_id: str, **f: Unpack[SampleFilters]) -> list[ColumnElement[bool]]:
     """WHERE conditions shared by `samples` and `count_samples`.
 
     Raises:
         ValueError: unknown status or kind.
     """
+    if unknown := sorted(set(f) - SampleFilters.__optional_keys__):
+        raise TypeError(f"unknown sample filters {unknown}; valid: {sorted(SampleFilters.__optional_keys__)}")
     c = samples_t.c
     where: list[ColumnElement[bool]] = [c.job_id == job_id]
-    if status is not None:
+    if (status := f.get("status")) is not None:
         check_one_of(status, SAMPLE_STATUSES, "sample status")
         where.append(c.status == status)
-    if kind is not None:
+    if (kind := f.get("kind")) is not None:
         check_one_of(kind, SAMPLE_KINDS, "sample kind")
         where.append(c.kind == kind)
     bounds: tuple[tuple[Any, float | None, float | None], ...] = (
-        (c.trainer_version, min_trainer_version, max_trainer_version),
-        (c.staleness, min_staleness, max_staleness),
-        (c.reward, min_reward, max_reward),
+        (c.trainer_version, f.get("min_trainer_version"), f.get("max_trainer_version")),
+        (c.staleness, f.get("min_staleness"), f.get("max_staleness")),
+        (c.reward, f.get("min_reward"), f.get("max_reward")),
     )
     for column, lo, hi in bounds:
         if lo is not None:
