@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -114,55 +116,12 @@ def demo(
     run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed)
 
 
-@app.command()
-def bench(
-    which: str = typer.Argument(
-        "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
-        "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
-        "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
-        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned."
-    ),
-    steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
-    seeds: int = typer.Option(3, help="parity: number of seeds."),
-    out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
-    preset: str = typer.Option("quick", help="suite: ci, quick or full."),
-) -> None:
-    """Benchmarks measured in one run on this machine; results under results/."""
-    logging.basicConfig(level=logging.WARNING)
-    from bench.claims import bench_async, bench_parity, bench_swap
-
-    if which == "suite":
-        from bench.suite import run_suite
-
-        run_suite(preset, out_dir=out)
-    elif which == "launcher":
-        from bench.suite import launcher_vs_pinned
-
-        wd = Path("runs/bench-launcher").resolve()
-        wd.mkdir(parents=True, exist_ok=True)
-        res = launcher_vs_pinned(wd, steps=steps or 80)
-        (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
-        typer.echo(json.dumps(res, indent=2))
-    elif which == "own-task":
-        from bench.own_task import run_own_task
-
-        run_own_task(out_dir=out, seeds=seeds, steps=steps or 150)
-    elif which == "async":
-        bench_async(steps=steps or 20, out_dir=out)
-    elif which == "parity":
-        bench_parity(steps=steps or 40, seeds=tuple(range(seeds)), out_dir=out)
-    elif which == "transfer":
-        from bench.transfer import bench_transfer
-
-        result = bench_transfer(out_dir=out)
-        result["swap_latency_s"] = bench_swap(steps=steps or 12)
-        (Path(out) / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
-        with open(Path(out) / "transfer.md", "a") as f:
-            f.write("\nSeconds from a trainer step's publish until every generator serves it (median, max): "
-                    + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
-                                for g, r in result["swap_latency_s"].items()) + ".\n")
-    else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher")
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def bench(ctx: typer.Context) -> None:
+    """Benchmarks measured in one run on this machine (`asyncrl bench --help`); `python -m bench`
+    runs them: the benchmarks sit above the CLI, which does not import them."""
+    os.execv(sys.executable, [sys.executable, "-m", "bench", *ctx.args])
 
 
 @app.command()

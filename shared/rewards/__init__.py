@@ -11,7 +11,7 @@ the model kind imports torch when built) because the reward service scores with 
 offline checkpoint evaluation.
 """
 
-from shared.rewards.base import RewardInput, RewardResult, Status
+from shared.rewards.base import RewardInput, RewardLoadError, RewardResult, Status
 from shared.rewards.builtin import (
     REWARD_FUNCTIONS,
     RewardFn,
@@ -21,7 +21,6 @@ from shared.rewards.builtin import (
     math_verify,
     python_exec,
 )
-from shared.rewards.python import RewardLoadError
 from shared.rewards.registry import KINDS, RewardScorer, build_scorer
 from shared.rewards.remote import JUDGE_RULES
 from shared.rewards.spec import REWARDS, RewardSpec

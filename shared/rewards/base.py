@@ -133,3 +133,29 @@ class KindScorer(Protocol):
     async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]: ...
 
     async def aclose(self) -> None: ...
+
+
+class RewardLoadError(ValueError):
+    """A reward cannot be set up: its plug-in does not import, has the wrong signature, its model
+    or endpoint configuration is unusable. Raised when the scorer is built (service start-up)."""
+
+
+class SyncRunner(Protocol):
+    """Runs one call of a sync leaf under a time budget; never raises for the call's failures."""
+
+    async def run(self, leaf: int, items: list[RewardInput], timeout_s: float) -> list[RewardResult]: ...
+
+    def close(self) -> None: ...
+
+
+class BuildContext(Protocol):
+    """What a reward kind gets while its scorer is built (shared.rewards.registry.ScorerBuilder):
+    the builder of nested rewards, the registration of a sync function leaf (its index for the
+    runner), and the runner of sync leaves (set once every leaf is known)."""
+
+    def build(self, spec: Any) -> KindScorer: ...
+
+    def register_sync(self, spec: Any, fn: Any) -> int: ...
+
+    @property
+    def runner(self) -> SyncRunner: ...

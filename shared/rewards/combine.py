@@ -12,13 +12,9 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from shared.rewards.base import KindScorer, RewardInput, RewardResult, Status, failed
+from shared.rewards.base import BuildContext, KindScorer, RewardInput, RewardResult, Status, failed
 from shared.rewards.spec import SumReward
-
-if TYPE_CHECKING:
-    from shared.rewards.registry import BuildContext
 
 
 class SumScorer:

@@ -15,14 +15,17 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shared.rewards.base import RewardInput, RewardResult, error_from, failed
-from shared.rewards.python import RewardLoadError
+from shared.rewards.base import (
+    BuildContext,
+    RewardInput,
+    RewardLoadError,
+    RewardResult,
+    error_from,
+    failed,
+)
 from shared.rewards.spec import ModelReward
-
-if TYPE_CHECKING:
-    from shared.rewards.registry import BuildContext
 
 
 class ModelScorer:

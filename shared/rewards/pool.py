@@ -30,25 +30,23 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import msgpack
 
-from shared.rewards.base import RewardInput, RewardResult, error_from, failed
-from shared.rewards.python import LoadedFunction, RewardLoadError
+from shared.rewards.base import (
+    RewardInput,
+    RewardLoadError,
+    RewardResult,
+    error_from,
+    failed,
+)
+from shared.rewards.python import LoadedFunction
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a worker imports the user's module: bounded, but generous on a busy box
 THREADS = 8  # calls in flight with REWARD_WORKERS=0 (threads help sandboxed and I/O-bound rewards)
-
-
-class SyncRunner(Protocol):
-    """Runs one call of a sync leaf under a time budget; never raises for the call's failures."""
-
-    async def run(self, leaf: int, items: list[RewardInput], timeout_s: float) -> list[RewardResult]: ...
-
-    def close(self) -> None: ...
 
 
 # --- frames: 4-byte big-endian length + msgpack --------------------------------------------------

@@ -41,19 +41,20 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shared.rewards.base import RewardInput, RewardResult, coerce, coerce_batch, error_from, failed
+from shared.rewards.base import (
+    BuildContext,
+    RewardInput,
+    RewardLoadError,
+    RewardResult,
+    coerce,
+    coerce_batch,
+    error_from,
+    failed,
+)
 from shared.rewards.builtin import REWARD_FUNCTIONS
 from shared.rewards.spec import BuiltinReward, PythonReward
-
-if TYPE_CHECKING:
-    from shared.rewards.registry import BuildContext
-
-
-class RewardLoadError(ValueError):
-    """A reward cannot be set up: its plug-in does not import, has the wrong signature, its model
-    or endpoint configuration is unusable. Raised when the scorer is built (service start-up)."""
 
 
 def import_object(path: str) -> Any:

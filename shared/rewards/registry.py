@@ -9,9 +9,16 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from shared.rewards.base import KindScorer, RewardInput, RewardResult, error_from
+from shared.rewards.base import (
+    BuildContext,
+    KindScorer,
+    RewardInput,
+    RewardResult,
+    SyncRunner,
+    error_from,
+)
 from shared.rewards.combine import SumScorer
-from shared.rewards.pool import SyncRunner, ThreadRunner, WorkerPool
+from shared.rewards.pool import ThreadRunner, WorkerPool
 from shared.rewards.python import FunctionScorer, LoadedFunction
 from shared.rewards.remote import HttpScorer, JudgeScorer
 from shared.rewards.spec import (
@@ -32,7 +39,7 @@ def _model_scorer(spec: Any, ctx: BuildContext) -> KindScorer:
     return ModelScorer(spec, ctx)
 
 
-Builder = Callable[[Any, "BuildContext"], KindScorer]
+Builder = Callable[[Any, BuildContext], KindScorer]
 
 KINDS: dict[str, Builder] = {
     "builtin": FunctionScorer,
@@ -45,9 +52,9 @@ KINDS: dict[str, Builder] = {
 """Reward kinds by name (the `kind` of a reward object; shared.rewards.spec.KINDS names the same)."""
 
 
-class BuildContext:
-    """What the kinds share while a scorer is built: the builder of nested rewards, and the runner
-    of sync functions (set once every sync leaf is known)."""
+class ScorerBuilder:
+    """The BuildContext (shared.rewards.base) of one scorer build: the builder of nested rewards,
+    and the runner of sync functions (set once every sync leaf is known)."""
 
     def __init__(self) -> None:
         self.sync_specs: list[dict[str, Any]] = []
@@ -160,7 +167,7 @@ def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> Re
     if isinstance(spec, dict):
         spec = TypeAdapter(RewardSpec).validate_python(spec)
     assert isinstance(spec, str | BaseModel)
-    ctx = BuildContext()
+    ctx = ScorerBuilder()
     root = ctx.build(spec)
     try:
         runner: SyncRunner = (

@@ -19,17 +19,20 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from shared.rewards.base import RewardInput, RewardResult, coerce, failed
-from shared.rewards.python import RewardLoadError
+from shared.rewards.base import (
+    BuildContext,
+    RewardInput,
+    RewardLoadError,
+    RewardResult,
+    coerce,
+    failed,
+)
 from shared.rewards.spec import HttpReward, JudgeReward
-
-if TYPE_CHECKING:
-    from shared.rewards.registry import BuildContext
 
 QUOTE = 500  # characters of a reply or an error body quoted in a reason
 
