@@ -79,80 +79,94 @@ def load_reward(ref: str | None) -> Any:
     return lambda completion, answer, metadata: float(fn(completion, answer, metadata=metadata))
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    import transformers
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    t_launch = float(cfg["t_launch"])
-    torch.set_num_threads(int(cfg["threads"]))
-    torch.manual_seed(int(cfg["seed"]))
-    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
-    score = load_reward(cfg.get("reward"))
-    stop_ids = []
-    for s in cfg.get("stop") or []:
-        ids = tokenizer.encode(s, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"stop string {s!r} is {len(ids)} tokens; TRL ends completions on token ids only")
-        stop_ids += ids
-    if stop_ids:  # TRL reads its EOS ids from the generation config and masks after the first one
+def stop_token_ids(tokenizer: Any, model: Any, stop: list[str]) -> list[int]:
+    """The ids of `stop` strings (each must be one token); they join the generation config's EOS
+    ids, which is how TRL ends a completion and masks what follows."""
+    ids: list[int] = []
+    for s in stop:
+        got = tokenizer.encode(s, add_special_tokens=False)
+        if len(got) != 1:
+            raise ValueError(f"stop string {s!r} is {len(got)} tokens; TRL ends completions on token ids only")
+        ids += got
+    if ids:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *eos, *stop_ids]
-    test = cfg["test"]
-    max_tokens = int(cfg["max_tokens"])
-    curve: list[dict[str, float]] = []
-    train_log: list[dict[str, float]] = []
-    clock: dict[str, Any] = {"eval_s": 0.0, "first_step_start": None}
-    evaluating = bool(cfg.get("evaluate", True))  # False: the cost of a step only
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *eos, *ids]
+    return ids
 
-    @torch.no_grad()
-    def held_out(m: Any) -> float:  # a PreTrainedModel
+
+class HeldOut:
+    """The held-out protocol: greedy completions of every test prompt, scored by `score`; each
+    evaluation's own time is taken off the training clock (`eval_s`)."""
+
+    def __init__(self, cfg: dict[str, Any], tokenizer: Any, score: Any, stop_ids: list[int]) -> None:
+        self.test, self.max_tokens = cfg["test"], int(cfg["max_tokens"])
+        self.tokenizer, self.score, self.stop_ids = tokenizer, score, stop_ids
+        self.t_launch = float(cfg["t_launch"])
+        self.curve: list[dict[str, float]] = []
+        self.eval_s = 0.0
+
+    def reward(self, m: Any) -> float:  # a PreTrainedModel
+        import torch
+
+        tok = self.tokenizer
         was_training = m.training
         m.eval()
-        side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        side, tok.padding_side = tok.padding_side, "left"
         try:
-            batch = tokenizer([p["prompt"] for p in test], return_tensors="pt", padding=True)
+            batch = tok([p["prompt"] for p in self.test], return_tensors="pt", padding=True)
         finally:
-            tokenizer.padding_side = side
-        out = m.generate(**batch, do_sample=False, max_new_tokens=max_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=[tokenizer.eos_token_id, *stop_ids])
-        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            tok.padding_side = side
+        with torch.no_grad():
+            out = m.generate(**batch, do_sample=False, max_new_tokens=self.max_tokens,
+                             pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id, *self.stop_ids])
+        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         m.train(was_training)
-        return sum(score(t, p["answer"], p.get("metadata", {})) for t, p in zip(texts, test, strict=True)) / len(test)
+        return sum(self.score(t, p["answer"], p.get("metadata", {}))
+                   for t, p in zip(texts, self.test, strict=True)) / len(self.test)
 
-    def evaluate(m: Any, step: int) -> None:
+    def evaluate(self, m: Any, step: int) -> None:
         t0 = time.time()
-        reward = held_out(m)
-        t1 = time.time()
+        reward = self.reward(m)
         # Seconds of training since launch: evaluation time so far is not TRL's to pay.
-        curve.append({"step": step, "t_s": t0 - t_launch - clock["eval_s"], "reward": reward,
-                      "wall_s": t0 - t_launch})
-        clock["eval_s"] += t1 - t0
+        self.curve.append({"step": step, "t_s": t0 - self.t_launch - self.eval_s, "reward": reward,
+                           "wall_s": t0 - self.t_launch})
+        self.eval_s += time.time() - t0
 
-    class HeldOut(TrainerCallback):
+
+def callback(cfg: dict[str, Any], held_out: HeldOut, clock: dict[str, Any], train_log: list[dict[str, float]]) -> Any:
+    """The TrainerCallback that evaluates at step 0 and every eval_every steps, and logs rewards."""
+    from transformers import TrainerCallback
+
+    evaluating = bool(cfg.get("evaluate", True))  # False: the cost of a step only
+    every, steps, t_launch = int(cfg["eval_every"]), int(cfg["steps"]), float(cfg["t_launch"])
+
+    class Callback(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
             clock["first_step_start"] = time.time() - t_launch
             if evaluating:
-                evaluate(model, 0)
+                held_out.evaluate(model, 0)
 
         def on_step_end(self, args, state, control, model=None, **kw):  # type: ignore[no-untyped-def]
             step = state.global_step
-            if evaluating and (step % int(cfg["eval_every"]) == 0 or step == int(cfg["steps"])):
-                evaluate(model, step)
+            if evaluating and (step % every == 0 or step == steps):
+                held_out.evaluate(model, step)
 
         def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
             if logs and "reward" in logs:
                 train_log.append({"step": state.global_step, "reward": float(logs["reward"]),
-                                  "t_s": time.time() - t_launch - clock["eval_s"]})
+                                  "t_s": time.time() - t_launch - held_out.eval_s})
+
+    return Callback()
+
+
+def grpo_config(cfg: dict[str, Any]) -> Any:
+    """TRL's settings mirroring our job spec (see the module docstring)."""
+    from trl import GRPOConfig
 
     per_step = int(cfg["prompts_per_step"]) * int(cfg["group_size"])
     micro = min(int(cfg["micro_batch_size"]), per_step)
-    args = GRPOConfig(
+    return GRPOConfig(
         output_dir=str(Path(cfg["workdir"]) / "trl-out"),
         use_cpu=True,
         bf16=False,
@@ -161,7 +175,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=per_step // micro,
         num_generations=int(cfg["group_size"]),
-        max_completion_length=max_tokens,
+        max_completion_length=int(cfg["max_tokens"]),
         temperature=float(cfg["temperature"]),
         top_p=1.0,
         top_k=0,
@@ -181,24 +195,44 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    t_launch = float(cfg["t_launch"])
+    torch.set_num_threads(int(cfg["threads"]))
+    torch.manual_seed(int(cfg["seed"]))
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(cfg["model_path"], dtype=torch.float32)
+    score = load_reward(cfg.get("reward"))
+    held_out = HeldOut(cfg, tokenizer, score, stop_token_ids(tokenizer, model, cfg.get("stop") or []))
+    clock: dict[str, Any] = {"first_step_start": None}
+    train_log: list[dict[str, float]] = []
+
     def reward(completions: list[str], answer: list[str], metadata: list[str], **_: Any) -> list[float]:
         """TRL reward function: the dataset's columns arrive as keyword arguments."""
         return [score(c, a, json.loads(m)) for c, a, m in zip(completions, answer, metadata, strict=True)]
 
     dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"],
                                   "metadata": json.dumps(p.get("metadata", {}))} for p in cfg["train"]])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[HeldOut()])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(cfg), train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[callback(cfg, held_out, clock, train_log)])
     trainer.train()
     return {
         "trl_version": trl.__version__,
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "generation": "transformers generate (TRL's default; its vLLM mode needs vllm<=0.31)",
-        "curve": curve,
+        "curve": held_out.curve,
         "train_reward": train_log,
         "startup_s": clock["first_step_start"],
-        "eval_s_total": clock["eval_s"],
+        "eval_s_total": held_out.eval_s,
         "wall_s": time.time() - t_launch,
         "steps": int(cfg["steps"]),
     }
