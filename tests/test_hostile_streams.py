@@ -499,7 +499,7 @@ def test_admin_task_arguments_are_checked() -> None:
 def test_trainer_dead_letters_token_ids_outside_its_vocabulary() -> None:
     pytest.importorskip("torch")
     from shared.schema import Scored
-    from trainer_svc.train import out_of_vocab
+    from trainer_svc.sink import out_of_vocab
 
     r = good_rollout("v", 1).model_copy(update={"completion_ids": pack_i32([4, 50_000])})
     s = Scored(job_id="v", msg_id=r.msg_id, group_id=r.group_id, policy_version=1, rollout=r, reward=1.0)

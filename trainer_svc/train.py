@@ -32,13 +32,10 @@ from shared.logs import set_context
 from shared.settings import TrainerSettings
 from trainer_svc.algorithms import staleness
 from trainer_svc.dist import Ranks
-from trainer_svc.learner import Learner, follow
+from trainer_svc.learner import follow
 from trainer_svc.parts import Parts
-from trainer_svc.sink import Batch, flatten_batch, out_of_vocab, overlong_reason, record_used
+from trainer_svc.sink import Batch, overlong_reason, record_used
 from trainer_svc.staleness import staleness_lr_scale
-from trainer_svc.weights import flatten_weights, probe, publish_weights
-
-__all__ = ["Learner", "flatten_batch", "flatten_weights", "follow", "out_of_vocab", "probe", "publish_weights", "run"]
 
 log = logging.getLogger(__name__)
 
