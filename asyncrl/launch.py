@@ -10,7 +10,8 @@ default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` d
 back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
 stops the rest and the launcher exits 1. Each service gets its share of the box's cores and its thread
-counts (asyncrl.placement; `--no-placement` turns that off). See `deploy/README.md`.
+counts (shared.placement, the rule a service started on its own applies to itself; with `--spec`,
+the job's `placement`; `--no-placement` turns that off). See `deploy/README.md`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from asyncrl.placement import cpuset, gpu_count, plan_placement
+from shared.placement import cpuset, gpu_count, plan_placement
 
 log = logging.getLogger("asyncrl.launch")  # also under `python -m`
 
@@ -324,6 +325,25 @@ def _submit(api: str, spec_path: Path) -> str:
     return str(resp.json()["id"])
 
 
+def spec_placement(spec_path: Path | None) -> str:
+    """The placement the launcher plans: the job spec's (`--spec`), else NODE_PLACEMENT (split,
+    colocated, or off: as --no-placement), else split.
+
+    Raises:
+        ValueError: the spec file does not parse as JSON, or names an unknown placement (the API
+            validates the rest when the spec is submitted).
+    """
+    if spec_path is None:
+        return os.environ.get("NODE_PLACEMENT") or "split"
+    try:
+        mode = json.loads(spec_path.read_text()).get("placement", "split")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--spec {spec_path}: {exc}") from exc
+    if mode not in ("split", "colocated"):
+        raise ValueError(f"--spec {spec_path}: placement {mode!r}; valid are split, colocated")
+    return str(mode)
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m asyncrl.launch",
@@ -344,7 +364,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="seconds to wait for the broker's /health (default 120)")
     ap.add_argument("--no-placement", action="store_true",
                     help="start services unpinned with default thread counts (default: split this box's cores "
-                    "between the roles, asyncrl.placement; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
+                    "between the roles, shared.placement; a --spec job's placement: split or colocated; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
     ap.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
                     help="restart a process that fails (default %(default)s), within the budget below")
     ap.add_argument("--max-restarts", type=int, default=5,
@@ -374,6 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parse(argv)
     setup_logging("launch", os.environ.get("LOG_LEVEL", "INFO"))
+    try:
+        args.placement = spec_placement(args.spec)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if args.placement == "off":
+        args.no_placement, args.placement = True, "split"
     # One line per health poll (httpx) and per migration plugin (alembic, imported with the API's
     # token helpers) otherwise; the services' own logs keep theirs.
     for noisy in ("httpx", "alembic"):
@@ -416,8 +443,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sup.env["JOB_ID"] = _submit(api, args.spec)
                 log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
             rest = services[1:]
+        # The services placed here (or left unplaced by --no-placement) must not place themselves again.
+        sup.env["NODE_PLACEMENT"] = "off"
         placed = {} if args.no_placement else plan_placement(
-            [(s.name, s.module) for s in rest], sorted(os.sched_getaffinity(0)), {**os.environ, **env}, gpu_count())
+            [(s.name, s.module) for s in rest], sorted(os.sched_getaffinity(0)), {**os.environ, **env}, gpu_count(),
+            mode=args.placement)
         for s in rest:
             if stop.is_set():
                 break

@@ -1,4 +1,8 @@
-"""The common body of every `python -m <service>`: settings, logging, then the heavy import.
+"""The common body of every `python -m <service>`: placement, settings, logging, then the heavy import.
+
+A generator, reward or trainer process first takes its share of the node's cores and its thread
+counts (`shared.placement.place_self`: the one rule the launcher uses too), before settings are
+read and before torch or vLLM is imported, since they read the thread variables once.
 
 SIGTERM is a process restart (a supervisor, systemd, `docker stop`), not the user's stop of the
 job (that is `POST /jobs/{id}/stop`). Once a service's loop runs (it called `accept_drain`), the
@@ -12,12 +16,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import threading
 
 from pydantic_settings import BaseSettings
 
 from shared.logs import setup_logging
+from shared.placement import describe, place_self
 
 _drain = threading.Event()
 _accepting = threading.Event()
@@ -60,12 +66,20 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
     """Parse settings from the environment, set up logging, import `module:function` and run it.
 
     Exit codes: 0 done, drained after SIGTERM, or the job is over (`JobOver`, logged as an
-    error); 1 failed (logged with traceback); 130 interrupted (SIGINT, or SIGTERM before the loop ran).
+    error); 1 failed (logged with traceback); 2 bad placement variables (logged); 130 interrupted (SIGINT, or SIGTERM before the loop ran).
     """
+    try:
+        placed = place_self(target.split(".")[0])
+    except ValueError as exc:  # bad NODE_* / <ROLE>_CPUS: say which, do not start misplaced
+        setup_logging(service, "INFO")
+        logging.getLogger(service).error("%s: placement: %s", service, exc)
+        return 2
     settings = settings_cls()
     setup_logging(service, getattr(settings, "log_level", "INFO"))
     signal.signal(signal.SIGTERM, _on_sigterm)
     log = logging.getLogger(service)
+    if placed is not None:
+        log.info("%s placed on %s", service, describe(placed, os.environ.get("NODE_PLACEMENT") or "split"))
     try:
         module, func = target.split(":")
         getattr(importlib.import_module(module), func)(settings)

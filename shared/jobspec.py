@@ -225,6 +225,12 @@ class JobSpec(_Strict):
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."
     )
+    placement: Literal["split", "colocated"] = Field(
+        "split", description="split: generators and trainer on their own cores or GPUs, overlapping (async) or "
+                             "not (sync); colocated: they share every core and GPU and take turns, each phase using "
+                             "all of them (GPU: the engine sleeps and the trainer's state is offloaded to host memory "
+                             "while the other runs). Colocated alternates, so it is sync only: mode defaults to sync "
+                             "with it, and async with it is refused.")
     max_staleness: int = Field(
         1, ge=0, le=64, description="Drop samples generated more than this many policy versions ago (async only)."
     )
@@ -253,6 +259,20 @@ class JobSpec(_Strict):
     @classmethod
     def _no_nul(cls, data: Any) -> Any:
         refuse_nul(cls.__name__, data)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _colocated_is_sync(cls, data: Any) -> Any:
+        """Co-located phases alternate: generation, then the step. Without a mode that is sync;
+        async (generation overlapping the step on the same devices) is refused."""
+        if isinstance(data, dict) and data.get("placement") == "colocated":
+            if data.get("mode", "sync") != "sync":
+                raise ValueError(f"placement colocated alternates generation and training, so it needs mode sync "
+                                 f"(got mode {data['mode']!r}): use mode sync, or placement split for async")
+            if data.get("adaptive_staleness") is not None:
+                raise ValueError("placement colocated is sync: adaptive_staleness (an async bound) does not apply")
+            data = {**data, "mode": "sync"}
         return data
 
     @model_validator(mode="after")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -63,6 +64,52 @@ class CommonSettings(BaseSettings):
         description="Interface a service's Prometheus port (its *_METRICS_PORT) listens on; loopback "
         "unless set (0.0.0.0 for a scraper on another host or container).",
     )
+
+
+class PlacementSettings(BaseSettings):
+    """Where a service started on its own (compose, systemd, `python -m`) places itself
+    (shared/placement.py `place_self`): the roles on its node, and overrides. Read by every
+    generator, reward and trainer process before anything else."""
+
+    model_config = SettingsConfigDict(extra="ignore", frozen=True)
+
+    placement: Literal["split", "colocated", "off"] = Field(
+        "split", validation_alias=AliasChoices("NODE_PLACEMENT", "placement"),
+        description="split: each role its own cores; colocated: generators and trainer share every core and GPU "
+        "(jobs with placement colocated); off: do not place (the launcher did, or you pin by hand).")
+    roles: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, validation_alias=AliasChoices("NODE_ROLES", "roles"),
+        description="Roles on this node, comma-separated (generator,reward,trainer); unset: this service alone.")
+    generators: int = Field(1, ge=1, le=1024, validation_alias=AliasChoices("NODE_GENERATORS", "generators"),
+                            description="Generator replicas on this node.")
+    replica: int | None = Field(
+        None, ge=0, validation_alias=AliasChoices("GEN_REPLICA", "replica"),
+        description="This generator's replica index on its node (0..NODE_GENERATORS-1); unset: it shares the "
+        "generators' whole share with any other replica.")
+    gen_cpus: str | None = Field(None, validation_alias=AliasChoices("GEN_CPUS", "gen_cpus"),
+                                 description="Cores of the generators (a cpuset list such as 0-3,8), replacing their share.")
+    trainer_cpus: str | None = Field(None, validation_alias=AliasChoices("TRAINER_CPUS", "trainer_cpus"),
+                                     description="Cores of the trainer, replacing its share.")
+    reward_cpus: str | None = Field(None, validation_alias=AliasChoices("REWARD_CPUS", "reward_cpus"),
+                                    description="Cores of the reward service, replacing its share.")
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _split_roles(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [r.strip() for r in v.split(",") if r.strip()]
+        bad = sorted(set(v or []) - {"generator", "reward", "trainer", "broker", "admin"})
+        if bad:
+            raise ValueError(f"unknown role(s) {', '.join(bad)}; valid: generator, reward, trainer, broker, admin")
+        return v
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> PlacementSettings:
+        """These settings from `environ` (os.environ or a copy of it)."""
+        keys = {"NODE_PLACEMENT": "placement", "NODE_ROLES": "roles", "NODE_GENERATORS": "generators",
+                "GEN_REPLICA": "replica", "GEN_CPUS": "gen_cpus", "TRAINER_CPUS": "trainer_cpus",
+                "REWARD_CPUS": "reward_cpus"}
+        return cls.model_validate({f: environ[k] for k, f in keys.items() if environ.get(k, "") != ""})
 
 
 class GeneratorSettings(CommonSettings):

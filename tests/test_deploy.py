@@ -30,19 +30,20 @@ from shared.settings import (
     BrokerSettings,
     CommonSettings,
     GeneratorSettings,
+    PlacementSettings,
     RewardSettings,
     TrainerSettings,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 # Which settings classes each entry module reads. The API also reads AdminSettings: it enqueues
-# the admin tasks.
+# the admin tasks; every job service reads PlacementSettings first (shared/entry.py).
 SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
     "broker": (BrokerSettings, AdminSettings),
     "broker.admin": (AdminSettings,),
-    "generator_svc": (GeneratorSettings,),
-    "reward_svc": (RewardSettings,),
-    "trainer_svc": (TrainerSettings,),
+    "generator_svc": (GeneratorSettings, PlacementSettings),
+    "reward_svc": (RewardSettings, PlacementSettings),
+    "trainer_svc": (TrainerSettings, PlacementSettings),
 }
 # Read by libraries the services use (UCX, vLLM, CUDA, OpenMP, Hugging Face, Python), not by our
 # settings; a deployment file may set them. Anything else must be one of ours.
@@ -427,3 +428,84 @@ def test_deploy_readme_mentions_only_real_variables_and_ports():
 @pytest.mark.parametrize("path", sorted((ROOT / "deploy/jobs").glob("*.json")), ids=lambda p: p.name)
 def test_example_job_specs_validate(path):
     JobSpec.model_validate(json.loads(path.read_text()))
+
+
+# --- placement: derived by code, never hand-written --------------------------------------------
+
+# A cpuset, a thread count or a device list written into a deployment file would bypass the one
+# placement rule (shared/placement.py); these may only come from it (or from an operator's override).
+DERIVED = ("VLLM_CPU_OMP_THREADS_BIND", "TRAINER_THREADS", "OMP_NUM_THREADS", "REWARD_WORKERS",
+           "CUDA_VISIBLE_DEVICES", "GEN_CPUS", "TRAINER_CPUS", "REWARD_CPUS")
+
+
+def _place(module: str, env: dict[str, str], cores: list[int]):
+    """What `place_self` gives `module` with `env` on `cores` (affinity captured, not applied)."""
+    import os
+
+    from shared.placement import place_self
+
+    environ, pinned = {k: v for k, v in env.items() if "$" not in v}, []
+    real = os.sched_setaffinity
+    os.sched_setaffinity = lambda pid, cpus: pinned.append(frozenset(cpus))  # type: ignore[assignment]
+    try:
+        p = place_self(module, environ, cores=cores, gpus=0)
+    finally:
+        os.sched_setaffinity = real
+    return p, environ
+
+
+def _assert_placed_disjoint(where: str, placed: dict[str, object]) -> None:
+    pinned = {n: p.cpus for n, p in placed.items() if p is not None and p.cpus}
+    assert set(pinned) >= {"generator", "trainer"}, f"{where}: {pinned}"
+    names = sorted(pinned)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not pinned[a] & pinned[b], f"{where}: {a} and {b} share cores {pinned[a] & pinned[b]}"
+
+
+def test_compose_services_place_themselves_by_the_one_rule():
+    text = (ROOT / "docker-compose.yml").read_text()
+    services = compose("docker-compose.yml")["services"]
+    for name in OUR_SERVICES:
+        env = service_env(services[name])
+        assert not set(DERIVED) & set(env), f"compose {name} hand-writes {sorted(set(DERIVED) & set(env))}"
+    for name in JOB_SERVICES:
+        env = service_env(services[name])
+        # the roles it declares are the job services this file runs
+        assert set(env["NODE_ROLES"].split(",")) == JOB_SERVICES, name
+        assert "${NODE_PLACEMENT:-split}" in text and env["NODE_PLACEMENT"].startswith("${NODE_PLACEMENT")
+    # on a 16-core host each service takes its own cores (run as the entry point would)
+    placed = {n: _place(f"{n}_svc", {**service_env(services[n]), "NODE_PLACEMENT": "split"}, list(range(16)))[0]
+              for n in JOB_SERVICES}
+    _assert_placed_disjoint("compose", placed)
+    for name in ("generator", "trainer"):  # co-located: both on every core the reward does not take
+        p, _ = _place(f"{name}_svc", {**service_env(services[name]), "NODE_PLACEMENT": "colocated"}, list(range(16)))
+        assert p is not None and p.cpus == frozenset(range(14)), name
+
+
+def test_systemd_units_place_themselves_by_the_one_rule():
+    example = {k: v for k, v in _env_file("deploy/env.example").items()
+               if not (ROOT / "deploy/env.example").read_text().count(f"#{k}=")}
+    placed = {}
+    for unit, module in UNIT_MODULES.items():
+        d = unit_directives(UNITS / unit)
+        env = dict(e.split("=", 1) for e in d.get("Environment", []))
+        assert not set(DERIVED) & set(env), f"{unit} hand-writes {sorted(set(DERIVED) & set(env))}"
+        if module not in ("generator_svc", "reward_svc", "trainer_svc"):
+            continue
+        assert set(env["NODE_ROLES"].split(",")) == JOB_SERVICES, unit
+        if unit == "asyncrl-generator@.service":
+            assert env["GEN_REPLICA"] == "%i"
+        # asyncrl.env (the example) wins over the unit's Environment=, as systemd reads them
+        for i in range(int(example["NODE_GENERATORS"]) if module == "generator_svc" else 1):
+            full = {**{k: v.replace("%i", str(i)) for k, v in env.items()}, **example}
+            name = f"generator-{i}" if module == "generator_svc" else module.removesuffix("_svc")
+            placed[name] = _place(module, full, list(range(16)))[0]
+    pinned = {n: p.cpus for n, p in placed.items() if p is not None and p.cpus}
+    assert set(pinned) == {"generator-0", "generator-1", "reward", "trainer"}, pinned
+    names = sorted(pinned)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not pinned[a] & pinned[b], f"{a} and {b} share cores"
+    assert set().union(*pinned.values()) == set(range(16))  # nothing left idle
+    assert example["NODE_PLACEMENT"] in ("split", "colocated", "off")

@@ -318,3 +318,19 @@ def test_many_unknown_fields_are_one_error() -> None:
     with pytest.raises(ValidationError) as err:  # a few are each named
         JobSpec.model_validate({"model_path": "m", "lerning_rate": 1, "stepz": 2})
     assert [e["loc"] for e in err.value.errors()] == [("lerning_rate",), ("stepz",)]
+
+
+def test_placement_defaults_to_split_and_colocated_is_sync() -> None:
+    assert JobSpec(model_path="/m").placement == "split"
+    co = JobSpec.model_validate({"model_path": "/m", "placement": "colocated"})
+    assert co.mode == "sync" and co.staleness_bound == 0  # alternation: no mode given means sync
+    assert JobSpec.model_validate({"model_path": "/m", "placement": "colocated", "mode": "sync"}).mode == "sync"
+    with pytest.raises(ValidationError, match="placement colocated .* needs mode sync"):
+        JobSpec.model_validate({"model_path": "/m", "placement": "colocated", "mode": "async"})
+    with pytest.raises(ValidationError, match="adaptive_staleness"):
+        JobSpec.model_validate({"model_path": "/m", "placement": "colocated",
+                                "adaptive_staleness": {"k_min": 0, "k_max": 2}})
+    with pytest.raises(ValidationError, match="placement"):
+        JobSpec.model_validate({"model_path": "/m", "placement": "shared"})
+    # the stored form round-trips
+    assert JobSpec.model_validate(co.model_dump(mode="json")) == co

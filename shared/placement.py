@@ -1,34 +1,49 @@
 """Placement: which cores (and GPUs) each service of one node gets, and its thread counts.
 
+One rule for every way the services start (ARCHITECTURE.md, "Placement"): the one-box launcher
+plans the whole node with `plan_placement` and starts each service on its share; a service started
+on its own (docker compose, a systemd unit, a plain `python -m`) places itself with `place_self`
+before it imports torch or vLLM (`shared/entry.py`), from the roles on its node (`NODE_ROLES`,
+`NODE_GENERATORS`, `GEN_REPLICA`: `PlacementSettings`) and the cores it may use
+(`os.sched_getaffinity`). Both give the same answer for the same node.
+
 On a small box the generator's OpenMP threads and the trainer's torch threads otherwise fight over
 the same cores (a job started unpinned stepped 2.4x slower than the bench's hand-pinned one on two
-cores). `plan_placement` splits the node's cores between the roles it runs:
+cores). Split placement (the default):
 
-- the reward service gets `reward_share` of them (at least one core when the node has four or more;
-  on smaller boxes it floats over every core: its work is short bursts between the others'),
+- the reward service gets `reward_share` of the cores (at least one core when the node has four or
+  more; on smaller boxes it floats over every core: its work is short bursts between the others'),
 - the generators and the trainer split the rest evenly (generators first, the trainer the last
   cores; with no trainer on the node the generators take all, and the other way round), each
-  generator replica a disjoint slice of the generators' share,
+  generator replica a disjoint slice of the generators' share (a replica without an index shares
+  the whole slice),
 - the broker API and the admin worker float (no pin: they mostly wait on I/O).
+
+Co-located placement (`placement: colocated` in the job spec, `NODE_PLACEMENT=colocated` for
+services that place themselves): the generators and the trainer alternate, so each gets every
+core the reward does not (and every GPU): the phase that runs uses the whole machine.
 
 Each pinned role also gets its thread count: `VLLM_CPU_OMP_THREADS_BIND` (the generator's OpenMP
 threads, one per core of its slice), `TRAINER_THREADS` and `OMP_NUM_THREADS` (torch intra-op),
 `REWARD_WORKERS` (the reward pool's processes). A variable the user has already set wins, and
 `<ROLE>_CPUS` (`GEN_CPUS`, `TRAINER_CPUS`, `REWARD_CPUS`: a cpuset list such as `0-3,8`) replaces a
-role's share. GPUs (counted with `nvidia-smi -L`): with two or more, each generator replica gets one
-device and the trainer the rest (`CUDA_VISIBLE_DEVICES`); with one, they share it (a declared
-co-location: vLLM's `gpu_memory_utilization` leaves the trainer its part).
+role's share. GPUs (counted with `nvidia-smi -L`): with more than one per generator, each generator
+replica gets one device and the trainer the rest (`CUDA_VISIBLE_DEVICES`); with fewer, or
+co-located, they share them all (vLLM's `gpu_memory_utilization` leaves the trainer its part, or
+the phases take turns: sleep/wake and offloading).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 ROLE_OF = {"generator_svc": "generator", "trainer_svc": "trainer", "reward_svc": "reward"}
 OVERRIDE = {"generator": "GEN_CPUS", "trainer": "TRAINER_CPUS", "reward": "REWARD_CPUS"}
+MODES = ("split", "colocated")
 
 
 @dataclass(frozen=True)
@@ -103,13 +118,19 @@ def plan_placement(
     env: Mapping[str, str],
     gpus: int = 0,
     reward_share: float = 0.125,
+    mode: str = "split",
 ) -> dict[str, Placement]:
     """Placement of each (name, module) on a node with `cores` (and `gpus`), given the
     environment the services will see (`env`: overrides and already-set thread variables).
+    `mode` is "split" (each role its own cores) or "colocated" (generators and trainer alternate
+    on the same cores and GPUs).
 
     Raises:
-        ValueError: a `<ROLE>_CPUS` override that does not parse or names cores not available.
+        ValueError: an unknown mode, or a `<ROLE>_CPUS` override that does not parse or names
+            cores not available.
     """
+    if mode not in MODES:
+        raise ValueError(f"placement {mode!r}: valid are {', '.join(MODES)}")
     cores = sorted(cores)
     roles = {n: ROLE_OF.get(m) for n, m in names}
     gens = [n for n, r in roles.items() if r == "generator"]
@@ -128,7 +149,7 @@ def plan_placement(
         n = max(1, round(len(cores) * reward_share))
         share["reward"], free = free[-n:], free[:-n] or free
     compute = [r for r in ("generator", "trainer") if r in present and r not in share]
-    if len(compute) == 2 and len(free) >= 2:
+    if len(compute) == 2 and len(free) >= 2 and mode == "split":
         half = (len(free) + 1) // 2
         share["generator"], share["trainer"] = free[:half], free[half:]
     elif compute:
@@ -155,10 +176,78 @@ def plan_placement(
             e["REWARD_WORKERS"] = env.get("REWARD_WORKERS", str(len(mine)))
             e["OMP_NUM_THREADS"] = "1"
         if gpus and "CUDA_VISIBLE_DEVICES" not in env and kind in ("generator", "trainer"):
-            if gpus >= len(gens) + 1:
+            if gpus >= len(gens) + 1 and mode == "split":
                 e["CUDA_VISIBLE_DEVICES"] = (str(gens.index(name)) if kind == "generator"
                                              else ",".join(str(i) for i in range(len(gens), gpus)))
             else:
                 e["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))  # shared: co-located
         out[name] = Placement(frozenset(mine), e)
     return out
+
+
+def node_services(roles: Sequence[str], generators: int, replica: int | None = None) -> list[tuple[str, str]]:
+    """The (name, module) list `plan_placement` takes for a node running `roles` with `generators`
+    generator replicas. With `replica` unset the generators are planned as one (a replica that
+    does not know its index shares the whole generators' slice)."""
+    module = {v: k for k, v in ROLE_OF.items()}
+    out: list[tuple[str, str]] = []
+    for role in ("generator", "reward", "trainer"):
+        if role not in roles:
+            continue
+        if role == "generator":
+            n = max(1, generators) if replica is not None else 1
+            out += [(f"generator-{i}", module[role]) for i in range(n)]
+        else:
+            out.append((role, module[role]))
+    return out
+
+
+def self_name(role: str, replica: int | None) -> str:
+    """This process's name in `node_services`' list."""
+    return f"generator-{replica or 0}" if role == "generator" else role
+
+
+def place_self(module: str, environ: MutableMapping[str, str] | None = None,
+               cores: Sequence[int] | None = None, gpus: int | None = None) -> Placement | None:
+    """Give this process its share of the node: the same plan the launcher makes, for the roles
+    the environment says run on this node (`PlacementSettings`), applied to this process only:
+    its affinity (`os.sched_setaffinity`) and its thread variables in `environ` (os.environ).
+    Call it before torch or vLLM is imported: they read the thread variables once.
+
+    Returns the placement applied, or None: not a placed role, or `NODE_PLACEMENT=off` (the
+    launcher already placed it, or the user pins it by hand).
+
+    Raises:
+        ValueError: bad placement variables (`PlacementSettings`) or a `<ROLE>_CPUS` override.
+    """
+    from shared.settings import PlacementSettings
+
+    environ = os.environ if environ is None else environ
+    role = ROLE_OF.get(module)
+    s = PlacementSettings.from_env(environ)
+    if role is None or s.placement == "off":
+        return None
+    roles = set(s.roles or [role]) | {role}
+    if role == "generator" and s.replica is not None and s.replica >= s.generators:
+        raise ValueError(f"GEN_REPLICA={s.replica} but NODE_GENERATORS={s.generators}: replicas count from 0")
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    if gpus is None:
+        gpus = gpu_count() if role != "reward" and "CUDA_VISIBLE_DEVICES" not in environ else 0
+    plan = plan_placement(node_services(sorted(roles), s.generators, s.replica), cores, environ, gpus,
+                          mode=s.placement)
+    mine = plan[self_name(role, s.replica)]
+    apply(mine, environ)
+    return mine
+
+
+def describe(p: Placement, mode: str = "split") -> str:
+    """One log line's worth: 'cores 0-3 (split) VLLM_CPU_OMP_THREADS_BIND=0-3'."""
+    where = cpuset(sorted(p.cpus)) if p.cpus else "(any)"
+    return f"cores {where} ({mode}) " + " ".join(f"{k}={v}" for k, v in sorted(p.env.items()))
+
+
+def apply(p: Placement, environ: MutableMapping[str, str]) -> None:
+    """Pin this process to `p.cpus` (when set) and put `p.env` into `environ`."""
+    environ.update(p.env)
+    if p.cpus:
+        os.sched_setaffinity(0, p.cpus)
