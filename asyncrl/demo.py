@@ -31,6 +31,7 @@ from broker.guard_report import describe, guard_trips
 from broker.ledger import Ledger
 from broker.ledger.rows import EvalRow, TrainStepRow
 from broker.redis_server import resolve_redis_url
+from shared.placement import plan_placement
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -88,7 +89,8 @@ def run_job(
     progress: bool = True,
 ) -> JobRun:
     """Run one job end to end on this box: Redis (found or private), broker API, N generators,
-    reward and trainer as processes (generators pinned to the first core, the trainer to the last).
+    reward and trainer as processes (generators pinned to the first core, the trainer to the last;
+    a `placement: colocated` spec: both on every core, by shared.placement).
     Returns when the job has ended and every process has stopped."""
     t0 = time.monotonic()
     redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
@@ -109,17 +111,9 @@ def run_job(
         job_id = resp.json()["id"]
         if progress:
             console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
-        job_env = {"JOB_ID": job_id}
-        cores = sorted(os.sched_getaffinity(0))
-        # Two roles, two cores: vLLM's OpenMP threads on the first, torch on the last.
-        gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
-        for i in range(generators):
-            sup.start(f"generator-{i}", "generator_svc", {**job_env, "GEN_GENERATOR_ID": f"gen-{i}",
-                      "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"},
-                      cpus=gen_cores)
-        sup.start("reward", "reward_svc", job_env)
-        sup.start("trainer", "trainer_svc", {**job_env, "TRAINER_THREADS": str(len(train_cores or cores))},
-                  cpus=train_cores)
+        job_env = {"JOB_ID": job_id, "NODE_PLACEMENT": "off"}  # placed here: no service re-places itself
+        for name, module, extra, cpus in _placed(spec, generators, {**os.environ, **env}):
+            sup.start(name, module, {**job_env, **extra}, cpus=cpus)
         final = _watch(api, job_id, spec["steps"], sup, progress)
         # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
         sup.wait_all(30, exclude=("broker",))
@@ -128,6 +122,30 @@ def run_job(
         if embedded:
             embedded.close()
     return JobRun(job_id, db_url, final["state"], final.get("error"), time.monotonic() - t0)
+
+
+def _placed(spec: dict[str, Any], generators: int, env: dict[str, str]) -> list[tuple[str, str, dict[str, str],
+                                                                                    set[int] | None]]:
+    """(name, module, env, cores) of each job service run_job starts. Split: the bench's hand
+    placement (two roles, two cores: vLLM's OpenMP threads on the first, torch on the last).
+    `placement: colocated`: shared.placement's rule, generators and trainer on every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    gen_names = [(f"generator-{i}", "generator_svc") for i in range(generators)]
+    if spec.get("placement") == "colocated":
+        names = [*gen_names, ("reward", "reward_svc"), ("trainer", "trainer_svc")]
+        plan = plan_placement(names, cores, env, mode="colocated")
+        out = []
+        for n, m in names:
+            ids = {"GEN_GENERATOR_ID": f"gen-{n.rsplit('-', 1)[1]}"} if m == "generator_svc" else {}
+            pin = plan[n].cpus
+            out.append((n, m, {**plan[n].env, **ids}, set(pin) if pin else None))
+        return out
+    gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
+    bind = ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"
+    return [*((n, m, {"GEN_GENERATOR_ID": f"gen-{i}", "VLLM_CPU_OMP_THREADS_BIND": bind}, gen_cores)
+              for i, (n, m) in enumerate(gen_names)),
+            ("reward", "reward_svc", {}, None),
+            ("trainer", "trainer_svc", {"TRAINER_THREADS": str(len(train_cores or cores))}, train_cores)]
 
 
 def run_demo(

@@ -40,6 +40,7 @@ class Engine:
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
         in_process: bool = True,
+        enable_sleep_mode: bool = False,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         if in_process:
@@ -60,6 +61,8 @@ class Engine:
             # behaviour policy the importance weights divide by.
             logprobs_mode="processed_logprobs",
             worker_extension_cls="generator_svc.worker_ext.WeightSyncExtension",
+            # co-located on a GPU: sleep (weights to host, KV cache freed) while the trainer steps
+            enable_sleep_mode=enable_sleep_mode,
             **({"distributed_executor_backend": "uni"} if in_process else {}),
         )
 
@@ -120,6 +123,22 @@ class Engine:
         )[0]
         # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
         return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
+
+    @staticmethod
+    def device_type() -> str:
+        """The device vLLM runs on here: "cpu" with the CPU build, "cuda" on an NVIDIA GPU."""
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+
+    def sleep(self) -> None:
+        """Level 1: the weights go to host memory and the KV cache is freed (GPU only; the engine
+        must be built with `enable_sleep_mode`). Nothing may be generating."""
+        self._llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Weights back on the device and a fresh KV cache: ready to swap and generate."""
+        self._llm.wake_up()
 
     def close(self) -> None:
         """Shut the engine core (its process, when it has one) down now rather than at interpreter exit."""

@@ -214,7 +214,8 @@ def place_self(module: str, environ: MutableMapping[str, str] | None = None,
     its affinity (`os.sched_setaffinity`) and its thread variables in `environ` (os.environ).
     Call it before torch or vLLM is imported: they read the thread variables once.
 
-    Returns the placement applied, or None: not a placed role, or `NODE_PLACEMENT=off` (the
+    Returns the placement applied, or None: not a placed role, no `NODE_ROLES` (nothing is known
+    of the node: the process keeps what it was started with), or `NODE_PLACEMENT=off` (the
     launcher already placed it, or the user pins it by hand).
 
     Raises:
@@ -225,9 +226,9 @@ def place_self(module: str, environ: MutableMapping[str, str] | None = None,
     environ = os.environ if environ is None else environ
     role = ROLE_OF.get(module)
     s = PlacementSettings.from_env(environ)
-    if role is None or s.placement == "off":
+    if role is None or s.placement == "off" or not s.roles:
         return None
-    roles = set(s.roles or [role]) | {role}
+    roles = set(s.roles) | {role}
     if role == "generator" and s.replica is not None and s.replica >= s.generators:
         raise ValueError(f"GEN_REPLICA={s.replica} but NODE_GENERATORS={s.generators}: replicas count from 0")
     cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
@@ -251,3 +252,11 @@ def apply(p: Placement, environ: MutableMapping[str, str]) -> None:
     environ.update(p.env)
     if p.cpus:
         os.sched_setaffinity(0, p.cpus)
+
+
+def takes_turns(placement: str, device: str) -> bool:
+    """Whether a co-located role hands the device over between phases: on a GPU the engine sleeps
+    (level 1) and the trainer's state goes to host memory while the other runs. On CPU the phases
+    only share cores (memory is one pool and neither holds a core while it waits), so nothing
+    moves."""
+    return placement == "colocated" and device.split(":")[0] == "cuda"

@@ -79,7 +79,8 @@ class PlacementSettings(BaseSettings):
         "(jobs with placement colocated); off: do not place (the launcher did, or you pin by hand).")
     roles: Annotated[list[str], NoDecode] = Field(
         default_factory=list, validation_alias=AliasChoices("NODE_ROLES", "roles"),
-        description="Roles on this node, comma-separated (generator,reward,trainer); unset: this service alone.")
+        description="Roles on this node, comma-separated (generator,reward,trainer); unset: the service does "
+        "not place itself (compose and the systemd units set it).")
     generators: int = Field(1, ge=1, le=1024, validation_alias=AliasChoices("NODE_GENERATORS", "generators"),
                             description="Generator replicas on this node.")
     replica: int | None = Field(

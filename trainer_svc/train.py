@@ -33,6 +33,7 @@ from shared.settings import TrainerSettings
 from trainer_svc.algorithms import staleness
 from trainer_svc.dist import Ranks
 from trainer_svc.learner import follow
+from trainer_svc.offload import Offload
 from trainer_svc.parts import Parts
 from trainer_svc.sink import Batch, overlong_reason, record_used
 from trainer_svc.staleness import staleness_lr_scale
@@ -68,6 +69,10 @@ def _train(p: Parts) -> None:
     ledger.mark_job_started(job_id)
     ledger.set_job_state(job_id, "running")
     p.publish()
+    # co-located on a GPU: the trainer's state sits in host memory while generators generate
+    offload = Offload.for_job(p.learner.model, p.learner.optimizer, p.learner.device, spec.placement,
+                              p.ranks.world_size)
+    offload.to_host()
     if p.resume is not None:
         log.info("resumed from %s at step %d (version %d) in %.1fs: re-doing steps %s; %d groups in flight, "
                  "%d pending entries taken over", p.resume.checkpoint or "the initial model", st.step, st.version,
@@ -105,6 +110,7 @@ def _train(p: Parts) -> None:
 
         # advantages, loss, step; the collapse guard looks at the update before anyone sees it
         stale = [staleness(st.version, v) for v in batch.data.versions.tolist()]
+        offload.to_device()
         step_metrics, tripped = _train_step(p, batch, float(np.mean(stale)))
         st.version += 1
         st.step += 1
@@ -113,6 +119,7 @@ def _train(p: Parts) -> None:
 
         # publish weights
         publish_s, checksum = p.publish()
+        offload.to_host()  # before the next prompts are fed: the generators wake to a free device
         if batch.redo is not None:
             p.compare_redone(checksum)
 

@@ -133,9 +133,11 @@ def test_a_service_places_itself_as_the_launcher_would():
         assert p == launcher[name], module
         assert pinned == [set(launcher[name].cpus)]
         assert all(environ[k] == v for k, v in launcher[name].env.items())
-    # the trainer alone (no NODE_ROLES): every core it may use, as many torch threads
-    p, environ, _ = _place("trainer_svc", {}, [2, 3])
+    # a trainer-only node: every core it may use, as many torch threads
+    p, environ, _ = _place("trainer_svc", {"NODE_ROLES": "trainer"}, [2, 3])
     assert p is not None and p.cpus == frozenset({2, 3}) and environ["TRAINER_THREADS"] == "2"
+    # no NODE_ROLES: nothing is known of the node, the process keeps what it was started with
+    assert _place("trainer_svc", {}, [0, 1]) == (None, {}, [])
     # a thread variable the user set wins; NODE_PLACEMENT=off (the launcher placed it) places nothing
     _, environ, _ = _place("trainer_svc", {**node, "TRAINER_THREADS": "5"}, [0, 1])
     assert environ["TRAINER_THREADS"] == "5"
@@ -150,7 +152,7 @@ def test_a_service_places_itself_as_the_launcher_would():
 def test_bad_placement_variables_are_clear_errors():
     for env, match in (({"NODE_ROLES": "generator,trainr"}, "unknown role"),
                        ({"NODE_PLACEMENT": "both"}, "NODE_PLACEMENT|placement"),
-                       ({"NODE_GENERATORS": "2", "GEN_REPLICA": "2"}, "replicas count from 0"),
-                       ({"TRAINER_CPUS": "7"}, "not available")):
+                       ({"NODE_ROLES": "generator", "NODE_GENERATORS": "2", "GEN_REPLICA": "2"}, "replicas count from 0"),
+                       ({"NODE_ROLES": "trainer", "TRAINER_CPUS": "7"}, "not available")):
         with pytest.raises(ValueError, match=match):
             _place("generator_svc" if "GEN_REPLICA" in env else "trainer_svc", env, [0, 1])
