@@ -48,7 +48,11 @@ class Offload:
             t = holder[key] if isinstance(holder, dict) else getattr(holder, key)
             if t.device == to:
                 continue
-            moved = t.to("cpu").pin_memory() if pin else t.to(to, non_blocking=True)
+            if pin:  # page-locked, so the copies in both directions run at full bus speed
+                moved = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                moved.copy_(t, non_blocking=True)
+            else:
+                moved = t.to(to, non_blocking=True)
             if isinstance(holder, dict):
                 holder[key] = moved
             else:
