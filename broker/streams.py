@@ -715,24 +715,37 @@ class JobStreams:
 
         Never MAXLEN: that could drop entries nobody has acked yet.
         """
-        key = self.key(stream)
-        try:
-            pend = self.r.xpending(key, group)
-        except ResponseError:
+        return self.trim_acked_many([(stream, group)])
+
+    def trim_acked_many(self, pairs: Iterable[tuple[str, str]]) -> int:
+        """`trim_acked` of each (stream, group) in two round trips (what to keep, then the trims);
+        returns the entries trimmed. A stream or group that does not exist is left alone."""
+        keys = [(self.key(stream), group) for stream, group in pairs]
+        pipe = self.r.pipeline(transaction=False)
+        for key, group in keys:
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+        answers = pipe.execute(raise_on_error=False)
+        trims = []
+        for (key, group), pend, groups in zip(keys, answers[::2], answers[1::2], strict=True):
+            if isinstance(pend, ResponseError) or isinstance(groups, ResponseError):
+                continue  # no such stream or group
+            if pend["pending"]:
+                min_id = pend["min"]
+            else:
+                g = next((g for g in groups if g["name"] in (group, group.encode())), None)
+                if g is None:
+                    continue
+                min_id = g["last-delivered-id"]  # keep the last delivered entry itself; trim what precedes it
+            min_id = min_id.decode() if isinstance(min_id, bytes) else min_id
+            if min_id not in ("0-0", "0"):
+                trims.append((key, min_id))
+        if not trims:
             return 0
-        if pend["pending"]:
-            min_id = pend["min"]
-        else:
-            groups = {g["name"]: g for g in self.r.xinfo_groups(key)}
-            g = groups.get(group.encode()) or groups.get(group)
-            if g is None:
-                return 0
-            min_id = g["last-delivered-id"]
-            # Keep the last delivered entry itself; trim only what precedes it.
-        min_id = min_id.decode() if isinstance(min_id, bytes) else min_id
-        if min_id in ("0-0", "0"):
-            return 0
-        return int(self.r.xtrim(key, minid=min_id, approximate=False))
+        pipe = self.r.pipeline(transaction=False)
+        for key, min_id in trims:
+            pipe.xtrim(key, minid=min_id, approximate=False)
+        return sum(int(n) for n in pipe.execute())
 
     def trim_broadcast(self, stream: str, keep: int) -> int:
         """Keep the newest `keep` entries of a broadcast stream (no group, so nothing is pending;

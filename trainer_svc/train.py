@@ -185,13 +185,11 @@ def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, fl
     metrics["throughput/samples_per_s"] = len(batch.samples) / metrics["time/step_s"]
     st.bound.after_step(metrics)  # the bound for the next step, from this step's drift
     with phases.span("ledger"):
-        p.ledger.record_train_step(p.job_id, st.step, st.version, metrics)
-        p.ledger.set_job_step(p.job_id, st.step)
+        p.ledger.record_train_step(p.job_id, st.step, st.version, metrics, job_step=True)  # one transaction
     p.prom.step(st.step, st.version, metrics)
     with phases.span("ack"):
         p.held += p.sink.release(batch)
-        for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
-            p.streams.trim_acked(stream, group)
+        p.streams.trim_acked_many(((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)))
     log.info(
         "step %d: reward %.3f loss %.4f is_mean %.3f ess %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
         st.step, metrics["reward/mean"], metrics["loss"], metrics["is/mean"], metrics["is/ess"],

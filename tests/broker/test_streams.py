@@ -312,6 +312,22 @@ def entry_ids(js: JobStreams) -> list[str]:
     return [eid.decode() for eid, _ in js.r.xrange(js.key(PROMPTS))]
 
 
+def test_trim_acked_many_trims_each_stream_as_trim_acked_would(js: JobStreams) -> None:
+    """Several (stream, group) pairs in two round trips: each trimmed to its own oldest pending
+    entry or last delivered one; a stream without the group is left alone."""
+    js.ensure_group(PROMPTS, G)
+    js.ensure_group(CONTROL, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(4)])
+    other = js.publish_many(CONTROL, [prompt(i) for i in range(3)])
+    consume(js)
+    js.ack(PROMPTS, G, ids[:2])  # 2 and 3 still pending
+    js.consume(Consumer(CONTROL, G, "c1", PromptGroup), count=10, block_ms=None)
+    js.ack(CONTROL, G, other)  # all acked: keep the last delivered one
+    assert js.trim_acked_many([(PROMPTS, G), (CONTROL, G), (POLICY, G)]) == 2 + 2
+    assert entry_ids(js) == ids[2:]
+    assert [eid for eid, _ in js.r.xrange(js.key(CONTROL))] == [other[-1].encode()]
+
+
 def test_trim_acked_never_removes_pending_entries(js: JobStreams) -> None:
     assert js.trim_acked(PROMPTS, G) == 0  # no stream, no group
     js.ensure_group(PROMPTS, G)
