@@ -207,6 +207,40 @@ def status(
         _fail(job.get("error") or "the job failed")
 
 
+PAGES = typer.Argument(..., help="The services' Prometheus pages, e.g. http://127.0.0.1:9101/metrics (each "
+                       "service serves one on its GEN_/REWARD_/TRAINER_METRICS_PORT).")
+
+
+@app.command()
+def phases(urls: list[str] = PAGES,
+           as_json: bool = typer.Option(False, "--json", help="JSON instead of a table.")) -> None:
+    """Where a step's time goes: per role and phase (generate, fetch, verify, swap, score, ledger,
+    Redis hops, flatten, checksum, serve, probe, learner step, ...), how many spans, their median
+    and mean milliseconds, and the total, since each service started."""
+    from shared.metrics import phase_summary  # prometheus-client only
+
+    rows = []
+    for url in urls:
+        try:
+            r = httpx.get(url, timeout=TIMEOUT_S)
+        except TransportError as exc:
+            _fail(f"{url}: {exc}")
+        if r.status_code != 200:
+            _fail(f"{url}: HTTP {r.status_code}")
+        rows += phase_summary(r.text)
+    if as_json:
+        _echo_json(rows)
+        return
+    if not rows:
+        _fail("no phase timings on those pages (is it a service's metrics port?)")
+    table = Table("role", "phase", Column("spans", justify="right"), Column("median ms", justify="right"),
+                  Column("mean ms", justify="right"), Column("total s", justify="right"))
+    for p in rows:
+        table.add_row(str(p["role"]), str(p["phase"]), f"{int(p['count'])}", f"{1000 * float(p['median_s']):.2f}",
+                      f"{1000 * float(p['mean_s']):.2f}", f"{float(p['total_s']):.2f}")
+    Console().print(table)
+
+
 def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:
     """The job's collapse-guard trips from its change log, one line each on stderr (stdout stays
     the JSON a script reads)."""

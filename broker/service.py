@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Protocol
 
 from broker.runtime import ControlWatcher
 from broker.streams import Consumer, Delivery, JobStreams
+from shared.metrics import Phases
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,14 @@ class ServiceLoop:
     `exit_on`: the control commands that end this service (ControlWatcher); `cancel` always does.
     `block_ms`: how long one read waits for an entry, and one poll of the control stream while
     paused. `on_dead_letter`, when given, is told (stream, code) of every entry dead-lettered.
+    `phases`, when given, times each read (a blocking one included) as the role's "read" phase.
     """
 
     def __init__(self, streams: JobStreams, consumer: Consumer, handler: Handler, *, block_ms: int,
-                 exit_on: tuple[str, ...] = ("drain",), on_dead_letter: Callable[[str, str], None] | None = None):
+                 exit_on: tuple[str, ...] = ("drain",), on_dead_letter: Callable[[str, str], None] | None = None,
+                 phases: Phases | None = None):
         self.streams, self.consumer, self.handler, self.block_ms = streams, consumer, handler, block_ms
+        self.phases = phases
         if on_dead_letter is not None:
             streams.on_dead_letter = on_dead_letter
         streams.ensure_group(consumer.stream, consumer.group)
@@ -77,7 +82,8 @@ class ServiceLoop:
             if self.control.state == "paused":
                 self.control.poll(block_ms=self.block_ms)
                 continue
-            deliveries = self.read()
+            with self.phases.span("read") if self.phases is not None else nullcontext():
+                deliveries = self.read()
             if deliveries:
                 self.handler.handle(deliveries)
             else:

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,17 +58,20 @@ PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD = "prompts", "rollouts", "score
 GROUP_GENERATORS, GROUP_REWARDERS, GROUP_TRAINERS = "generators", "rewarders", "trainers"
 
 
-# publish_if_owned: KEYS = (source stream, output stream); ARGV = group, consumer, field name, then
-# per source entry: its id, the number of messages n, n encoded messages.
+# publish_if_owned: KEYS = (source stream, output stream); ARGV = group, consumer, field name, the
+# output stream's wake-up channel, then per source entry: its id, the number of messages n, n
+# encoded messages. Publishes one wake-up (JobStreams._wait) when it added anything.
 _PUBLISH_IF_OWNED = """
 local out = {}
-local i = 4
+local added = false
+local i = 5
 while i <= #ARGV do
   local eid, n = ARGV[i], tonumber(ARGV[i + 1])
   local held = redis.call('XPENDING', KEYS[1], ARGV[1], eid, eid, 1, ARGV[2])
   if #held == 1 then
     for j = 1, n do
       redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[i + 1 + j])
+      added = true
     end
     redis.call('XACK', KEYS[1], ARGV[1], eid)
     out[#out + 1] = 1
@@ -76,6 +80,7 @@ while i <= #ARGV do
   end
   i = i + 2 + n
 end
+if added then redis.call('PUBLISH', ARGV[4], '') end
 return out
 """
 
@@ -187,8 +192,12 @@ _MAX_FIELDS = 8
 # A dead letter holds up to DEAD_RAW_BYTES of the entry plus its reason (twice): the dead stream
 # admits that much whatever MAX_MESSAGE_BYTES is.
 _DEAD_ENTRY_BYTES = DEAD_RAW_BYTES + 32 * 1024
-# The wait of a blocking read (scripts cannot block): 2 ms, doubling to 50 ms while idle.
+# The wait of a blocking read (scripts cannot block): 2 ms, doubling to 50 ms while idle. Used
+# where the wake-up channel is not available (JobStreams._wait).
 _IDLE_POLL = ExponentialBackoff(cap=0.05, base=0.002)
+# With the wake-up channel subscribed, the longest wait between two reads: a lost wake-up (the
+# subscription itself is racing the first entry) costs at most this.
+_WAKE_POLL_S = 0.1
 
 def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> redis.Redis:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
@@ -332,9 +341,49 @@ class JobStreams:
         self._publish_script: Any = None
         self._read_script: Any = None
         self._scripted = True  # False once the server refused EVALSHA (no @scripting): plain reads
+        self._wakeups: dict[str, Any] = {}  # stream -> its subscribed wake-up channel (redis PubSub)
+        self._no_wakeups = False  # True once subscribing failed (no @pubsub in the ACL): plain polling
 
     def key(self, stream: str) -> str:
         return f"{self.prefix}{self.job_id}:{stream}"
+
+    def _wake_channel(self, stream: str) -> str:
+        """The pub/sub channel a producer of `stream` publishes on after adding entries: a reader
+        waiting for an entry wakes at once instead of at its next poll."""
+        return f"{self.key(stream)}:wake"
+
+    def _wait(self, stream: str, waits: int, seconds: float) -> None:
+        """Wait up to `seconds` for an entry on `stream`, the `waits`-th wait of one read.
+
+        Woken by the producers' wake-up (publish_many, publish_if_owned); the read that follows
+        decides, so a lost or spurious wake-up costs only latency. The first wait of a stream
+        subscribes and returns at once (the caller reads again, catching an entry added before the
+        subscription). Without pub/sub (an ACL without @pubsub, an error on the channel) it
+        sleeps the idle-poll back-off instead."""
+        sub = self._wakeups.get(stream)
+        if sub is None and not self._no_wakeups:
+            try:
+                sub = self.r.pubsub(ignore_subscribe_messages=True)
+                sub.subscribe(self._wake_channel(stream))
+                self._wakeups[stream] = sub
+                return
+            except redis.RedisError as exc:
+                log.warning("no wake-up channel for %s (%s): waiting reads poll", self.key(stream), exc)
+                self._no_wakeups = True
+                sub = None
+        if sub is None:
+            time.sleep(min(_IDLE_POLL.compute(waits), seconds))
+            return
+        try:
+            if sub.get_message(timeout=min(seconds, _WAKE_POLL_S)) is not None:
+                while sub.get_message(timeout=0.0) is not None:  # wake-ups that queued meanwhile
+                    pass
+        except redis.RedisError as exc:  # the channel's connection broke: resubscribe at the next wait
+            log.warning("wake-up channel of %s lost (%s)", self.key(stream), exc)
+            self._wakeups.pop(stream, None)
+            with suppress(redis.RedisError):
+                sub.close()
+            time.sleep(min(_IDLE_POLL.compute(waits), seconds))
 
     # -- set-up -------------------------------------------------------------------------------
     def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
@@ -350,10 +399,11 @@ class JobStreams:
         return self.publish_many(stream, [msg])[0]
 
     def publish_many(self, stream: str, msgs: Iterable[Message]) -> list[str]:
-        """XADD each message in one round trip, as one MULTI/EXEC transaction; returns the entry
-        ids. Atomic on purpose: without it a reader blocked on the stream is woken by the first XADD
-        and takes one entry of a batch the feeder published together (a generate call of 1 group,
-        then one of the other 7), and small generate calls cost generator throughput."""
+        """XADD each message in one round trip, as one MULTI/EXEC transaction, then wake the
+        stream's waiting readers; returns the entry ids. Atomic on purpose: without it a reader
+        blocked on the stream is woken by the first XADD and takes one entry of a batch the feeder
+        published together (a generate call of 1 group, then one of the other 7), and small
+        generate calls cost generator throughput."""
         pipe = self.r.pipeline(transaction=True)
         key = self.key(stream)
         n = 0
@@ -362,7 +412,8 @@ class JobStreams:
             n += 1
         if n == 0:
             return []
-        return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()]
+        pipe.publish(self._wake_channel(stream), b"")
+        return [i.decode() if isinstance(i, bytes) else i for i in pipe.execute()[:n]]
 
     def publish_raw(self, stream: str, fields: dict) -> str:
         """XADD arbitrary fields (tests use it to inject malformed entries)."""
@@ -395,9 +446,8 @@ class JobStreams:
             now = time.monotonic()
             if rows or out or deadline is None or now >= deadline:
                 return out
-            # Scripts cannot block, so a wait is a poll: 2 ms after the last entry, backing off to
-            # 50 ms while idle (20 cheap calls a second per consumer).
-            time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
+            # Scripts cannot block: a wait is for the producers' wake-up (or a poll, see _wait).
+            self._wait(c.stream, waits, deadline - now)
             waits += 1
 
     def consume_own_pending(self, c: Consumer, *, count: int = 64) -> list[Delivery]:
@@ -442,7 +492,7 @@ class JobStreams:
         if self._scripted:
             if self._publish_script is None:
                 self._publish_script = self.r.register_script(_PUBLISH_IF_OWNED)
-            argv: list[Any] = [c.group, c.name, FIELD]
+            argv: list[Any] = [c.group, c.name, FIELD, self._wake_channel(stream)]
             for entry_id, msgs in batches:
                 argv += [entry_id, len(msgs), *(encode(m) for m in msgs)]
             try:
@@ -465,6 +515,7 @@ class JobStreams:
                 for m in msgs:
                     pipe.xadd(self.key(stream), {FIELD: encode(m)})
                 pipe.xack(self.key(c.stream), c.group, entry_id)
+                pipe.publish(self._wake_channel(stream), b"")
                 pipe.execute()
         return owned
 
@@ -664,24 +715,37 @@ class JobStreams:
 
         Never MAXLEN: that could drop entries nobody has acked yet.
         """
-        key = self.key(stream)
-        try:
-            pend = self.r.xpending(key, group)
-        except ResponseError:
+        return self.trim_acked_many([(stream, group)])
+
+    def trim_acked_many(self, pairs: Iterable[tuple[str, str]]) -> int:
+        """`trim_acked` of each (stream, group) in two round trips (what to keep, then the trims);
+        returns the entries trimmed. A stream or group that does not exist is left alone."""
+        keys = [(self.key(stream), group) for stream, group in pairs]
+        pipe = self.r.pipeline(transaction=False)
+        for key, group in keys:
+            pipe.xpending(key, group)
+            pipe.xinfo_groups(key)
+        answers = pipe.execute(raise_on_error=False)
+        trims = []
+        for (key, group), pend, groups in zip(keys, answers[::2], answers[1::2], strict=True):
+            if isinstance(pend, ResponseError) or isinstance(groups, ResponseError):
+                continue  # no such stream or group
+            if pend["pending"]:
+                min_id = pend["min"]
+            else:
+                g = next((g for g in groups if g["name"] in (group, group.encode())), None)
+                if g is None:
+                    continue
+                min_id = g["last-delivered-id"]  # keep the last delivered entry itself; trim what precedes it
+            min_id = min_id.decode() if isinstance(min_id, bytes) else min_id
+            if min_id not in ("0-0", "0"):
+                trims.append((key, min_id))
+        if not trims:
             return 0
-        if pend["pending"]:
-            min_id = pend["min"]
-        else:
-            groups = {g["name"]: g for g in self.r.xinfo_groups(key)}
-            g = groups.get(group.encode()) or groups.get(group)
-            if g is None:
-                return 0
-            min_id = g["last-delivered-id"]
-            # Keep the last delivered entry itself; trim only what precedes it.
-        min_id = min_id.decode() if isinstance(min_id, bytes) else min_id
-        if min_id in ("0-0", "0"):
-            return 0
-        return int(self.r.xtrim(key, minid=min_id, approximate=False))
+        pipe = self.r.pipeline(transaction=False)
+        for key, min_id in trims:
+            pipe.xtrim(key, minid=min_id, approximate=False)
+        return sum(int(n) for n in pipe.execute())
 
     def trim_broadcast(self, stream: str, keep: int) -> int:
         """Keep the newest `keep` entries of a broadcast stream (no group, so nothing is pending;
@@ -703,7 +767,7 @@ class JobStreams:
             now = time.monotonic()
             if rows or deadline is None or now >= deadline:
                 break
-            time.sleep(min(_IDLE_POLL.compute(waits), deadline - now))
+            self._wait(stream, waits, deadline - now)
             waits += 1
         msgs: list[M] = []
         for e in rows:

@@ -135,7 +135,7 @@ def run(settings: RewardSettings) -> None:
         handler = Scoring(ctx.streams, ctx.ledger, consumer, scorers, loop, metrics, settings.batch)
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
         service = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
-                              on_dead_letter=metrics.dead_letter)  # malformed, oversized, too often delivered
+                              on_dead_letter=metrics.dead_letter, phases=metrics.phases)  # malformed, oversized, too often delivered
         log.info("reward %s ready (%s, on_failure %s, %d workers%s)", consumer.name, scorers[""].description,
                  scorers[""].on_failure, settings.workers,
                  "".join(f"; eval set {k}: {s.description}" for k, s in scorers.items() if k))
@@ -169,18 +169,22 @@ class Scoring:
         pass
 
     def handle(self, deliveries: list[Delivery]) -> None:
-        t0 = time.perf_counter()
+        t0, phases = time.perf_counter(), self.metrics.phases
         # Before any dead letter: the trainer settles a group once a member is dead-lettered, and
         # its rows must exist by then (a generator killed after publishing never wrote them).
-        todo = self._scorable(record_generated(self.streams, self.ledger, deliveries))
+        with phases.span("ledger_generated"):
+            todo = self._scorable(record_generated(self.streams, self.ledger, deliveries))
         # score: the whole batch at once
-        results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))  # type: ignore[misc]
-        batch = [(d, s) for d, (scorer, res) in zip(todo, results, strict=True)
-                 if (s := self._scored(d, scorer, res)) is not None]
+        with phases.span("score"):
+            results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))  # type: ignore[misc]
+            batch = [(d, s) for d, (scorer, res) in zip(todo, results, strict=True)
+                     if (s := self._scored(d, scorer, res)) is not None]
         # ledger + publish + ack: publish and ack as one atomic step, only while this consumer still
         # holds the entry (a replica that reclaimed it meanwhile publishes its own copy)
-        batch = record_scored(self.streams, self.ledger, batch)
-        done = self.streams.publish_if_owned(self.consumer, SCORED, [(d.entry_id, [s]) for d, s in batch])
+        with phases.span("ledger"):
+            batch = record_scored(self.streams, self.ledger, batch)
+        with phases.span("publish"):
+            done = self.streams.publish_if_owned(self.consumer, SCORED, [(d.entry_id, [s]) for d, s in batch])
         batch = [b for b, ok in zip(batch, done, strict=True) if ok]
         self.metrics.scored([s.reward for _, s in batch])
         self.metrics.statuses(Counter(res.status for _, res in results))

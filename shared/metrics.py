@@ -12,19 +12,133 @@ With port 0 nothing is served and the metrics live in a private registry nobody 
 is then a few dictionary lookups per batch, cheap enough that the loops need no `if enabled`.
 Every path of the metrics server answers 200 with the exposition, so `/health` doubles as a
 liveness probe.
+
+Where a step's time goes: each role times its phases (PHASES) with one helper, `Phases.span`, into
+`asyncrl_{role}_phase_seconds{job_id, phase}`; `phase_summary` reads them back from a page
+(`asyncrl phases URL`, `python -m bench steps`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
 
 # Generate calls and weight loads run from tens of milliseconds (GPU) to minutes (CPU, big batch).
 _SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+
+
+# One step's phases: a Redis round trip or a ledger transaction (~0.1-5 ms) up to a generate call.
+_PHASE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 120,
+                  float("inf"))
+
+# The phases each role times (Phases.span), in the order a step passes through them. A span of
+# another name is refused: label values must stay few, and a reader relies on these.
+PHASES: Mapping[str, tuple[str, ...]] = {
+    # read: the consumer read (blocking while there is no input); policy_poll: reading the policy
+    # stream; fetch: pull + verify the chunks; swap: reload into the engine; verify: the probe's
+    # logprobs; fingerprint: hash of the engine's weights; load_ledger: the load's ledger row.
+    "generator": ("read", "policy_poll", "fetch", "swap", "verify", "fingerprint", "load_ledger", "generate",
+                  "publish", "ledger", "heartbeat"),
+    "reward": ("read", "ledger_generated", "score", "ledger", "publish"),
+    # wait: from the top of the step until a whole batch is in hand (read, assemble and feed are
+    # inside it); learner_step, guard: the optimizer step and the collapse guard's check;
+    # snapshot: the full state dict; probe, flatten, checksum, serve: the weight publish;
+    # announce: the version's ledger row and its announcement; ledger: the step's ledger writes;
+    # ack: acks and stream trims.
+    "trainer": ("wait", "read", "assemble", "feed", "learner_step", "guard", "snapshot", "probe", "flatten",
+                "checksum", "serve", "announce", "ledger", "ack"),
+}
+
+
+class Phases:
+    """Wall time of one role's phases: `with phases.span("generate"): ...` observes the block's
+    duration in `asyncrl_{role}_phase_seconds{job_id, phase}` (a histogram: count, sum, buckets).
+
+    `last` holds each phase's total since `take_last()` was last called (the trainer puts them in
+    its step metrics, and so in the ledger).
+    """
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, job_id: str = "") -> None:
+        if role not in PHASES:
+            raise ValueError(f"unknown role {role!r}; valid: {sorted(PHASES)}")
+        self.role, self._names = role, frozenset(PHASES[role])
+        hist = Histogram(f"asyncrl_{role}_phase_seconds", f"Wall time of one phase of the {role}'s step (one span).",
+                         ["job_id", "phase"], buckets=_PHASE_BUCKETS, registry=_registry(registry))
+        self._h = {name: hist.labels(job_id, name) for name in PHASES[role]}
+        self.last: dict[str, float] = {}
+
+    @contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """Time the block as one `phase` (also when it raises).
+
+        Raises:
+            ValueError: `phase` is not one of PHASES[role].
+        """
+        if phase not in self._names:
+            raise ValueError(f"unknown {self.role} phase {phase!r}; valid: {list(PHASES[self.role])}")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(phase, time.perf_counter() - t0)
+
+    def observe(self, phase: str, seconds: float) -> None:
+        """One `phase` of `seconds` measured elsewhere (e.g. inside the engine's worker)."""
+        self._h[phase].observe(seconds)
+        self.last[phase] = self.last.get(phase, 0.0) + seconds
+
+    def take_last(self) -> dict[str, float]:
+        """Each phase's seconds since the previous call, and start counting afresh."""
+        out, self.last = self.last, {}
+        return out
+
+
+def phase_summary(exposition: str) -> list[dict[str, float | str]]:
+    """The phases in a /metrics page (`Phases`): per (role, phase) with at least one span, its
+    count, total and mean seconds and the median estimated from the buckets (linear within the
+    bucket, as PromQL's histogram_quantile), in PHASES order."""
+    acc: dict[tuple[str, str], dict[str, float]] = {}
+    buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    names = {f"asyncrl_{role}_phase_seconds": role for role in PHASES}
+    for family in text_string_to_metric_families(exposition):
+        role = names.get(family.name)
+        if role is None:
+            continue
+        for s in family.samples:
+            key = (role, s.labels.get("phase", ""))
+            if s.name.endswith("_bucket"):
+                buckets.setdefault(key, []).append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count") or s.name.endswith("_sum"):
+                acc.setdefault(key, {})[s.name.rsplit("_", 1)[1]] = s.value
+    order = {(r, p): i for i, (r, p) in enumerate((r, p) for r, ps in PHASES.items() for p in ps)}
+    out: list[dict[str, float | str]] = []
+    for key in sorted(acc, key=lambda k: order.get(k, len(order))):
+        n, total = acc[key].get("count", 0.0), acc[key].get("sum", 0.0)
+        if n:
+            out.append({"role": key[0], "phase": key[1], "count": n, "total_s": total, "mean_s": total / n,
+                        "median_s": _bucket_quantile(sorted(buckets.get(key, [])), 0.5)})
+    return out
+
+
+def _bucket_quantile(cumulative: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of a histogram from its cumulative (upper bound, count) buckets."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return float("nan")
+    rank, lo, below = q * cumulative[-1][1], 0.0, 0.0
+    for le, n in cumulative:
+        if n >= rank:
+            if le == float("inf"):
+                return lo  # past the last finite bound: its lower edge, as histogram_quantile does
+            return lo + (le - lo) * ((rank - below) / (n - below) if n > below else 0.0)
+        lo, below = le, n
+    return lo
 
 
 def serve_metrics(port: int, service: str, host: str | None = None) -> CollectorRegistry | None:
@@ -108,6 +222,7 @@ class GeneratorMetrics:
         ).labels(job_id)
         self._job_id = job_id
         self._dead = _dead_letters(r, "generator")
+        self.phases = Phases("generator", r, job_id)
 
     def generated(self, samples: int, tokens: int, seconds: float) -> None:
         """One generate call: `samples` completions holding `tokens` tokens in `seconds`."""
@@ -138,6 +253,7 @@ class RewardMetrics:
             "asyncrl_reward_mean", "reward/mean of the last scored batch.", ["job_id"], registry=r
         ).labels(job_id)
         self._dead = _dead_letters(r, "reward")
+        self.phases = Phases("reward", r, job_id)
         self._status = Counter(
             "asyncrl_reward_status", "Rollouts by reward status (ok, timeout, error), dropped ones included.",
             ["job_id", "status"], registry=r,
@@ -203,6 +319,7 @@ class TrainerMetrics:
             buckets=_SLOW_BUCKETS,
             registry=r,
         ).labels(job_id)
+        self.phases = Phases("trainer", r, job_id)
 
     def step(self, step: int, version: int, metrics: Mapping[str, float]) -> None:
         """One finished step and its metrics dict; keys it lacks leave their gauge as it was."""

@@ -37,7 +37,7 @@ from trainer_svc.evaluation import Evaluator, build_sets
 from trainer_svc.feeder import Feeder
 from trainer_svc.guard import CollapseGuard, RollBack
 from trainer_svc.learner import Learner
-from trainer_svc.sink import TrainSink
+from trainer_svc.sink import Batch, TrainSink
 from trainer_svc.staleness import StalenessBound
 from trainer_svc.state import LoopState
 from trainer_svc.weights import publish_weights
@@ -150,13 +150,22 @@ class Parts:
 
     def feed(self) -> None:
         """Keep (k + 1) * batch training groups in flight."""
-        self.feeder.top_up(self.state.version, self.state.bound.k)
+        with self.prom.phases.span("feed"):
+            self.feeder.top_up(self.state.version, self.state.bound.k)
+
+    def take_batch(self) -> Batch | None:
+        """The sink's batch once whole (TrainSink.take), else None."""
+        with self.prom.phases.span("assemble"):
+            return self.sink.take()
 
     def take_scored(self, block_ms: int) -> int:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
         and refill the slots they freed; returns how many entries were read."""
         self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
-        n = self.sink.add(self.scored_in.consume(self.reader, count=512, block_ms=block_ms), self.state.version)
+        with self.prom.phases.span("read"):
+            got = self.scored_in.consume(self.reader, count=512, block_ms=block_ms)
+        with self.prom.phases.span("assemble"):
+            n = self.sink.add(got, self.state.version)
         if self.sink.poll_dead(self.state.version) and self.state.step < self.spec.steps and not self.control.done:
             self.feed()  # refill the freed slots
         return n
@@ -167,8 +176,11 @@ class Parts:
 
     def publish(self) -> tuple[float, str]:
         """Serve and announce the current version; (seconds, checksum)."""
+        with self.prom.phases.span("snapshot"):  # the probe's forward included
+            snapshot = self.learner.snapshot()
         return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
-                               self.job_id, self.settings.keep_versions, self.state.run_id, self.learner.snapshot())
+                               self.job_id, self.settings.keep_versions, self.state.run_id, snapshot,
+                               self.prom.phases)
 
     def compare_redone(self, checksum: str) -> None:
         """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""

@@ -95,7 +95,7 @@ def _train(p: Parts) -> None:
         # feed, consume: complete groups within the staleness bound; the rest dropped and counted
         p.feed()
         p.sink.begin(st.step + 1, st.version, st.bound.k)
-        while (batch := p.sink.take()) is None:
+        while (batch := p.take_batch()) is None:
             if p.sink.dropped_any():
                 p.feed()  # replace dropped groups so the step can fill
             p.take_scored(p.settings.block_ms)
@@ -107,6 +107,7 @@ def _train(p: Parts) -> None:
         if control.done or batch is None:
             break
         t_data = time.perf_counter()
+        p.prom.phases.observe("wait", t_data - t_start)
 
         # advantages, loss, step; the collapse guard looks at the update before anyone sees it
         stale = [staleness(st.version, v) for v in batch.data.versions.tolist()]
@@ -146,8 +147,10 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
     tripped = False
     while True:
-        metrics = p.learner.step(data, lr=st.lr * lr_scale if redo_lr is None else redo_lr)
-        trip = st.guard.inspect(metrics, rewards, versions, retry=tripped, redo=batch.redo is not None)
+        with p.prom.phases.span("learner_step"):
+            metrics = p.learner.step(data, lr=st.lr * lr_scale if redo_lr is None else redo_lr)
+        with p.prom.phases.span("guard"):
+            trip = st.guard.inspect(metrics, rewards, versions, retry=tripped, redo=batch.redo is not None)
         if trip is None:
             break
         tripped = True
@@ -160,11 +163,12 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
 def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, float], times: dict[str, float],
             t_start: float) -> None:
     """The step in the ledger (samples used, metrics), Prometheus and the log; acks what it may."""
-    spec, st = p.spec, p.state
+    spec, st, phases = p.spec, p.state, p.prom.phases
     t_ledger = time.perf_counter()
     used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": st.version - 1, "staleness": age,
              "drop_reason": overlong_reason(s, spec)} for s, age in zip(batch.samples, stale, strict=True)]
-    changed = record_used(p.ledger, used + batch.dropped)
+    with phases.span("ledger"):
+        changed = record_used(p.ledger, used + batch.dropped)
     # Samples the ledger already had as used: a re-done step's own (expected), else trained twice.
     twice = len(used) + len(batch.dropped) - changed - (len(used) if batch.redo is not None else 0)
     if twice:
@@ -182,15 +186,17 @@ def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, fl
         **times,
         "time/ledger_s": time.perf_counter() - t_ledger,
         "time/step_s": time.perf_counter() - t_start,
+        # seconds per phase since the previous step's record (its ledger writes and acks included)
+        **{f"phase/{k}_s": v for k, v in phases.take_last().items()},
     }
     metrics["throughput/samples_per_s"] = len(batch.samples) / metrics["time/step_s"]
     st.bound.after_step(metrics)  # the bound for the next step, from this step's drift
-    p.ledger.record_train_step(p.job_id, st.step, st.version, metrics)
+    with phases.span("ledger"):
+        p.ledger.record_train_step(p.job_id, st.step, st.version, metrics, job_step=True)  # one transaction
     p.prom.step(st.step, st.version, metrics)
-    p.ledger.set_job_step(p.job_id, st.step)
-    p.held += p.sink.release(batch)
-    for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
-        p.streams.trim_acked(stream, group)
+    with phases.span("ack"):
+        p.held += p.sink.release(batch)
+        p.streams.trim_acked_many(((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)))
     log.info(
         "step %d: reward %.3f loss %.4f is_mean %.3f ess %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
         st.step, metrics["reward/mean"], metrics["loss"], metrics["is/mean"], metrics["is/ess"],

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from broker.streams import POLICY, JobStreams
 from shared.ids import policy_version_id
+from shared.metrics import Phases
 from shared.schema import PolicyAnnouncement, pack_f32, pack_i32
 from shared.transport import WeightServer, build_manifest
 from trainer_svc.logprobs import token_logprobs
@@ -54,26 +56,34 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
     run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
+    phases: Phases | None = None,
 ) -> tuple[float, str]:
     """Serve and announce version `version`; returns (seconds, the version's checksum).
 
     `snapshot`: (full weights, probe) from `Learner.snapshot` when `model` is sharded; None takes
-    both from `model`."""
+    both from `model`. `phases`: times flatten, checksum, serve and announce."""
+    def span(name: str):
+        return phases.span(name) if phases is not None else nullcontext()
+
     t0 = time.perf_counter()
     state, (probe_ids, probe_lp) = snapshot if snapshot is not None else (model.state_dict(), probe(model))
     on_gpu = next(iter(state.values())).is_cuda and server.name == "ucx"
-    entries, buf = flatten_weights(state, keep_device=on_gpu)
-    manifest = build_manifest(version, entries, buf.cpu().numpy() if on_gpu else buf)  # checksums on host bytes
-    server.serve(manifest, buf)
-    ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
-    streams.publish(
-        POLICY,
-        PolicyAnnouncement(
-            job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
-            manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
-            probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
-        ),
-    )
-    # A version older than the ones the server still holds cannot be fetched: drop its announcement.
-    streams.trim_broadcast(POLICY, keep)
+    with span("flatten"):
+        entries, buf = flatten_weights(state, keep_device=on_gpu)
+    with span("checksum"):
+        manifest = build_manifest(version, entries, buf.cpu().numpy() if on_gpu else buf)  # checksums on host bytes
+    with span("serve"):
+        server.serve(manifest, buf)
+    with span("announce"):
+        ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
+        streams.publish(
+            POLICY,
+            PolicyAnnouncement(
+                job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
+                manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
+                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
+            ),
+        )
+        # A version older than the ones the server still holds cannot be fetched: drop its announcement.
+        streams.trim_broadcast(POLICY, keep)
     return time.perf_counter() - t0, manifest.checksum

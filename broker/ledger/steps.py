@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from broker.ledger.engine import Repository
-from broker.ledger.models import checkpoints_t, train_steps_t, utcnow
+from broker.ledger.models import checkpoints_t, jobs_t, train_steps_t, utcnow
 from broker.ledger.rows import CheckpointRow, TrainStepRow
 
 __all__ = ["StepRepository"]
@@ -16,11 +16,16 @@ __all__ = ["StepRepository"]
 
 class StepRepository(Repository):
     def record_train_step(
-        self, job_id: str, step: int, policy_version: int, metrics: dict[str, Any]
+        self, job_id: str, step: int, policy_version: int, metrics: dict[str, Any], *, job_step: bool = False
     ) -> None:
-        """Upsert a train step's metrics (a replayed step overwrites, keeping created_at).
+        """Upsert a train step's metrics (a replayed step overwrites, keeping created_at); with
+        `job_step`, also record `step` as the job's last completed step (`set_job_step`) in the
+        same transaction.
 
         Non-finite metric values are stored as null.
+
+        Raises:
+            LookupError: `job_step` and no such job (nothing is written).
         """
         ins = self._db.insert(train_steps_t).values(
             job_id=job_id,
@@ -35,6 +40,11 @@ class StepRepository(Repository):
         )
         with self._db.write() as s:
             s.execute(stmt)
+            if job_step:
+                done = s.connection().execute(
+                    update(jobs_t).where(jobs_t.c.id == job_id).values(step=step, updated_at=utcnow()))
+                if done.rowcount == 0:
+                    raise LookupError(f"no job {job_id!r} in the ledger")
 
     def last_train_step(self, job_id: str) -> TrainStepRow | None:
         """The job's newest train step, or None before the first."""

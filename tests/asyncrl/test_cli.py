@@ -266,3 +266,28 @@ def test_verify_reports_the_ledger_invariants_and_fails_on_a_violation(api, tmp_
     body = api.get(f"/jobs/{job}/verify")
     assert body["ok"] is False and body["checks"]["staleness"] == 1 and body["counts"] == {"trained": 1}
     assert api.cli("verify", "nope").exit_code == 1
+
+
+def test_phases_reads_the_services_metrics_pages():
+    """`asyncrl phases URL...` prints each role's phases from its live /metrics page."""
+    from shared.metrics import GeneratorMetrics, TrainerMetrics, serve_metrics
+
+    ports = []
+    for role, cls in (("generator", GeneratorMetrics), ("trainer", TrainerMetrics)):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        m = cls(serve_metrics(port, role), "j1")
+        m.phases.observe("ledger", 0.004)
+        m.phases.observe("ledger", 0.004)
+        ports.append(port)
+    urls = [f"http://127.0.0.1:{p}/metrics" for p in ports]
+    runner = CliRunner()
+    out = runner.invoke(app, ["phases", *urls, "--json"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.output)
+    assert [(r["role"], r["phase"], r["count"]) for r in rows] == [("generator", "ledger", 2), ("trainer", "ledger", 2)]
+    table = runner.invoke(app, ["phases", *urls])
+    assert table.exit_code == 0 and "trainer" in table.output and "ledger" in table.output
+    bad = runner.invoke(app, ["phases", "http://127.0.0.1:1/metrics"])
+    assert bad.exit_code == 1 and "127.0.0.1:1" in bad.output

@@ -393,6 +393,18 @@ def test_policy_versions_and_generator_loads(ledger: Ledger) -> None:
     assert ledger.generator_loads("other") == []
 
 
+def test_train_step_with_the_job_step_is_one_write(ledger: Ledger) -> None:
+    """record_train_step(job_step=True) also moves the job's step; for an unknown job it raises
+    and writes neither (one transaction)."""
+    ledger.create_job("j1", "first", {})
+    ledger.record_train_step("j1", 4, 4, {"loss": 0.5}, job_step=True)
+    assert ledger.get_job("j1")["step"] == 4
+    assert [s["step"] for s in ledger.train_steps("j1")] == [4]
+    with pytest.raises(LookupError, match="ghost"):
+        ledger.record_train_step("ghost", 1, 1, {"loss": 0.5}, job_step=True)
+    assert ledger.train_steps("ghost") == []
+
+
 def test_train_steps_upsert(ledger: Ledger) -> None:
     metrics = {"loss": 0.5, "reward/mean": 0.25, "off_policy/mean": 1.5}
     ledger.record_train_step("job", 2, 2, metrics)

@@ -312,6 +312,22 @@ def entry_ids(js: JobStreams) -> list[str]:
     return [eid.decode() for eid, _ in js.r.xrange(js.key(PROMPTS))]
 
 
+def test_trim_acked_many_trims_each_stream_as_trim_acked_would(js: JobStreams) -> None:
+    """Several (stream, group) pairs in two round trips: each trimmed to its own oldest pending
+    entry or last delivered one; a stream without the group is left alone."""
+    js.ensure_group(PROMPTS, G)
+    js.ensure_group(CONTROL, G)
+    ids = js.publish_many(PROMPTS, [prompt(i) for i in range(4)])
+    other = js.publish_many(CONTROL, [prompt(i) for i in range(3)])
+    consume(js)
+    js.ack(PROMPTS, G, ids[:2])  # 2 and 3 still pending
+    js.consume(Consumer(CONTROL, G, "c1", PromptGroup), count=10, block_ms=None)
+    js.ack(CONTROL, G, other)  # all acked: keep the last delivered one
+    assert js.trim_acked_many([(PROMPTS, G), (CONTROL, G), (POLICY, G)]) == 2 + 2
+    assert entry_ids(js) == ids[2:]
+    assert [eid for eid, _ in js.r.xrange(js.key(CONTROL))] == [other[-1].encode()]
+
+
 def test_trim_acked_never_removes_pending_entries(js: JobStreams) -> None:
     assert js.trim_acked(PROMPTS, G) == 0  # no stream, no group
     js.ensure_group(PROMPTS, G)
@@ -529,3 +545,54 @@ def test_without_scripting_reads_fall_back_to_plain_commands(embedded_redis: Emb
         r.close()
         admin.acl_deluser(user)
         admin.close()
+
+
+def test_producers_wake_waiting_readers(js: JobStreams, client: redis.Redis) -> None:
+    """publish_many and publish_if_owned announce new entries on the stream's wake-up channel, so a
+    waiting read returns at once instead of at its next poll; a publish that adds nothing is silent."""
+    sub = client.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(js._wake_channel(PROMPTS), js._wake_channel(CONTROL))  # noqa: SLF001
+    try:
+        def woken() -> list[str]:
+            got = []
+            while (m := sub.get_message(timeout=0.3)) is not None:
+                got.append(m["channel"].decode().rsplit(":", 2)[-2])
+            return got
+
+        js.ensure_group(PROMPTS, G)
+        for _ in range(2):
+            sub.get_message(timeout=0.2)  # the subscription confirmations
+        ids = js.publish_many(PROMPTS, [prompt(0), prompt(1)])
+        assert len(ids) == 2 and all("-" in i for i in ids)  # the ids, not the PUBLISH reply
+        assert woken() == ["prompts"]  # one wake-up per publish, not per entry
+        (d, _) = consume(js)
+        assert js.publish_if_owned(reader(), CONTROL, [(d.entry_id, [prompt(7)])]) == [True]
+        assert woken() == ["control"]
+        assert js.publish_if_owned(reader(), CONTROL, [(d.entry_id, [prompt(8)])]) == [False]  # acked: nothing added
+        assert woken() == []
+    finally:
+        sub.close()
+
+
+def test_a_waiting_read_wakes_on_a_publish(make: MakeStreams) -> None:
+    """A consumer waiting on an empty stream (subscribed to its wake-up channel) gets an entry that
+    another JobStreams (another process's) publishes, long before its deadline."""
+    import threading
+
+    js, producer = make(), make()
+    js.ensure_group(PROMPTS, G)
+    assert js.consume(reader(), block_ms=50) == []  # idle: subscribed to the wake-up channel
+    t0 = [0.0]
+
+    def publish() -> None:
+        time.sleep(0.3)
+        t0[0] = time.monotonic()
+        producer.publish(PROMPTS, prompt(0))
+
+    th = threading.Thread(target=publish)
+    th.start()
+    got = js.consume(reader(), block_ms=5000)
+    lag = time.monotonic() - t0[0]
+    th.join()
+    assert [d.message for d in got] == [prompt(0)]
+    assert lag < 1.0

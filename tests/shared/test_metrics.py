@@ -134,3 +134,34 @@ def test_names_are_prometheus_safe() -> None:
     TrainerMetrics(registry, "j")
     names = [fam.name for fam in registry.collect()]
     assert names and all(n.startswith("asyncrl_") and "/" not in n for n in names)
+
+
+def test_phases_scraped_and_summarised() -> None:
+    """Spans of a role land in its phase histogram; phase_summary reads count, total, mean and the
+    bucket-interpolated median back from the page."""
+    from shared.metrics import phase_summary
+
+    port, registry = _serve("trainer")
+    m = TrainerMetrics(registry, "j1")
+    with m.phases.span("learner_step"):
+        pass
+    for s in (0.003, 0.004, 0.004):  # all three in the (0.002, 0.005] bucket
+        m.phases.observe("ledger", s)
+    with pytest.raises(ValueError, match="unknown trainer phase"), m.phases.span("generate"):
+        pass
+    assert m.phases.take_last().keys() == {"learner_step", "ledger"}
+    assert m.phases.take_last() == {}
+    got = {(p["role"], p["phase"]): p for p in phase_summary(httpx.get(f"http://127.0.0.1:{port}/metrics").text)}
+    assert list(got) == [("trainer", "learner_step"), ("trainer", "ledger")]  # PHASES order, spans only
+    ledger = got[("trainer", "ledger")]
+    assert ledger["count"] == 3 and ledger["total_s"] == pytest.approx(0.011)
+    assert ledger["mean_s"] == pytest.approx(0.011 / 3)
+    # rank 1.5 of 3 in (0.002, 0.005]: 0.002 + 0.003 * 1.5 / 3
+    assert ledger["median_s"] == pytest.approx(0.0035)
+
+
+def test_unknown_role_is_refused() -> None:
+    from shared.metrics import Phases
+
+    with pytest.raises(ValueError, match="valid: \\['generator', 'reward', 'trainer'\\]"):
+        Phases("judge")
