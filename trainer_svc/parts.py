@@ -149,7 +149,7 @@ class Parts:
         log.info("live knobs applied: %s", knobs)
 
     def feed(self) -> None:
-        """Keep (k + 1) * batch training groups in flight."""
+        """Fill the free slots of the next k + 1 versions (trainer_svc/feeder.py)."""
         self.feeder.top_up(self.state.version, self.state.bound.k)
 
     def take_scored(self, block_ms: int) -> int:
@@ -168,7 +168,8 @@ class Parts:
     def publish(self) -> tuple[float, str]:
         """Serve and announce the current version; (seconds, checksum)."""
         return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
-                               self.job_id, self.settings.keep_versions, self.state.run_id, self.learner.snapshot())
+                               self.job_id, self.settings.keep_versions, self.state.run_id, self.learner.snapshot(),
+                               max_staleness=self.state.bound.k)
 
     def compare_redone(self, checksum: str) -> None:
         """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""
