@@ -18,12 +18,15 @@ def main(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
         "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
-        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned."
+        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; admission: samples dropped for staleness with 1, 2 and 4 "
+        "generators (the demo job)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
+    label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
+    generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
@@ -45,6 +48,10 @@ def main(
         from bench.own_task import run_own_task
 
         run_own_task(out_dir=out, seeds=seeds, steps=steps or 150)
+    elif which == "admission":
+        from bench.admission import bench_admission
+
+        bench_admission(label, steps=steps or 60, generators=tuple(int(g) for g in generators.split(",")), out_dir=out)
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -60,7 +67,7 @@ def main(
                     + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, admission")
 
 
 if __name__ == "__main__":
