@@ -52,6 +52,7 @@ def job_figures(ledger: Ledger, job_id: str) -> dict[str, Any]:
         "dropped": len(dropped),
         "stale_dropped": len(stale),
         "stale_dropped_fraction": len(stale) / len(rows) if rows else 0.0,
+        "unused_at_end": len(rows) - len(trained) - len(dropped),  # still in flight when the job ended
         "drop_reasons": reasons,
         "completion_tokens_generated": quartiles([r["num_completion_tokens"] for r in rows]),
         "completion_tokens_trained": quartiles([r["num_completion_tokens"] for r in trained]),
