@@ -19,7 +19,8 @@ def main(
         "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
         "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; steps: per-step time per role and "
-        "phase at the demo's size, async / max(T_gen, T_train)."
+        "phase at the demo's size, async / max(T_gen, T_train); admission: samples dropped for staleness with 1, 2 "
+        "and 4 generators (the demo job)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -27,6 +28,8 @@ def main(
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
     runs: int = typer.Option(2, help="steps: runs of each code (interleaved with --before)."),
     before: str = typer.Option("", help="steps: another checkout whose services to measure too, interleaved."),
+    label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
+    generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
@@ -52,6 +55,10 @@ def main(
         from bench.steps import bench_steps
 
         bench_steps(out_dir=out, steps=steps or 40, runs=runs, before=before or None)
+    elif which == "admission":
+        from bench.admission import bench_admission
+
+        bench_admission(label, steps=steps or 60, generators=tuple(int(g) for g in generators.split(",")), out_dir=out)
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -68,7 +75,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps")
+                                "steps, admission")
 
 
 if __name__ == "__main__":
