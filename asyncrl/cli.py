@@ -108,12 +108,17 @@ def demo(
     generators: int = typer.Option(1, help="Generator processes."),
     workdir: str = typer.Option("runs/demo", help="Models, ledger, logs and the plot go here."),
     seed: int = typer.Option(0),
+    placement: str = typer.Option("split", help="split, or colocated (generator and trainer take turns on every "
+                                  "core; sync)."),
 ) -> None:
     """Build a tiny model, warm-start it, and run an RL job with every service as a process."""
     logging.basicConfig(level=logging.WARNING)
     from asyncrl.demo import run_demo
 
-    run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed)
+    if placement == "colocated":
+        mode = "sync"  # co-located phases alternate
+    run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed,
+             extra_spec={"placement": placement} if placement != "split" else None)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

@@ -72,7 +72,7 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
         placed = place_self(target.split(".")[0])
     except ValueError as exc:  # bad NODE_* / <ROLE>_CPUS: say which, do not start misplaced
         setup_logging(service, "INFO")
-        logging.getLogger(service).error("%s: placement: %s", service, exc)
+        logging.getLogger(service).error("placement: %s", exc)
         return 2
     settings = settings_cls()
     setup_logging(service, getattr(settings, "log_level", "INFO"))
