@@ -175,7 +175,7 @@ def report(r: dict[str, Any], labels: list[str]) -> str:
     keys = sorted({k for label in labels for x in r[label] for k in x["trainer_per_step_s"]})
     for k in keys:
         md.append(f"| {k} | " + " | ".join(_ms(x["trainer_per_step_s"].get(k)) for label in labels for x in r[label]) + " |")
-    md += ["", "Every role, median ms per span over the whole job (Prometheus `asyncrl_phase_seconds`, "
+    md += ["", "Every role, median ms per span over the whole job (Prometheus `asyncrl_{role}_phase_seconds`, "
            "buckets interpolated; start-up included; the code before has no spans):", "",
            "| role | phase | " + " | ".join(f"{label} {i + 1}" for label in labels for i in range(len(r[label]))) + " |",
            "|---|---|" + "---|" * sum(len(r[label]) for label in labels)]
