@@ -3,8 +3,9 @@ served versions, and the server and client interfaces.
 
 A version is one flat byte buffer (every tensor back to back) plus a `Manifest` (name, shape,
 dtype, byte offset of each tensor; an xxh3 checksum per chunk and one for the version). The trainer
-serves the last few versions; a generator pulls the buffer, verifies every chunk (re-fetching a
-corrupted one) and only then loads it.
+serves the last few versions; a generator pulls the buffer, verifies every chunk as soon as it has
+landed (while later ones are still arriving; a corrupted chunk is re-fetched alone) and only then
+loads it.
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ class WeightServer(Protocol):
 class WeightClient(Protocol):
     """Generator side: pull one version into a verified buffer."""
 
-    def fetch(self, address: str, manifest: Manifest) -> np.ndarray: ...
+    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The verified version, in `out` when given (a buffer reused across fetches)."""
+        ...
 
     def close(self) -> None: ...

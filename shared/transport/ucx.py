@@ -19,7 +19,9 @@ Between hosts UCX picks TCP (the PyPI libucx has no RDMA), with 512k segments (3
 Each process has one UCX context + worker, progressed by ucxx's own C++ thread (no asyncio, no
 GIL held while bytes move), so the API is synchronous and safe to call from a vLLM worker process
 or from several threads at once. Requests are waited on by polling `completed` with a short
-backoff; the client instead blocks on the control socket until the server reports the sends done.
+backoff; the client polls its piece receives in order, reporting each landed piece (so the
+verification hashes it while later pieces arrive), and watches the control socket for the server's
+report of a failed send.
 
 Buffers are passed to UCX as they are: numpy arrays via `__array_interface__`, CUDA tensors via
 `__cuda_array_interface__` (a server may serve a CUDA uint8 tensor; `fetch_into` may land in one).
