@@ -11,10 +11,11 @@ loads it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -117,6 +118,12 @@ def receive_buffer(manifest: Manifest, out: np.ndarray | None = None) -> np.ndar
     return out
 
 
+def hash_threads() -> int:
+    """Threads that hash a fetch's chunks: the cores this process may use, less one for the
+    transfer itself (UCX's progress thread or the socket reads), at least 1, at most 4."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) - 1))
+
+
 Fill = Callable[[int, int], Iterable[int]]
 """`fill(lo, hi)` lands bytes [lo, hi) of a version at the same offsets of the buffer, yielding the
 offset below which every byte has landed, increasing, as the transfer goes (the last one is hi)."""
@@ -124,9 +131,9 @@ offset below which every byte has landed, increasing, as the transfer goes (the 
 
 def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
                    corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None) -> np.ndarray:
-    """Fill all of `buf` while a hashing thread checks each chunk as soon as it has landed (the
-    hash overlaps the rest of the transfer), then re-fetch the bad chunks only, up to `retries`
-    rounds. Returns `buf` once every chunk matches the manifest; raises ChecksumError otherwise.
+    """Fill all of `buf` while hashing threads (`hash_threads`) check each chunk as soon as it has
+    landed (the hash overlaps the rest of the transfer), then re-fetch the bad chunks only, up to
+    `retries` rounds. Returns `buf` once every chunk matches the manifest; raises ChecksumError otherwise.
 
     `corrupt_hook(buf, lo, hi)`: tests inject transit corruption into each span [lo, hi) of the
     first pass as it lands, before any of its chunks is hashed.
@@ -136,27 +143,26 @@ def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
         raise ChecksumError(f"version {manifest.version}: {len(want)} chunk checksums for {total} bytes")
     mv = memoryview(buf).cast("B")
 
-    def check(first: int, last: int) -> list[int]:
+    def corrupted(i: int) -> bool:
         # xxhash (4.x) releases the GIL while it hashes, so this overlaps the transfer
-        return [i for i in range(first, last)
-                if xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]]
+        return xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]
 
-    with ThreadPoolExecutor(1, thread_name_prefix="verify") as hasher:
-        checks, hashed, landed_before = [], 0, 0
+    with ThreadPoolExecutor(hash_threads(), thread_name_prefix="verify") as hasher:
+        checks: list[Future[bool]] = []  # one per chunk, in chunk order
+        landed_before = 0
         try:
             for landed in fill(0, total):
                 if corrupt_hook is not None:
                     corrupt_hook(buf, landed_before, landed)
                 landed_before = landed
                 ready = len(want) if landed >= total else landed // cb
-                if ready > hashed:
-                    checks.append(hasher.submit(check, hashed, ready))
-                    hashed = ready
+                checks += [hasher.submit(corrupted, i) for i in range(len(checks), ready)]
         except BaseException:
             for f in checks:
                 f.cancel()
             raise
-        bad = [i for f in checks for i in f.result()]
+        bad = [i for i, f in enumerate(checks) if f.result()]
+    hashed = len(checks)
     if hashed < len(want):
         raise ChecksumError(f"version {manifest.version}: the transfer ended at byte {landed_before} of {total}")
 

@@ -91,7 +91,9 @@ def test_chunks_are_hashed_while_later_pieces_are_still_arriving(monkeypatch) ->
     [(5 * CHUNK + 17, 5), (2 * CHUNK + 99, 2), (NBYTES - 1, 10), (PIECE, 2)],
     ids=["middle", "chunk-end", "short-last-chunk", "piece-boundary"],
 )
-def test_a_chunk_corrupted_in_transit_is_refetched_alone(offset: int, chunk: int) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_chunk_corrupted_in_transit_is_refetched_alone(offset: int, chunk: int, threads: int, monkeypatch) -> None:
+    monkeypatch.setattr(transport_base, "hash_threads", lambda: threads)
     data, buf, src = setup()
     src.bad_bytes[offset] = 1  # wrong on the first pass only
     fetch_verified(buf, manifest(data), src.fill, retries=3)
@@ -122,7 +124,9 @@ def test_a_refetch_that_is_corrupted_again_is_retried() -> None:
     assert src.ranges == [(0, NBYTES), (400, 500), (400, 500)]
 
 
-def test_corruption_that_never_clears_raises_after_the_retries() -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_corruption_that_never_clears_raises_after_the_retries(threads: int, monkeypatch) -> None:
+    monkeypatch.setattr(transport_base, "hash_threads", lambda: threads)
     data, buf, src = setup()
     src.bad_bytes[7 * CHUNK] = 10**6
     src.bad_bytes[NBYTES - 2] = 10**6
@@ -149,6 +153,12 @@ def test_a_manifest_whose_chunk_count_does_not_fit_the_size_is_refused() -> None
     with pytest.raises(ChecksumError, match="10 chunk checksums for 1037 bytes"):
         fetch_verified(buf, wrong, src.fill, retries=3)
     assert src.ranges == []
+
+
+def test_hash_threads_leave_a_core_to_the_transfer(monkeypatch) -> None:
+    for cores, threads in [(1, 1), (2, 1), (3, 2), (16, 4)]:
+        monkeypatch.setattr(transport_base.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert transport_base.hash_threads() == threads
 
 
 def test_exact_multiple_of_the_chunk_size_and_empty_versions() -> None:
