@@ -3,10 +3,20 @@
 The worker pulls a weight version straight from the trainer's transport (the bytes never pass
 through vLLM's RPC channel), verifies every chunk against the manifest, and reloads the weights in
 place with vLLM's own `reload_weights` (which repacks them for the CPU kernels).
+
+vLLM's layerwise reload counts every buffer of a layer as something to load, non-persistent ones
+too, and warns "<Layer>: Failed to load weights" for a layer that got nothing, after which it puts
+the layer's own tensors back unchanged. A rotary embedding holds only `cos_sin_cache`, a
+non-persistent buffer computed from the config that no checkpoint (and no model's `load_weights`)
+carries, so that warning came on every swap with nothing wrong. `_quiet_derived_only_layers` drops
+exactly that message for layer classes made only of such buffers; a layer that has parameters
+and gets none still warns (tests/generator_svc/test_swap_warning.py checks both, and that the
+swapped weights are the ones the engine then scores with).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -39,6 +49,47 @@ def tensors_from_buffer(buf, manifest: Manifest) -> list[tuple[str, torch.Tensor
     return out
 
 
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOTHING_LOADED = "%s: Failed to load weights"
+
+
+class _DerivedOnlyLayers(logging.Filter):
+    """Drops vLLM's "nothing loaded" warning for the named layer classes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classes: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == _NOTHING_LOADED and args[:1] and args[0] in self.classes)
+
+
+_derived_only = _DerivedOnlyLayers()
+
+
+def derived_only_classes(model: torch.nn.Module) -> set[str]:
+    """Layer classes whose every instance holds buffers but no parameters and no persistent
+    buffers: nothing of theirs is in a checkpoint, so a weight swap never loads anything there."""
+    derived, loadable = set(), set()
+    for m in model.modules():
+        has_params = any(p is not None for p in m._parameters.values())
+        buffers = [n for n, b in m._buffers.items() if b is not None]
+        persistent = [n for n in buffers if n not in m._non_persistent_buffers_set]
+        if has_params or persistent:
+            loadable.add(type(m).__name__)
+        elif buffers:
+            derived.add(type(m).__name__)
+    return derived - loadable
+
+
+def _quiet_derived_only_layers(model: torch.nn.Module) -> None:
+    _derived_only.classes |= derived_only_classes(model)
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    if _derived_only not in logger.filters:
+        logger.addFilter(_derived_only)
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; methods are called by name through `LLM.collective_rpc`."""
 
@@ -56,6 +107,7 @@ class WeightSyncExtension:
         finally:
             client.close()
         t1 = time.perf_counter()
+        _quiet_derived_only_layers(self.model_runner.get_model())
         self.reload_weights(weights_iterator=iter(tensors_from_buffer(buf, m)))
         t2 = time.perf_counter()
         return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}

@@ -3,16 +3,19 @@ served versions, and the server and client interfaces.
 
 A version is one flat byte buffer (every tensor back to back) plus a `Manifest` (name, shape,
 dtype, byte offset of each tensor; an xxh3 checksum per chunk and one for the version). The trainer
-serves the last few versions; a generator pulls the buffer, verifies every chunk (re-fetching a
-corrupted one) and only then loads it.
+serves the last few versions; a generator pulls the buffer, verifies every chunk as soon as it has
+landed (while later ones are still arriving; a corrupted chunk is re-fetched alone) and only then
+loads it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 Buffer = Any  # bytes, memoryview or a contiguous numpy array (numpy's stubs are not `Buffer`)
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# A fetch lands (and reports) its bytes in pieces of this size, so hashing can follow the transfer.
+DEFAULT_PIECE_BYTES = 16 * 1024 * 1024
 
 
 class ChecksumError(RuntimeError):
@@ -83,28 +88,89 @@ def verify_and_repair(
 ) -> np.ndarray:
     """Check every chunk of a fetched buffer; re-fetch only the bad byte ranges [lo, hi) with
     `refetch`, up to `retries` rounds. Returns the verified buffer or raises ChecksumError."""
-    for attempt in range(retries + 1):
-        bad = bad_chunks(buf, manifest)
+    return _repair(buf, manifest, refetch, bad_chunks(buf, manifest), retries)
+
+
+def _repair(buf: Buffer, manifest: Manifest, refetch: Callable[[int, int], None], bad: list[int],
+            retries: int) -> np.ndarray:
+    """Re-fetch the chunks in `bad` and re-check only those, up to `retries` rounds."""
+    cb, want = manifest.chunk_bytes, manifest.chunk_checksums
+    mv = memoryview(buf).cast("B")
+    for _ in range(retries):
         if not bad:
             return buf
-        if attempt == retries:
-            break
         log.warning("version %d: %d corrupted chunk(s) %s; re-fetching", manifest.version, len(bad), bad[:8])
-        cb = manifest.chunk_bytes
         for i in bad:
             refetch(i * cb, min((i + 1) * cb, manifest.total_bytes))
+        bad = [i for i in bad if xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]]
+    if not bad:
+        return buf
     raise ChecksumError(f"version {manifest.version}: chunks {bad[:8]} still corrupted after {retries} re-fetches")
 
 
-def fetch_verified(buf: np.ndarray, manifest: Manifest, fill: Callable[[int, int], None], retries: int,
-                   corrupt_hook: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
-    """Fill all of `buf` (`fill(lo, hi)` lands bytes [lo, hi) of the version in it), then verify
-    it and re-fetch bad chunks (`verify_and_repair`). `corrupt_hook`: tests inject transit
-    corruption between the transfer and the check."""
-    fill(0, manifest.total_bytes)
-    if corrupt_hook is not None:
-        corrupt_hook(buf)
-    return verify_and_repair(buf, manifest, fill, retries)
+def receive_buffer(manifest: Manifest, out: np.ndarray | None = None) -> np.ndarray:
+    """`out` checked to fit the version, or a fresh buffer (a reused one skips the page faults of
+    touching new memory: at 1 GB those cost about as much as the transfer itself)."""
+    if out is None:
+        return np.empty(manifest.total_bytes, dtype=np.uint8)
+    if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous or out.nbytes != manifest.total_bytes:
+        raise ValueError(f"destination must be a contiguous uint8 array of {manifest.total_bytes} bytes")
+    return out
+
+
+def hash_threads() -> int:
+    """Threads that hash a fetch's chunks: the cores this process may use, less one for the
+    transfer itself (UCX's progress thread or the socket reads), at least 1, at most 4."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) - 1))
+
+
+Fill = Callable[[int, int], Iterable[int]]
+"""`fill(lo, hi)` lands bytes [lo, hi) of a version at the same offsets of the buffer, yielding the
+offset below which every byte has landed, increasing, as the transfer goes (the last one is hi)."""
+
+
+def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
+                   corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None) -> np.ndarray:
+    """Fill all of `buf` while hashing threads (`hash_threads`) check each chunk as soon as it has
+    landed (the hash overlaps the rest of the transfer), then re-fetch the bad chunks only, up to
+    `retries` rounds. Returns `buf` once every chunk matches the manifest; raises ChecksumError otherwise.
+
+    `corrupt_hook(buf, lo, hi)`: tests inject transit corruption into each span [lo, hi) of the
+    first pass as it lands, before any of its chunks is hashed.
+    """
+    cb, total, want = manifest.chunk_bytes, manifest.total_bytes, manifest.chunk_checksums
+    if len(want) != -(-total // cb):
+        raise ChecksumError(f"version {manifest.version}: {len(want)} chunk checksums for {total} bytes")
+    mv = memoryview(buf).cast("B")
+
+    def corrupted(i: int) -> bool:
+        # xxhash (4.x) releases the GIL while it hashes, so this overlaps the transfer
+        return xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]
+
+    with ThreadPoolExecutor(hash_threads(), thread_name_prefix="verify") as hasher:
+        checks: list[Future[bool]] = []  # one per chunk, in chunk order
+        landed_before = 0
+        try:
+            for landed in fill(0, total):
+                if corrupt_hook is not None:
+                    corrupt_hook(buf, landed_before, landed)
+                landed_before = landed
+                ready = len(want) if landed >= total else landed // cb
+                checks += [hasher.submit(corrupted, i) for i in range(len(checks), ready)]
+        except BaseException:
+            for f in checks:
+                f.cancel()
+            raise
+        bad = [i for i, f in enumerate(checks) if f.result()]
+    hashed = len(checks)
+    if hashed < len(want):
+        raise ChecksumError(f"version {manifest.version}: the transfer ended at byte {landed_before} of {total}")
+
+    def refetch(lo: int, hi: int) -> None:
+        for _ in fill(lo, hi):
+            pass
+
+    return _repair(buf, manifest, refetch, bad, retries)
 
 
 class VersionStore:
@@ -165,6 +231,8 @@ class WeightServer(Protocol):
 class WeightClient(Protocol):
     """Generator side: pull one version into a verified buffer."""
 
-    def fetch(self, address: str, manifest: Manifest) -> np.ndarray: ...
+    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None) -> np.ndarray:
+        """The verified version, in `out` when given (a buffer reused across fetches)."""
+        ...
 
     def close(self) -> None: ...

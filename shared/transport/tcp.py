@@ -7,11 +7,18 @@ Request: {version, offset, length}; reply: {ok, nbytes} and then `nbytes` raw by
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from shared.schema import Manifest
-from shared.transport.base import RequestRefused, VersionStore, fetch_verified
+from shared.transport.base import (
+    DEFAULT_PIECE_BYTES,
+    RequestRefused,
+    VersionStore,
+    fetch_verified,
+    receive_buffer,
+)
 from shared.transport.wire import ControlServer, recv_exact, recv_msg, send_msg, split_address
 
 
@@ -50,24 +57,44 @@ class TcpWeightServer:
 class TcpWeightClient:
     """Pulls a version over one socket, verifies each chunk, re-fetches corrupted chunks."""
 
-    def __init__(self, retries: int = 3, timeout_s: float = 60.0):
+    def __init__(self, retries: int = 3, timeout_s: float = 60.0, piece_bytes: int = DEFAULT_PIECE_BYTES):
         self.retries = retries
         self.timeout_s = timeout_s
+        self.piece_bytes = piece_bytes
 
-    def _fetch_range(self, sock: socket.socket, version: int, out: memoryview, offset: int) -> None:
+    def _fetch_range(self, sock: socket.socket, version: int, out: memoryview, offset: int) -> Iterator[int]:
+        """Fill `out` with bytes [offset, offset + len(out)), yielding `offset + n` as each piece
+        of the first n bytes has landed."""
         send_msg(sock, {"version": version, "offset": offset, "length": len(out)})
         hdr = recv_msg(sock)
         if not hdr.get("ok"):
             raise RuntimeError(f"weight server refused: {hdr.get('error')}")
-        recv_exact(sock, out)
+        for lo in range(0, len(out), self.piece_bytes):
+            hi = min(lo + self.piece_bytes, len(out))
+            recv_exact(sock, out[lo:hi])
+            yield offset + hi
 
-    def fetch(self, address: str, manifest: Manifest, *, corrupt_hook=None) -> np.ndarray:
-        buf = np.empty(manifest.total_bytes, dtype=np.uint8)
+    def fetch(
+        self,
+        address: str,
+        manifest: Manifest,
+        *,
+        out: np.ndarray | None = None,
+        corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+    ) -> np.ndarray:
+        """The version, verified chunk by chunk while it arrives (`fetch_verified`), in `out`
+        (reused, e.g. across a generator's swaps) or a fresh buffer."""
+        buf = receive_buffer(manifest, out)
         view = buf.data
         with socket.create_connection(split_address(address), timeout=self.timeout_s) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return fetch_verified(buf, manifest, lambda lo, hi: self._fetch_range(sock, manifest.version, view[lo:hi], lo),
-                                  self.retries, corrupt_hook)
+            return fetch_verified(
+                buf,
+                manifest,
+                lambda lo, hi: self._fetch_range(sock, manifest.version, view[lo:hi], lo),
+                self.retries,
+                corrupt_hook,
+            )
 
     def close(self) -> None:
         pass

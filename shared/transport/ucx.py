@@ -19,7 +19,9 @@ Between hosts UCX picks TCP (the PyPI libucx has no RDMA), with 512k segments (3
 Each process has one UCX context + worker, progressed by ucxx's own C++ thread (no asyncio, no
 GIL held while bytes move), so the API is synchronous and safe to call from a vLLM worker process
 or from several threads at once. Requests are waited on by polling `completed` with a short
-backoff; the client instead blocks on the control socket until the server reports the sends done.
+backoff; the client polls its piece receives in order, reporting each landed piece (so the
+verification hashes it while later pieces arrive), and watches the control socket for the server's
+report of a failed send.
 
 Buffers are passed to UCX as they are: numpy arrays via `__array_interface__`, CUDA tensors via
 `__cuda_array_interface__` (a server may serve a CUDA uint8 tensor; `fetch_into` may land in one).
@@ -37,17 +39,24 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from shared.schema import Manifest
-from shared.transport.base import Buffer, RequestRefused, VersionStore, fetch_verified
+from shared.transport.base import (
+    DEFAULT_PIECE_BYTES,
+    Buffer,
+    RequestRefused,
+    VersionStore,
+    fetch_verified,
+    receive_buffer,
+)
 from shared.transport.wire import ControlServer, recv_msg, send_msg, split_address
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PIECE_BYTES = 16 * 1024 * 1024
 _TAG_BITS = 24  # low tag bits number the pieces of one request; the rest is a per-process counter
 _MAX_POLL_S = 2e-4
 _PEER_CHECK_S = 0.02
@@ -184,6 +193,11 @@ def _hung_up(sock: socket.socket) -> bool:
         return True
 
 
+def _check_done(msg: dict) -> None:
+    if not msg.get("ok"):
+        raise RuntimeError(f"weight server failed mid-transfer: {msg.get('error')}")
+
+
 def _pieces(length: int, piece: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + piece, length)) for lo in range(0, length, piece)]
 
@@ -310,10 +324,14 @@ class UcxWeightClient:
             raise
         return sock
 
-    def _fetch_range(self, sock: socket.socket, version: int, out: Buffer, offset: int) -> None:
-        """Fill `out` (host or CUDA memory, 1-D uint8) with bytes [offset, offset + len(out))."""
+    def _fetch_range(
+        self, sock: socket.socket, version: int, out: Buffer, offset: int
+    ) -> Iterator[int]:
+        """Fill `out` (host or CUDA memory, 1-D uint8) with bytes [offset, offset + len(out)),
+        yielding `offset + n` as soon as the first n bytes have landed, piece by piece."""
         ucx = get_worker()
         tag = ucx.new_tag()
+        what = f"version {version} range {offset}+{len(out)}"
         send_msg(
             sock,
             {
@@ -327,27 +345,53 @@ class UcxWeightClient:
         hdr = recv_msg(sock)
         if not hdr.get("ok"):
             raise RuntimeError(f"weight server refused: {hdr.get('error')}")
-        pending = [
-            ucx.recv(out[lo:hi], tag + i)
-            for i, (lo, hi) in enumerate(_pieces(len(out), self.piece_bytes))
-        ]
-        done = recv_msg(sock)  # blocks (no polling) while UCX moves the bytes
-        if not done.get("ok"):
-            raise RuntimeError(f"weight server failed mid-transfer: {done.get('error')}")
-        _wait(pending, self.timeout_s, f"version {version} range {offset}+{len(out)}")
+        pieces = _pieces(len(out), self.piece_bytes)
+        pending = [ucx.recv(out[lo:hi], tag + i) for i, (lo, hi) in enumerate(pieces)]
+        done = False
+        deadline = time.monotonic() + self.timeout_s
+        for (req, _arr), (_lo, hi) in zip(pending, pieces, strict=True):
+            delay = 1e-5
+            while not req.completed:
+                # the server reports a failed send on the control socket; the receive would hang
+                if not done and select.select([sock], [], [], 0)[0]:
+                    _check_done(recv_msg(sock))
+                    done = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what}: UCX transfer not done after {self.timeout_s:.0f} s")
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_POLL_S)
+            req.check_error()
+            yield offset + hi
+        if not done:
+            _check_done(recv_msg(sock))
 
     def fetch_into(self, address: str, manifest: Manifest, out: Buffer) -> None:
         """Raw transfer of the whole version into `out` (e.g. a CUDA uint8 tensor); no verification."""
         if out.nbytes != manifest.total_bytes:
             raise ValueError("destination size does not match the manifest")
         with self._connect(address) as sock:
-            self._fetch_range(sock, manifest.version, out, 0)
+            for _ in self._fetch_range(sock, manifest.version, out, 0):
+                pass
 
-    def fetch(self, address: str, manifest: Manifest, *, corrupt_hook=None) -> np.ndarray:
-        buf = np.empty(manifest.total_bytes, dtype=np.uint8)
+    def fetch(
+        self,
+        address: str,
+        manifest: Manifest,
+        *,
+        out: np.ndarray | None = None,
+        corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+    ) -> np.ndarray:
+        """The version, verified chunk by chunk while it arrives (`fetch_verified`), in `out`
+        (reused, e.g. across a generator's swaps) or a fresh buffer."""
+        buf = receive_buffer(manifest, out)
         with self._connect(address) as sock:
-            return fetch_verified(buf, manifest, lambda lo, hi: self._fetch_range(sock, manifest.version, buf[lo:hi], lo),
-                                  self.retries, corrupt_hook)
+            return fetch_verified(
+                buf,
+                manifest,
+                lambda lo, hi: self._fetch_range(sock, manifest.version, buf[lo:hi], lo),
+                self.retries,
+                corrupt_hook,
+            )
 
     def close(self) -> None:
         pass  # connections live for one fetch; the process's UCX worker stops at exit

@@ -86,9 +86,9 @@ def counting_client(base: type, **kw):
             super().__init__(**kw)
             self.ranges: list[tuple[int, int]] = []
 
-        def _fetch_range(self, sock, version, out, offset) -> None:
+        def _fetch_range(self, sock, version, out, offset) -> Iterator[int]:
             self.ranges.append((offset, len(out)))
-            super()._fetch_range(sock, version, out, offset)
+            yield from super()._fetch_range(sock, version, out, offset)
 
     return CountingClient(**kw)
 
@@ -165,11 +165,17 @@ def test_transit_corruption_is_refetched(server, client_cls: type) -> None:
     server.serve(m, buf)
     last = len(m.chunk_checksums) - 1
 
-    def corrupt(b: np.ndarray) -> None:
-        b[5 * CHUNK + 17] ^= 0xFF
-        b[-3:] = 0 if buf[-3:].any() else 1  # the short last chunk
+    spans: list[tuple[int, int]] = []
 
-    client = counting_client(client_cls)
+    def corrupt(b: np.ndarray, lo: int, hi: int) -> None:
+        """Flips bytes of the span that has just landed, before it is hashed."""
+        spans.append((lo, hi))
+        if lo <= 5 * CHUNK + 17 < hi:
+            b[5 * CHUNK + 17] ^= 0xFF
+        if hi == b.nbytes:  # the short last chunk
+            b[-3:] = 0 if buf[-3:].any() else 1
+
+    client = counting_client(client_cls, piece_bytes=3 * CHUNK + 5)  # several spans, unaligned
     got = client.fetch(server.address, m, corrupt_hook=corrupt)
     assert got.tobytes() == buf.tobytes()
     assert client.ranges == [
@@ -177,6 +183,7 @@ def test_transit_corruption_is_refetched(server, client_cls: type) -> None:
         (5 * CHUNK, CHUNK),
         (last * CHUNK, m.total_bytes - last * CHUNK),
     ]
+    assert len(spans) > 5 and spans[-1][1] == m.total_bytes  # pieces landed (and were hashed) one by one
 
 
 def test_persistent_corruption_raises_checksum_error(server, client_cls: type) -> None:
