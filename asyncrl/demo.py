@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,15 +101,11 @@ def run_job(
         console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
     sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
     api = f"http://127.0.0.1:{port}"
+    # The job's id is chosen here, so every process starts at once (asyncrl.launch does the same):
+    # the services import, build their engine and model and wait for the job while the API starts.
+    job_id = uuid.uuid4().hex[:12]
     try:
         sup.start("broker", "broker")
-        wait_http(f"{api}/health", 60, sup)
-        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
-        if resp.status_code != 201:
-            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
-        job_id = resp.json()["id"]
-        if progress:
-            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
         job_env = {"JOB_ID": job_id}
         cores = sorted(os.sched_getaffinity(0))
         # Two roles, two cores: vLLM's OpenMP threads on the first, torch on the last.
@@ -120,6 +117,12 @@ def run_job(
         sup.start("reward", "reward_svc", job_env)
         sup.start("trainer", "trainer_svc", {**job_env, "TRAINER_THREADS": str(len(train_cores or cores))},
                   cpus=train_cores)
+        wait_http(f"{api}/health", 60, sup)
+        resp = httpx.post(f"{api}/jobs", json=spec, params={"job_id": job_id}, timeout=30)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+        if progress:
+            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
         final = _watch(api, job_id, spec["steps"], sup, progress)
         # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
         sup.wait_all(30, exclude=("broker",))

@@ -18,12 +18,14 @@ def main(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
         "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
-        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned."
+        "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; startup: command -> first "
+        "trained step and its breakdown per service (--seeds: repetitions, --compare DIR: code before)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
+    compare: str = typer.Option("", help="startup: a checkout of other code to run first, as 'before'."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
@@ -41,6 +43,10 @@ def main(
         res = launcher_vs_pinned(wd, steps=steps or 80)
         (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
         typer.echo(json.dumps(res, indent=2))
+    elif which == "startup":
+        from bench.startup import bench_startup
+
+        bench_startup(reps=seeds, compare=compare or None, steady_steps=steps or 40, out_dir=out)
     elif which == "own-task":
         from bench.own_task import run_own_task
 
@@ -60,7 +66,7 @@ def main(
                     + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher")
+        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, startup")
 
 
 if __name__ == "__main__":

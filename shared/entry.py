@@ -14,6 +14,7 @@ import importlib
 import logging
 import signal
 import threading
+import time
 
 from pydantic_settings import BaseSettings
 
@@ -68,7 +69,10 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
     log = logging.getLogger(service)
     try:
         module, func = target.split(":")
-        getattr(importlib.import_module(module), func)(settings)
+        t0 = time.perf_counter()
+        entry = getattr(importlib.import_module(module), func)
+        log.info("imported %s in %.2fs", module, time.perf_counter() - t0)
+        entry(settings)
     except KeyboardInterrupt:
         log.info("%s interrupted", service)
         return 130
