@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,18 +103,20 @@ def run_job(
         console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
     sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
     api = f"http://127.0.0.1:{port}"
+    # The job's id is chosen here, so every process starts at once (asyncrl.launch does the same):
+    # the services import, build their engine and model and wait for the job while the API starts.
+    job_id = uuid.uuid4().hex[:12]
     try:
         sup.start("broker", "broker")
-        wait_http(f"{api}/health", 60, sup)
-        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
-        if resp.status_code != 201:
-            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
-        job_id = resp.json()["id"]
-        if progress:
-            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
         job_env = {"JOB_ID": job_id, "NODE_PLACEMENT": "off"}  # placed here: no service re-places itself
         for name, module, extra, cpus in _placed(spec, generators, {**os.environ, **env}):
             sup.start(name, module, {**job_env, **extra}, cpus=cpus)
+        wait_http(f"{api}/health", 60, sup)
+        resp = httpx.post(f"{api}/jobs", json=spec, params={"job_id": job_id}, timeout=30)
+        if resp.status_code != 201:
+            raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+        if progress:
+            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
         final = _watch(api, job_id, spec["steps"], sup, progress)
         # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
         sup.wait_all(30, exclude=("broker",))

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,8 +311,8 @@ def wait_healthy(
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s; see {sup.logdir / name}.log")
 
 
-def _submit(api: str, spec_path: Path) -> str:
-    """Submit a job spec file to the API; returns the job id."""
+def _submit(api: str, spec_path: Path, job_id: str | None = None) -> str:
+    """Submit a job spec file to the API (as `job_id`, when given); returns the job id."""
     import httpx
 
     from broker.api import configured_tokens
@@ -319,7 +320,8 @@ def _submit(api: str, spec_path: Path) -> str:
 
     rw = [t for t, role in configured_tokens(BrokerSettings()).items() if role == "rw"]
     headers = {"Authorization": f"Bearer {rw[0]}"} if rw else {}
-    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=headers, timeout=30)
+    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=headers, timeout=30,
+                      params={"job_id": job_id} if job_id else None)
     if resp.status_code != 201:
         raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
     return str(resp.json()["id"])
@@ -415,6 +417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {"REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
     if args.job_id:
         env["JOB_ID"] = args.job_id
+    elif args.spec:
+        # The id the spec will be submitted under, chosen here: every service starts now, told its
+        # JOB_ID, and imports, builds its engine or model and waits for the job while the API starts.
+        env["JOB_ID"] = uuid.uuid4().hex[:12]
     logdir = args.logdir or Path("runs/launch") / time.strftime("%Y%m%d-%H%M%S")
     sup = Supervisor(logdir, env)
     log.info("redis %s%s; logs in %s", redis_url, " (private server)" if private else "", sup.logdir.resolve())
@@ -431,17 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 1
     try:
+        # Every process starts at once: none needs another to be up first (services wait for
+        # their job in the ledger), so their imports and engine builds overlap the API's start.
         rest = services
         if services and services[0].name == "broker":
             sup.start("broker", "broker")
-            bs = BrokerSettings()
-            host = "127.0.0.1" if bs.host in ("0.0.0.0", "::", "") else bs.host
-            api = f"http://{host}:{bs.port}"
-            wait_healthy(f"{api}/health", sup, "broker", args.start_timeout, stop)
-            log.info("broker API at %s (status page %s/)", api, api)
-            if args.spec and not stop.is_set():
-                sup.env["JOB_ID"] = _submit(api, args.spec)
-                log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
             rest = services[1:]
         # The services placed here (or left unplaced by --no-placement) must not place themselves again.
         sup.env["NODE_PLACEMENT"] = "off"
@@ -457,6 +457,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          " ".join(f"{k}={v}" for k, v in sorted(where.env.items())))
             sup.start(s.name, s.module, {**(where.env if where else {}), **s.env},
                       cpus=set(where.cpus) if where and where.cpus else None, args=s.args)
+        if services and services[0].name == "broker" and not stop.is_set():
+            bs = BrokerSettings()
+            host = "127.0.0.1" if bs.host in ("0.0.0.0", "::", "") else bs.host
+            api = f"http://{host}:{bs.port}"
+            wait_healthy(f"{api}/health", sup, "broker", args.start_timeout, stop)
+            log.info("broker API at %s (status page %s/)", api, api)
+            if args.spec and not stop.is_set():
+                _submit(api, args.spec, sup.env["JOB_ID"])
+                log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
         policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
         code = 130 if stop.is_set() else supervise(sup, stop, policy=policy)
     except (RuntimeError, TimeoutError) as exc:

@@ -20,14 +20,15 @@ def main(
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
         "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; steps: per-step time per role and "
         "phase at the demo's size, async / max(T_gen, T_train); admission: samples dropped for staleness with 1, 2 "
-        "and 4 generators (the demo job)."
+        "and 4 generators (the demo job); startup: command -> first trained step and its "
+        "breakdown per service (--seeds: repetitions, --before DIR: code before)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
     runs: int = typer.Option(2, help="steps: runs of each code (interleaved with --before)."),
-    before: str = typer.Option("", help="steps: another checkout whose services to measure too, interleaved."),
+    before: str = typer.Option("", help="steps, startup: another checkout whose services to measure too (before)."),
     label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
 ) -> None:
@@ -47,6 +48,10 @@ def main(
         res = launcher_vs_pinned(wd, steps=steps or 80)
         (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
         typer.echo(json.dumps(res, indent=2))
+    elif which == "startup":
+        from bench.startup import bench_startup
+
+        bench_startup(reps=seeds, compare=before or None, steady_steps=steps or 40, out_dir=out)
     elif which == "own-task":
         from bench.own_task import run_own_task
 
@@ -75,7 +80,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission")
+                                "steps, admission, startup")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> JobRow
         if time.monotonic() > deadline:
             what = f"job {job_id!r}" if job_id else "submitted or running job"
             raise TimeoutError(f"no {what} in the ledger after {timeout_s:.0f} s")
-        time.sleep(0.5)
+        time.sleep(0.2)  # a launcher starts the services before it submits their job
 
 
 def open_job(settings: CommonSettings) -> JobContext:

@@ -28,6 +28,21 @@ class Sample:
     finish_reason: str | None
 
 
+def prepare(*, kv_cache_gib: int = 1, in_process: bool = True) -> float:
+    """Set vLLM's environment and import it: the slowest part of a generator's start, done before
+    its job (and so the model) is known. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    if in_process:
+        # Engine core and its one worker in this process: no engine-core and worker processes
+        # that each import torch and vLLM again (on 2 CPU cores the engine starts in ~5 s
+        # instead of ~24 s). Tensor parallelism needs the multi-process engine.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm  # noqa: F401 - heavy; imported once, here
+
+    return time.perf_counter() - t0
+
+
 class Engine:
     def __init__(
         self,
@@ -42,13 +57,8 @@ class Engine:
         in_process: bool = True,
         enable_sleep_mode: bool = False,
     ):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        if in_process:
-            # Engine core and its one worker in this process: no engine-core and worker processes
-            # that each import torch and vLLM again (on 2 CPU cores the engine starts in ~5 s
-            # instead of ~24 s). Tensor parallelism needs the multi-process engine.
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM  # heavy; imported when an engine is built
+        prepare(kv_cache_gib=kv_cache_gib, in_process=in_process)
+        from vllm import LLM
 
         self._llm = LLM(
             model=model_path,

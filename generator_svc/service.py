@@ -53,6 +53,7 @@ from broker.streams import (
 )
 from generator_svc.colocate import Turns
 from generator_svc.engine import Engine, TransferError
+from generator_svc.engine import prepare as prepare_engine
 from shared.ids import sample_id
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
@@ -338,6 +339,9 @@ def samples_of(msg) -> int:
 
 
 def run(settings: GeneratorSettings) -> None:
+    # vLLM's import needs no job: done first, it overlaps the API's start and the job's submission
+    log.info("engine: vllm imported in %.2fs", prepare_engine(kv_cache_gib=settings.kv_cache_gib,
+                                                               in_process=settings.engine_in_process))
     ctx = open_job(settings)
     metrics = GeneratorMetrics(serve_metrics(settings.metrics_port, "generator"), ctx.job_id)
     set_context(generator_id=settings.generator_id)

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from pydantic_settings import BaseSettings
 
@@ -82,7 +83,10 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
         log.info("%s placed on %s", service, describe(placed, os.environ.get("NODE_PLACEMENT") or "split"))
     try:
         module, func = target.split(":")
-        getattr(importlib.import_module(module), func)(settings)
+        t0 = time.perf_counter()
+        entry = getattr(importlib.import_module(module), func)
+        log.info("imported %s in %.2fs", module, time.perf_counter() - t0)
+        entry(settings)
     except KeyboardInterrupt:
         log.info("%s interrupted", service)
         return 130

@@ -82,6 +82,7 @@ class Parts:
         # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
         resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
         learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)
+        log.info("trainer: model loaded in %.2fs", time.perf_counter() - t_boot)
         if not spec.checkpoint_every:
             log.warning("checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
                         "and Redis holds every trained sample until the job ends")
@@ -108,6 +109,7 @@ class Parts:
             settings.transport, host=settings.bind_host, port=settings.bind_port,
             keep=settings.keep_versions, advertise_host=settings.advertise_host,
         )
+        log.info("trainer: ready in %.2fs (model, data, prompts, weight server)", time.perf_counter() - t_boot)
         return cls(settings, spec, job_id, ledger, streams, ranks, prom, learner, state, feeder, evaluator,
                    TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size), control, server,
                    checkpoint.singleton_consumer(streams), resume, t_boot=t_boot)

@@ -78,6 +78,18 @@ def test_each_submission_gets_its_own_id(api: Api) -> None:
     assert len({api.submit() for _ in range(3)}) == 3
 
 
+def test_a_client_may_choose_the_job_id_once(api: Api) -> None:
+    # what the launcher does: its services start with JOB_ID before the API is up to take the job
+    resp = api.client.post("/jobs", json=SPEC, params={"job_id": "0123456789ab"})
+    assert resp.status_code == 201 and resp.json()["id"] == "0123456789ab"
+    assert api.ledger.get_job("0123456789ab")["name"] == "tiny"
+    again = api.client.post("/jobs", json={**SPEC, "name": "other"}, params={"job_id": "0123456789ab"})
+    assert again.status_code == 409 and "already exists" in again.text
+    assert api.ledger.get_job("0123456789ab")["name"] == "tiny"  # the first one stands
+    bad = api.client.post("/jobs", json=SPEC, params={"job_id": "../x"})
+    assert bad.status_code == 422
+
+
 @pytest.mark.parametrize(
     ("spec", "field", "hint"),
     [

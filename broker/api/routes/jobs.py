@@ -21,15 +21,25 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["jobs"])
 
 
-@router.post("/jobs", status_code=201, response_model=SubmittedJob, responses=error_responses(403, 422))
-def submit(spec: JobSpec, ledger: LedgerDep, actor: Actor) -> dict[str, Any]:
-    """Submit a job; the services that watch for new jobs pick it up."""
+# The ids the API gives out: 12 lowercase hex digits. A client may choose one of that form itself.
+JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
+
+
+@router.post("/jobs", status_code=201, response_model=SubmittedJob, responses=error_responses(403, 409, 422))
+def submit(
+    spec: JobSpec, ledger: LedgerDep, actor: Actor,
+    job_id: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description=(
+        "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
+        "Lets a launcher start the job's services before the API is up, each told its JOB_ID."))] = None,
+) -> dict[str, Any]:
+    """Submit a job; the services that watch for new jobs pick it up (409 when `job_id` is taken)."""
     try:
         stored = storable(spec)
     except ValueError as exc:
         raise HTTPException(422, f"invalid job spec: {exc}") from None
-    job_id = uuid.uuid4().hex[:12]
-    ledger.create_job(job_id, spec.name, stored)
+    job_id = job_id or uuid.uuid4().hex[:12]
+    if not ledger.create_job(job_id, spec.name, stored):
+        raise HTTPException(409, f"job '{job_id}' already exists; choose another id")
     log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), actor)
     return {"id": job_id, "state": "submitted", "spec": stored}
 
