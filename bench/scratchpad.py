@@ -72,14 +72,18 @@ def task_section(data: Path) -> dict[str, Any]:
             "n_test": N_TEST}
 
 
+WARM_BATCH = 8  # problems per SFT step: 200-token sequences make a step of 32 cost ~1 s on 2 busy cores
+
+
 def prepare_model(wd: Path, data: Path, steps: int) -> Path:
     """The default tiny Llama (2 x 128), warm-started on the worked solutions for `steps` SFT
-    steps (both cached per step count): short of perfect on purpose, so GRPO has signal."""
+    steps of WARM_BATCH problems (both cached per step count): short of perfect on purpose, so
+    GRPO has signal."""
     base, warm = wd / "scratch-base", wd / f"scratch-warm-{steps}"
     if not (base / "config.json").exists():
         subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base)], check=True)
     if not (warm / "config.json").exists():
         subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
-                        "--steps", str(steps), "--task-spec", json.dumps(task_section(data))], check=True,
+                        "--steps", str(steps), "--batch-size", str(WARM_BATCH), "--task-spec", json.dumps(task_section(data))], check=True,
                        stdout=subprocess.DEVNULL)
     return warm

@@ -99,13 +99,13 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
-                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=150, stale_steps=6,
+                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, stale_steps=6,
                  gen_lengths=(16, 32, 64), sync_modes=False),
     "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
-                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=600, stale_steps=20,
-                    regime_models=("2x128", "4x256")),
+                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, stale_steps=20,
+                    regime_models=("4x256",)),
     "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
-                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=600,
+                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000,
                    stale_steps=60, regime_models=("2x128", "4x256", "6x384")),
 }
 
@@ -694,17 +694,22 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
         result["trl_env"] = {"python": None, "setup_s": None, "error": str(exc)}
         console.print(f"[red]TRL environment unavailable[/]: {exc}")
     modes = ("async", "sync", "colocated") if p.sync_modes else ("async", "colocated")
-    short = regime_short(wd)
-    result["time_to_reward"] = time_to_reward(wd, p, trl_py, short, modes)
-    long = regime_long(wd, p.long_warm_steps)
-    result["time_to_reward_long"] = time_to_reward(wd, p, trl_py, long, modes[:-1])
-    result["stale_drops"] = stale_dropped(wd, p.stale_steps)
-    result["generator"] = generator_efficiency(wd, p)
+    partial = Path(out_dir) / "suite.partial.json"  # every section as it finishes (a long run cut short keeps them)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(key: str, value: Any) -> None:
+        result[key] = value
+        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    keep("time_to_reward", time_to_reward(wd, p, trl_py, regime_short(wd), modes))
+    keep("time_to_reward_long", time_to_reward(wd, p, trl_py, regime_long(wd, p.long_warm_steps), modes[:-1]))
+    keep("stale_drops", stale_dropped(wd, p.stale_steps))
+    keep("generator", generator_efficiency(wd, p))
     console.print("[bold]broker and ledger overhead[/]")
     pg = postgres_url if postgres_url is not None else os.environ.get("TEST_POSTGRES_URL")
-    result["broker"] = bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None)
-    result["scaling"] = scaling(wd, p)
-    result["launcher"] = launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps))
+    keep("broker", bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None))
+    keep("scaling", scaling(wd, p))
+    keep("launcher", launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps)))
     # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
     result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
                               else {"gen_length": [], "error": result["trl_env"]["error"]})
@@ -731,6 +736,7 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     result["broker_overhead_ms"] = result["broker"]["overhead_ms"]
     result["wall_s"] = time.monotonic() - t0
     write_report(result, Path(out_dir))
+    partial.unlink(missing_ok=True)
     return result
 
 
