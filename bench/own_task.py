@@ -81,14 +81,16 @@ def task_section(data: Path) -> dict[str, Any]:
     return {"datasets": [{"path": str(data)}], "prompt_field": "question", "answer_field": "target", "n_test": N_TEST}
 
 
-def prepare_own_model(wd: Path, data: Path) -> Path:
-    """4-layer tiny Llama, warm-started on the user's file (both cached)."""
-    base, warm = wd / "own-base", wd / "own-warm"
+def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
+    """4-layer tiny Llama, warm-started on the user's file (both cached); `steps` SFT steps, or
+    trainer_svc.warmstart's default (what results/own_task.json used)."""
+    base, warm = wd / "own-base", wd / ("own-warm" if steps is None else f"own-warm-{steps}")
     if not (base / "config.json").exists():
         subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4"], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
         subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+                        *(("--steps", str(steps)) if steps is not None else ()),
                         "--task-spec", json.dumps(task_section(data))], check=True)
     return warm
 

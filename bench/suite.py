@@ -90,6 +90,7 @@ class Preset:
     long_steps: int  # regime (b)
     long_eval_every: int
     long_warm_steps: int  # SFT steps of regime (b)'s warm start
+    short_warm_steps: int | None  # SFT steps of regime (a)'s (None: bench.own_task's, its default)
     stale_steps: int  # the 2-generator job of stale_dropped_fraction
     gen_lengths: tuple[int, ...] = (16, 32, 64, 128, 192)
     # regime_scaling: TRL / ours s per step at each regime's shape, per model (empty: skipped)
@@ -99,13 +100,13 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
-                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, stale_steps=6,
+                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, short_warm_steps=300, stale_steps=6,
                  gen_lengths=(16, 32, 64), sync_modes=False),
     "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
-                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, stale_steps=20,
+                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, short_warm_steps=None, stale_steps=20,
                     regime_models=("4x256",)),
     "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
-                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000,
+                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000, short_warm_steps=None,
                    stale_steps=60, regime_models=("2x128", "4x256", "6x384")),
 }
 
@@ -280,14 +281,14 @@ class Regime:
         return {**s, **extra}
 
 
-def regime_short(wd: Path) -> Regime:
+def regime_short(wd: Path, warm_steps: int | None = None) -> Regime:
     """Regime (a): bench.own_task's task (two-digit add/sub JSONL, the user's reward file, stop
     "\\n"), its warm-started 4-layer model, its shape (8 prompts x 8 samples, 8 tokens)."""
     from bench import own_task
 
     data, reward = own_task.write_task(wd)
     return Regime("short", "two-digit add/sub from a user's JSONL file (bench.own_task), one-line answers",
-                  data, reward, own_task.prepare_own_model(wd, data), own_task.task_section(data),
+                  data, reward, own_task.prepare_own_model(wd, data, warm_steps), own_task.task_section(data),
                   dict(own_task.SHAPE), list(own_task.STOP))
 
 
@@ -701,7 +702,7 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
         result[key] = value
         partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
-    keep("time_to_reward", time_to_reward(wd, p, trl_py, regime_short(wd), modes))
+    keep("time_to_reward", time_to_reward(wd, p, trl_py, regime_short(wd, p.short_warm_steps), modes))
     keep("time_to_reward_long", time_to_reward(wd, p, trl_py, regime_long(wd, p.long_warm_steps), modes[:-1]))
     keep("stale_drops", stale_dropped(wd, p.stale_steps))
     keep("generator", generator_efficiency(wd, p))
