@@ -267,13 +267,13 @@ class Regime:
     shape: dict[str, Any]  # group_size, prompts_per_step, lr, max_tokens, temperature
     stop: list[str]
 
-    def spec(self, mode: str, seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
+    def spec(self, job_mode: str, seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
         """The job spec a user writes for this task (bench.own_task.own_spec's shape): the
         task, the reward file, the sampling limits; everything else is the defaults."""
         from bench.own_task import own_spec
 
-        s = own_spec(self.model, self.data, self.reward, mode, 1, seed, steps, eval_every)
-        s.update(name=f"suite-{self.name}-{mode}-s{seed}-{time.time_ns()}", group_size=self.shape["group_size"],
+        s = own_spec(self.model, self.data, self.reward, job_mode, 1, seed, steps, eval_every)
+        s.update(name=f"suite-{self.name}-{extra.get('placement', job_mode)}-s{seed}-{time.time_ns()}", group_size=self.shape["group_size"],
                  prompts_per_step=self.shape["prompts_per_step"], task=self.task,
                  algorithm={"lr": self.shape["lr"]},
                  sampling={"temperature": self.shape["temperature"], "max_tokens": self.shape["max_tokens"],
