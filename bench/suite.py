@@ -248,7 +248,7 @@ def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]
         "time_to_target_s": hit["t_s"] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         # The same, less the start-up (engines, processes, imports): training time alone.
-        "train_s_to_target": hit["t_s"] - startup if hit and startup is not None else None,
+        "train_s_to_target": max(0.0, hit["t_s"] - startup) if hit and startup is not None else None,
         "final_reward": curve[-1]["reward"] if curve else None, **extra,
     }
 
