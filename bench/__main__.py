@@ -16,7 +16,8 @@ app = typer.Typer(add_completion=False)
 def main(
     which: str = typer.Argument(
         "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
-        "suite: time-to-reward vs TRL, generator efficiency, broker overhead, scaling; own-task: a user's own task "
+        "suite: time-to-reward vs TRL on two regimes (short completions, long scratchpad completions), co-located mode, "
+        "stale drops, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
         "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; steps: per-step time per role and "
         "phase at the demo's size, async / max(T_gen, T_train); admission: samples dropped for staleness with 1, 2 "

@@ -45,9 +45,8 @@ from rich.console import Console
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
-from bench.suite import _run, ours_curve, run_trl, trl_python
+from bench.suite import _run, ours_curve, trl_python, trl_task_run
 from broker.ledger import Ledger
-from shared.datasets import TaskSpec, load_task
 
 console = Console()
 
@@ -82,14 +81,16 @@ def task_section(data: Path) -> dict[str, Any]:
     return {"datasets": [{"path": str(data)}], "prompt_field": "question", "answer_field": "target", "n_test": N_TEST}
 
 
-def prepare_own_model(wd: Path, data: Path) -> Path:
-    """4-layer tiny Llama, warm-started on the user's file (both cached)."""
-    base, warm = wd / "own-base", wd / "own-warm"
+def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
+    """4-layer tiny Llama, warm-started on the user's file (both cached); `steps` SFT steps, or
+    trainer_svc.warmstart's default (what results/own_task.json used)."""
+    base, warm = wd / "own-base", wd / ("own-warm" if steps is None else f"own-warm-{steps}")
     if not (base / "config.json").exists():
         subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4"], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
         subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+                        *(("--steps", str(steps)) if steps is not None else ()),
                         "--task-spec", json.dumps(task_section(data))], check=True)
     return warm
 
@@ -111,17 +112,8 @@ def own_spec(model: Path, data: Path, reward: Path, mode: str, k: int, seed: int
 def trl_curve(py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: int, steps: int,
               eval_every: int) -> dict[str, Any]:
     """TRL on the same split, reward file and stop rule; its curve and step ends."""
-    train, test = load_task(TaskSpec.model_validate(task_section(data)), seed)
-
-    def rows(ps: list[Any]) -> list[dict[str, Any]]:
-        return [{"prompt": p.prompt, "answer": p.answer, "metadata": p.metadata} for p in ps]
-
-    r = run_trl(py, wd / f"trl-own-{seed}-{time.time_ns()}", {
-        "model_path": str(model), "seed": seed, "steps": steps, "train": rows(train), "test": rows(test),
-        "group_size": SHAPE["group_size"], "prompts_per_step": SHAPE["prompts_per_step"],
-        "micro_batch_size": SHAPE["group_size"] * SHAPE["prompts_per_step"], "lr": SHAPE["lr"],
-        "temperature": SHAPE["temperature"], "max_tokens": SHAPE["max_tokens"], "eval_every": eval_every,
-        "reward": f"{reward}:score", "stop": STOP})
+    r = trl_task_run(py, wd / f"trl-own-{seed}-{time.time_ns()}", model, task_section(data), reward, SHAPE, STOP,
+                     seed, steps, eval_every)
     ends = [x["t_s"] for x in r["train_reward"]]
     return {"curve": r["curve"], "step_s_median": statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)),
             "startup_s": r["startup_s"], "wall_s": r["wall_s"], "eval_s_total": r["eval_s_total"],

@@ -3,15 +3,20 @@ overhead, and scaling, measured in one run on this machine (`asyncrl bench suite
 
 Sections (each a function below; results/suite.json holds them under these keys):
 
-- `time_to_reward`: the tiny model after the demo's warm start (asyncrl.demo.prepare_model), the
-  synthetic arithmetic task, 16 prompts x 8 samples per step, lr 1e-4, on the same two cores:
-  our system in async (k=1) and sync mode (asyncrl.demo.run_job) versus TRL's GRPOTrainer in a
-  virtual environment of its own (bench/peers/trl_grpo.py). Held-out protocol for both: one
-  greedy completion of every held-out problem, exact match, after step 0 and every
-  `eval_every` steps; a policy's point on the curve is the end of the training step that
-  produced it, in seconds since the system (ours) or the process (TRL) was launched. TRL's
-  evaluation time is taken off its clock; ours runs inside the pipeline (on the generator) and
-  stays on ours. Time to target: the first evaluated policy at or above `target`.
+- `time_to_reward` (regime a, short completions) and `time_to_reward_long` (regime b,
+  generation-dominated): ours beside TRL's GRPOTrainer (a virtual environment of its own,
+  bench/peers/trl_grpo.py) on a task this project was not tuned on, given as a user gives one
+  (a JSONL file, a reward file outside the project): (a) bench.own_task's two-digit add/sub,
+  one-line answers, stop "\n", 8 tokens; (b) bench.scratchpad's chains written out one operation
+  per line, completions of 132-195 tokens, 224 at most, the reward checking the last line. Same
+  warm-started model, split, shape (8 prompts x 8 samples, lr 1e-4), temperature and length
+  limits on both sides. Ours: async (the job spec a user writes, defaults for the rest), sync,
+  and co-located (`"placement": "colocated", "mode": "sync"`, regime a). The target is TRL's
+  final held-out reward; a policy's point on the curve is the end of the training step that
+  produced it, in seconds since launch (start-up included; `train_s_to_target` leaves it out);
+  TRL's evaluation time is taken off its clock, ours runs inside the pipeline and stays on ours.
+  Each section has ours' per-step breakdown (the trainer's `time/*` metrics).
+- `stale_drops`: stale-dropped / generated samples of a 2-generator job with the default spec.
 - `generator`: tokens/s of the generator inside a running job (ledger rows: completion tokens
   per generate batch over the wall time between batches; the Prometheus counters give the
   engine-only rate) divided by tokens/s of the engine alone (bench.t_gen) on the same
@@ -20,6 +25,8 @@ Sections (each a function below; results/suite.json holds them under these keys)
 - `scaling`: seconds per step against generation length, group size and model size.
 - `peer_scaling`: TRL's seconds per step at the same generation lengths and model (no target:
   a random-init model learns nothing; this is the cost of a step).
+- `regime_scaling`: TRL / ours seconds per step at each regime's shape, per model size.
+- `launcher`: s/step of a job started the README's way against the hand-pinned one.
 - `gpu`: deploy/gpu_bench.py is the CUDA variant; recorded as unrun unless it was run.
 
 Presets: `ci` (the smallest complete result, what tests/bench/test_suite.py runs), `quick`
@@ -60,14 +67,10 @@ console = Console()
 TRL_VERSION = "1.16.0"  # works with torch 2.13 and Python 3.11 (verified here)
 TORCH_VERSION = "2.13.0"  # the local CPU wheel; pinned in every pip command so no CUDA build comes
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "trl_grpo.py"
+# The shape of the cost-of-a-step comparison with TRL (peer_scaling): 16 prompts x 8 samples.
 TTR_SPEC: dict[str, Any] = {
     "group_size": 8, "prompts_per_step": 16, "algorithm": {"lr": 1e-4, "micro_batch_size": 64},
-    "sampling": {"temperature": 1.0, "max_tokens": 8}, "max_staleness": 1,
-    "task": {"n_train": 300, "n_test": 100},
-    # Up to 128 prompt groups per generate call: a held-out round (100 greedy prompts) is one
-    # call rather than seven of 16, so evaluating every other step costs the pipeline ~0.05 s
-    # instead of ~0.2 s (TRL's evaluation time is not counted at all).
-    "generation_batch": 128,
+    "sampling": {"temperature": 1.0}, "task": {"n_train": 300, "n_test": 100},
 }
 # (layers, hidden, heads, intermediate): random-init models for the cost-of-a-step sections.
 MODELS: dict[str, tuple[int, int, int, int]] = {
@@ -77,23 +80,34 @@ MODELS: dict[str, tuple[int, int, int, int]] = {
 
 @dataclass(frozen=True)
 class Preset:
-    ttr_steps: int
+    ttr_steps: int  # regime (a)
     eval_every: int
     seeds: tuple[int, ...]
     scaling_steps: int
     gen_steps: int
     broker_samples: int
     peer_steps: int
+    long_steps: int  # regime (b)
+    long_eval_every: int
+    long_warm_steps: int  # SFT steps of regime (b)'s warm start
+    short_warm_steps: int | None  # SFT steps of regime (a)'s (None: bench.own_task's, its default)
+    stale_steps: int  # the 2-generator job of stale_dropped_fraction
     gen_lengths: tuple[int, ...] = (16, 32, 64, 128, 192)
+    # regime_scaling: TRL / ours s per step at each regime's shape, per model (empty: skipped)
+    regime_models: tuple[str, ...] = ()
+    sync_modes: bool = True  # ours in sync mode too (besides async and colocated)
 
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
-                 peer_steps=4, gen_lengths=(16, 32, 64)),
+                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, short_warm_steps=300, stale_steps=6,
+                 gen_lengths=(16, 32, 64), sync_modes=False),
     "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
-                    peer_steps=6),
+                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, short_warm_steps=None, stale_steps=20,
+                    regime_models=("4x256",)),
     "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
-                   broker_samples=100_000, peer_steps=10),
+                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000, short_warm_steps=None,
+                   stale_steps=60, regime_models=("2x128", "4x256", "6x384")),
 }
 
 
@@ -173,14 +187,15 @@ def trl_python(venv: Path) -> Path:
 
 
 def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
-         evaluate: bool = True) -> dict[str, Any]:
-    """One TRL GRPOTrainer run on the suite's task (both cores, 2 torch threads); its result JSON."""
+         evaluate: bool = True, prompts_per_step: int = TTR_SPEC["prompts_per_step"]) -> dict[str, Any]:
+    """One TRL GRPOTrainer run on the built-in arithmetic task (both cores, 2 torch threads): the
+    cost of a step; its result JSON."""
     train, test = load_task(TaskSpec(**TTR_SPEC["task"]), seed)
     return run_trl(py, wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}", {
         "model_path": str(model), "seed": seed, "steps": steps,
         "train": [{"prompt": p.prompt, "answer": p.answer} for p in train],
         "test": [{"prompt": p.prompt, "answer": p.answer} for p in test],
-        "group_size": TTR_SPEC["group_size"], "prompts_per_step": TTR_SPEC["prompts_per_step"],
+        "group_size": TTR_SPEC["group_size"], "prompts_per_step": prompts_per_step,
         "micro_batch_size": TTR_SPEC["algorithm"]["micro_batch_size"], "lr": TTR_SPEC["algorithm"]["lr"],
         "temperature": TTR_SPEC["sampling"]["temperature"], "max_tokens": max_tokens,
         "eval_every": eval_every, "evaluate": evaluate})
@@ -202,93 +217,218 @@ def run_trl(py: Path, run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     return json.loads((run_dir / "result.json").read_text())
 
 
-# --- 1. time to reward ---------------------------------------------------------------------
-
-def _ours_ttr(wd: Path, model: Path, mode: str, seed: int, p: Preset, target: float) -> dict[str, Any]:
-    spec = {**TTR_SPEC, "name": f"suite-ttr-{mode}-{seed}", "model_path": str(model), "mode": mode,
-            "seed": seed, "steps": p.ttr_steps, "eval_every": p.eval_every}
-    ledger, job_id, t0 = _run(wd, spec)
-    curve, step_ends, breakdown = ours_curve(ledger, job_id, t0)
-    return _ttr_summary(curve, step_ends, target, breakdown=breakdown)
-
+# --- 1. time to reward, two regimes --------------------------------------------------------
 
 def ours_curve(ledger: Ledger, job_id: str, t0: float, eval_set: str = "held_out") -> tuple[
         list[dict[str, float]], list[dict[str, float]], dict[str, float | None]]:
     """A finished job's held-out curve ({step, reward, t_s}: a point's time is the end of the step
     that produced the policy, seconds since `t0`), every step's end ({step, t_s}) and the median
-    per-step time breakdown (wait, train, publish, ledger) over the steady steps."""
+    per-step time breakdown over the steady steps: every `time/*` metric the trainer records
+    (wait, train, publish, ledger, ...), under its name without the prefix."""
     steps = ledger.train_steps(job_id)
     end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
     curve = [{"step": e["step"], "reward": e["reward_mean"],
               "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)}
              for e in ledger.evals(job_id, source="pipeline") if e["name"] == eval_set]
     steady = steps[2:] or steps
-    breakdown = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in
-                 ("wait_s", "train_s", "publish_s", "ledger_s")}
+    keys = sorted({k for s in steady for k in s["metrics"] if k.startswith("time/")})
+    breakdown = {k.removeprefix("time/"): _median([s["metrics"][k] for s in steady if k in s["metrics"]])
+                 for k in keys}
     return curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], breakdown
 
 
-def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float,
+def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float | None,
                  **extra: Any) -> dict[str, Any]:
     """Time to target from a held-out curve and the end time of every step (both from launch)."""
     step_s = _median([b["t_s"] - a["t_s"] for a, b in zip(step_ends[1:], step_ends[2:], strict=False)])
-    hit = _first_at(curve, target)
+    hit = _first_at(curve, target - 1e-9) if target is not None else None
     startup = step_ends[0]["t_s"] - (step_s or 0.0) if step_ends else None
     return {
         "curve": curve, "step_s_median": step_s, "startup_s": startup,
         "time_to_target_s": hit["t_s"] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         # The same, less the start-up (engines, processes, imports): training time alone.
-        "train_s_to_target": hit["t_s"] - startup if hit and startup is not None else None,
+        "train_s_to_target": max(0.0, hit["t_s"] - startup) if hit and startup is not None else None,
         "final_reward": curve[-1]["reward"] if curve else None, **extra,
     }
 
 
-def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, target: float) -> dict[str, Any]:
-    model = prepare_model(wd, 0)
-    runs: dict[str, list[dict[str, Any]]] = {"ours_async": [], "ours_sync": [], "trl": []}
+@dataclass(frozen=True)
+class Regime:
+    """One of the suite's two time-to-reward regimes: a task file, a reward file outside the
+    project, a warm-started model, and the sampling limits both sides get."""
+
+    name: str
+    about: str
+    data: Path
+    reward: Path
+    model: Path
+    task: dict[str, Any]
+    shape: dict[str, Any]  # group_size, prompts_per_step, lr, max_tokens, temperature
+    stop: list[str]
+
+    def spec(self, job_mode: str, seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
+        """The job spec a user writes for this task (bench.own_task.own_spec's shape): the
+        task, the reward file, the sampling limits; everything else is the defaults."""
+        from bench.own_task import own_spec
+
+        s = own_spec(self.model, self.data, self.reward, job_mode, 1, seed, steps, eval_every)
+        s.update(name=f"suite-{self.name}-{extra.get('placement', job_mode)}-s{seed}-{time.time_ns()}", group_size=self.shape["group_size"],
+                 prompts_per_step=self.shape["prompts_per_step"], task=self.task,
+                 algorithm={"lr": self.shape["lr"]},
+                 sampling={"temperature": self.shape["temperature"], "max_tokens": self.shape["max_tokens"],
+                           **({"stop": self.stop} if self.stop else {})})
+        return {**s, **extra}
+
+
+def regime_short(wd: Path, warm_steps: int | None = None) -> Regime:
+    """Regime (a): bench.own_task's task (two-digit add/sub JSONL, the user's reward file, stop
+    "\\n"), its warm-started 4-layer model, its shape (8 prompts x 8 samples, 8 tokens)."""
+    from bench import own_task
+
+    data, reward = own_task.write_task(wd)
+    return Regime("short", "two-digit add/sub from a user's JSONL file (bench.own_task), one-line answers",
+                  data, reward, own_task.prepare_own_model(wd, data, warm_steps), own_task.task_section(data),
+                  dict(own_task.SHAPE), list(own_task.STOP))
+
+
+def regime_long(wd: Path, warm_steps: int) -> Regime:
+    """Regime (b): bench.scratchpad's worked chains (completions of 132-195 tokens), the 2 x 128
+    tiny model after a short SFT warm start on the worked format."""
+    from bench import scratchpad
+
+    data, reward = scratchpad.write_task(wd)
+    return Regime("long", "chains of 11-13 single-digit +/- written out one operation per line (bench.scratchpad)",
+                  data, reward, scratchpad.prepare_model(wd, data, warm_steps), scratchpad.task_section(data),
+                  {"group_size": 8, "prompts_per_step": 8, "lr": 1e-4, "max_tokens": scratchpad.MAX_TOKENS,
+                   "temperature": 1.0}, [])
+
+
+def trl_task_run(py: Path, run_dir: Path, model: Path, task: dict[str, Any], reward: Path, shape: dict[str, Any],
+                 stop: list[str], seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
+    """TRL's GRPOTrainer on a task section (the same train/test split as a job with that seed),
+    a reward file and stop strings; its result JSON (bench/peers/trl_grpo.py)."""
+    train, test = load_task(TaskSpec.model_validate(task), seed)
+
+    def rows(ps: list[Any]) -> list[dict[str, Any]]:
+        return [{"prompt": q.prompt, "answer": q.answer, "metadata": q.metadata} for q in ps]
+
+    return run_trl(py, run_dir, {
+        "model_path": str(model), "seed": seed, "steps": steps, "train": rows(train), "test": rows(test),
+        "group_size": shape["group_size"], "prompts_per_step": shape["prompts_per_step"],
+        "micro_batch_size": shape["group_size"] * shape["prompts_per_step"], "lr": shape["lr"],
+        "temperature": shape["temperature"], "max_tokens": shape["max_tokens"], "eval_every": eval_every,
+        "reward": f"{reward}:score", "stop": stop, **extra})
+
+
+def _ours_run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One job of ours; its curve, step ends, breakdown and completion lengths (or the error)."""
+    try:
+        ledger, job_id, t0 = _run(wd, spec, env)
+    except RuntimeError as exc:
+        return {"error": str(exc)[-2000:]}
+    try:
+        curve, ends, breakdown = ours_curve(ledger, job_id, t0)
+        lengths = [r["num_completion_tokens"] for r in ledger.samples(job_id, kind="train")]
+    finally:
+        ledger.close()
+    return {"job_id": job_id, "curve": curve, "step_ends": ends, "breakdown": breakdown,
+            "completion_tokens_median": _median([float(x) for x in lengths])}
+
+
+def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rs if "error" not in r]
+    hits = [r["time_to_target_s"] for r in ok]
+    med = {k: _median([r[k] for r in ok if r.get(k) is not None])
+           for k in ("train_s_to_target", "steps_to_target", "startup_s", "step_s_median", "final_reward",
+                     "completion_tokens_median")}
+    return {
+        "reached": sum(h is not None for h in hits), "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
+        # A run that never reached the target counts as the whole run (ours is then a lower bound).
+        "time_to_target_s": _median([h if h is not None else r["curve"][-1]["t_s"]
+                                     for h, r in zip(hits, ok, strict=True) if r["curve"]]),
+        **med,
+    }
+
+
+def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, modes: tuple[str, ...],
+                   trl_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Ours in `modes` (async: the default spec; sync; colocated: `placement: colocated`, sync)
+    against TRL on one regime. The target is TRL's final held-out reward (its seed-mean curve's
+    last point); times are from launch (start-up included) and, under train_s_to_target, without
+    the start-up."""
+    from bench.own_task import _mean_curve
+
+    steps, every = (p.ttr_steps, p.eval_every) if regime.name == "short" else (p.long_steps, p.long_eval_every)
+    extra = {"colocated": {"placement": "colocated", "mode": "sync"}}
+    runs: dict[str, list[dict[str, Any]]] = {f"ours_{m}": [] for m in modes} | {"trl": []}
     for seed in p.seeds:
-        for mode in ("async", "sync"):
-            console.print(f"[bold]time to reward[/]: ours, {mode}, seed {seed}")
-            runs[f"ours_{mode}"].append({"seed": seed, **_ours_ttr(wd, model, mode, seed, p, target)})
         if trl_py is not None:
-            console.print(f"[bold]time to reward[/]: TRL GRPOTrainer, seed {seed}")
-            r = _trl(trl_py, wd, model, seed, steps=p.ttr_steps, eval_every=p.eval_every,
-                     max_tokens=TTR_SPEC["sampling"]["max_tokens"])
-            ends = [{"step": x["step"], "t_s": x["t_s"]} for x in r["train_reward"]]
-            runs["trl"].append({"seed": seed, **_ttr_summary(r["curve"], ends, target),
-                                "eval_s_total": r["eval_s_total"], "versions": {
-                                    k: r[k] for k in ("trl_version", "transformers_version", "torch_version")},
+            console.print(f"[bold]time to reward ({regime.name})[/]: TRL GRPOTrainer, seed {seed}")
+            r = trl_task_run(trl_py, wd / f"trl-{regime.name}-{seed}-{time.time_ns()}", regime.model, regime.task,
+                             regime.reward, regime.shape, regime.stop, seed, steps, every, **(trl_extra or {}))
+            runs["trl"].append({"seed": seed, "curve": r["curve"], "eval_s_total": r["eval_s_total"],
+                                "step_ends": [{"step": x["step"], "t_s": x["t_s"]} for x in r["train_reward"]],
+                                "completion_tokens_median": r.get("completion_tokens_median"),
+                                "versions": {k: r[k] for k in ("trl_version", "transformers_version", "torch_version")},
                                 "generation": r["generation"]})
-    summary = {}
-    for name, rs in runs.items():
-        hits = [r["time_to_target_s"] for r in rs]
-        summary[name] = {
-            "reached": sum(h is not None for h in hits), "runs": len(rs),
-            # A run that never reached the target counts as the whole run (a lower bound).
-            "time_to_target_s": _median([h if h is not None else r["curve"][-1]["t_s"] for h, r in zip(hits, rs, strict=True)]),
-            "train_s_to_target": _median([r["train_s_to_target"] for r in rs if r["train_s_to_target"] is not None]),
-            "steps_to_target": _median([r["steps_to_target"] for r in rs if r["steps_to_target"] is not None]),
-            "startup_s": _median([r["startup_s"] for r in rs if r["startup_s"] is not None]),
-            "step_s_median": _median([r["step_s_median"] for r in rs if r["step_s_median"] is not None]),
-            "final_reward": _median([r["final_reward"] for r in rs if r["final_reward"] is not None]),
-        }
+        for m in modes:
+            if any("error" in x for x in runs[f"ours_{m}"]):
+                continue  # it failed on an earlier seed (a spec the job API refuses, say): once is enough
+            console.print(f"[bold]time to reward ({regime.name})[/]: ours, {m}, seed {seed}")
+            spec = regime.spec("sync" if m == "sync" else "async", seed, steps, every, **extra.get(m, {}))
+            runs[f"ours_{m}"].append({"seed": seed, **_ours_run(wd, spec)})
+    trl_mean = _mean_curve([r["curve"] for r in runs["trl"]])
+    target = trl_mean[-1]["reward"] if trl_mean else None
+    for rs in runs.values():
+        for i, r in enumerate(rs):
+            if "error" not in r:
+                rs[i] = {**r, **_ttr_summary(r["curve"], r["step_ends"], target)}
+    summary = {name: _summary(rs) for name, rs in runs.items()}
 
     def ratio(key: str, ours: str) -> float | None:
         a, b = summary["trl"].get(key), summary[ours].get(key)
         return a / b if a and b else None
 
+    names = list(modes)
     return {
-        "target": target, "seeds": list(p.seeds), "steps": p.ttr_steps, "eval_every": p.eval_every,
-        "protocol": "one greedy completion (max_tokens 8) per held-out problem (100), exact match; after step 0 "
-                    "and every eval_every steps; a point's time is the end of the step that produced the policy, "
-                    "seconds since launch; TRL's evaluation time is taken off its clock",
-        "shape": {k: TTR_SPEC[k] for k in ("group_size", "prompts_per_step")} | {"lr": 1e-4, "max_tokens": 8},
-        "runs": runs, "summary": summary,
-        "speedup_vs_trl": {m: ratio("time_to_target_s", f"ours_{m}") for m in ("async", "sync")},
-        "speedup_vs_trl_training_only": {m: ratio("train_s_to_target", f"ours_{m}") for m in ("async", "sync")},
-        "step_speed_vs_trl": {m: ratio("step_s_median", f"ours_{m}") for m in ("async", "sync")},
+        "regime": regime.name, "about": regime.about, "target": target, "target_is": "TRL's final held-out reward",
+        "seeds": list(p.seeds), "steps": steps, "eval_every": every, "model": str(regime.model.name),
+        "protocol": f"one greedy completion (max_tokens {regime.shape['max_tokens']}) per held-out problem, the "
+                    "regime's reward file; after step 0 and every eval_every steps; a point's time is the end of the "
+                    "step that produced the policy, seconds since launch; TRL's evaluation time is taken off its clock",
+        "shape": regime.shape, "stop": regime.stop, "runs": runs, "summary": summary,
+        "speedup_vs_trl": {m: ratio("time_to_target_s", f"ours_{m}") for m in names},
+        "speedup_vs_trl_training_only": {m: ratio("train_s_to_target", f"ours_{m}") for m in names},
+        "step_speed_vs_trl": {m: ratio("step_s_median", f"ours_{m}") for m in names},
+        # The per-step breakdown of ours (median over seeds of each run's steady-state medians).
+        "breakdown": {m: {k: _median([r["breakdown"][k] for r in runs[f"ours_{m}"]
+                                      if "error" not in r and r["breakdown"].get(k) is not None])
+                          for k in sorted({k for r in runs[f"ours_{m}"] if "error" not in r for k in r["breakdown"]})}
+                      for m in names},
     }
+
+
+def stale_dropped(wd: Path, steps: int) -> dict[str, Any]:
+    """Samples dropped as staler than the bound over samples generated, in a job with two
+    generators and the default spec (the demo's model; name, model and steps, nothing else)."""
+    model = prepare_model(wd, 0)
+    console.print("[bold]stale drops[/]: 2 generators, default spec")
+    run = run_job(wd, {"name": f"suite-stale-{time.time_ns()}", "model_path": str(model), "steps": steps},
+                  generators=2, progress=False)
+    if run.state != "finished":
+        return {"error": f"job ended {run.state}: {run.error}", "fraction": None}
+    ledger = Ledger(run.db_url)
+    try:
+        generated = ledger.count_samples(run.job_id, kind="train")
+        reasons: dict[str, int] = {}
+        for r in ledger.samples(run.job_id, status="dropped", kind="train"):
+            reasons[r["drop_reason"] or "?"] = reasons.get(r["drop_reason"] or "?", 0) + 1
+    finally:
+        ledger.close()
+    stale = sum(n for why, n in reasons.items() if why.startswith("staleness"))
+    return {"job_id": run.job_id, "generators": 2, "steps": steps, "generated": generated,
+            "stale_dropped": stale, "dropped_by_reason": reasons, "fraction": stale / generated if generated else None}
 
 
 # --- 2. generator efficiency ---------------------------------------------------------------
@@ -413,10 +553,11 @@ def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_t
 
 # --- 4. scaling ----------------------------------------------------------------------------
 
-def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: int) -> dict[str, Any]:
+def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: int,
+               prompts: int = 16) -> dict[str, Any]:
     model = _model(wd, model_name)
-    spec = {"name": f"suite-scale-{model_name}-{max_tokens}-{group}", "model_path": str(model), "steps": steps,
-            "eval_every": 0, "group_size": group, "prompts_per_step": 16, "generation_batch": 16,
+    spec = {"name": f"suite-scale-{model_name}-{max_tokens}-{group}-{prompts}", "model_path": str(model),
+            "steps": steps, "eval_every": 0, "group_size": group, "prompts_per_step": prompts, "generation_batch": prompts,
             "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
     ledger, job_id, _ = _run(wd, spec)
     rows = ledger.train_steps(job_id)
@@ -459,12 +600,33 @@ def peer_scaling(wd: Path, p: Preset, trl_py: Path, ours: list[dict[str, Any]]) 
     for pt in ours:
         t = pt["max_tokens"]
         console.print(f"[bold]peer scaling[/]: TRL, {t} tokens")
-        r = _trl(trl_py, wd, model, 0, steps=p.peer_steps, eval_every=p.peer_steps, max_tokens=t, evaluate=False)
-        ends = [x["t_s"] for x in r["train_reward"]]
-        trl_s = _median([b - a for a, b in zip(ends[1:], ends[2:], strict=False)])
+        trl_s = _trl_step_s(_trl(trl_py, wd, model, 0, steps=p.peer_steps, eval_every=p.peer_steps, max_tokens=t,
+                                 evaluate=False))
         rows.append({"max_tokens": t, "ours_step_s": pt["step_s"], "trl_step_s": trl_s,
                      "trl_over_ours": trl_s / pt["step_s"] if trl_s and pt["step_s"] else None})
     return {"gen_length": rows, "model": "llama 2x128 random init", "group_size": 8, "prompts_per_step": 16}
+
+
+def _trl_step_s(r: dict[str, Any]) -> float | None:
+    ends = [x["t_s"] for x in r["train_reward"]]
+    return _median([b - a for a, b in zip(ends[1:], ends[2:], strict=False)])
+
+
+def regime_scaling(wd: Path, p: Preset, trl_py: Path) -> dict[str, Any]:
+    """TRL / ours seconds per step at each regime's shape (8 prompts x 8 samples; 8 tokens for
+    (a), the scratchpad's 224 for (b)) for each model of `p.regime_models`: how the ratio moves
+    with completion length and model size. Random-init models, so completions run to the limit."""
+    rows = []
+    for m in p.regime_models:
+        for regime, t in (("short", 8), ("long", 224)):
+            console.print(f"[bold]regime scaling[/]: model {m}, {t} tokens, ours and TRL")
+            ours = _step_cost(wd, m, t, 8, p.scaling_steps, prompts=8)
+            trl_s = _trl_step_s(_trl(trl_py, wd, _model(wd, m), 0, steps=p.peer_steps, eval_every=p.peer_steps,
+                                     max_tokens=t, evaluate=False, prompts_per_step=8))
+            rows.append({"regime": regime, "model": m, "params": _params(*MODELS[m]), "max_tokens": t,
+                         "ours_step_s": ours["step_s"], "ours_wait_s": ours["wait_s"], "ours_train_s": ours["train_s"],
+                         "trl_step_s": trl_s, "trl_over_ours": trl_s / ours["step_s"] if trl_s and ours["step_s"] else None})
+    return {"points": rows, "group_size": 8, "prompts_per_step": 8, "note": "random init, lr 1e-6, async k=1"}
 
 
 # --- launcher placement --------------------------------------------------------------------
@@ -513,8 +675,7 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
 # --- the suite -----------------------------------------------------------------------------
 
 def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_dir: str = "results",
-              trl_venv: str = "runs/bench/trl-venv", target: float = 0.85,
-              postgres_url: str | None = None) -> dict[str, Any]:
+              trl_venv: str = "runs/bench/trl-venv", postgres_url: str | None = None) -> dict[str, Any]:
     """Run every section with `preset`; write suite.json, suite.md and PNGs to `out_dir`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}'; valid: {', '.join(PRESETS)}")
@@ -533,30 +694,50 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     except RuntimeError as exc:
         result["trl_env"] = {"python": None, "setup_s": None, "error": str(exc)}
         console.print(f"[red]TRL environment unavailable[/]: {exc}")
-    result["time_to_reward"] = time_to_reward(wd, p, trl_py, target)
-    result["generator"] = generator_efficiency(wd, p)
+    modes = ("async", "sync", "colocated") if p.sync_modes else ("async", "colocated")
+    partial = Path(out_dir) / "suite.partial.json"  # every section as it finishes (a long run cut short keeps them)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(key: str, value: Any) -> None:
+        result[key] = value
+        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    keep("time_to_reward", time_to_reward(wd, p, trl_py, regime_short(wd, p.short_warm_steps), modes))
+    keep("time_to_reward_long", time_to_reward(wd, p, trl_py, regime_long(wd, p.long_warm_steps), modes[:-1]))
+    keep("stale_drops", stale_dropped(wd, p.stale_steps))
+    keep("generator", generator_efficiency(wd, p))
     console.print("[bold]broker and ledger overhead[/]")
     pg = postgres_url if postgres_url is not None else os.environ.get("TEST_POSTGRES_URL")
-    result["broker"] = bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None)
-    result["scaling"] = scaling(wd, p)
-    result["launcher"] = launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps))
-    result["launcher_over_pinned"] = result["launcher"]["launcher_over_pinned"]
+    keep("broker", bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None))
+    keep("scaling", scaling(wd, p))
+    keep("launcher", launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps)))
     # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
     result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
                               else {"gen_length": [], "error": result["trl_env"]["error"]})
+    result["regime_scaling"] = (regime_scaling(wd, p, trl_py) if trl_py and p.regime_models
+                                else {"points": [], "error": None if trl_py else result["trl_env"]["error"]})
     result["gpu"] = {"status": "unrun", "script": "deploy/gpu_bench.py",
-                     "why": "no NVIDIA GPU on this machine"}
-    ttr = result["time_to_reward"]
-    # The keys of the results/bench.json row, at the top level.
+                     "why": "no NVIDIA GPU on this machine (its --dry-run is checked by tests/bench/test_suite.py)"}
+    ttr, ttr_long = result["time_to_reward"], result["time_to_reward_long"]
+    # The keys read as written (issue: results/suite.json), at the top level.
     result["time_to_reward_s"] = {"ours": ttr["summary"]["ours_async"]["time_to_target_s"],
-                                  "ours_sync": ttr["summary"]["ours_sync"]["time_to_target_s"],
+                                  "ours_sync": ttr["summary"].get("ours_sync", {}).get("time_to_target_s"),
+                                  "ours_colocated": ttr["summary"]["ours_colocated"]["time_to_target_s"],
                                   "trl": ttr["summary"]["trl"]["time_to_target_s"]}
     result["time_to_reward_vs_trl"] = ttr["speedup_vs_trl"]["async"]
+    result["time_to_reward_vs_trl_long"] = ttr_long["speedup_vs_trl"]["async"]
+    result["startup_s"] = ttr["summary"]["ours_async"]["startup_s"]
+    result["trl_startup_s"] = ttr["summary"]["trl"]["startup_s"]
+    result["launcher_over_pinned"] = result["launcher"]["launcher_over_pinned"]
+    result["colocated_vs_trl"] = ttr["speedup_vs_trl"]["colocated"]
+    result["colocated_error"] = (ttr["summary"]["ours_colocated"]["errors"] or [None])[0]
+    result["stale_dropped_fraction"] = result["stale_drops"]["fraction"]
     result["generator_efficiency"] = result["generator"]["efficiency"]
     result["broker_samples_per_s"] = result["broker"]["samples_per_s"]
     result["broker_overhead_ms"] = result["broker"]["overhead_ms"]
     result["wall_s"] = time.monotonic() - t0
     write_report(result, Path(out_dir))
+    partial.unlink(missing_ok=True)
     return result
 
 
@@ -570,24 +751,41 @@ def _f(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _regime_rows(ttr: dict[str, Any], label: str, goal: str) -> list[tuple[str, str, str]]:
+    s, names = ttr["summary"], [k.removeprefix("ours_") for k in ttr["summary"] if k.startswith("ours_")]
+
+    def each(key: str, d: int = 3) -> str:
+        return " / ".join(_f(s[f"ours_{m}"].get(key), d) for m in names) + f" / {_f(s['trl'].get(key), d)}"
+
+    who = " / ".join(names) + " / TRL"
+    return [
+        (f"{label}: time to TRL's final held-out reward ({_f(ttr['target'], 2)}), s from launch, {who}",
+         each("time_to_target_s", 1), ""),
+        ("... speed-up vs TRL (TRL time / ours), " + " / ".join(names),
+         " / ".join(_f(ttr["speedup_vs_trl"][m], 2) for m in names), goal),
+        ("... start-up left out, " + " / ".join(names),
+         " / ".join(_f(ttr["speedup_vs_trl_training_only"][m], 2) for m in names), ""),
+        (f"... start-up s, {who}", each("startup_s", 1), ""),
+        (f"... s per step, {who}", each("step_s_median"), ""),
+        (f"... median completion tokens, {who}", each("completion_tokens_median", 0), ""),
+        (f"... steps to target (reached / runs), {who}",
+         " / ".join(f"{_f(s[k]['steps_to_target'])} ({s[k]['reached']}/{s[k]['runs']})" for k in s), ""),
+        (f"... final held-out reward, {who}", each("final_reward", 2), ""),
+    ]
+
+
 def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
-    ttr, s = r["time_to_reward"], r["time_to_reward"]["summary"]
+    ttr = r["time_to_reward"]
     g, b = r["generator"], r["broker"]
+    sd = r["stale_drops"]
     rows = [
-        (f"time to held-out reward {ttr['target']}: ours async (s from launch)", _f(s["ours_async"]["time_to_target_s"], 1), ""),
-        ("... ours sync", _f(s["ours_sync"]["time_to_target_s"], 1), ""),
-        ("... TRL GRPOTrainer", _f(s["trl"]["time_to_target_s"], 1), ""),
-        ("speed-up vs TRL, async / sync (TRL time / ours)",
-         f"{_f(ttr['speedup_vs_trl']['async'], 2)} / {_f(ttr['speedup_vs_trl']['sync'], 2)}", ">= 3"),
-        ("... training time only (start-up left out), async / sync",
-         f"{_f(ttr['speedup_vs_trl_training_only']['async'], 2)} / {_f(ttr['speedup_vs_trl_training_only']['sync'], 2)}", ""),
-        ("start-up s: ours async / TRL", f"{_f(s['ours_async']['startup_s'], 1)} / {_f(s['trl']['startup_s'], 1)}", ""),
-        ("s per step: ours async / sync / TRL",
-         f"{_f(s['ours_async']['step_s_median'])} / {_f(s['ours_sync']['step_s_median'])} / {_f(s['trl']['step_s_median'])}", ""),
-        ("steps to target: ours async / sync / TRL",
-         f"{_f(s['ours_async']['steps_to_target'])} / {_f(s['ours_sync']['steps_to_target'])} / {_f(s['trl']['steps_to_target'])}", ""),
-        ("final held-out reward: ours async / sync / TRL",
-         f"{_f(s['ours_async']['final_reward'], 2)} / {_f(s['ours_sync']['final_reward'], 2)} / {_f(s['trl']['final_reward'], 2)}", ""),
+        *_regime_rows(ttr, "(a) short completions", "<= 0.67x TRL's time: >= 1.5"),
+        *_regime_rows(r["time_to_reward_long"], "(b) long completions", "<= 0.33x TRL's time: >= 3"),
+        ("co-located sync vs TRL (TRL time / ours, regime a)",
+         _f(r["colocated_vs_trl"], 2) if r["colocated_error"] is None else f"failed: {r['colocated_error'][:160]}", ""),
+        ("stale-dropped / generated samples, 2 generators, default spec",
+         f"{_f(sd.get('fraction'), 4)} ({sd.get('stale_dropped')} of {sd.get('generated')})" if sd.get("fraction") is not None
+         else f"failed: {str(sd.get('error'))[:160]}", "~0"),
         ("generator tokens/s: in the system / engine alone",
          f"{_f(g['in_system_tokens_per_s'], 0)} / {_f(g['standalone_tokens_per_s'], 0)}", ""),
         ("generator efficiency (in system / alone)", _f(g["efficiency"]), ">= 0.95"),
@@ -636,11 +834,31 @@ def write_report(r: dict[str, Any], out: Path) -> None:
                "| generation length | ours s/step | TRL s/step | TRL / ours |", "|---|---|---|---|"]
         md += [f"| {x['max_tokens']} | {_f(x['ours_step_s'])} | {_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |"
                for x in ps["gen_length"]]
+    rs = r["regime_scaling"]
+    if rs.get("points"):
+        md += ["", "Cost of a step at each regime's shape (8 prompts x 8 samples), ours (async) vs TRL, by model "
+               "(random init):", "", "| regime | max tokens | model (params) | ours s/step | TRL s/step | TRL / ours |",
+               "|---|---|---|---|---|---|"]
+        md += [f"| {x['regime']} | {x['max_tokens']} | {x['model']} ({x['params']:,}) | {_f(x['ours_step_s'])} | "
+               f"{_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |" for x in rs["points"]]
+    for key in ("time_to_reward", "time_to_reward_long"):
+        t = r[key]
+        md += ["", f"Regime {t['regime']} ({t['about']}; model {t['model']}, {t['steps']} steps, "
+               f"{t['shape']['prompts_per_step']} x {t['shape']['group_size']} samples, max {t['shape']['max_tokens']} "
+               "tokens): ours' per-step breakdown, median s of the steady steps (trainer metrics `time/*`):", ""]
+        cols = sorted({k for b in t["breakdown"].values() for k in b})
+        md += ["| mode | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        md += [f"| {m} | " + " | ".join(_f(b.get(c)) for c in cols) + " |" for m, b in t["breakdown"].items()]
+        for m, runs in t["runs"].items():
+            for run in runs:
+                if "error" in run:
+                    md.append(f"\n{m}, seed {run['seed']}: failed: `{run['error'][-600:]}`")
     ttr = r["time_to_reward"]
     trl_env = r.get("trl_env", {})
     md += ["", f"Held-out protocol: {ttr['protocol']}. Seeds {ttr['seeds']}, {ttr['steps']} steps per run.",
            f"TRL: {_trl_versions(ttr)}; environment {'ready' if trl_env.get('python') else 'unavailable: ' + str(trl_env.get('error'))[:200]}.",
-           f"GPU variant: {r['gpu']['script']} ({r['gpu']['status']}).",
+           f"GPU variant: {r['gpu']['script']} ({r['gpu']['status']}: {r['gpu']['why']}); it measures co-located "
+           "vLLM sleep(level=1)/wake_up around training phases and both regimes, as one script with a timeout.",
            f"Machine: {r['machine']}; {r['pinning']}. Suite wall time {r['wall_s']:.0f} s."]
     (out / "suite.md").write_text("\n".join(md) + "\n")
     _plots(r, out)
@@ -660,19 +878,22 @@ def _plots(r: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ttr = r["time_to_reward"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = {"ours_async": "ours, async k=1", "ours_sync": "ours, sync", "trl": "TRL GRPOTrainer"}
-    for i, (name, runs) in enumerate(ttr["runs"].items()):
-        for j, run in enumerate(runs):
-            ax.plot([c["t_s"] for c in run["curve"]], [c["reward"] for c in run["curve"]], "o-", color=f"C{i}",
-                    alpha=0.8, markersize=3, label=labels[name] if j == 0 else None)
-    ax.axhline(ttr["target"], color="grey", linestyle=":", label=f"target {ttr['target']}")
-    ax.set_xlabel("seconds since launch (start-up included)")
-    ax.set_ylabel("held-out reward (greedy, exact match)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(loc="lower right")
-    ax.set_title("time to reward: same tiny model, task, samples per step and cores")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = {"ours_async": "ours, async k=1", "ours_sync": "ours, sync", "ours_colocated": "ours, co-located sync",
+              "trl": "TRL GRPOTrainer"}
+    for ax, key in zip(axes, ("time_to_reward", "time_to_reward_long"), strict=True):
+        ttr = r[key]
+        for i, (name, runs) in enumerate(ttr["runs"].items()):
+            for j, run in enumerate(x for x in runs if "error" not in x):
+                ax.plot([c["t_s"] for c in run["curve"]], [c["reward"] for c in run["curve"]], "o-", color=f"C{i}",
+                        alpha=0.8, markersize=3, label=labels[name] if j == 0 else None)
+        if ttr["target"] is not None:
+            ax.axhline(ttr["target"], color="grey", linestyle=":", label=f"TRL's final {ttr['target']:.2f}")
+        ax.set_xlabel("seconds since launch (start-up included)")
+        ax.set_ylabel("held-out reward (greedy)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(loc="lower right")
+        ax.set_title(f"regime {ttr['regime']}: max {ttr['shape']['max_tokens']} tokens")
     fig.tight_layout()
     fig.savefig(out / "suite_reward_time.png", dpi=100)
     plt.close(fig)

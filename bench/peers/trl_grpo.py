@@ -13,7 +13,8 @@ zero), workdir, and optionally evaluate (false: no held-out evaluation, for the 
 only), reward ("/path/file.py:function": a user's reward plug-in, called as our reward service
 calls it, `fn(completion, answer, metadata=row_metadata)`; default: exact match below) and stop
 (strings that end a completion, each one token of the model's tokenizer: they join the
-generation config's EOS ids, which is how TRL ends and masks a completion).
+generation config's EOS ids, which is how TRL ends and masks a completion) and use_cpu (default
+true; false lets TRL take the GPU).
 
 Training settings mirror the job spec of our side: fp32 (TRL's default bf16 off), no gradient
 checkpointing (its default on), AdamW at a constant lr without weight decay, one optimizer step
@@ -61,6 +62,11 @@ def exact_match(completion: str, answer: str) -> float:
         got = got.rstrip("0").rstrip(".") or "0"
     got = "0" if got == "-0" else got
     return 1.0 if _norm(got) == _norm(answer) else 0.0
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
 def load_reward(ref: str | None) -> Any:
@@ -155,7 +161,8 @@ def callback(cfg: dict[str, Any], held_out: HeldOut, clock: dict[str, Any], trai
         def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
             if logs and "reward" in logs:
                 train_log.append({"step": state.global_step, "reward": float(logs["reward"]),
-                                  "t_s": time.time() - t_launch - held_out.eval_s})
+                                  "t_s": time.time() - t_launch - held_out.eval_s,
+                                  "completion_length": logs.get("completions/mean_length")})
 
     return Callback()
 
@@ -168,7 +175,7 @@ def grpo_config(cfg: dict[str, Any]) -> Any:
     micro = min(int(cfg["micro_batch_size"]), per_step)
     return GRPOConfig(
         output_dir=str(Path(cfg["workdir"]) / "trl-out"),
-        use_cpu=True,
+        use_cpu=bool(cfg.get("use_cpu", True)),  # False: the GPU variant (deploy/gpu_bench.py)
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
@@ -232,6 +239,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "curve": held_out.curve,
         "train_reward": train_log,
         "startup_s": clock["first_step_start"],
+        "completion_tokens_median": _median([x["completion_length"] for x in train_log
+                                             if x.get("completion_length") is not None]),
         "eval_s_total": held_out.eval_s,
         "wall_s": time.time() - t_launch,
         "steps": int(cfg["steps"]),

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import random
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
+from bench import scratchpad
 from bench import suite as bench_suite
 from bench.peers import trl_grpo
 from shared.rewards import exact_match
@@ -45,6 +50,7 @@ def test_time_to_target_from_a_curve() -> None:
     curve = [{"step": 0, "t_s": 9.0, "reward": 0.2}, {"step": 2, "t_s": 11.0, "reward": 0.8},
              {"step": 4, "t_s": 13.0, "reward": 0.9}]
     s = bench_suite._ttr_summary(curve, ends, 0.85)
+    assert bench_suite._ttr_summary(curve, ends, None)["time_to_target_s"] is None  # no target without TRL
     assert s["step_s_median"] == 1.0 and s["startup_s"] == 9.0
     assert s["time_to_target_s"] == 13.0 and s["steps_to_target"] == 4 and s["train_s_to_target"] == 4.0
     assert bench_suite._ttr_summary(curve, ends, 0.95)["time_to_target_s"] is None
@@ -77,19 +83,38 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
         assert (out / f).stat().st_size > 0, f
     trl = saved["trl_env"]["error"] is None
 
-    ttr = saved["time_to_reward"]
-    for name in ("ours_async", "ours_sync", *(("trl",) if trl else ())):
-        assert ttr["runs"][name], name
-        for run in ttr["runs"][name]:
-            assert run["curve"] and all(math.isfinite(c["t_s"]) and 0 <= c["reward"] <= 1 for c in run["curve"])
-        _numbers(ttr["summary"][name], ("time_to_target_s", "startup_s", "step_s_median", "final_reward"),
-                 f"time_to_reward.summary.{name}")
+    for key, modes in (("time_to_reward", ("ours_async",)), ("time_to_reward_long", ("ours_async",))):
+        ttr = saved[key]
+        for name in (*modes, *(("trl",) if trl else ())):
+            assert ttr["runs"][name], (key, name)
+            for run in ttr["runs"][name]:
+                assert run["curve"] and all(math.isfinite(c["t_s"]) and 0 <= c["reward"] <= 1 for c in run["curve"])
+            _numbers(ttr["summary"][name], ("time_to_target_s", "startup_s", "step_s_median", "final_reward",
+                                            "completion_tokens_median"), f"{key}.summary.{name}")
+        assert ttr["breakdown"]["async"], key  # the trainer's time/* metrics, per mode
+        _numbers(ttr["breakdown"]["async"], ("wait_s", "train_s"), f"{key}.breakdown.async")
+    # Regime (b) is the generation-dominated one. The ci preset's 60-step warm start only half
+    # learns the worked format (132-195 tokens), so only "far longer than regime (a)" is asserted.
+    long_ = saved["time_to_reward_long"]["summary"]
+    assert long_["ours_async"]["completion_tokens_median"] >= 32
+    assert saved["time_to_reward"]["summary"]["ours_async"]["completion_tokens_median"] <= 8
     if trl:
-        # None only when a side never reached the target within the run; then it is the run's end.
-        assert ttr["speedup_vs_trl"]["async"] is not None and ttr["step_speed_vs_trl"]["async"] is not None
+        # TRL reaches its own final reward by definition; ours counts as its whole run when it never does.
+        for key in ("time_to_reward_vs_trl", "time_to_reward_vs_trl_long", "startup_s", "trl_startup_s"):
+            _numbers(saved, (key,), "top level")
+        assert long_["trl"]["completion_tokens_median"] >= 32
+        assert saved["time_to_reward"]["speedup_vs_trl"]["async"] == saved["time_to_reward_vs_trl"]
         assert len(saved["peer_scaling"]["gen_length"]) >= 3
         for pt in saved["peer_scaling"]["gen_length"]:
             _numbers(pt, ("ours_step_s", "trl_step_s", "trl_over_ours"), "peer_scaling")
+    # Co-located: a ratio, or (the job spec refused it, say) the error under the section.
+    assert (isinstance(saved["colocated_vs_trl"], float) or
+            isinstance(saved["time_to_reward"]["summary"]["ours_colocated"]["errors"][0], str))
+    assert saved["colocated_error"] is None or isinstance(saved["colocated_error"], str)
+    _numbers(saved, ("launcher_over_pinned",), "top level")
+    assert saved["launcher_over_pinned"] == saved["launcher"]["launcher_over_pinned"]
+    assert 0.0 <= saved["stale_dropped_fraction"] <= 1.0 and saved["stale_drops"]["generated"] > 0
+    assert isinstance(saved["regime_scaling"]["points"], list)
 
     _numbers(saved["generator"], ("standalone_tokens_per_s", "in_system_tokens_per_s", "efficiency",
                                   "engine_only_efficiency"), "generator")
@@ -106,9 +131,59 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
 
 def test_gpu_variant_answers_help() -> None:
     # deploy/gpu_bench.py is unrun here (no GPU); it must at least parse its arguments anywhere.
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--help"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "--lengths" in proc.stdout
+    assert proc.returncode == 0 and "--lengths" in proc.stdout and "--dry-run" in proc.stdout
+
+
+def test_gpu_variant_dry_run_checks_its_plan_on_cpu() -> None:
+    # The prepared GPU script's plan and job specs, checked where there is no GPU.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "64,192",
+                           "--timeout", "300"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["phases"] == ["sleep_wake", "generator", "system", "regimes", "broker"] and plan["timeout_s"] == 300
+    errors = plan["spec_errors"]
+    assert set(errors) == {"async-64", "async-192", "sync-192", "colocated-192"}
+    assert all(errors[k] is None for k in ("async-64", "async-192", "sync-192")), errors
+    # Refused only where shared.jobspec has no `placement` field yet (merged from another branch).
+    assert errors["colocated-192"] is None or "placement" in " ".join(errors["colocated-192"])
+    bad = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "300"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--lengths" in bad.stderr
+
+
+def test_scratchpad_chain_worked_by_hand() -> None:
+    # 7+3-2 with the fixed digits: each line does one operation and copies the rest.
+    class Fixed(random.Random):
+        def __init__(self, draws: list[object]) -> None:
+            super().__init__(0)
+            self.draws = draws
+
+        def randint(self, a: int, b: int) -> int:  # type: ignore[override]
+            return int(self.draws.pop(0))  # type: ignore[call-overload]
+
+        def choice(self, seq):  # type: ignore[no-untyped-def, override]
+            return self.draws.pop(0)
+
+    prompt, solution = scratchpad.chain(Fixed([7, 3, "+", 2, "-"]), 2)
+    assert prompt == "7+3-2=" and solution == "10-2\n8"
+    # Values stay in 0..99: 95 + 9 would leave it, so that operation takes the other sign.
+    prompt, solution = scratchpad.chain(Fixed([5, 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+",
+                                               9, "+", 9, "+"]), 11)
+    assert prompt == "5" + "+9" * 10 + "-9=" and solution.split("\n")[-1] == "86"
+
+
+def test_scratchpad_reward_reads_the_last_line(tmp_path: Path) -> None:
+    _data, reward = scratchpad.write_task(tmp_path, n=20)
+    ns: dict = {}
+    exec(reward.read_text(), ns)  # the user's file, as the reward service loads it
+    score = ns["score"]
+    assert score("10-2\n8", "10-2\n8", metadata={}) == 1.0
+    assert score("11-2\n9\n8\n", "10-2\n8", metadata={}) == 1.0  # a wrong path to the right value still counts
+    assert score("10-2\n9", "10-2\n8", metadata={}) == 0.0
+    assert score("8\n10-2", "10-2\n8", metadata={}) == 0.0
+    assert score("", "10-2\n8", metadata={}) == 0.0
+    rows = [json.loads(x) for x in (tmp_path / "user" / "scratchpad.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 and all(len(r["solution"]) + len(r["question"]) + 2 <= 256 for r in rows)
