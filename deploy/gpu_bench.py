@@ -116,7 +116,7 @@ def system(wd: Path, model: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 SLEEP_WAKE = """
-import json, statistics, sys, time, inspect
+import json, statistics, sys, time
 import torch
 from transformers import AutoModelForCausalLM
 from generator_svc.engine import Engine
@@ -124,14 +124,8 @@ from shared.schema import SamplingParams
 from shared.tasks import synthetic_arithmetic
 if __name__ == "__main__":
     model, max_tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    kw = dict(seed=0, dtype="bfloat16", gpu_memory_utilization=0.35, enforce_eager=False)
-    params = inspect.signature(Engine).parameters
-    if "enable_sleep_mode" in params:
-        kw["enable_sleep_mode"] = True
-    e = Engine(model, **kw)
-    if not (hasattr(e, "sleep") and hasattr(e, "wake_up")):
-        print(json.dumps({"available": False, "why": "generator_svc.engine.Engine has no sleep/wake_up"}))
-        sys.exit(0)
+    e = Engine(model, seed=0, dtype="bfloat16", gpu_memory_utilization=0.35, enforce_eager=False,
+               enable_sleep_mode=True)
     prompts = [p.prompt for p in synthetic_arithmetic(0, n_train=16, n_test=1)[0]]
     sp = [SamplingParams(temperature=1.0, max_tokens=max_tokens)] * len(prompts)
     e.generate(prompts, sp, [8] * len(prompts))
@@ -152,7 +146,7 @@ if __name__ == "__main__":
         r = {}
         t = time.perf_counter(); out = e.generate(prompts, sp, [8] * len(prompts)); r["generate_s"] = time.perf_counter() - t
         free0 = torch.cuda.mem_get_info()[0]
-        t = time.perf_counter(); e.sleep(level=1); torch.cuda.synchronize(); r["sleep_s"] = time.perf_counter() - t
+        t = time.perf_counter(); e.sleep(); torch.cuda.synchronize(); r["sleep_s"] = time.perf_counter() - t
         r["freed_gib"] = (torch.cuda.mem_get_info()[0] - free0) / 2**30
         t = time.perf_counter(); to("cuda"); r["trainer_onload_s"] = time.perf_counter() - t
         ids = [g[0].prompt_ids + g[0].completion_ids for g in out]
