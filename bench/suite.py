@@ -96,18 +96,19 @@ class Preset:
     # regime_scaling: TRL / ours s per step at each regime's shape, per model (empty: skipped)
     regime_models: tuple[str, ...] = ()
     sync_modes: bool = True  # ours in sync mode too (besides async and colocated)
+    launcher_steps: int = 40  # each of the launcher-vs-pinned jobs
 
 
 PRESETS: dict[str, Preset] = {
     "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
                  peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, short_warm_steps=300, stale_steps=6,
-                 gen_lengths=(16, 32, 64), sync_modes=False),
+                 gen_lengths=(16, 32, 64), sync_modes=False, launcher_steps=16),
     "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
                     peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, short_warm_steps=None, stale_steps=20,
                     regime_models=("4x256",)),
     "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
                    broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000, short_warm_steps=None,
-                   stale_steps=60, regime_models=("2x128", "4x256", "6x384")),
+                   stale_steps=60, regime_models=("2x128", "4x256", "6x384"), launcher_steps=48),
 }
 
 
@@ -710,7 +711,7 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     pg = postgres_url if postgres_url is not None else os.environ.get("TEST_POSTGRES_URL")
     keep("broker", bench_broker(wd, samples=p.broker_samples, postgres_url=pg or None))
     keep("scaling", scaling(wd, p))
-    keep("launcher", launcher_vs_pinned(wd, steps=max(40, 4 * p.scaling_steps)))
+    keep("launcher", launcher_vs_pinned(wd, steps=p.launcher_steps))
     # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
     result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
                               else {"gen_length": [], "error": result["trl_env"]["error"]})

@@ -73,6 +73,7 @@ def _numbers(d: dict, keys: tuple[str, ...], where: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.timeout(1800)  # two regimes beside TRL, co-located, stale drops, scaling: ~16 min on 2 cores
 def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
     out = tmp_path / "results"
     r = bench_suite.run_suite("ci", workdir=str(tmp_path / "work"), out_dir=str(out),
@@ -107,10 +108,10 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
         assert len(saved["peer_scaling"]["gen_length"]) >= 3
         for pt in saved["peer_scaling"]["gen_length"]:
             _numbers(pt, ("ours_step_s", "trl_step_s", "trl_over_ours"), "peer_scaling")
-    # Co-located: a ratio, or (the job spec refused it, say) the error under the section.
-    assert (isinstance(saved["colocated_vs_trl"], float) or
-            isinstance(saved["time_to_reward"]["summary"]["ours_colocated"]["errors"][0], str))
-    assert saved["colocated_error"] is None or isinstance(saved["colocated_error"], str)
+    # Co-located: the job ran (no error under the section) and has its ratio to TRL.
+    assert saved["colocated_error"] is None, saved["colocated_error"]
+    if trl:
+        _numbers(saved, ("colocated_vs_trl",), "top level")
     _numbers(saved, ("launcher_over_pinned",), "top level")
     assert saved["launcher_over_pinned"] == saved["launcher"]["launcher_over_pinned"]
     assert 0.0 <= saved["stale_dropped_fraction"] <= 1.0 and saved["stale_drops"]["generated"] > 0
