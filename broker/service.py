@@ -21,6 +21,7 @@ from typing import Protocol
 
 from broker.runtime import ControlWatcher
 from broker.streams import Consumer, Delivery, JobStreams
+from shared.entry import Drained
 from shared.metrics import Phases
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,11 @@ class ServiceLoop:
             with self.phases.span("read") if self.phases is not None else nullcontext():
                 deliveries = self.read()
             if deliveries:
-                self.handler.handle(deliveries)
+                try:
+                    self.handler.handle(deliveries)
+                except Drained as exc:  # SIGTERM during a wait: leave them pending, exit drained
+                    log.info("drained mid-batch (%s); %d entries left pending", exc, len(deliveries))
+                    return "terminating"
             else:
                 self.handler.idle()
 

@@ -54,6 +54,7 @@ from broker.streams import (
 from generator_svc.colocate import Turns
 from generator_svc.engine import Engine, TransferError
 from generator_svc.engine import prepare as prepare_engine
+from shared.entry import Drained, drain_requested
 from shared.ids import sample_id
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
@@ -144,13 +145,19 @@ class PolicyFollower:
                         return  # the old weights are good enough for now: retry at the next sync
                     if time.monotonic() > deadline:
                         raise
-                    self.poll(block_ms=500)
+                    self._wait_version(min_version)
                     continue
             if self.version >= min_version:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"policy version {min_version} was not loaded within {wait_s:.0f} s")
-            self.poll(block_ms=500)
+            self._wait_version(min_version)
+
+    def _wait_version(self, min_version: int) -> None:
+        """Half a second's wait for the next announcement, unless SIGTERM came (`Drained`)."""
+        if drain_requested():
+            raise Drained(f"SIGTERM while waiting for policy version {min_version}")
+        self.poll(block_ms=500)
 
     def beat(self, every_s: float = 5.0, force: bool = False) -> None:
         """Heartbeat hash entry: which version this generator serves, since when, and that it lives."""

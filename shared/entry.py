@@ -40,6 +40,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM before the service could drain (or a second one): stop now; the job stays running."""
 
 
+class Drained(Exception):
+    """Raised by a wait that SIGTERM cut short (a generator waiting for a policy version): the
+    work in hand stays unacked, pending for this consumer's successor, and the service exits as
+    drained (broker/service.py ServiceLoop)."""
+
+
 def accept_drain() -> None:
     """Called by a service whose loop checks `drain_requested()`: from now on SIGTERM drains."""
     _accepting.set()

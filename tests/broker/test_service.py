@@ -22,6 +22,7 @@ from broker.streams import (
     JobStreams,
     connect,
 )
+from shared.entry import Drained
 from shared.schema import Control, PromptGroup, SamplingParams
 
 JOB = "job-loop"
@@ -146,3 +147,17 @@ def test_garbage_never_reaches_the_handler_and_is_counted(js: JobStreams) -> Non
     control(js, "drain")
     t.join(5)
     assert rec.batches == [[ok]] and counted == [(PROMPTS, "malformed")]
+
+
+def test_a_wait_cut_short_by_sigterm_exits_drained_and_leaves_the_batch_pending(js: JobStreams) -> None:
+    class Waits(Recorder):
+        def handle(self, deliveries: list[Delivery]) -> None:  # e.g. waiting for a policy version
+            self.batches.append([d.entry_id for d in deliveries])
+            raise Drained("SIGTERM while waiting for policy version 3")
+
+    ids = js.publish_many(PROMPTS, [prompt(0), prompt(1)])
+    loop = ServiceLoop(js, C, Waits(js), block_ms=50)
+    assert loop.run() == "terminating"
+    # Nothing acked: the entries are this consumer's pending ones, first for its successor.
+    again = ServiceLoop(js, C, Recorder(js), block_ms=50)
+    assert [d.entry_id for d in again.read()] == ids[:1]
