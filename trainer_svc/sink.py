@@ -5,15 +5,6 @@ stream's and this trainer's own, for tokens the model cannot embed), evaluation 
 their round, groups nobody in this trainer's lineage fed, and the batch filter (staleness bound,
 dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume. The loop
 `add`s what it reads and `take`s a batch when one is whole.
-
-Batches are filled in feed order, not arrival order: a step takes the first `prompts_per_step`
-training groups in flight that it does not drop, and waits for them. That is what makes the
-feeder's version slots (trainer_svc/feeder.py) a promise: a group is never trained after the
-version it was fed for, so one whose generator held at least that version minus k is never
-dropped for staleness. Taking whatever completes first would let a later group overtake an
-earlier one and push it one step later, past its bound: with several generators, groups finish
-out of order, and such a group was generated for nothing. The staleness filter stays as the
-safety net: after the bound is lowered, a group admitted under the old one can still be too stale.
 """
 
 from __future__ import annotations
@@ -99,7 +90,7 @@ class TrainSink:
         self.guard, self.vocab_size = guard, vocab_size
         self.assembler = GroupAssembler()
         self.dead_letters = DeadLetterWatch(streams, streams.job_id)  # groups that can no longer complete
-        self.ready: dict[str, Group] = {}  # complete training groups by id, until their turn
+        self.ready: list[Group] = []  # complete groups waiting for a batch slot
         self.replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
         self.pending: Batch | None = None
 
@@ -145,7 +136,7 @@ class TrainSink:
             self._settle_unknown(g, version, "not in flight for this trainer run (fed by a predecessor after its last "
                                  "journal write)")
         else:
-            self.ready[g.group_id] = g
+            self.ready.append(g)
 
     def _settle_unknown(self, g: Group, version: int, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
@@ -180,7 +171,7 @@ class TrainSink:
         Raises:
             RuntimeError: naming the first missing group.
         """
-        have = set(self.ready)
+        have = {g.group_id for g in self.ready}
         missing = sorted({g for ids in self.replay.values() for g in ids} - have, key=group_seq)
         if missing:
             raise RuntimeError(
@@ -196,22 +187,18 @@ class TrainSink:
         redo = self.replay.pop(step, None)
         b = self.pending = Batch(step, version, bound, redo)
         if redo is not None:
-            b.groups = [self.ready.pop(g) for g in redo if g in self.ready]
+            b.groups = [g for g in self.ready if g.group_id in redo]
+            self.ready[:] = [g for g in self.ready if g.group_id not in redo]
 
     def take(self) -> Batch | None:
-        """The batch begun, once it holds the first prompts_per_step groups in feed order that
-        pass the filter (staleness bound, roll-back, dynamic sampling); None while one of them
-        is still being generated or scored. Groups that fail the filter are dropped (ledger rows
-        and entries kept on the batch) and the next in feed order moves up."""
+        """The batch begun, once it holds prompts_per_step complete groups within the bound
+        (sorted in feed order: arrival order must not matter); None while it is short. Groups
+        that fail the filter are dropped: ledger rows and entries kept on the batch."""
         b, spec = self.pending, self.spec
         assert b is not None
         want = spec.prompts_per_step
-        for gid in self._turn_order(b):
-            if len(b.groups) >= want:
-                break
-            g = self.ready.pop(gid, None)
-            if g is None:  # its turn, still being generated or scored: wait for it
-                break
+        while self.ready and len(b.groups) < want:
+            g = self.ready.pop(0)
             why = self._unfit(b, g)
             if why is None:
                 b.groups.append(g)
@@ -228,12 +215,6 @@ class TrainSink:
         b.data = TrainBatch.of(b.samples, rewards)
         self.pending = None
         return b
-
-    def _turn_order(self, b: Batch) -> list[str]:
-        """The training groups in flight that may still join batch `b`, in feed order (not the
-        ones it holds, nor those a resume's later re-done steps own)."""
-        skip = {g.group_id for g in b.groups} | {g for ids in self.replay.values() for g in ids}
-        return [gid for gid in self.feeder.feed_order() if gid not in skip]
 
     def _unfit(self, b: Batch, g: Group) -> str | None:
         """Why group `g` may not join batch `b` (counting a dynamic-sampling drop), or None."""
