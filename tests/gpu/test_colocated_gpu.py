@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - collected on CPU machines, skipped there
-    pytest.skip("needs CUDA", allow_module_level=True)
+
+# Deselected by CI's `-m "not gpu"`; run with `pytest -m gpu` on a CUDA machine.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")
