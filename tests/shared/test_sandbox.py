@@ -122,7 +122,7 @@ def test_infinite_loop_is_killed(guard: bool) -> None:
 def test_sleeping_program_is_killed_at_the_wall_clock(guard: bool) -> None:
     res = run("import time\ntime.sleep(60)\n", Limits(wall_s=1.0), guard=guard)
     assert res.timed_out and not res.ok
-    assert 1.0 <= res.wall_s < 2.5
+    assert 1.0 <= res.wall_s < 5.0  # killed at 1 s, not at the program's 60 s (room for a loaded box)
 
 
 @pytest.mark.parametrize(
