@@ -61,6 +61,10 @@ def main(
         from bench.steps import bench_steps
 
         bench_steps(out_dir=out, steps=steps or 40, runs=runs, before=before or None)
+    elif which == "admission":
+        from bench.admission import bench_admission
+
+        bench_admission(label, steps=steps or 60, generators=tuple(int(g) for g in generators.split(",")), out_dir=out)
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":

@@ -221,6 +221,11 @@ class PromptGroup(Message):
     eval_set: Name = Field("", max_length=128)  # purpose "eval": which named evaluation set
     n: int = Field(ge=1, le=MAX_SAMPLES_PER_PROMPT)
     sampling: SamplingParams
+    # Training groups: the trainer version it is trained at, at the latest (its feeder slot;
+    # shared/staleness_bound.py). A generator holds at least that minus the bound before it
+    # generates it, so its samples are fresh when trained. None: an evaluation group, or a
+    # feeder from before admission by version (the generator then needs only `policy_version`).
+    train_version: int | None = _int32(None)
 
     @model_validator(mode="after")
     def _ids(self) -> PromptGroup:
@@ -432,6 +437,9 @@ class PolicyAnnouncement(Message):
     trainer_run: Name = Field("", max_length=128)  # id of the trainer process that published it; a new one means a restart
     probe_ids: bytes = b""  # int32 LE, (P,)
     probe_logprobs: bytes = b""  # float32 LE, (P-1,): log p(probe[t+1] | probe[:t+1])
+    # The trainer's staleness bound k when it published this version: generators admit training
+    # groups by it (PromptGroup.train_version - k). None: a trainer from before admission by version.
+    max_staleness: int | None = _int32(None)
 
     @model_validator(mode="after")
     def _probe(self) -> PolicyAnnouncement:

@@ -1,8 +1,14 @@
 """The prompt feeder and the group assembler: the trainer's two ends of the stream pipeline.
 
-The feeder lives in the trainer because its pace must follow the optimizer step: it keeps at most
-`(max_staleness + 1) * prompts_per_step` training groups in flight (fed but not yet consumed), so a
-generator can never run further ahead than the staleness budget allows (backpressure).
+The feeder lives in the trainer because its pace must follow the optimizer step. It admits work by
+version: the training groups in flight (fed, not yet consumed) fill the slots of the next k + 1
+trainer versions, `prompts_per_step` per version, in feed order; a new group takes the next free
+slot and carries its version (`PromptGroup.train_version`, shared/staleness_bound.py
+`slot_versions`). The sink (trainer_svc/sink.py) trains in the same order, so no group is trained
+after its slot's version, and a generator that holds at least that version minus k makes samples
+that are never too stale to train. No slot past version + k exists, so a generator can never run
+further ahead than the staleness budget allows (backpressure; at most (k + 1) * prompts_per_step
+groups in flight).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from shared.schema import (
     decode,
     pack_i32,
 )
-from shared.staleness_bound import groups_in_flight
+from shared.staleness_bound import slot_versions
 from shared.tasks import Problem
 
 # A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
@@ -103,13 +109,16 @@ class Feeder:
         return p
 
     def top_up(self, version: int, bound: int) -> int:
-        """Feed training groups until (bound + 1) * prompts_per_step are in flight; returns how many
-        were fed. `bound` is the current staleness bound (trainer_svc/staleness.py StalenessBound;
-        it moves under adaptive staleness, live knobs and the collapse guard)."""
-        cap = groups_in_flight(bound, self.spec.prompts_per_step)
+        """Feed one training group per free slot of versions `version` .. `version + bound`
+        (prompts_per_step per version, in feed order; shared/staleness_bound.py `slot_versions`),
+        each stamped with its slot's version; returns how many were fed. `bound` is the current
+        staleness bound (trainer_svc/staleness.py StalenessBound; it moves under adaptive
+        staleness, live knobs and the collapse guard). After the bound was lowered the groups in
+        flight may fill more than its slots: nothing is fed until they are trained (or dropped)."""
+        slots = slot_versions(version, bound, self.spec.prompts_per_step, len(self.in_flight))
         sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p)
         msgs = []
-        while len(self.in_flight) + len(msgs) < cap:
+        for train_version in slots:
             p = self._next_problem()
             r = self._rendered.get(p.index)
             if r is None:
@@ -130,6 +139,7 @@ class Feeder:
                     metadata=dict(p.metadata),
                     n=self.spec.group_size,
                     sampling=sampling,
+                    train_version=train_version,
                 )
             )
         self.streams.publish_many(PROMPTS, msgs)
@@ -140,6 +150,11 @@ class Feeder:
 
     def done(self, group_id: str) -> None:
         self.in_flight.discard(group_id)
+
+    def feed_order(self) -> list[str]:
+        """The training groups in flight in the order they were fed: the order the sink trains
+        them in (the group id's counter; a resumed trainer's counter continues its predecessor's)."""
+        return sorted(self.in_flight, key=group_seq)
 
     def eval_done(self, rnd: str) -> None:
         self.open_evals.pop(rnd, None)

@@ -151,7 +151,7 @@ class Parts:
         log.info("live knobs applied: %s", knobs)
 
     def feed(self) -> None:
-        """Keep (k + 1) * batch training groups in flight."""
+        """Fill the free slots of the next k + 1 versions (trainer_svc/feeder.py)."""
         with self.prom.phases.span("feed"):
             self.feeder.top_up(self.state.version, self.state.bound.k)
 
@@ -182,7 +182,7 @@ class Parts:
             snapshot = self.learner.snapshot()
         return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
                                self.job_id, self.settings.keep_versions, self.state.run_id, snapshot,
-                               self.prom.phases)
+                               self.prom.phases, max_staleness=self.state.bound.k)
 
     def compare_redone(self, checksum: str) -> None:
         """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""

@@ -5,11 +5,29 @@ stream's and this trainer's own, for tokens the model cannot embed), evaluation 
 their round, groups nobody in this trainer's lineage fed, and the batch filter (staleness bound,
 dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume. The loop
 `add`s what it reads and `take`s a batch when one is whole.
+
+Batches are filled in feed order, not arrival order: a step takes the first `prompts_per_step`
+training groups in flight that it does not drop, and waits for them. That is what makes the
+feeder's version slots (trainer_svc/feeder.py) a promise: a group is never trained after the
+version it was fed for, so one whose generator held at least that version minus k is never
+dropped for staleness. Taking whatever completes first would let a later group overtake an
+earlier one and push it one step later, past its bound: with several generators, groups finish
+out of order, and such a group was generated for nothing. The staleness filter stays as the
+safety net: after the bound is lowered, a group admitted under the old one can still be too stale.
+
+The wait for a group's turn is bounded: a group whose generator died is generated again only once
+another generator reclaims it, and no step should stall that long. Once a later group has been
+ready for `order_wait_s()` (twice the recent step interval, at least ORDER_WAIT_MIN_S) while an
+earlier one is still missing, the step trains around the missing one; it is trained in a later
+step when it comes, or dropped there as too stale (the safety net again).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +46,10 @@ from trainer_svc.guard import CollapseGuard
 from trainer_svc.shaping import no_signal
 
 log = logging.getLogger(__name__)
+
+# The least a step waits for a missing group's turn while later groups are ready (see the module
+# docstring): above a healthy run's out-of-order lag (one generate call and its scoring).
+ORDER_WAIT_MIN_S = 2.0
 
 
 def record_used(ledger, items: list[dict]) -> int:
@@ -90,9 +112,14 @@ class TrainSink:
         self.guard, self.vocab_size = guard, vocab_size
         self.assembler = GroupAssembler()
         self.dead_letters = DeadLetterWatch(streams, streams.job_id)  # groups that can no longer complete
-        self.ready: list[Group] = []  # complete groups waiting for a batch slot
+        self.ready: dict[str, Group] = {}  # complete training groups by id, until their turn
         self.replay: dict[int, list[str]] = {}  # steps a predecessor trained after the checkpoint: their groups
         self.pending: Batch | None = None
+        # group id -> when a later group was first seen ready while it was still missing
+        self.overtaken_since: dict[str, float] = {}
+        self.trained_around: set[str] = set()  # groups a step went past (logged once each)
+        self.taken_at: deque[float] = deque(maxlen=9)  # when the recent batches were complete
+        self.clock = time.monotonic
 
     # --- in ------------------------------------------------------------------------------------
 
@@ -136,7 +163,7 @@ class TrainSink:
             self._settle_unknown(g, version, "not in flight for this trainer run (fed by a predecessor after its last "
                                  "journal write)")
         else:
-            self.ready.append(g)
+            self.ready[g.group_id] = g
 
     def _settle_unknown(self, g: Group, version: int, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
@@ -171,7 +198,7 @@ class TrainSink:
         Raises:
             RuntimeError: naming the first missing group.
         """
-        have = {g.group_id for g in self.ready}
+        have = set(self.ready)
         missing = sorted({g for ids in self.replay.values() for g in ids} - have, key=group_seq)
         if missing:
             raise RuntimeError(
@@ -187,18 +214,27 @@ class TrainSink:
         redo = self.replay.pop(step, None)
         b = self.pending = Batch(step, version, bound, redo)
         if redo is not None:
-            b.groups = [g for g in self.ready if g.group_id in redo]
-            self.ready[:] = [g for g in self.ready if g.group_id not in redo]
+            b.groups = [self.ready.pop(g) for g in redo if g in self.ready]
 
     def take(self) -> Batch | None:
-        """The batch begun, once it holds prompts_per_step complete groups within the bound
-        (sorted in feed order: arrival order must not matter); None while it is short. Groups
-        that fail the filter are dropped: ledger rows and entries kept on the batch."""
+        """The batch begun, once it holds the first prompts_per_step groups in feed order that
+        pass the filter (staleness bound, roll-back, dynamic sampling); None while one of them
+        is still being generated or scored. Groups that fail the filter are dropped (ledger rows
+        and entries kept on the batch) and the next in feed order moves up."""
         b, spec = self.pending, self.spec
         assert b is not None
         want = spec.prompts_per_step
-        while self.ready and len(b.groups) < want:
-            g = self.ready.pop(0)
+        order = self._turn_order(b)
+        for i, gid in enumerate(order):
+            if len(b.groups) >= want:
+                break
+            g = self.ready.pop(gid, None)
+            if g is None:  # its turn, still being generated or scored: wait for it, up to a point
+                if self._overdue(gid, order[i + 1:]):
+                    continue
+                break
+            self.overtaken_since.pop(gid, None)
+            self.trained_around.discard(gid)
             why = self._unfit(b, g)
             if why is None:
                 b.groups.append(g)
@@ -214,7 +250,40 @@ class TrainSink:
         b.samples, rewards = flatten_batch(b.groups)
         b.data = TrainBatch.of(b.samples, rewards)
         self.pending = None
+        self.taken_at.append(self.clock())
+        gone = self.overtaken_since.keys() - self.feeder.in_flight  # dropped or dead-lettered meanwhile
+        for gid in gone:
+            del self.overtaken_since[gid]
+        self.trained_around &= self.feeder.in_flight
         return b
+
+    def order_wait_s(self) -> float:
+        """How long a missing group keeps its turn once a later one is ready: twice the median
+        interval between the recent batches, at least ORDER_WAIT_MIN_S."""
+        t = list(self.taken_at)
+        gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
+        return max(ORDER_WAIT_MIN_S, 2.0 * statistics.median(gaps)) if gaps else ORDER_WAIT_MIN_S
+
+    def _overdue(self, gid: str, later: list[str]) -> bool:
+        """Whether the step may train around missing group `gid`: a group after it in feed order
+        has been ready for order_wait_s() while it has not arrived."""
+        if not any(g in self.ready for g in later):
+            return False
+        now = self.clock()
+        since = self.overtaken_since.setdefault(gid, now)
+        if now - since < self.order_wait_s():
+            return False
+        if gid not in self.trained_around:
+            self.trained_around.add(gid)
+            log.warning("group %s: still missing %.1fs after later groups were ready (its generator may have died); "
+                        "training around it", gid, now - since)
+        return True
+
+    def _turn_order(self, b: Batch) -> list[str]:
+        """The training groups in flight that may still join batch `b`, in feed order (not the
+        ones it holds, nor those a resume's later re-done steps own)."""
+        skip = {g.group_id for g in b.groups} | {g for ids in self.replay.values() for g in ids}
+        return [gid for gid in self.feeder.feed_order() if gid not in skip]
 
     def _unfit(self, b: Batch, g: Group) -> str | None:
         """Why group `g` may not join batch `b` (counting a dynamic-sampling drop), or None."""

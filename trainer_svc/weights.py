@@ -57,11 +57,13 @@ def publish_weights(
     model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
     run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
     phases: Phases | None = None,
+    max_staleness: int | None = None,
 ) -> tuple[float, str]:
     """Serve and announce version `version`; returns (seconds, the version's checksum).
 
     `snapshot`: (full weights, probe) from `Learner.snapshot` when `model` is sharded; None takes
-    both from `model`. `phases`: times flatten, checksum, serve and announce."""
+    both from `model`. `phases`: times flatten, checksum, serve and announce. `max_staleness`: the
+    staleness bound now, announced with the version (generators admit training groups by it)."""
     def span(name: str):
         return phases.span(name) if phases is not None else nullcontext()
 
@@ -81,7 +83,7 @@ def publish_weights(
             PolicyAnnouncement(
                 job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
                 manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
-                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp),
+                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp), max_staleness=max_staleness,
             ),
         )
         # A version older than the ones the server still holds cannot be fetched: drop its announcement.
