@@ -361,13 +361,16 @@ async def run_episode(env: Environment, row: Row, generate: Generate, codec: Cod
     timeout = limits.step_timeout_s
     try:
         opening = coerce_opening(await _call(env.start, row, timeout))
-        prompt_ids = codec.prompt_ids(opening)
     except TimeoutError:
         return Episode([]).end("env_timeout")
     except _Raised as r:
         return Episode([]).end(_error("start", r.exc))
-    except Exception as exc:  # the opening's shape, or its rendering
-        return Episode([]).end(_error("start", exc))
+    except Exception as exc:  # the opening's shape
+        return Episode([]).end(f"env_error: {exc}")
+    try:
+        prompt_ids = codec.prompt_ids(opening)
+    except Exception as exc:
+        return Episode([]).end(_error("rendering the opening", exc))
     ep = Episode(list(prompt_ids))
     ep.messages = [{"role": "user", "content": opening}] if isinstance(opening, str) else list(opening)
 
@@ -398,7 +401,7 @@ async def run_episode(env: Environment, row: Row, generate: Generate, codec: Cod
             return ep.end("env_timeout")
         except _Raised as r:
             return ep.end(_error("step", r.exc))
-        except Exception as exc:  # the return value's shape
+        except Exception as exc:  # the return value's shape, or a missing step method
             return ep.end(f"env_error: {exc}")
         ep.score_last_turn(result.reward, result.info)
         if result.text:
