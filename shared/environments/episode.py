@@ -45,7 +45,7 @@ from shared.prompts import ChatMode, Tokenizer, render, uses_chat
 
 Tokenize = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
-Generate = Callable[[list[int], int], Awaitable[tuple[Sequence[int], Sequence[float], "str | None"]]]
+Generate = Callable[[list[int], int], Awaitable[tuple[Sequence[int], Sequence[float], str | None]]]
 """`generate(context_ids, max_new_tokens) -> (ids, logprobs, finish_reason)`: one model turn from
 the whole context so far (prompt and completion side), at most `max_new_tokens` long; `logprobs`
 are the sampled tokens' logprobs, one per id; `finish_reason` is the engine's ("stop", "length")."""
