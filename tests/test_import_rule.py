@@ -51,6 +51,7 @@ LIGHT_MODULES = (
     "shared.datasets",
     "shared.prompts",
     "shared.evalmetrics",
+    "shared.environments",
     "broker.streams",
     "broker.ledger",
     "broker.api",

@@ -57,8 +57,10 @@ from shared.rewards.builtin import REWARD_FUNCTIONS
 from shared.rewards.spec import BuiltinReward, PythonReward
 
 
-def import_object(path: str) -> Any:
+def import_object(path: str, what: str = "reward function") -> Any:
     """The object at 'package.module:attr' or 'path/to/file.py:attr' (attr may be dotted).
+
+    `what` names the plug-in in errors ("reward function", "environment").
 
     Raises:
         RewardLoadError: naming the module or file and what failed (the import's own error).
@@ -69,34 +71,34 @@ def import_object(path: str) -> Any:
     if module_part.endswith(".py"):
         file = Path(module_part).expanduser().resolve()
         if not file.is_file():
-            raise RewardLoadError(f"reward function {path!r}: file {str(file)!r} does not exist")
+            raise RewardLoadError(f"{what} {path!r}: file {str(file)!r} does not exist")
         # A name of its own per file, so two files both called rewards.py do not collide.
         name = f"asyncrl_reward_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
         module = sys.modules.get(name)
         if module is None:
             spec = importlib.util.spec_from_file_location(name, file)
             if spec is None or spec.loader is None:
-                raise RewardLoadError(f"reward function {path!r}: {str(file)!r} cannot be loaded as a module")
+                raise RewardLoadError(f"{what} {path!r}: {str(file)!r} cannot be loaded as a module")
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module  # before exec: dataclasses and typing look the module up
             try:
                 spec.loader.exec_module(module)
             except Exception as exc:
                 del sys.modules[name]
-                raise RewardLoadError(f"reward function {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise RewardLoadError(f"{what} {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}") from exc
         where = repr(str(file))
     else:
         try:
             module = importlib.import_module(module_part)
         except Exception as exc:
-            raise RewardLoadError(f"reward function {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}") from exc
+            raise RewardLoadError(f"{what} {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}") from exc
         where = f"module {module_part!r}"
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise RewardLoadError(f"reward function {path!r}: {where} has no attribute {attr!r}") from None
+            raise RewardLoadError(f"{what} {path!r}: {where} has no attribute {attr!r}") from None
     return obj
 
 

@@ -1,0 +1,78 @@
+"""The job spec's future `environment` section (light: pydantic only, like shared.rewards.spec).
+
+    {"name": "tools", "kwargs": {"tools": ["calculator"]}, "limits": {"max_turns": 4}}
+    {"name": "path/to/my_env.py:MyEnv", "limits": {"step_timeout_s": 10}}
+
+Only the shape is validated here, so the API can accept a spec without importing the user's code;
+the environment itself is imported where episodes run (shared.environments.registry).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field, field_validator
+
+from shared.rewards.spec import IMPORT_PATH
+from shared.spectypes import CONTROL_CHARS, SpecModel
+
+ENVIRONMENTS = ("single_turn", "tools")
+"""The built-in environments' names (shared.environments.registry.ENVIRONMENTS; a test keeps them in step)."""
+
+MAX_KWARGS_BYTES = 64 * 1024
+
+
+def _env_name(value: str) -> str:
+    if value in ENVIRONMENTS or (IMPORT_PATH.match(value) and not CONTROL_CHARS.search(value)):
+        return value
+    raise ValueError(
+        f"unknown environment {value!r}: give a built-in name ({', '.join(ENVIRONMENTS)}) or an import path "
+        "'package.module:Class' or 'path/to/file.py:Class'"
+    )
+
+
+EnvName = Annotated[str, AfterValidator(_env_name), Field(max_length=1000)]
+
+
+class EpisodeLimits(SpecModel):
+    """Bounds of one episode. Whichever is reached first ends it, with its stop reason."""
+
+    max_turns: int = Field(8, ge=1, le=1024, description="Model turns per episode (stop reason `max_turns`).")
+    max_total_tokens: int = Field(
+        4096, ge=2, le=1_048_576,
+        description="Prompt plus every model and environment token of the episode: the context the trainer "
+                    "trains on (stop reason `max_tokens`).")
+    step_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0,
+        description="Time budget of one environment call (`start` or `step`); over it the episode ends with "
+                    "`env_timeout`. A sync environment's call is abandoned in its thread, not killed.")
+
+
+class EnvironmentSpec(SpecModel):
+    """The environment episodes run in: a built-in by name or a user's class by import path."""
+
+    name: EnvName = Field(
+        "single_turn",
+        description=f"A built-in ({', '.join(ENVIRONMENTS)}) or 'package.module:Class' / 'path/to/file.py:Class': "
+                    "a class (or factory) called with `kwargs` once per episode.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the constructor (JSON values).")
+    limits: EpisodeLimits = Field(default_factory=EpisodeLimits, description="Per-episode limits.")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if len(v) > 64:
+            raise ValueError(f"kwargs has {len(v)} keys; at most 64")
+        try:
+            size = len(json.dumps(v, allow_nan=False))
+        except ValueError:
+            raise ValueError("kwargs holds a NaN or infinite number; JSON numbers must be finite") from None
+        except TypeError as exc:
+            raise ValueError(f"kwargs must be JSON values ({exc})") from None
+        if size > MAX_KWARGS_BYTES:
+            raise ValueError(f"kwargs is {size} bytes as JSON; at most {MAX_KWARGS_BYTES}")
+        bad = [k for k in v if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"kwargs key {bad[0]!r} is not a Python identifier")
+        return v
