@@ -119,8 +119,11 @@ def test_http_batches_items_and_reads_rewards_and_components(server):
     results = score({"kind": "http", "url": f"{server.url}/score", "batch_size": 2}, items)
     assert results == [RewardResult(1.0), RewardResult(3.0), RewardResult(12.0, components={"len": 2.0, "bonus": 10.0})]
     assert server.calls["score"] == 2  # batches of 2 and 1
-    assert server.bodies[0]["items"][0] == {"prompt": "2+2=", "completion": "a", "answer": "4", "metadata": {},
-                                           "finish_reason": None}
+    # the batches go out concurrently: find the one that holds "a" rather than trust arrival order
+    (first,) = [b for b in server.bodies if b["items"][0]["completion"] == "a"]
+    assert first["items"][0] == {"prompt": "2+2=", "completion": "a", "answer": "4", "metadata": {},
+                                 "finish_reason": None}
+    assert sorted(len(b["items"]) for b in server.bodies) == [1, 2]
 
 
 def test_http_retries_with_back_off_until_the_endpoint_recovers(server):
