@@ -159,7 +159,7 @@ def sample_row(r: Rollout) -> SampleIn:
     """The ledger row of one generated sample (status `generated`), from its rollout alone: the
     generator writes it after publishing, the reward service again before scoring (msg_id keyed,
     so whichever comes first inserts and the other is a no-op)."""
-    return {
+    row: SampleIn = {
         "msg_id": r.msg_id,
         "job_id": r.job_id,
         "group_id": r.group_id,
@@ -176,3 +176,8 @@ def sample_row(r: Rollout) -> SampleIn:
         "eval_set": r.eval_set or None,
         "status": "generated",
     }
+    if r.model_mask or r.stop_reason:  # a multi-turn episode
+        row["turns"] = r.turns
+        row["num_env_tokens"] = r.num_completion_tokens - r.num_model_tokens
+        row["stop_reason"] = r.stop_reason
+    return row

@@ -26,6 +26,11 @@ class Sample:
     logprobs: list[float]  # behaviour logprob of each sampled token, (T,)
     text: str
     finish_reason: str | None
+    # a multi-turn episode (generator_svc/episodes.py): 1 per model token, 0 per environment
+    # token (empty: all the model's); its model turns and why it ended
+    model_mask: bytes = b""
+    turns: int = 1
+    stop_reason: str | None = None
 
 
 def prepare(*, kv_cache_gib: int = 1, in_process: bool = True) -> float:

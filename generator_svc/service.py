@@ -54,11 +54,14 @@ from broker.streams import (
 from generator_svc.colocate import Turns
 from generator_svc.engine import Engine, TransferError
 from generator_svc.engine import prepare as prepare_engine
+from generator_svc.episodes import run_groups
 from shared.entry import Drained, drain_requested
+from shared.environments.episode import Codec, codec_for
 from shared.ids import sample_id
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
 from shared.placement import takes_turns
+from shared.prompts import ChatMode
 from shared.schema import (
     EvalRound,
     PolicyAnnouncement,
@@ -230,6 +233,9 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             logprobs=pack_f32(s.logprobs),
             completion=s.text,
             finish_reason=s.finish_reason,
+            model_mask=s.model_mask,
+            turns=s.turns,
+            stop_reason=s.stop_reason,
             answer=group.answer,
             prompt=group.prompt,
             metadata=group.metadata,
@@ -243,22 +249,30 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
 def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: list, version: int, generator_id: str,
                    streams: JobStreams) -> list[tuple[str, list[Rollout]]]:
     """Each entry's rollouts from the engine's samples (`results`, one list per group in `units`
-    order). A group whose output is not a valid rollout (a NaN or positive logprob: a broken
-    engine) is dead-lettered with the reason, as `reject_too_long` does, instead of failing the
-    whole call: a training group's entry (acked), or the one problem of an evaluation round."""
+    order, or a string: why the group's episodes cannot be used, generator_svc/episodes.py). A
+    group whose output is not a valid rollout (a NaN or positive logprob: a broken engine) or whose
+    environment failed is dead-lettered with the reason, as `reject_too_long` does, instead of
+    failing the whole call: a training group's entry (acked), or the one problem of an evaluation
+    round."""
     out = []
     samples = iter(results)
     for d, gs in units:
         made: list[Rollout] = []
         for g in gs:
-            try:
-                made += rollouts_for(g, next(samples), version, generator_id)
-            except ValidationError as exc:
-                why = f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
-                _dead_group(streams, d, why, "invalid_output", message=g)
-                if not isinstance(d.message, EvalRound):
-                    made = []
-                    break
+            result = next(samples)
+            if isinstance(result, str):
+                why, code = f"group {g.group_id}: {result}", "env_error"
+            else:
+                try:
+                    made += rollouts_for(g, result, version, generator_id)
+                    continue
+                except ValidationError as exc:
+                    why = f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
+                    code = "invalid_output"
+            _dead_group(streams, d, why[:2000], code, message=g)
+            if not isinstance(d.message, EvalRound):
+                made = []
+                break
         if made:
             out.append((d.entry_id, made))
         else:
@@ -327,6 +341,13 @@ def reject_too_long(
     return keep
 
 
+def episode_codec(model_path: str, chat_template: ChatMode, chat_kwargs: dict) -> Codec:
+    """How an episode's text becomes ids for the job's model (shared.environments.episode)."""
+    from transformers import AutoTokenizer  # heavy; vLLM depends on it anyway
+
+    return codec_for(AutoTokenizer.from_pretrained(model_path), chat_template, chat_kwargs)
+
+
 def prompt_token_counter(model_path: str) -> Callable[[Sequence[str]], list[int]]:
     """Prompt lengths in tokens as the engine counts them (the model's own tokenizer, special
     tokens included, as vLLM adds them to a text prompt)."""
@@ -393,6 +414,10 @@ class Generation:
         self.default_batch = ctx.spec.generation_batch or settings.batch_groups
         self.count_tokens = prompt_token_counter(ctx.spec.model_path)
         self.count = self.default_batch
+        # multi-turn episodes (generator_svc/episodes.py), when the job runs an environment
+        self.environment = ctx.spec.environment
+        self.codec = (None if self.environment is None
+                      else episode_codec(ctx.spec.model_path, ctx.spec.chat_template, ctx.spec.chat_template_kwargs))
 
     def tick(self) -> None:
         self.policy.beat()
@@ -425,8 +450,7 @@ class Generation:
         phases = self.metrics.phases
         t0 = time.perf_counter()
         with phases.span("generate"):
-            results = self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
-                                           [g.sampling for g in groups], [g.n for g in groups])
+            results = self._generate(groups)
         dt = time.perf_counter() - t0
         self.turns.rest()  # asleep before the rollouts exist: the trainer may then take the device
         per_entry = entry_rollouts(units, results, self.policy.version, self.consumer.name, self.streams)
@@ -437,6 +461,17 @@ class Generation:
             log.warning("%d of %d entries were taken over by another generator; not published",
                         published.count(False), len(units))
         self._record(rollouts, len(groups), dt)
+
+    def _generate(self, groups: list[PromptGroup]) -> list:
+        """Per group its n samples (one engine call), or, with an environment, its n episodes
+        played concurrently (a string where the group's episodes cannot be used)."""
+        if self.environment is None:
+            return self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
+                                        [g.sampling for g in groups], [g.n for g in groups])
+        assert self.codec is not None
+        played = run_groups(self.engine, self.environment, self.codec, groups)
+        self.metrics.episodes(played.turns, played.calls)
+        return played.samples
 
     def _record(self, rollouts: list[Rollout], groups: int, dt: float) -> None:
         """Ledger rows and metrics of the published rollouts. A row the ledger refuses is only

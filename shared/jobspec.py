@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from shared.datasets import TASKS, DatasetSource, TaskSpec
+from shared.environments.spec import EnvironmentSpec
 from shared.rewards.spec import REWARDS, RewardSpec
 from shared.schema import SamplingParams
 from shared.spectypes import PrintableStr, SpecModel, refuse_nul
@@ -220,6 +221,11 @@ class JobSpec(_Strict):
     reward: RewardSpec = Field(
         "exact_match", description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards)."
     )
+    environment: EnvironmentSpec | None = Field(
+        None, description="Multi-turn episodes: the environment each training rollout runs in (a built-in such as "
+                          "tools, or a user's class by import path), with its limits; the model's turns and the "
+                          "environment's replies are kept as token ids and only the model's are trained on. "
+                          "Unset: one completion per prompt, as with single_turn.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")
     mode: Literal["async", "sync"] = Field(

@@ -220,6 +220,13 @@ class GeneratorMetrics:
             buckets=_SLOW_BUCKETS,
             registry=r,
         ).labels(job_id)
+        self._turns = Counter(
+            "asyncrl_generator_model_turns", "Model turns of multi-turn episodes.", labels, registry=r
+        ).labels(job_id)
+        self._turn_calls = Counter(
+            "asyncrl_generator_turn_calls", "Engine calls of multi-turn episodes (turns per call: the batching).",
+            labels, registry=r,
+        ).labels(job_id)
         self._job_id = job_id
         self._dead = _dead_letters(r, "generator")
         self.phases = Phases("generator", r, job_id)
@@ -229,6 +236,11 @@ class GeneratorMetrics:
         self._samples.inc(samples)
         self._tokens.inc(tokens)
         self._generate_s.observe(seconds)
+
+    def episodes(self, turns: int, calls: int) -> None:
+        """A batch of multi-turn episodes: `turns` model turns in `calls` engine calls."""
+        self._turns.inc(turns)
+        self._turn_calls.inc(calls)
 
     def loaded(self, version: int, seconds: float) -> None:
         """A weight version now served, loaded in `seconds`."""

@@ -315,6 +315,12 @@ class Rollout(Message):
     eval_set: Name = Field("", max_length=128)
     # sampled at; the trainer rescales its logits alike
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    # A multi-turn episode (shared/environments): one byte per completion token, 1 where the model
+    # sampled it, 0 where the environment appended it (its logprob is 0.0 and carries no loss or
+    # importance weight). Empty: every completion token is the model's (a single-turn sample).
+    model_mask: bytes = b""
+    turns: int = Field(1, ge=1, le=1 << 16)  # model turns in the episode
+    stop_reason: Name | None = Field(None, max_length=2000)  # why the episode ended (shared/environments)
 
     @model_validator(mode="after")
     def _arrays_consistent(self) -> Rollout:
@@ -335,6 +341,16 @@ class Rollout(Message):
             if bad.any():
                 i = int(np.argmax(bad))
                 raise ValueError(f"logprobs[{i}] is {float(lp[i])!r}: a behaviour logprob is finite and <= 0")
+        if self.model_mask:
+            if len(self.model_mask) != len(self.completion_ids) // 4:
+                raise ValueError(f"model_mask holds {len(self.model_mask)} bytes for {self.num_completion_tokens} "
+                                 "completion tokens; there must be one per token (1: the model's, 0: the environment's)")
+            if not set(self.model_mask) <= {0, 1}:
+                raise ValueError("model_mask holds a byte other than 0 (environment token) and 1 (model token)")
+            env = self.model_mask_array() == 0
+            if env.any() and bool(np.any(self.logprob_array()[env] != 0.0)):
+                raise ValueError("an environment token (model_mask 0) has a behaviour logprob other than 0.0: "
+                                 "the model did not sample it")
         if self.sample_index >= self.group_size:
             raise ValueError(f"sample_index {self.sample_index} is outside a group of {self.group_size}")
         if self.policy_version > self.policy_version_max:
@@ -352,6 +368,17 @@ class Rollout(Message):
 
     def logprob_array(self) -> np.ndarray:
         return unpack_f32(self.logprobs)
+
+    def model_mask_array(self) -> np.ndarray:
+        """(T,) uint8: 1 for a token the model sampled, 0 for one the environment appended."""
+        if not self.model_mask:
+            return np.ones(self.num_completion_tokens, dtype=np.uint8)
+        return np.frombuffer(self.model_mask, dtype=np.uint8)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Completion tokens the model sampled (all of them in a single-turn sample)."""
+        return int(self.model_mask_array().sum())
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, POLICY, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect
+from broker.verify import verify
 from shared.schema import Control, encode
 from shared.settings import AdminSettings
 
@@ -350,6 +351,76 @@ def test_two_async_generators_drop_nothing_for_staleness(tmp_path, tiny_model):
     assert stale == [], [(s["group_id"], s["gen_version_min"], s["trainer_version"]) for s in stale]
     assert ledger.status_counts(job_id)["trained"] == steps * 4 * 4
     assert max(s["staleness"] for s in samples if s["status"] == "trained") <= 1
+
+
+# A user's environment (loaded by file path, as a job spec names it): each model turn is answered
+# with the output of a program run by the tools environment's sandboxed Python tool, for 3 turns.
+SANDBOX_ENV = """
+from shared.environments.base import StepResult
+from shared.environments.tools import ToolEnv
+
+
+class SandboxedEcho(ToolEnv):
+    def __init__(self):
+        super().__init__(tools=("python",), system_prompt=False)
+        self.turns = 0
+
+    def start(self, row):
+        return row["prompt"]
+
+    def step(self, turn):
+        self.turns += 1
+        out = self.tools["python"].run({"code": f"print(sum(range({len(turn.ids)})))"})
+        return StepResult(text=out, role="tool", done=self.turns >= 3, info={"ok": True})
+"""
+
+
+def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
+    """Issue 16's path through every service as processes: episodes of 3 model turns, each answered
+    by the sandboxed Python tool, published as ids with a model mask, scored, trained on the
+    model's tokens only; the ledger records turns, token kinds and the stop reason; verify passes."""
+    db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env_file = tmp_path / "sandbox_env.py"
+    env_file.write_text(SANDBOX_ENV)
+    sup, api, _, _ = _stack(tmp_path, db_url, "mt")
+    ledger = Ledger(db_url)
+    steps = 3
+    try:
+        _start_broker(sup, api)
+        # a turn ends at a digit or lowercase letter (ids 4..39 of the tiny tokenizer): "stop", so
+        # the episode goes on to the environment instead of ending cut at max_tokens
+        spec = {"name": "multi-turn", "model_path": str(tiny_model), "mode": "async", "steps": steps,
+                "group_size": 4, "prompts_per_step": 2, "eval_every": 0,
+                "task": {"n_train": 32, "n_test": 4}, "reward": "exact_match",
+                "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
+                "environment": {"name": f"{env_file}:SandboxedEcho",
+                                "limits": {"max_turns": 3, "max_total_tokens": 200, "step_timeout_s": 20}}}
+        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        assert resp.status_code in (200, 201), resp.text
+        job_id = resp.json()["id"]
+        for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
+            sup.start(name, module, {"JOB_ID": job_id})
+        deadline = time.monotonic() + 400
+        while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
+            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
+            assert time.monotonic() < deadline, sup.tail("generator") + sup.tail("trainer")
+            time.sleep(0.5)
+        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer") + sup.tail("generator")
+    finally:
+        sup.stop_all()
+    trained = [s for s in ledger.samples(job_id, kind="train", limit=10_000) if s["status"] == "trained"]
+    assert len(trained) == steps * 2 * 4
+    assert all(s["turns"] == 3 and s["stop_reason"] == "done" for s in trained), \
+        [(s["turns"], s["stop_reason"]) for s in trained][:5]
+    # two tool replies per episode, each several tokens; the model's tokens are the rest
+    assert all(s["num_env_tokens"] >= 2 and s["num_completion_tokens"] - s["num_env_tokens"] >= 3 for s in trained)
+    steps_rows = ledger.train_steps(job_id)
+    assert [r["step"] for r in steps_rows] == list(range(1, steps + 1))
+    # the loss's token count is the model's tokens only
+    model_tokens = sum(s["num_completion_tokens"] - s["num_env_tokens"] for s in trained)
+    assert sum(r["metrics"]["tokens"] for r in steps_rows) == model_tokens
+    result = verify(ledger, job_id)
+    assert result.ok, [v.message for v in result.violations]
 
 
 def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:

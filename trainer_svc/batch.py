@@ -27,6 +27,9 @@ class TrainBatch:
     completion_tokens: torch.Tensor  # (sum C_i,) int64
     completion_lens: torch.Tensor  # (B,) int64
     behaviour_logprobs: torch.Tensor  # (sum C_i,) float32: the sampler's logprob of each completion token
+    # (sum C_i,) float32: 1 where the model sampled the token, 0 where a multi-turn episode's
+    # environment appended it (no loss, no importance weight, no KL or entropy there)
+    model_mask: torch.Tensor
     rewards: torch.Tensor  # (G, n) float32
     temperatures: torch.Tensor  # (B,) float32: each sample's sampling temperature
     truncated: torch.Tensor  # (B,) bool: cut at max_tokens rather than ended by EOS or a stop rule
@@ -53,6 +56,7 @@ class TrainBatch:
             completion_tokens=flat(comps, torch.int64),
             completion_lens=torch.tensor([a.size for a in comps], dtype=torch.int64),
             behaviour_logprobs=flat([s.rollout.logprob_array() for s in samples], torch.float32),
+            model_mask=flat([s.rollout.model_mask_array() for s in samples], torch.float32),
             rewards=rewards.to(torch.float32),
             temperatures=torch.tensor([s.rollout.temperature for s in samples], dtype=torch.float32),
             truncated=torch.tensor([s.rollout.finish_reason == "length" for s in samples], dtype=torch.bool),
@@ -63,6 +67,12 @@ class TrainBatch:
 
     def __len__(self) -> int:
         return int(self.prompt_lens.numel())
+
+    def model_token_counts(self) -> list[int]:
+        """Each sample's model-sampled completion tokens: the loss's token counts (an environment's
+        tokens in a multi-turn episode are not the model's to learn)."""
+        off = _offsets(self.completion_lens)
+        return [int(self.model_mask[o : o + int(n)].sum()) for o, n in zip(off, self.completion_lens.tolist(), strict=True)]
 
     def with_rewards(self, rewards: torch.Tensor) -> TrainBatch:
         """The same samples with other (G, n) rewards (the over-long treatment's)."""
@@ -88,7 +98,8 @@ class TrainBatch:
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Samples [lo, hi) as model inputs: input_ids (b, L), attention_mask (b, L), behaviour
         logprobs (b, L-1), completion mask (b, L-1) and temperatures (b,), with L the longest
-        prompt + completion of these rows; right-padded like `logprobs.pad_batch`."""
+        prompt + completion of these rows; right-padded like `logprobs.pad_batch`. The completion
+        mask is 1 only on the tokens the model sampled (`model_mask`)."""
         p_off = _offsets(self.prompt_lens)
         c_off = _offsets(self.completion_lens)
         lengths = self.prompt_lens[lo:hi] + self.completion_lens[lo:hi]
@@ -103,7 +114,7 @@ class TrainBatch:
             input_ids[row, p : p + c] = self.completion_tokens[c_off[i] : c_off[i] + c]
             attn[row, : p + c] = 1
             # token j (j in [p, p + c)) is scored at shifted position j - 1
-            mask[row, p - 1 : p + c - 1] = 1.0
+            mask[row, p - 1 : p + c - 1] = self.model_mask[c_off[i] : c_off[i] + c]
             behaviour[row, p - 1 : p + c - 1] = self.behaviour_logprobs[c_off[i] : c_off[i] + c]
         return input_ids, attn, behaviour, mask, self.temperatures[lo:hi]
 

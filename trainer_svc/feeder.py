@@ -133,7 +133,8 @@ class Feeder:
                     policy_version=version,
                     purpose="train",
                     prompt_index=p.index,
-                    prompt=r.text,
+                    # an environment renders its own opening from the problem (generator_svc/episodes.py)
+                    prompt=p.prompt if self.spec.environment is not None else r.text,
                     prompt_ids=pack_i32(r.ids),
                     answer=p.answer,
                     metadata=dict(p.metadata),

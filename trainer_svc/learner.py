@@ -95,7 +95,7 @@ class Learner:
         self.ranks.announce("step", tensors=batch.tensors(), terms=list(batch.term_names), lr_scale=lr_scale, lr=lr)
         rewards, keep = shape_overlong(batch, spec)
         advantages = self.advantage_fn(rewards).reshape(-1) * keep  # (B,)
-        norm = BatchNorm.from_lengths(batch.completion_lens.tolist(), max_len=spec.sampling.max_tokens)
+        norm = BatchNorm.from_lengths(batch.model_token_counts(), max_len=spec.sampling.max_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         # This rank's share of the global batch, in micro-batches; None pads the count to that of

@@ -153,6 +153,11 @@ class Sample(Base):
     num_completion_tokens: Mapped[int] = mapped_column(Integer)
     completion: Mapped[str] = mapped_column(Text)
     finish_reason: Mapped[str | None] = mapped_column(String)
+    # A multi-turn episode (shared/environments): model turns, completion tokens the environment
+    # appended (the rest are the model's), and why the episode ended. Null: a single-turn sample.
+    turns: Mapped[int | None] = mapped_column(Integer)
+    num_env_tokens: Mapped[int | None] = mapped_column(Integer)
+    stop_reason: Mapped[str | None] = mapped_column(String)
     reward: Mapped[float | None] = mapped_column(Float)
     # "ok", "timeout" or "error" (the job's reward policy then set `reward`); details: a weighted
     # sum's terms ({"components": {...}}) and the reason a reward failed ({"reason": "..."}).

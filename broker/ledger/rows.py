@@ -112,6 +112,9 @@ class SampleIn(_SampleRequired, total=False):
     gen_version_max: int | None  # gen_version_min
     kind: str | None  # "train"; one of SAMPLE_KINDS
     finish_reason: str | None
+    turns: int | None  # a multi-turn episode's model turns
+    num_env_tokens: int | None  # ... its completion tokens the environment appended
+    stop_reason: str | None  # ... why it ended
     reward: float | None
     reward_status: str | None
     reward_details: dict[str, Any] | None
@@ -132,6 +135,9 @@ class SampleRow(_SampleRequired):
     gen_version_max: int
     kind: str  # one of SAMPLE_KINDS
     finish_reason: str | None
+    turns: int | None  # multi-turn episodes only (null: single-turn)
+    num_env_tokens: int | None
+    stop_reason: str | None
     reward: float | None
     reward_status: str | None  # one of REWARD_STATUSES once scored
     reward_details: dict[str, Any] | None

@@ -1,0 +1,180 @@
+"""Multi-turn episodes in the generator: many episodes at once, one engine call per round of turns.
+
+A job with an `environment` (shared/environments) turns each training prompt group into n
+episodes. They run concurrently on one event loop (`run_groups`): an episode waiting for its
+environment (a tool in a worker thread, or an `async def` step) holds nothing, and every model
+turn that is ready goes into the next engine call (`TurnBatcher`), so while one episode's tool
+runs the others keep the engine busy.
+
+Token in, token out: a model turn is the ids the engine sampled, with their logprobs; an
+environment reply is tokenized once when appended (shared/environments/episode.py); the episode
+is published as those ids with a per-token model mask (`Rollout.model_mask`), and nothing is
+re-tokenized downstream.
+
+One policy version per episode: the episodes of a batch all run inside one `Generation.handle`
+call, and weights are swapped only between calls, so a swap waits for the episodes in flight.
+Recording a version per turn would let a long episode span a swap, but then its staleness and its
+importance weights would need a per-token version; one version keeps the trainer's staleness
+filter and AIPO weights exactly as for single-turn samples, at the cost of a batch's wall time
+being its longest episode's.
+
+The engine call blocks the loop while it runs: sync environments' steps go on in their threads
+meanwhile; an `async def` environment's awaits resume between engine calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from generator_svc.engine import Engine, Sample
+from shared.environments.episode import Codec, Episode, run_episode
+from shared.environments.registry import load_environment
+from shared.environments.spec import EnvironmentSpec
+from shared.jobspec import MAX_SEED
+from shared.schema import PromptGroup, SamplingParams
+
+MAX_STOP_REASON = 2000
+
+
+@dataclass
+class _Turn:
+    context: list[int]
+    params: SamplingParams
+    done: asyncio.Future
+
+
+@dataclass
+class TurnBatcher:
+    """Model turns of concurrent episodes -> engine calls, each taking every turn waiting.
+
+    After a call, the episodes it answered go to their environments; a fast environment (a
+    calculator) answers within a millisecond, so the next call waits up to `gather_s` for the
+    episodes still active to ask, rather than run a handful of turns alone; a slow one (a tool
+    that sleeps) is not waited for past that.
+    """
+
+    engine: Engine
+    active: int = 0  # episodes not yet ended
+    gather_s: float = 0.002
+    waiting: list[_Turn] = field(default_factory=list)
+    calls: int = 0
+    turns: int = 0
+    _wake: asyncio.Event | None = None
+
+    def _signal(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def generate(self, context: list[int], params: SamplingParams) -> Sample:
+        turn = _Turn(list(context), params, asyncio.get_running_loop().create_future())
+        self.waiting.append(turn)
+        self._signal()
+        return await turn.done
+
+    def ended(self) -> None:
+        self.active -= 1
+        self._signal()
+
+    async def _until_woken(self, timeout: float | None) -> None:
+        assert self._wake is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        self._wake.clear()
+
+    async def serve(self) -> None:
+        """Run engine calls until every episode has ended."""
+        self._wake = asyncio.Event()
+        while self.active > 0:
+            if not self.waiting:
+                await self._until_woken(None)  # every active episode is with its environment
+                continue
+            if len(self.waiting) < self.active:
+                await self._until_woken(self.gather_s)  # the others may be a moment away
+            batch, self.waiting = self.waiting, []
+            try:
+                results = self.engine.generate([t.context for t in batch], [t.params for t in batch], [1] * len(batch))
+            except Exception as exc:  # the engine's failure is every waiting episode's
+                for t in batch:
+                    t.done.set_exception(exc)
+                raise
+            self.calls += 1
+            self.turns += len(batch)
+            for t, [s] in zip(batch, results, strict=True):
+                t.done.set_result(s)
+
+
+def turn_seed(seed: int | None, group_id: str, episode: int, turn: int) -> int | None:
+    """A sampling seed per (group, episode, turn) from the group's: the n episodes of a group must
+    not sample alike, as vLLM's n samples of one request do not (None stays None)."""
+    if seed is None:
+        return None
+    h = hashlib.blake2b(f"{seed}/{group_id}/{episode}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % (MAX_SEED + 1)
+
+
+def row_of(group: PromptGroup) -> dict:
+    """What an environment's `start` gets: the dataset row as the feeder sent it."""
+    return {"prompt": group.prompt, "answer": group.answer, "metadata": dict(group.metadata),
+            "prompt_index": group.prompt_index}
+
+
+def as_sample(ep: Episode) -> Sample | None:
+    """An episode as the engine's kind of sample, plus its mask, turns and stop reason; None for an
+    episode that never reached a model turn (its environment failed to start it)."""
+    if not ep.prompt_ids or not ep.ids:
+        return None
+    reason = " ".join((ep.stop_reason or "").split())[:MAX_STOP_REASON] or None  # one line
+    return Sample(list(ep.prompt_ids), list(ep.ids), [float(x) for x in ep.logprobs], ep.final_text,
+                  ep.finish_reason, model_mask=bytes(ep.mask), turns=max(1, ep.num_turns), stop_reason=reason)
+
+
+@dataclass
+class Played:
+    """A batch of groups played as episodes: per group its samples, or why it cannot be used."""
+
+    samples: list[list[Sample] | str]  # per group: its n samples, or the reason it failed
+    calls: int  # engine calls
+    turns: int  # model turns
+
+
+def run_groups(engine: Engine, spec: EnvironmentSpec, codec: Codec, groups: Sequence[PromptGroup]) -> Played:
+    """Every group's n episodes, concurrently. A group with an episode that never reached a model
+    turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all."""
+    factory = load_environment(spec)
+    batcher = TurnBatcher(engine, active=sum(g.n for g in groups))
+
+    async def one(g: PromptGroup, i: int) -> Episode:
+        turn = 0
+
+        async def generate(context: list[int], room: int):  # type: ignore[no-untyped-def]
+            nonlocal turn
+            params = g.sampling.model_copy(update={"max_tokens": max(1, min(room, g.sampling.max_tokens)),
+                                                   "seed": turn_seed(g.sampling.seed, g.group_id, i, turn)})
+            turn += 1
+            s = await batcher.generate(context, params)
+            return s.completion_ids, s.logprobs, s.finish_reason
+
+        try:
+            return await run_episode(factory(), row_of(g), generate, codec, spec.limits)
+        finally:
+            batcher.ended()
+
+    async def play() -> list[Episode]:
+        episodes = asyncio.gather(*(one(g, i) for g in groups for i in range(g.n)))
+        await batcher.serve()
+        return await episodes
+
+    flat = iter(asyncio.run(play()))
+    out: list[list[Sample] | str] = []
+    for g in groups:
+        eps = [next(flat) for _ in range(g.n)]
+        samples = [as_sample(e) for e in eps]
+        failed = next((e for e, s in zip(eps, samples, strict=True) if s is None), None)
+        out.append([s for s in samples if s is not None] if failed is None
+                   else f"episode {eps.index(failed)} of group {g.group_id} never reached a model turn: "
+                        f"{failed.stop_reason}")
+    return Played(out, batcher.calls, batcher.turns)
