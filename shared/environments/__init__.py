@@ -7,7 +7,8 @@
 
 The interface is in shared.environments.base, the episode and its driver in
 shared.environments.episode, the built-ins in shared.environments.builtin and
-shared.environments.tools. Pure Python (no torch or vLLM): the generator will run episodes, the
+shared.environments.tools. Pure Python (no torch or vLLM): the generator runs episodes
+(generator_svc/episodes.py), the
 API validates the spec (shared.environments.spec).
 """
 

@@ -1,4 +1,4 @@
-"""The job spec's future `environment` section (light: pydantic only, like shared.rewards.spec).
+"""The job spec's `environment` section (light: pydantic only, like shared.rewards.spec).
 
     {"name": "tools", "kwargs": {"tools": ["calculator"]}, "limits": {"max_turns": 4}}
     {"name": "path/to/my_env.py:MyEnv", "limits": {"step_timeout_s": 10}}
