@@ -8,8 +8,7 @@
 The interface is in shared.environments.base, the episode and its driver in
 shared.environments.episode, the built-ins in shared.environments.builtin and
 shared.environments.tools. Pure Python (no torch or vLLM): the generator runs episodes
-(generator_svc/episodes.py), the
-API validates the spec (shared.environments.spec).
+(generator_svc/episodes.py), the API validates the spec (shared.environments.spec).
 """
 
 from shared.environments.base import (
