@@ -508,9 +508,8 @@ def test_trainer_dead_letters_token_ids_outside_its_vocabulary() -> None:
 
 
 def test_generator_dead_letters_a_group_the_engine_botched() -> None:
-    from types import SimpleNamespace
-
     from broker.streams import GROUP_GENERATORS, PROMPTS, Consumer, Delivery
+    from generator_svc.engine import Sample
     from generator_svc.service import entry_rollouts
     from shared.schema import PromptGroup, SamplingParams
 
@@ -523,8 +522,8 @@ def test_generator_dead_letters_a_group_the_engine_botched() -> None:
         ids = js.publish_many(PROMPTS, groups)
         js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), block_ms=None)
         units = [(Delivery(eid, g), [g]) for eid, g in zip(ids, groups, strict=True)]
-        sample = lambda lp, text: SimpleNamespace(prompt_ids=[1], completion_ids=[2], logprobs=[lp],  # noqa: E731
-                                                  text=text, finish_reason="stop")
+        sample = lambda lp, text: Sample(prompt_ids=[1], completion_ids=[2], logprobs=[lp],  # noqa: E731
+                                         text=text, finish_reason="stop")
         out = entry_rollouts(units, [[sample(float("nan"), "2")], [sample(-0.1, "2\x00\x1b")]], 0, "gen-0", js)
         assert [(eid, [r.completion for r in rs]) for eid, rs in out] == [(ids[1], ["2\ufffd\ufffd"])]
         (dead,) = js.dead_letters()
