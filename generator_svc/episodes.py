@@ -31,9 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from generator_svc.engine import Engine, Sample
+from shared.environments.base import EnvironmentFactory
 from shared.environments.episode import Codec, Episode, run_episode
-from shared.environments.registry import load_environment
-from shared.environments.spec import EnvironmentSpec
+from shared.environments.spec import EpisodeLimits
 from shared.jobspec import MAX_SEED
 from shared.schema import PromptGroup, SamplingParams
 
@@ -141,10 +141,10 @@ class Played:
     turns: int  # model turns
 
 
-def run_groups(engine: Engine, spec: EnvironmentSpec, codec: Codec, groups: Sequence[PromptGroup]) -> Played:
+def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimits, codec: Codec,
+               groups: Sequence[PromptGroup]) -> Played:
     """Every group's n episodes, concurrently. A group with an episode that never reached a model
     turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all."""
-    factory = load_environment(spec)
     batcher = TurnBatcher(engine, active=sum(g.n for g in groups))
 
     async def one(g: PromptGroup, i: int) -> Episode:
@@ -159,7 +159,7 @@ def run_groups(engine: Engine, spec: EnvironmentSpec, codec: Codec, groups: Sequ
             return s.completion_ids, s.logprobs, s.finish_reason
 
         try:
-            return await run_episode(factory(), row_of(g), generate, codec, spec.limits)
+            return await run_episode(factory(), row_of(g), generate, codec, limits)
         finally:
             batcher.ended()
 

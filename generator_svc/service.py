@@ -57,6 +57,7 @@ from generator_svc.engine import prepare as prepare_engine
 from generator_svc.episodes import run_groups
 from shared.entry import Drained, drain_requested
 from shared.environments.episode import Codec, codec_for
+from shared.environments.registry import load_environment
 from shared.ids import sample_id
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, serve_metrics
@@ -418,6 +419,8 @@ class Generation:
         self.environment = ctx.spec.environment
         self.codec = (None if self.environment is None
                       else episode_codec(ctx.spec.model_path, ctx.spec.chat_template, ctx.spec.chat_template_kwargs))
+        # imported once, at start-up: an environment that fails to import fails the service naming why
+        self.make_env = None if self.environment is None else load_environment(self.environment)
 
     def tick(self) -> None:
         self.policy.beat()
@@ -468,8 +471,8 @@ class Generation:
         if self.environment is None:
             return self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
                                         [g.sampling for g in groups], [g.n for g in groups])
-        assert self.codec is not None
-        played = run_groups(self.engine, self.environment, self.codec, groups)
+        assert self.codec is not None and self.make_env is not None
+        played = run_groups(self.engine, self.make_env, self.environment.limits, self.codec, groups)
         self.metrics.episodes(played.turns, played.calls)
         return played.samples
 

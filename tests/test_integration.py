@@ -288,12 +288,7 @@ def test_two_generators_share_one_jobs_prompts(tmp_path, tiny_model):
             sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
         sup.start("reward", "reward_svc", {"JOB_ID": job_id})
         sup.start("trainer", "trainer_svc", {"JOB_ID": job_id})
-        deadline = time.monotonic() + 400
-        while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
-            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
-            assert time.monotonic() < deadline, sup.tail("trainer")
-            time.sleep(0.5)
-        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer")
+        _wait_finished(sup, ledger, job_id)
         assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"
     finally:
         sup.stop_all()
@@ -337,12 +332,7 @@ def test_two_async_generators_drop_nothing_for_staleness(tmp_path, tiny_model):
             sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
         sup.start("reward", "reward_svc", {"JOB_ID": job_id})
         sup.start("trainer", "trainer_svc", {"JOB_ID": job_id})
-        deadline = time.monotonic() + 400
-        while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
-            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
-            assert time.monotonic() < deadline, sup.tail("trainer")
-            time.sleep(0.5)
-        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer")
+        _wait_finished(sup, ledger, job_id)
     finally:
         sup.stop_all()
     samples = ledger.samples(job_id, kind="train", limit=10_000)
@@ -400,12 +390,7 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
         job_id = resp.json()["id"]
         for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
             sup.start(name, module, {"JOB_ID": job_id})
-        deadline = time.monotonic() + 400
-        while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
-            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
-            assert time.monotonic() < deadline, sup.tail("generator") + sup.tail("trainer")
-            time.sleep(0.5)
-        assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer") + sup.tail("generator")
+        _wait_finished(sup, ledger, job_id)
     finally:
         sup.stop_all()
     trained = [s for s in ledger.samples(job_id, kind="train", limit=10_000) if s["status"] == "trained"]
@@ -421,6 +406,16 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
     assert sum(r["metrics"]["tokens"] for r in steps_rows) == model_tokens
     result = verify(ledger, job_id)
     assert result.ok, [v.message for v in result.violations]
+
+
+def _wait_finished(sup: Supervisor, ledger: Ledger, job_id: str, timeout: float = 400) -> None:
+    """Until the job ends; it must end finished, with no service failed on the way."""
+    deadline = time.monotonic() + timeout
+    while ledger.get_job(job_id)["state"] not in ("finished", "failed"):
+        assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
+        assert time.monotonic() < deadline, sup.tail("trainer") + sup.tail("generator")
+        time.sleep(0.5)
+    assert ledger.get_job(job_id)["state"] == "finished", sup.tail("trainer") + sup.tail("generator")
 
 
 def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:

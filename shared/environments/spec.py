@@ -9,18 +9,15 @@ the environment itself is imported where episodes run (shared.environments.regis
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, field_validator
 
-from shared.rewards.spec import IMPORT_PATH
+from shared.rewards.spec import IMPORT_PATH, check_kwargs
 from shared.spectypes import CONTROL_CHARS, SpecModel
 
 ENVIRONMENTS = ("single_turn", "tools")
 """The built-in environments' names (shared.environments.registry.ENVIRONMENTS; a test keeps them in step)."""
-
-MAX_KWARGS_BYTES = 64 * 1024
 
 
 def _env_name(value: str) -> str:
@@ -62,17 +59,4 @@ class EnvironmentSpec(SpecModel):
     @field_validator("kwargs")
     @classmethod
     def _kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if len(v) > 64:
-            raise ValueError(f"kwargs has {len(v)} keys; at most 64")
-        try:
-            size = len(json.dumps(v, allow_nan=False))
-        except ValueError:
-            raise ValueError("kwargs holds a NaN or infinite number; JSON numbers must be finite") from None
-        except TypeError as exc:
-            raise ValueError(f"kwargs must be JSON values ({exc})") from None
-        if size > MAX_KWARGS_BYTES:
-            raise ValueError(f"kwargs is {size} bytes as JSON; at most {MAX_KWARGS_BYTES}")
-        bad = [k for k in v if not k.isidentifier()]
-        if bad:
-            raise ValueError(f"kwargs key {bad[0]!r} is not a Python identifier")
-        return v
+        return check_kwargs(v)

@@ -89,6 +89,29 @@ class _Strict(SpecModel):
 MAX_KWARGS_BYTES = 64 * 1024
 
 
+def check_kwargs(v: dict[str, Any]) -> dict[str, Any]:
+    """A plug-in's `kwargs` (a reward function's, an environment's): at most 64 keys, each a Python
+    identifier, JSON values with finite numbers, at most MAX_KWARGS_BYTES as JSON.
+
+    Raises:
+        ValueError: saying which rule it breaks.
+    """
+    if len(v) > 64:
+        raise ValueError(f"kwargs has {len(v)} keys; at most 64")
+    try:
+        size = len(json.dumps(v, allow_nan=False))
+    except ValueError:
+        raise ValueError("kwargs holds a NaN or infinite number; JSON numbers must be finite") from None
+    except TypeError as exc:
+        raise ValueError(f"kwargs must be JSON values ({exc})") from None
+    if size > MAX_KWARGS_BYTES:
+        raise ValueError(f"kwargs is {size} bytes as JSON; at most {MAX_KWARGS_BYTES}")
+    bad = [k for k in v if not k.isidentifier()]
+    if bad:
+        raise ValueError(f"kwargs key {bad[0]!r} is not a Python identifier")
+    return v
+
+
 _TIMEOUT = "Per-sample time budget in seconds (for a batched call: the whole call); over it the sample's status is `timeout`."
 _ON_FAILURE = (
     "What a timed-out or failed sample gets: `zero` (reward 0.0, status and reason recorded; the "
@@ -128,19 +151,7 @@ class PythonReward(_Strict):
     @field_validator("kwargs")
     @classmethod
     def _kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if len(v) > 64:
-            raise ValueError(f"kwargs has {len(v)} keys; at most 64")
-        try:
-            size = len(json.dumps(v, allow_nan=False))
-        except ValueError:
-            raise ValueError("kwargs holds a NaN or infinite number; JSON numbers must be finite") from None
-        except TypeError as exc:
-            raise ValueError(f"kwargs must be JSON values ({exc})") from None
-        if size > MAX_KWARGS_BYTES:
-            raise ValueError(f"kwargs is {size} bytes as JSON; at most {MAX_KWARGS_BYTES}")
-        for key in v:
-            if not key.isidentifier():
-                raise ValueError(f"kwargs key {key!r} is not a Python identifier")
+        for key in check_kwargs(v):
             if key in INPUT_NAMES or key in {f"{n}s" for n in INPUT_NAMES}:
                 raise ValueError(f"kwargs key {key!r} is a sample input the function receives anyway; rename it")
         return v
