@@ -132,6 +132,15 @@ def as_sample(ep: Episode) -> Sample | None:
                   ep.finish_reason, model_mask=bytes(ep.mask), turns=max(1, ep.num_turns), stop_reason=reason)
 
 
+def _opening_too_long(ep: Episode, limits: EpisodeLimits) -> str:
+    """What to do when an episode's opening alone fills its token budget."""
+    if ep.stop_reason != "max_tokens" or not ep.prompt_ids:
+        return ""
+    return (f" (the opening is {len(ep.prompt_ids)} tokens, limits.max_total_tokens {limits.max_total_tokens}: raise "
+            "it, the engine's context (GEN_MAX_MODEL_LEN, which caps it) or shorten the opening; the tools "
+            "environment's system prompt describes every tool offered)")
+
+
 @dataclass
 class Played:
     """A batch of groups played as episodes: per group its samples, or why it cannot be used."""
@@ -176,5 +185,5 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
         failed = next((e for e, s in zip(eps, samples, strict=True) if s is None), None)
         out.append([s for s in samples if s is not None] if failed is None
                    else f"episode {eps.index(failed)} of group {g.group_id} never reached a model turn: "
-                        f"{failed.stop_reason}")
+                        f"{failed.stop_reason}" + _opening_too_long(failed, limits))
     return Played(out, batcher.calls, batcher.turns)

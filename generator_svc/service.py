@@ -472,7 +472,10 @@ class Generation:
             return self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
                                         [g.sampling for g in groups], [g.n for g in groups])
         assert self.codec is not None and self.make_env is not None
-        played = run_groups(self.engine, self.make_env, self.environment.limits, self.codec, groups)
+        # an episode's context can never exceed the engine's (vLLM refuses the whole call otherwise)
+        limits = self.environment.limits.model_copy(update={"max_total_tokens": min(
+            self.environment.limits.max_total_tokens, self.settings.max_model_len)})
+        played = run_groups(self.engine, self.make_env, limits, self.codec, groups)
         self.metrics.episodes(played.turns, played.calls)
         return played.samples
 
