@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.schema import Manifest, SamplingParams
 
@@ -27,10 +27,11 @@ class Sample:
     text: str
     finish_reason: str | None
     # a multi-turn episode (generator_svc/episodes.py): 1 per model token, 0 per environment
-    # token (empty: all the model's); its model turns and why it ended
+    # token (empty: all the model's); its model turns, why it ended and its metrics
     model_mask: bytes = b""
     turns: int = 1
     stop_reason: str | None = None
+    env_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def prepare(*, kv_cache_gib: int = 1, in_process: bool = True) -> float:

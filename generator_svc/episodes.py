@@ -123,13 +123,14 @@ def row_of(group: PromptGroup) -> dict:
 
 
 def as_sample(ep: Episode) -> Sample | None:
-    """An episode as the engine's kind of sample, plus its mask, turns and stop reason; None for an
+    """An episode as the engine's kind of sample, plus its mask, turns, stop reason and metrics; None for an
     episode that never reached a model turn (its environment failed to start it)."""
     if not ep.prompt_ids or not ep.ids:
         return None
     reason = " ".join((ep.stop_reason or "").split())[:MAX_STOP_REASON] or None  # one line
     return Sample(list(ep.prompt_ids), list(ep.ids), [float(x) for x in ep.logprobs], ep.final_text,
-                  ep.finish_reason, model_mask=bytes(ep.mask), turns=max(1, ep.num_turns), stop_reason=reason)
+                  ep.finish_reason, model_mask=bytes(ep.mask), turns=max(1, ep.num_turns), stop_reason=reason,
+                  env_metrics=ep.metrics())
 
 
 def _opening_too_long(ep: Episode, limits: EpisodeLimits) -> str:

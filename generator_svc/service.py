@@ -237,6 +237,7 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             model_mask=s.model_mask,
             turns=s.turns,
             stop_reason=s.stop_reason,
+            env_metrics=s.env_metrics,
             answer=group.answer,
             prompt=group.prompt,
             metadata=group.metadata,

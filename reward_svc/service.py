@@ -75,7 +75,8 @@ async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -
     done = await asyncio.gather(*(
         scorers[k].score([
             RewardInput(prompt=rollouts[i].prompt, completion=rollouts[i].completion, answer=rollouts[i].answer,
-                        metadata=rollouts[i].metadata, finish_reason=rollouts[i].finish_reason)
+                        metadata=rollouts[i].metadata, finish_reason=rollouts[i].finish_reason,
+                        episode=rollouts[i].env_metrics)
             for i in idx
         ])
         for k, idx in groups.items()

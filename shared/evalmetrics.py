@@ -1,4 +1,4 @@
-"""Evaluation metrics over n samples per problem: mean@n, pass@k (unbiased), maj@k. Pure.
+"""Evaluation metrics over n samples per problem: mean@n, pass@k (unbiased), maj@k; episode means. Pure.
 
 Shared by the trainer's in-pipeline rounds and the offline checkpoint evaluation, so the two
 figures of one step are computed alike.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from shared.tasks import extract_answer
 
@@ -68,3 +68,13 @@ def round_metrics(
     if n > 1:
         out[f"maj@{n}"] = sum(majority_correct(c, r, threshold) for c, r in problems) / len(problems)
     return out
+
+
+def episode_means(per_sample: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """`env/<key>`: each episode metric's mean over the samples that carry it (Rollout.env_metrics;
+    a single-turn sample carries none, and nothing is returned for a batch of them)."""
+    sums: dict[str, list[float]] = {}
+    for m in per_sample:
+        for k, v in m.items():
+            sums.setdefault(k, []).append(v)
+    return {f"env/{k}": math.fsum(v) / len(v) for k, v in sums.items()}

@@ -203,6 +203,8 @@ class SamplingParams(BaseModel):
 # Row metadata (a dataset's other columns) travels as a msgpack map of JSON-like values. Opaque to
 # the pipeline (rewards read it; the ledger does not store it), so only decode's size limits apply.
 Metadata = dict[str, Any]
+MetricName = Annotated[Name, Field(min_length=1, max_length=64)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 # trainer_svc (feeder) -> generator_svc
@@ -321,6 +323,8 @@ class Rollout(Message):
     model_mask: bytes = b""
     turns: int = Field(1, ge=1, le=1 << 16)  # model turns in the episode
     stop_reason: Name | None = Field(None, max_length=2000)  # why the episode ended (shared/environments)
+    # the episode's figures (shared.environments.episode.Episode.metrics), e.g. the tool-call success rate
+    env_metrics: dict[MetricName, FiniteFloat] = Field(default_factory=dict, max_length=16)
 
     @model_validator(mode="after")
     def _arrays_consistent(self) -> Rollout:

@@ -404,6 +404,8 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
     # the loss's token count is the model's tokens only
     model_tokens = sum(s["num_completion_tokens"] - s["num_env_tokens"] for s in trained)
     assert sum(r["metrics"]["tokens"] for r in steps_rows) == model_tokens
+    # the environment's per-turn info, averaged per episode, then per step (env/<key>)
+    assert all(r["metrics"]["env/ok"] == 1.0 for r in steps_rows), [r["metrics"] for r in steps_rows][:1]
     result = verify(ledger, job_id)
     assert result.ok, [v.message for v in result.violations]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
-from shared.evalmetrics import round_metrics
+from shared.evalmetrics import episode_means, round_metrics
 from shared.ids import eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
 from shared.prompts import Rendered
@@ -130,9 +130,11 @@ class Evaluator:
                 entries += g.entries
             n = len(per_problem[0][1])
             metrics = round_metrics(per_problem, es.ks, es.pass_threshold)
+            episodes = episode_means([s.rollout.env_metrics for g in rnd.groups for s in g.samples.values()])
             self.ledger.record_used(used)
             self.ledger.record_eval(self.job_id, rnd.step, min(versions), max(versions), metrics[f"mean@{n}"],
-                                    len(used), name=rnd.name, metrics=metrics if n > 1 else None)
+                                    len(used), name=rnd.name,
+                                    metrics={**metrics, **episodes} if n > 1 or episodes else None)
             self.streams.ack(SCORED, GROUP_TRAINERS, entries)
             log.info("eval %s (%s) after step %d: reward %.3f %s (policy version %s)", rid, rnd.name, rnd.step,
                      metrics[f"mean@{n}"], {k: round(v, 3) for k, v in metrics.items() if not k.startswith("mean@")},

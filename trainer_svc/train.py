@@ -28,6 +28,7 @@ from broker.streams import (
     SCORED,
 )
 from shared.entry import Terminated
+from shared.evalmetrics import episode_means
 from shared.logs import set_context
 from shared.settings import TrainerSettings
 from trainer_svc.algorithms import staleness
@@ -175,6 +176,7 @@ def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, fl
         log.error("step %d: %d samples were already used in the ledger", st.step, twice)
     metrics = {
         **step_metrics,
+        **episode_means([s.rollout.env_metrics for s in batch.samples]),
         "off_policy/mean": float(np.mean(stale)),
         "off_policy/max": float(max(stale)),
         "off_policy/dropped": float(len(batch.dropped)),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
@@ -52,6 +53,8 @@ are the sampled tokens' logprobs, one per id; `finish_reason` is the engine's ("
 
 TurnKind = Literal["model", "env"]
 MAX_REASON = 2000  # a stop reason's length bound (Scored.reward_reason's)
+MAX_METRICS = 16  # an episode's metrics (Episode.metrics): at most this many, names this long
+MAX_METRIC_NAME = 64
 
 
 class TemplateDeltaError(ValueError):
@@ -272,6 +275,29 @@ class Episode:
     def rewards(self) -> list[float | None]:
         """Each model turn's reward, in order."""
         return [t.reward for t in self.turns if t.kind == "model"]
+
+    def metrics(self) -> dict[str, float]:
+        """The episode's figures from its turns: per info key with a number or bool value, its
+        mean over the model turns that carry it (the tools environment's `ok`: the share of its
+        calls that succeeded), and `reward`, the sum of the turns' rewards where any was given.
+        The first MAX_METRICS keys in turn order; non-finite values are skipped.
+
+        They travel with the sample (Rollout.env_metrics): the trainer logs each as `env/<key>`
+        per step and per evaluation round, and a reward function may read them (`episode`)."""
+        values: dict[str, list[float]] = {}
+        for t in self.turns:
+            if t.kind != "model":
+                continue
+            for k, v in t.info.items():
+                if (isinstance(k, str) and 0 < len(k) <= MAX_METRIC_NAME and k.isprintable()
+                        and isinstance(v, bool | int | float) and math.isfinite(v)
+                        and (k in values or len(values) < MAX_METRICS - 1)):
+                    values.setdefault(k, []).append(float(v))
+        out = {k: sum(v) / len(v) for k, v in values.items()}
+        given = [r for r in self.rewards if r is not None and math.isfinite(r)]
+        if given:
+            out["reward"] = float(sum(given))
+        return out
 
     def append_model(self, ids: Sequence[int], logprobs: Sequence[float], text: str, finish_reason: str | None) -> TurnRecord:
         """Append a model turn: exactly the sampled ids, mask 1, their logprobs.

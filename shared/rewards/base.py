@@ -22,6 +22,8 @@ class RewardInput:
         answer: the dataset row's reference answer ("" when the task has none).
         metadata: the row's other columns (test cases, ids, ...), JSON-like values.
         finish_reason: vLLM's, "stop" or "length" (None when unknown).
+        episode: a multi-turn episode's metrics (Rollout.env_metrics: the environment's per-turn
+            info averaged, `reward` the sum of its per-turn rewards); empty for a single turn.
     """
 
     prompt: str
@@ -29,16 +31,19 @@ class RewardInput:
     answer: str
     metadata: Mapping[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
+    episode: Mapping[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The wire form remote scorers receive (and worker processes, msgpack-encoded)."""
         return {"prompt": self.prompt, "completion": self.completion, "answer": self.answer,
-                "metadata": dict(self.metadata), "finish_reason": self.finish_reason}
+                "metadata": dict(self.metadata), "finish_reason": self.finish_reason,
+                "episode": dict(self.episode)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RewardInput:
         return cls(prompt=d["prompt"], completion=d["completion"], answer=d["answer"],
-                   metadata=d.get("metadata") or {}, finish_reason=d.get("finish_reason"))
+                   metadata=d.get("metadata") or {}, finish_reason=d.get("finish_reason"),
+                   episode=d.get("episode") or {})
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shared.sandbox import run_python
 from shared.tasks import extract_answer
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]  # (completion, answer) plus the keywords it names
 
 
 def _norm_number(s: str) -> str:
@@ -71,7 +71,15 @@ def python_exec(completion: str, answer: str) -> float:
     return 1.0 if lines and _norm_number(lines[-1]) == _norm_number(answer) else 0.0
 
 
+def environment(completion: str, answer: str, *, episode: Mapping[str, float]) -> float:
+    """The environment's own reward for a multi-turn episode: the sum of its per-turn rewards
+    (StepResult.reward; 0.0 where it gave none). As a term of a `sum` reward beside a verifier
+    it adds the environment's view to a verifier's."""
+    return float(episode.get("reward", 0.0))
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "environment": environment,
     "exact_match": exact_match,
     "math_verify": math_verify,
     "python_exec": python_exec,

@@ -3,16 +3,19 @@
 Calling convention (per sample, `batched: false`):
 
     def score(completion: str, answer: str, *, prompt: str, metadata: dict, finish_reason: str | None,
-              **kwargs) -> float | dict[str, float]
+              episode: dict[str, float], **kwargs) -> float | dict[str, float]
 
 `completion` and `answer` come positionally (the first two parameters, whatever their names);
-`prompt`, `metadata` (the dataset row's other columns) and `finish_reason` come by keyword, each
+`prompt`, `metadata` (the dataset row's other columns), `finish_reason` and `episode` (a multi-turn
+episode's metrics, shared.environments: `reward` the sum of the environment's per-turn rewards;
+empty for a single turn) come by keyword, each
 only if the signature names it (or takes **kwargs), so `def score(completion, answer)` is a valid
 reward; the spec's `kwargs` come by keyword too and must be accepted. `async def` works the same.
 Batched (`batched: true`), every input is a list of the same length and so is the return value:
 
     def score(completions: list[str], answers: list[str], *, prompts: list[str],
-              metadata: list[dict], finish_reasons: list[str | None], **kwargs) -> list[float | dict]
+              metadata: list[dict], finish_reasons: list[str | None], episodes: list[dict],
+              **kwargs) -> list[float | dict]
 
 A number is the reward. A dict of named numbers is the reward's components: the reward is their sum
 and each is logged by name (Scored.details). Anything else, or an exception, is status `error` with
@@ -124,11 +127,13 @@ class LoadedFunction:
                 "prompts": [it.prompt for it in items],
                 "metadata": [dict(it.metadata) for it in items],
                 "finish_reasons": [it.finish_reason for it in items],
+                "episodes": [dict(it.episode) for it in items],
             }
         else:
             (it,) = items
             pos = (it.completion, it.answer)
-            values = {"prompt": it.prompt, "metadata": dict(it.metadata), "finish_reason": it.finish_reason}
+            values = {"prompt": it.prompt, "metadata": dict(it.metadata), "finish_reason": it.finish_reason,
+                      "episode": dict(it.episode)}
         return pos, {**{k: values[k] for k in self.inputs}, **self.kwargs}
 
     def _results(self, value: Any, n: int) -> list[RewardResult]:
@@ -175,7 +180,8 @@ def load_function(spec: BuiltinReward | PythonReward) -> LoadedFunction:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {p.name for p in positional}
-    offered = ("prompts", "metadata", "finish_reasons") if batched else ("prompt", "metadata", "finish_reason")
+    offered = (("prompts", "metadata", "finish_reasons", "episodes") if batched
+               else ("prompt", "metadata", "finish_reason", "episode"))
     inputs = tuple(n for n in offered if takes_any or n in named)
     try:
         sig.bind(None, None, **dict.fromkeys(inputs), **extra)

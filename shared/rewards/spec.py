@@ -45,7 +45,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from shared.spectypes import CONTROL_CHARS, PrintableStr, SpecModel
 
-REWARDS = ("exact_match", "math_verify", "python_exec")
+REWARDS = ("environment", "exact_match", "math_verify", "python_exec")
 """The built-in reward functions' names (shared.rewards.builtin.REWARD_FUNCTIONS)."""
 
 OnFailure = Literal["zero", "drop"]
@@ -55,7 +55,7 @@ _ATTR = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 IMPORT_PATH = re.compile(rf"^(?:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*|[^:\s][^:]*\.py):{_ATTR}$")
 _IMPORT_PATH_HELP = "an import path 'package.module:function' or 'path/to/file.py:function'"
 # The arguments a reward function receives from the sample; the spec's kwargs may not shadow them.
-INPUT_NAMES = ("completion", "answer", "prompt", "metadata", "finish_reason")
+INPUT_NAMES = ("completion", "answer", "prompt", "metadata", "finish_reason", "episode")
 
 
 def _import_path(value: str) -> str:
@@ -124,7 +124,7 @@ class BuiltinReward(_Strict):
     """A built-in reward function by name (shared.rewards.builtin)."""
 
     kind: Literal["builtin"] = Field("builtin", description="Reward kind.")
-    name: Literal["exact_match", "math_verify", "python_exec"] = Field(
+    name: Literal["environment", "exact_match", "math_verify", "python_exec"] = Field(
         ..., description=f"Built-in function: one of {', '.join(REWARDS)}."
     )
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=_TIMEOUT)

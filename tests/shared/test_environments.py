@@ -37,6 +37,7 @@ from shared.environments import (
     render_reply_delta,
     run_episode,
 )
+from shared.environments import episode as env_episode
 from shared.environments import spec as env_spec
 from shared.environments.episode import plain_reply
 from shared.environments.tools import count_tool_calls
@@ -535,6 +536,30 @@ def test_tool_episode_plain_text() -> None:
     assert toy_decode(ep.ids[reply.start: reply.end]) == "\n<tool_response>\n42\n</tool_response>\n"
     calls = [t.info for t in ep.turns if t.kind == "model" and t.info.get("tool_call")]
     assert sum(i["ok"] for i in calls) / len(calls) == 1.0  # the tool-call success rate
+
+
+def test_episode_metrics_average_each_info_key_over_the_turns_that_carry_it() -> None:
+    # turn 0: a good call; turn 1: a call to an unknown tool; turn 2: the answer (no call)
+    good = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    bad = '<tool_call>{"name": "abacus", "arguments": {}}</tool_call>'
+    model = ScriptedModel([(good, "stop"), (bad, "stop"), ("42", "stop")])
+    roomy = LIMITS.model_copy(update={"max_total_tokens": 1000})
+    ep = run(run_episode(ToolEnv(tools=["calculator"], system_prompt=False), ROW, model, toy_codec(), roomy))
+    assert ep.stop_reason == "done"
+    # tool_call on all 3 turns (1, 1, 0); parsed and ok only on the 2 with a call: (1, 1), (1, 0);
+    # "tool" and "error" are strings, not figures
+    assert ep.metrics() == {"tool_call": 2 / 3, "parsed": 1.0, "ok": 0.5}
+
+
+def test_episode_metrics_sum_the_turn_rewards_and_skip_what_is_not_a_figure() -> None:
+    replies = [StepResult("r", reward=0.25, info={"x": 1, "nan": float("nan"), "s": "text"}),
+               StepResult("r", info={"x": True}), StepResult(reward=-1.0, done=True)]
+    model = ScriptedModel([("a", "stop")] * 3)
+    ep = run(run_episode(Scripted(replies), ROW, model, toy_codec(), LIMITS))
+    assert ep.metrics() == {"x": 1.0, "reward": -0.75}  # 0.25 + (none) + -1.0
+    many = [StepResult("r", info={f"k{i}": i for i in range(40)}), StepResult(done=True)]
+    ep = run(run_episode(Scripted(many), ROW, ScriptedModel([("a", "stop")] * 2), toy_codec(), LIMITS))
+    assert len(ep.metrics()) == env_episode.MAX_METRICS - 1  # room kept for "reward"
 
 
 # --- loading ----------------------------------------------------------------------------------------

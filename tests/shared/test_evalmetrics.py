@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from shared.evalmetrics import answer_key, majority_correct, pass_at_k, round_metrics
+from shared.evalmetrics import answer_key, episode_means, majority_correct, pass_at_k, round_metrics
 
 
 def test_pass_at_k_hand_computed():
@@ -38,3 +38,9 @@ def test_round_metrics_average_over_problems():
     assert round_metrics([(["1"], [1.0]), (["2"], [0.0])], [1], 1.0) == {"mean@1": 0.5, "pass@1": 0.5}
     with pytest.raises(ValueError, match="same number of samples"):
         round_metrics([(["1"], [1.0]), (["1", "2"], [1.0, 0.0])], [1], 1.0)
+
+
+def test_episode_means_average_each_key_over_the_samples_that_carry_it():
+    got = episode_means([{"ok": 1.0, "reward": 2.0}, {"ok": 0.0}, {}, {"ok": 0.5}])
+    assert got == {"env/ok": pytest.approx(0.5), "env/reward": 2.0}  # ok: (1 + 0 + 0.5) / 3
+    assert episode_means([{}, {}]) == {}  # single-turn samples: nothing

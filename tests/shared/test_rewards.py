@@ -66,10 +66,10 @@ def test_math_verify(completion, answer, expected):
 
 def test_reward_registry_by_name():
     assert get_reward_fn("exact_match") is exact_match
-    assert set(REWARD_FUNCTIONS) == {"exact_match", "math_verify", "python_exec"}
+    assert set(REWARD_FUNCTIONS) == {"environment", "exact_match", "math_verify", "python_exec"}
     assert tuple(REWARD_FUNCTIONS) == REWARDS  # the spec's names are the functions'
     with pytest.raises(
-        ValueError, match="unknown reward function 'f1'; valid: \\['exact_match', 'math_verify', 'python_exec'\\]"
+        ValueError, match="unknown reward function 'f1'; valid: \\['environment', 'exact_match', 'math_verify', 'python_exec'\\]"
     ):
         get_reward_fn("f1")
 
@@ -114,7 +114,7 @@ def test_every_shape_validates_and_round_trips_through_the_job_spec(reward):
 @pytest.mark.parametrize(
     ("reward", "message"),
     [
-        ("bleu", "unknown reward 'bleu': give a built-in name (exact_match, math_verify, python_exec)"),
+        ("bleu", "unknown reward 'bleu': give a built-in name (environment, exact_match, math_verify, python_exec)"),
         ("my rewards:score", "unknown reward"),
         ({"kind": "bleu"}, "'kind' is one of: builtin, python, sum, http, judge, model"),
         ({"name": "exact_match"}, "'kind' is one of"),
@@ -266,8 +266,21 @@ def test_a_sync_function_from_a_file_gets_the_inputs_its_signature_names(plugin,
     (r,) = score(f"{plugin}:plain", [item("42", "42")], workers)  # the bare string form
     assert r.reward == 1.0
     (r,) = score({"kind": "python", "function": f"{plugin}:takes_any", "kwargs": {"scale": 3}}, [item()], workers)
-    # **kwargs: every input (prompt, metadata, finish_reason) plus the spec's kwarg
-    assert r.components == {"keys": 4.0, "scale": 3.0} and r.reward == 7.0
+    # **kwargs: every input (prompt, metadata, finish_reason, episode) plus the spec's kwarg
+    assert r.components == {"keys": 5.0, "scale": 3.0} and r.reward == 8.0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_environment_reward_is_the_episodes_own(workers):
+    episode = {"ok": 1.0, "reward": 0.75}
+    results = score({"kind": "builtin", "name": "environment"},
+                    [item(episode=episode), item()], workers)  # the second: single-turn, no episode
+    assert [r.reward for r in results] == [0.75, 0.0]
+    # weighted with a verifier: the environment's view added to exact match
+    (r,) = score({"kind": "sum", "terms": [{"name": "verifier", "reward": "exact_match"},
+                                            {"name": "env", "reward": "environment", "weight": 0.5}]},
+                 [item("42", "42", episode=episode)], workers)
+    assert r.reward == pytest.approx(1.0 + 0.375)
 
 
 def test_a_module_on_the_path_loads_in_worker_processes_too(plugin, monkeypatch):

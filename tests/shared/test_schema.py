@@ -407,6 +407,10 @@ def rollout_body(**changes) -> bytes:
         ({"msg_id": "m\x00"}, "msg_id"),
         ({"completion_ids": b"\x00\x00\x00\x80", "logprobs": pack_f32([-1.0])}, "completion_ids"),  # -2**31
         ({"prompt_ids": "abcd"}, "prompt_ids"),  # str for bytes
+        ({"env_metrics": {"ok": float("nan")}}, "env_metrics"),
+        ({"env_metrics": {f"k{i}": 1.0 for i in range(17)}}, "env_metrics"),
+        ({"env_metrics": {"x" * 65: 1.0}}, "env_metrics"),
+        ({"env_metrics": {"ok": "yes"}}, "env_metrics"),
     ],
 )
 def test_rollout_values_are_checked_at_the_boundary(changes, where) -> None:
