@@ -13,6 +13,11 @@ string. `step` gets the model's turn (its text and the token ids it sampled) and
 to append (may be empty), an optional reward for that turn, whether the episode is over, and an
 optional info dict. A plain dict with those keys is accepted for a StepResult.
 
+Optionally, `metrics() -> dict[str, float]` (plain or `async def`), called once when the episode
+has ended: episode-level figures (the tools environment's `tool_success`). They and the info's
+numbers, averaged over turns, travel with the sample; the trainer logs them as `env/<key>` per
+step and per evaluation round, and reward functions may read them (`episode=`).
+
 Where they run (shared.environments.episode.run_episode): `async def` methods in the event loop
 that runs every episode (they must not block it); plain methods in a thread (`asyncio.to_thread`).
 Each call has the time budget `EpisodeLimits.step_timeout_s`; an exception, a timeout or a return

@@ -214,6 +214,12 @@ def codec_for(tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mappin
 # --- the episode ----------------------------------------------------------------------------------
 
 
+def _figure(key: Any, value: Any) -> bool:
+    """A metric an episode can carry: a short printable name and a finite number (or bool)."""
+    return (isinstance(key, str) and 0 < len(key) <= MAX_METRIC_NAME and key.isprintable()
+            and isinstance(value, bool | int | float) and math.isfinite(value))
+
+
 @dataclass(frozen=True)
 class TurnRecord:
     """One turn of an episode.
@@ -256,6 +262,7 @@ class Episode:
     messages: list[Message] = field(default_factory=list)  # the conversation, for templates and logs
     stop_reason: str | None = None
     finish_reason: str | None = None  # the engine's, of the last model turn
+    env_metrics: dict[str, Any] = field(default_factory=dict)  # the environment's own metrics(), if any
 
     @property
     def num_turns(self) -> int:
@@ -277,26 +284,28 @@ class Episode:
         return [t.reward for t in self.turns if t.kind == "model"]
 
     def metrics(self) -> dict[str, float]:
-        """The episode's figures from its turns: per info key with a number or bool value, its
-        mean over the model turns that carry it (the tools environment's `ok`: the share of its
-        calls that succeeded), and `reward`, the sum of the turns' rewards where any was given.
-        The first MAX_METRICS keys in turn order; non-finite values are skipped.
+        """The episode's figures: per info key with a number or bool value, its mean over the
+        model turns that carry it (the tools environment's `ok`: the share of its calls that
+        succeeded); `reward`, the sum of the turns' rewards where any was given; then what the
+        environment's own `metrics()` returned at the end (an episode-level figure such as the
+        tools environment's `tool_success`), over a turn average of the same name. The first
+        MAX_METRICS keys; non-finite values, non-numbers and bad names are skipped.
 
         They travel with the sample (Rollout.env_metrics): the trainer logs each as `env/<key>`
         per step and per evaluation round, and a reward function may read them (`episode`)."""
         values: dict[str, list[float]] = {}
         for t in self.turns:
-            if t.kind != "model":
-                continue
-            for k, v in t.info.items():
-                if (isinstance(k, str) and 0 < len(k) <= MAX_METRIC_NAME and k.isprintable()
-                        and isinstance(v, bool | int | float) and math.isfinite(v)
-                        and (k in values or len(values) < MAX_METRICS - 1)):
-                    values.setdefault(k, []).append(float(v))
+            if t.kind == "model":
+                for k, v in t.info.items():
+                    if _figure(k, v) and (k in values or len(values) < MAX_METRICS - 1):
+                        values.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in values.items()}
         given = [r for r in self.rewards if r is not None and math.isfinite(r)]
         if given:
             out["reward"] = float(sum(given))
+        for k, v in self.env_metrics.items():
+            if _figure(k, v) and (k in out or len(out) < MAX_METRICS):
+                out[k] = float(v)
         return out
 
     def append_model(self, ids: Sequence[int], logprobs: Sequence[float], text: str, finish_reason: str | None) -> TurnRecord:
@@ -366,7 +375,8 @@ def _error(where: str, exc: BaseException) -> str:
 
 
 async def run_episode(env: Environment, row: Row, generate: Generate, codec: Codec, limits: EpisodeLimits) -> Episode:
-    """Play one episode: start, then model turn -> environment step until done or a limit.
+    """Play one episode: start, then model turn -> environment step until done or a limit; then
+    the environment's own `metrics()`, where it has one (see `Episode.metrics`).
 
     Never raises for the environment: its exception, a call over `limits.step_timeout_s` or a
     return value of the wrong shape ends this episode with the reason (`Episode.stop_reason`), and
@@ -384,6 +394,18 @@ async def run_episode(env: Environment, row: Row, generate: Generate, codec: Cod
     Raises:
         ValueError: generate returned ids and logprobs of different lengths.
     """
+    ep = await _play(env, row, generate, codec, limits)
+    own = getattr(env, "metrics", None)
+    if callable(own) and ep.ids:
+        try:
+            value = await _call(lambda _: own(), None, limits.step_timeout_s)
+            ep.env_metrics = dict(value) if isinstance(value, Mapping) else {}
+        except Exception:  # figures only: a failing metrics() costs the episode nothing else
+            ep.env_metrics = {}
+    return ep
+
+
+async def _play(env: Environment, row: Row, generate: Generate, codec: Codec, limits: EpisodeLimits) -> Episode:
     timeout = limits.step_timeout_s
     try:
         opening = coerce_opening(await _call(env.start, row, timeout))

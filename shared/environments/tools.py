@@ -13,7 +13,8 @@ the episode.
 
 Each turn's info records `tool_call` (the turn has one), `parsed` (it is well-formed JSON with a
 name), `ok` (the tool ran and succeeded), and `tool` and `error` where known: the tool-call
-success rate is the mean of `ok` over turns with `tool_call`.
+success rate is the mean of `ok` over turns with `tool_call`. The episode's `metrics()`:
+`tool_calls` (how many) and `tool_success` (1.0 when at least one ran and succeeded).
 """
 
 from __future__ import annotations
@@ -236,6 +237,11 @@ class ToolEnv:
         self.tools = {name: every[name] for name in tools}
         self.system_prompt = system_prompt
         self.max_output_chars = max_output_chars
+        self.calls = self.calls_ok = 0  # this episode's
+
+    def metrics(self) -> dict[str, float]:
+        """The episode's tool use: `tool_calls` and `tool_success` (any call ran and succeeded)."""
+        return {"tool_calls": float(self.calls), "tool_success": float(self.calls_ok > 0)}
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
@@ -261,6 +267,7 @@ class ToolEnv:
 
     def step(self, turn: ModelTurn) -> StepResult:
         calls = count_tool_calls(turn.text)
+        self.calls += calls > 0
         try:
             call = parse_tool_call(turn.text)
         except ToolCallError as exc:
@@ -275,6 +282,7 @@ class ToolEnv:
             result, info["ok"] = tool.run(call.arguments), True
         except ToolError as exc:
             result, info["ok"], info["error"] = f"error: {exc}", False, str(exc)
+        self.calls_ok += info["ok"]
         if calls > 1:
             result += f"\n(only the first tool call of a turn runs; {calls - 1} more ignored)"
         return StepResult(result, info=info)

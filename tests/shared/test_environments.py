@@ -548,7 +548,22 @@ def test_episode_metrics_average_each_info_key_over_the_turns_that_carry_it() ->
     assert ep.stop_reason == "done"
     # tool_call on all 3 turns (1, 1, 0); parsed and ok only on the 2 with a call: (1, 1), (1, 0);
     # "tool" and "error" are strings, not figures
-    assert ep.metrics() == {"tool_call": 2 / 3, "parsed": 1.0, "ok": 0.5}
+    # and the environment's own: two calls, one succeeded
+    assert ep.metrics() == {"tool_call": 2 / 3, "parsed": 1.0, "ok": 0.5, "tool_calls": 2.0, "tool_success": 1.0}
+    direct = run(run_episode(ToolEnv(tools=["calculator"], system_prompt=False), ROW,
+                             ScriptedModel([("41", "stop")]), toy_codec(), roomy))
+    assert direct.metrics() == {"tool_call": 0.0, "tool_calls": 0.0, "tool_success": 0.0}
+
+
+class FailingMetrics(Scripted):
+    def metrics(self) -> dict:
+        raise RuntimeError("no figures today")
+
+
+def test_an_environment_whose_metrics_fail_loses_only_its_figures() -> None:
+    ep = run(run_episode(FailingMetrics([StepResult(done=True, info={"x": 2})]), ROW,
+                         ScriptedModel([("a", "stop")]), toy_codec(), LIMITS))
+    assert ep.stop_reason == "done" and ep.metrics() == {"x": 2.0}
 
 
 def test_episode_metrics_sum_the_turn_rewards_and_skip_what_is_not_a_figure() -> None:
