@@ -24,6 +24,7 @@ step when it comes, or dropped there as too stale (the safety net again).
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 import time
@@ -105,6 +106,15 @@ class Batch:
     data: TrainBatch | None = None  # `samples` as tensors, once whole
 
 
+DEAD_STREAK_MIN = 32
+
+
+def dead_streak_limit(spec: JobSpec) -> int:
+    """Training groups in a row that may dead-letter before the job fails: four steps' worth, at
+    least DEAD_STREAK_MIN (a healthy run loses a group now and then, never four steps in a row)."""
+    return max(DEAD_STREAK_MIN, 4 * spec.prompts_per_step)
+
+
 class TrainSink:
     def __init__(self, spec: JobSpec, streams: JobStreams, ledger, feeder: Feeder, evaluator: Evaluator,
                  guard: CollapseGuard, vocab_size: int):
@@ -120,6 +130,7 @@ class TrainSink:
         self.trained_around: set[str] = set()  # groups a step went past (logged once each)
         self.taken_at: deque[float] = deque(maxlen=9)  # when the recent batches were complete
         self.clock = time.monotonic
+        self.dead_streak: list[str] = []  # why each training group dead-lettered since one last completed
 
     # --- in ------------------------------------------------------------------------------------
 
@@ -164,6 +175,7 @@ class TrainSink:
                                  "journal write)")
         else:
             self.ready[g.group_id] = g
+            self.dead_streak.clear()
 
     def _settle_unknown(self, g: Group, version: int, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
@@ -184,6 +196,25 @@ class TrainSink:
             self.evaluator.dead(g)
         self.feeder.done(g.group_id)
         log.warning("group %s: %s", g.group_id, why)
+        if g.purpose == "train":
+            self.dead_streak.append(why)
+            self._check_progress()
+
+    def _check_progress(self) -> None:
+        """A job whose every training group dead-letters (an environment that cannot start, an
+        opening longer than the engine's context, a reward that always fails) would otherwise feed
+        and wait until someone stops it: after `dead_streak_limit()` in a row with none complete
+        between, it fails, saying why.
+
+        Raises:
+            RuntimeError: the streak's reasons, the most frequent first.
+        """
+        if len(self.dead_streak) < dead_streak_limit(self.spec):
+            return
+        counts = collections.Counter(self.dead_streak)
+        reasons = "; ".join(f"{n} x {why}" for why, n in counts.most_common(3))
+        raise RuntimeError(f"the last {len(self.dead_streak)} training groups were all dead-lettered and none "
+                           f"completed, so the job cannot make progress: {reasons}"[:2000])
 
     # --- a resume's replayed steps -------------------------------------------------------------
 

@@ -28,9 +28,9 @@ from shared.schema import (
 from shared.staleness_bound import admission_floor, min_generation_version, slot_versions
 from shared.tasks import Problem
 from trainer_svc.evaluation import Evaluator
-from trainer_svc.feeder import Feeder
+from trainer_svc.feeder import Feeder, Group
 from trainer_svc.guard import CollapseGuard
-from trainer_svc.sink import ORDER_WAIT_MIN_S, TrainSink
+from trainer_svc.sink import ORDER_WAIT_MIN_S, TrainSink, dead_streak_limit
 from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())
@@ -217,6 +217,43 @@ def test_a_group_whose_generator_died_is_trained_around_after_a_bounded_wait(str
     job.sink.taken_at.clear()
     job.sink.taken_at.extend([0.0, 5.0, 10.0, 15.0])
     assert job.sink.order_wait_s() == 10.0
+
+
+class _Rows:
+    """The ledger's record_used, counted."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def record_used(self, items: list[dict]) -> int:
+        self.rows += items
+        return len(items)
+
+
+def test_a_job_whose_every_group_dead_letters_fails_saying_why(streams):
+    """An environment that cannot start its episodes (or an opening longer than the context)
+    dead-letters every group: the trainer would feed and wait forever. After dead_streak_limit
+    groups in a row with none complete it fails, the reason in the error; one completed group
+    between restarts the count, so a healthy run that loses a group now and then never trips."""
+    job = _Job(streams, _spec(max_staleness=1))
+    job.sink.ledger = _Rows()
+    limit = dead_streak_limit(job.spec)
+    assert limit == 32  # 4 steps of 2 prompts, floored at DEAD_STREAK_MIN
+
+    def dead(i: int, why: str) -> Group:
+        return Group(f"job1/dead{i}", 2, dead={0: why, 1: why})
+
+    for i in range(limit - 1):
+        job.sink._route(dead(i, "env_error: start failed"), 0)
+    job.feeder.top_up(0, job.k)
+    job.arrive(job.feeder.feed_order()[0], 0)  # one completes
+    assert job.sink.dead_streak == []
+    for i in range(limit - 1):
+        job.sink._route(dead(100 + i, "env_error: the opening is 821 tokens"), 0)
+    with pytest.raises(RuntimeError, match=r"last 32 training groups were all dead-lettered .* 32 x dead-lettered: "
+                                           r"env_error: the opening is 821 tokens"):
+        job.sink._route(dead(999, "env_error: the opening is 821 tokens"), 0)
+    assert len(job.sink.ledger.rows) == 2 * (2 * limit - 1)  # every dead group's samples dropped in the ledger
 
 
 def test_a_dropped_group_lets_the_next_in_feed_order_move_up(streams):
