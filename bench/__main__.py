@@ -22,7 +22,8 @@ def main(
         "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; steps: per-step time per role and "
         "phase at the demo's size, async / max(T_gen, T_train); admission: samples dropped for staleness with 1, 2 "
         "and 4 generators (the demo job); startup: command -> first trained step and its "
-        "breakdown per service (--seeds: repetitions, --before DIR: code before)."
+        "breakdown per service (--seeds: repetitions, --before DIR: code before); multiturn: the tools environment "
+        "demonstration (warm start, RL, tool success and held-out curves, the retokenization check)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -65,6 +66,10 @@ def main(
         from bench.admission import bench_admission
 
         bench_admission(label, steps=steps or 60, generators=tuple(int(g) for g in generators.split(",")), out_dir=out)
+    elif which == "multiturn":
+        from bench.multiturn import bench_multiturn
+
+        bench_multiturn(out_dir=out, steps=steps or 60)
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -81,7 +86,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup")
+                                "steps, admission, startup, multiturn")
 
 
 if __name__ == "__main__":
