@@ -2,7 +2,7 @@
 
 Semantics: consumers read with XREADGROUP, handle, write the ledger, publish downstream, then
 XACK. Entries left pending by a dead consumer are reclaimed with XAUTOCLAIM after
-`claim_idle_ms`; an entry delivered more than `max_deliveries` times, or one that fails decoding or
+`claim_idle_ms` (a live consumer whose work outlasts that keeps its entries with `touch`); an entry delivered more than `max_deliveries` times, or one that fails decoding or
 validation, goes to `{job}:dead` with the reason and is acked so the consumer keeps going.
 
 Bounded memory: every read is sized on the server before anything is transferred (the `_READ`
@@ -85,6 +85,23 @@ if added then redis.pcall('PUBLISH', ARGV[4], '') end
 return out
 """
 
+
+# touch: KEYS = (stream,); ARGV = group, consumer, entry ids. Each entry still pending for the
+# consumer is XCLAIMed by it again with JUSTID: its idle time starts over, its delivery count is
+# kept. Returns 1 per entry held, 0 per entry acked or taken over (left alone).
+_TOUCH = """
+local out = {}
+for i = 3, #ARGV do
+  local held = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #held == 1 then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
 
 # -- bounded reads -----------------------------------------------------------------------------
 # _READ: one script for every read, so a consumer never receives an entry it has not sized.
@@ -341,6 +358,7 @@ class JobStreams:
         self._claim_cursor: dict[tuple[str, str], str] = {}
         self._publish_script: Any = None
         self._read_script: Any = None
+        self._touch_script: Any = None
         self._scripted = True  # False once the server refused EVALSHA (no @scripting): plain reads
         self._wakeups: dict[str, Any] = {}  # stream -> its subscribed wake-up channel (redis PubSub)
         self._no_wakeups = False  # True once subscribing failed (no @pubsub in the ACL): plain polling
@@ -532,6 +550,36 @@ class JobStreams:
                 pipe.publish(self._wake_channel(stream), b"")
                 pipe.execute()
         return owned
+
+    def touch(self, c: Consumer, entry_ids: list[str]) -> list[bool]:
+        """Reset the idle time of the entries consumer `c` still holds (XCLAIM by their owner with
+        JUSTID: the delivery count is kept), so that no other consumer reclaims work `c` is still
+        doing; returns which entries `c` held. An entry acked or taken over meanwhile is left
+        alone, never taken back.
+
+        For work that can outlast `claim_idle_ms` (a batch of multi-turn episodes): call it more
+        often than that while the work makes progress; a consumer that dies (or hangs) stops
+        calling it, and its entries are reclaimed as before.
+        """
+        if not entry_ids:
+            return []
+        if self._scripted:
+            if self._touch_script is None:
+                self._touch_script = self.r.register_script(_TOUCH)
+            try:
+                held = self._touch_script(keys=[self.key(c.stream)], args=[c.group, c.name, *entry_ids])
+                return [bool(x) for x in held]
+            except NoPermissionError as exc:
+                self._no_scripts(exc)
+        # Without scripts the check and the claim are two steps: an entry taken over in between
+        # would be taken back (its new holder's publish_if_owned then publishes nothing).
+        out = []
+        for eid in entry_ids:
+            held = self.r.xpending_range(self.key(c.stream), c.group, min=eid, max=eid, count=1, consumername=c.name)
+            if held:
+                self.r.xclaim(self.key(c.stream), c.group, c.name, 0, [eid], justid=True)
+            out.append(bool(held))
+        return out
 
     def _group_read(self, c: Consumer, mode: str, count: int, *, start: str = "",
                     min_idle_ms: int = 0) -> tuple[str, list[_Entry]] | None:

@@ -20,6 +20,18 @@ being its longest episode's.
 
 The engine call blocks the loop while it runs: sync environments' steps go on in their threads
 meanwhile; an `async def` environment's awaits resume between engine calls.
+
+Holding the batch's prompt entries. A batch of episodes can outlast the consumer group's
+`claim_idle_ms` (tools that take seconds, many turns), after which another generator would take
+the entries over from this live one as if it were dead: both would play the groups, only one
+publish, and a pair of generators could hand a batch back and forth until its delivery count
+dead-letters it. So while the episodes play, `run_groups` calls `keepalive` (the generator's
+`JobStreams.touch` of the batch's entries) every `keepalive_s`, from a task on the episodes' loop
+and in a thread of its own: only while the loop turns (a process wedged in an engine call or in a
+blocking `async def` step stops touching, and its entries are reclaimed as before), never queued
+behind the environments' steps in the default executor. A SIGKILLed generator touches nothing:
+its entries go idle and are reclaimed, or re-read by its restarted self, and played from the start
+(an episode lives only in this process until its batch is published).
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from generator_svc.engine import Engine, Sample
@@ -36,6 +50,8 @@ from shared.environments.episode import Codec, Episode, run_episode
 from shared.environments.spec import EpisodeLimits
 from shared.jobspec import MAX_SEED
 from shared.schema import PromptGroup, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_REASON = 2000
 
@@ -152,9 +168,13 @@ class Played:
 
 
 def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimits, codec: Codec,
-               groups: Sequence[PromptGroup]) -> Played:
+               groups: Sequence[PromptGroup], keepalive: Callable[[], object] | None = None,
+               keepalive_s: float = 20.0) -> Played:
     """Every group's n episodes, concurrently. A group with an episode that never reached a model
-    turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all."""
+    turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all.
+
+    `keepalive`, when given, is called at the start and then every `keepalive_s` while the
+    episodes play (the module docstring: holding the batch's prompt entries); its errors are logged."""
     batcher = TurnBatcher(engine, active=sum(g.n for g in groups))
 
     async def one(g: PromptGroup, i: int) -> Episode:
@@ -173,10 +193,30 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
         finally:
             batcher.ended()
 
+    async def keep(pool: ThreadPoolExecutor) -> None:
+        assert keepalive is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await loop.run_in_executor(pool, keepalive)
+            except Exception as exc:  # a missed touch is retried at the next one
+                log.warning("keeping the batch's prompt entries claimed failed: %s", exc)
+            await asyncio.sleep(keepalive_s)
+
     async def play() -> list[Episode]:
-        episodes = asyncio.gather(*(one(g, i) for g in groups for i in range(g.n)))
-        await batcher.serve()
-        return await episodes
+        pool = ThreadPoolExecutor(1, thread_name_prefix="keepalive") if keepalive is not None else None
+        holder = None if pool is None else asyncio.create_task(keep(pool))
+        try:
+            episodes = asyncio.gather(*(one(g, i) for g in groups for i in range(g.n)))
+            await batcher.serve()
+            return await episodes
+        finally:
+            if holder is not None:
+                holder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await holder
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)  # a touch riding out a Redis outage is let be
 
     flat = iter(asyncio.run(play()))
     out: list[list[Sample] | str] = []

@@ -9,7 +9,8 @@ engine cannot take (a prompt that fills the context) goes to the dead-letter str
 reason before the call; the rest of the batch is generated.
 
 Partial rollouts across restarts. A restarted generator (same GEN_GENERATOR_ID) first generates the
-entries it left pending; another replica reclaims a dead one's after `claim_idle_ms`. Publishing is
+entries it left pending; another replica reclaims a dead one's after `claim_idle_ms` (a live one
+keeps a batch of episodes that outlasts it claimed: generator_svc/episodes.py). Publishing is
 conditional on still holding the entry, so of two generations of one group (a reclaim raced a slow
 but live generator, or a kill fell between publish and ack) exactly one reaches the streams. The
 ledger write comes after the publish because only the published copy may be recorded; a kill in
@@ -454,7 +455,7 @@ class Generation:
         phases = self.metrics.phases
         t0 = time.perf_counter()
         with phases.span("generate"):
-            results = self._generate(groups)
+            results = self._generate(groups, [d.entry_id for d, _ in units])
         dt = time.perf_counter() - t0
         self.turns.rest()  # asleep before the rollouts exist: the trainer may then take the device
         per_entry = entry_rollouts(units, results, self.policy.version, self.consumer.name, self.streams)
@@ -466,9 +467,11 @@ class Generation:
                         published.count(False), len(units))
         self._record(rollouts, len(groups), dt)
 
-    def _generate(self, groups: list[PromptGroup]) -> list:
+    def _generate(self, groups: list[PromptGroup], entry_ids: list[str]) -> list:
         """Per group its n samples (one engine call), or, with an environment, its n episodes
-        played concurrently (a string where the group's episodes cannot be used)."""
+        played concurrently (a string where the group's episodes cannot be used). While episodes
+        play, the batch's prompt entries (`entry_ids`) are kept claimed: touched three times per
+        claim_idle_ms, so no other generator takes over a batch that outlasts it (episodes.py)."""
         if self.environment is None:
             return self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
                                         [g.sampling for g in groups], [g.n for g in groups])
@@ -476,7 +479,9 @@ class Generation:
         # an episode's context can never exceed the engine's (vLLM refuses the whole call otherwise)
         limits = self.environment.limits.model_copy(update={"max_total_tokens": min(
             self.environment.limits.max_total_tokens, self.settings.max_model_len)})
-        played = run_groups(self.engine, self.make_env, limits, self.codec, groups)
+        played = run_groups(self.engine, self.make_env, limits, self.codec, groups,
+                            keepalive=lambda: self.streams.touch(self.consumer, entry_ids),
+                            keepalive_s=self.streams.claim_idle_ms / 3000)
         self.metrics.episodes(played.turns, played.calls)
         return played.samples
 

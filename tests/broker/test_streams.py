@@ -239,6 +239,38 @@ def test_idle_entries_are_reclaimed_by_another_consumer(make: MakeStreams) -> No
     assert b.pending_count(PROMPTS, G) == 0
 
 
+def test_touch_keeps_a_live_consumers_entries_from_being_reclaimed(make: MakeStreams) -> None:
+    """A consumer whose work outlasts claim_idle_ms (a batch of multi-turn episodes) touches its
+    entries: another consumer does not take them over while it does, and does once it stops (it
+    died). The touch keeps the delivery count."""
+    a, b = make(claim_idle_ms=200), make(claim_idle_ms=200)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(0), prompt(1)])
+    assert [d.entry_id for d in consume(a, "A")] == ids
+    for _ in range(4):  # 0.48 s of work, more than twice claim_idle_ms, touched every 0.12 s
+        time.sleep(0.12)
+        assert a.touch(reader("A"), ids) == [True, True]
+        assert consume(b, "B") == []  # never idle long enough
+    time.sleep(0.3)  # A is gone: no more touches
+    got = consume(b, "B")
+    assert [(d.entry_id, d.deliveries) for d in got] == [(ids[0], 2), (ids[1], 2)]
+
+
+def test_touch_leaves_entries_acked_or_taken_over_alone(make: MakeStreams) -> None:
+    a, b = make(claim_idle_ms=300), make(claim_idle_ms=300)
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(0), prompt(1), prompt(2)])
+    assert len(consume(a, "A")) == 3
+    a.ack(PROMPTS, G, [ids[0]])
+    time.sleep(0.35)
+    assert a.touch(reader("A"), [ids[1]]) == [True]
+    assert [d.entry_id for d in consume(b, "B")] == [ids[2]]  # idle: taken over; ids[1] was just touched
+    assert a.touch(reader("A"), ids) == [False, True, False]  # acked / held / taken over: not taken back
+    owners = {p["message_id"].decode(): p["consumer"].decode() for p in a.r.xpending_range(a.key(PROMPTS), G, "-", "+", 10)}
+    assert owners == {ids[1]: "A", ids[2]: "B"}
+    assert a.touch(reader("A"), []) == []
+
+
 def test_too_many_deliveries_go_to_the_dead_stream(make: MakeStreams) -> None:
     a, b = make(claim_idle_ms=50, max_deliveries=2), make(claim_idle_ms=50, max_deliveries=2)
     a.ensure_group(PROMPTS, G)
@@ -537,6 +569,7 @@ def test_without_scripting_reads_fall_back_to_plain_commands(embedded_redis: Emb
         assert dead.entry_id == big and dead.code == "oversized"
         time.sleep(0.08)
         assert [d.entry_id for d in consume(js, "c2")] == ok  # reclaim by XAUTOCLAIM
+        assert js.touch(reader("c2"), ok) == [True, True] and js.touch(reader("c1"), ok) == [False, False]
         assert js.publish_if_owned(reader("c2"), CONTROL, [(ok[0], [prompt(7)])]) == [True]
         assert js.publish_if_owned(reader("c2"), CONTROL, [(ok[0], [prompt(7)])]) == [False]  # acked
         assert js.read_broadcast(CONTROL, "0", PromptGroup)[1] == [prompt(7)]

@@ -75,14 +75,6 @@ RESULTS = Path(__file__).resolve().parents[2] / "results" / "chaos.md"
 RESULTS_JSON = RESULTS.with_suffix(".json")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
-
-
 def _last_activity(ledger: Ledger, job_id: str, role: str, name: str) -> float | None:
     """When `name` last did useful work, by the ledger: a generator's newest sample row, the
     reward service's newest scored sample, the trainer's newest step."""
