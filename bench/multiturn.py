@@ -55,10 +55,11 @@ from bench.claims import machine
 console = Console()
 
 N_TEST = 100
-TEACHER_TOOL_SHARE = 0.25
-SFT_STEPS = 400
-SFT_LR = 1e-3
+TEACHER_TOOL_SHARE = 0.5
+SFT_STEPS = 1000
+SFT_LR = 2e-3
 SFT_BATCH = 32
+RL_LR = 2e-4  # the tiny model's (the spec's default, 1e-6, suits billion-parameter models)
 ENVIRONMENT: dict[str, Any] = {"name": "tools", "kwargs": {"tools": ["calculator"], "system_prompt": False},
                                "limits": {"max_turns": 3}}
 
@@ -81,7 +82,7 @@ def task_section(data: Path) -> dict[str, Any]:
 def job_spec(model: Path, data: Path, steps: int, eval_every: int, seed: int) -> dict[str, Any]:
     """What a user writes for this task; the rest is the defaults."""
     return {"name": f"multiturn-s{seed}", "model_path": str(model), "seed": seed, "steps": steps,
-            "eval_every": eval_every, "sampling": {"max_tokens": 96},
+            "eval_every": eval_every, "prompts_per_step": 8, "algorithm": {"lr": RL_LR}, "sampling": {"max_tokens": 96},
             "task": task_section(data), "reward": "exact_match", "environment": ENVIRONMENT}
 
 
@@ -275,7 +276,7 @@ def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int =
 
     train, _ = load_task(TaskSpec.model_validate(task_section(data)), seed)  # the job's own split
     rows = [{"question": p.prompt, "target": p.answer} for p in train]
-    base, warm = wd / "base", wd / f"warm-{SFT_STEPS}-{TEACHER_TOOL_SHARE}"
+    base, warm = wd / "base", wd / f"warm-{SFT_STEPS}-{TEACHER_TOOL_SHARE}-{SFT_LR}"
     if not (base / "config.json").exists():
         subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4",
                         "--seed", str(seed)], check=True)
