@@ -65,6 +65,15 @@ class Engine:
     ):
         prepare(kv_cache_gib=kv_cache_gib, in_process=in_process)
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        # vLLM's CPU runner cannot rewind a seeded request's random generator (torch's CPU
+        # generators have no offset): a seeded request whose prefill is split across engine steps
+        # crashed the engine with "CPU Generator does not use offset" once a call's prompts passed
+        # the step's token budget (4096). Unchunked prefill never splits one, and a step's budget
+        # of at least the context fits any prompt whole.
+        cpu = ({"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+               if current_platform.is_cpu() else {})
 
         self._llm = LLM(
             model=model_path,
@@ -80,6 +89,7 @@ class Engine:
             # co-located on a GPU: sleep (weights to host, KV cache freed) while the trainer steps
             enable_sleep_mode=enable_sleep_mode,
             **({"distributed_executor_backend": "uni"} if in_process else {}),
+            **cpu,
         )
 
     def generate(self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:

@@ -54,3 +54,20 @@ def test_rendered_ids_are_what_the_engine_generates_from_and_stops_end_the_text(
         assert all(len(s.completion_ids) >= 5 for s in d)
     finally:
         engine.close()
+
+
+def test_seeded_requests_past_one_engine_steps_token_budget(chat_model: str) -> None:
+    """64 seeded prompts of 150 tokens (9,600 prefill tokens, over the 4,096 of one engine step):
+    vLLM's CPU runner crashed ("CPU Generator does not use offset") when a seeded request's prefill
+    was split across steps; the engine runs unchunked prefill on CPU. Seeds still reproduce."""
+    from generator_svc.engine import Engine
+
+    prompts = [[1] + [10 + (i + j) % 50 for j in range(150)] for i in range(64)]
+    engine = Engine(chat_model, max_model_len=256)
+    try:
+        params = [SamplingParams(temperature=1.0, max_tokens=8, seed=i) for i in range(64)]
+        first = engine.generate(prompts, params, [1] * 64)
+        again = engine.generate(prompts[:2], params[:2], [1, 1])
+        assert [g[0].completion_ids for g in first[:2]] == [g[0].completion_ids for g in again]
+    finally:
+        engine.close()
