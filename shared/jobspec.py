@@ -16,8 +16,10 @@ from shared.rewards.spec import REWARDS, RewardSpec
 from shared.schema import SamplingParams
 from shared.spectypes import PrintableStr, SpecModel, refuse_nul
 from shared.staleness_bound import groups_in_flight, start_bound
+from shared.tracking import TrackingSink
 
-__all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "format_validation_error"]
+__all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "TrackingSpec",
+           "format_validation_error"]
 
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
@@ -162,6 +164,30 @@ class GuardSpec(_Strict):
     max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
 
 
+class TrackingSpec(_Strict):
+    """Experiment tracking (trainer_svc/tracking.py): the trainer feeds each sink the job spec as
+    its config, every step's metrics, every evaluation round, and the run's changes (live knobs,
+    collapse-guard trips). Where they are written is the trainer's setting (TRAINER_TRACKING_DIR);
+    TRAINER_TRACKING adds sinks for every job."""
+
+    sinks: list[TrackingSink] = Field(
+        default_factory=list, max_length=3,
+        description="Metric sinks: tensorboard (event files), mlflow (a run in the trainer's MLflow store, a local "
+                    "file store by default), wandb (a W&B run, offline unless the trainer says online). Each needs "
+                    "its package (pip install asyncrl[tracking]); empty: none.")
+    project: str = Field(
+        "asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="The W&B project, the MLflow experiment and the TensorBoard folder the run goes under.")
+    run_name: PrintableStr | None = Field(
+        None, min_length=1, max_length=128, description="The run's display name; unset: <job name>-<job id>.")
+
+    @model_validator(mode="after")
+    def _unique_sinks(self) -> TrackingSpec:
+        if len(set(self.sinks)) != len(self.sinks):
+            raise ValueError(f"tracking.sinks must not repeat a sink, got {self.sinks}")
+        return self
+
+
 class EvalSamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (one completion per problem is enough).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -260,6 +286,8 @@ class JobSpec(_Strict):
         default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, MLflow, W&B (none by default).")
 
     @model_validator(mode="before")
     @classmethod

@@ -51,9 +51,10 @@ PHASES: Mapping[str, tuple[str, ...]] = {
     # inside it); learner_step, guard: the optimizer step and the collapse guard's check;
     # snapshot: the full state dict; probe, flatten, checksum, serve: the weight publish;
     # announce: the version's ledger row and its announcement; ledger: the step's ledger writes;
-    # ack: acks and stream trims.
+    # tracking: the step's metrics to the job's TensorBoard / MLflow / W&B run; ack: acks and
+    # stream trims.
     "trainer": ("wait", "read", "assemble", "feed", "learner_step", "guard", "snapshot", "probe", "flatten",
-                "checksum", "serve", "announce", "ledger", "ack"),
+                "checksum", "serve", "announce", "ledger", "tracking", "ack"),
 }
 
 

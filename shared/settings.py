@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.tracking import TrackingSink
+
 
 def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
@@ -159,6 +161,26 @@ class TrainerSettings(CommonSettings):
     checkpoint_dir: str = Field("runs/checkpoints", description="Checkpoints go to <dir>/<job id>/step-NNNNNN.")
     device: str = Field("cpu", description="Torch device for training.")
     metrics_port: int = Field(0, ge=0)
+    # NoDecode: a comma-separated string in the environment, not a JSON list
+    tracking: Annotated[tuple[TrackingSink, ...], NoDecode] = Field(
+        (), description="Metric sinks for every job this trainer runs, comma-separated (tensorboard, mlflow, wandb), "
+        "besides those its spec names (tracking.sinks).")
+    tracking_dir: str = Field(
+        "runs/tracking", description="Where the sinks write: <dir>/tensorboard/<project>/<job id>, <dir>/mlruns "
+        "(MLflow's file store), <dir>/wandb.")
+    mlflow_uri: str | None = Field(
+        None, description="MLflow tracking URI (e.g. sqlite:///mlflow.db, http://host:5000); unset: the file store "
+        "<tracking_dir>/mlruns.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B mode: offline writes the run under <tracking_dir>/wandb and needs no network or "
+        "login (`wandb sync` uploads it later); online needs WANDB_API_KEY and the network.")
+
+    @field_validator("tracking", mode="before")
+    @classmethod
+    def _split_sinks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [s.strip() for s in value.split(",") if s.strip()]
+        return tuple(dict.fromkeys(value)) if isinstance(value, (list, tuple)) else value
 
 
 class BrokerSettings(CommonSettings):

@@ -410,6 +410,56 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
     assert result.ok, [v.message for v in result.violations]
 
 
+def test_a_job_is_tracked_in_tensorboard_mlflow_and_wandb(tmp_path, tiny_model, monkeypatch):
+    """Issue 17's experiment tracking through a real job: the trainer feeds each sink the spec, every
+    step, every held-out round and a live knob change, and what it wrote reads back as a user opens it."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    sup, api, _, _ = _stack(tmp_path, db_url, "tr")
+    ledger, steps, track = Ledger(db_url), 4, tmp_path / "tracking"
+    try:
+        _start_broker(sup, api)
+        spec = {"name": "tracked", "model_path": str(tiny_model), "steps": steps, "group_size": 4,
+                "prompts_per_step": 2, "eval_every": 2, "task": {"n_train": 32, "n_test": 4},
+                "sampling": {"max_tokens": 8}, "tracking": {"sinks": ["tensorboard", "mlflow", "wandb"]}}
+        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
+        assert resp.status_code == 201, resp.text
+        job_id = resp.json()["id"]
+        # a live knob, set before the trainer starts: it applies it (and tracks it) before step 1
+        assert httpx.patch(f"{api}/jobs/{job_id}", json={"lr": 5e-6}, timeout=30).status_code == 200
+        wandb_home = {v: str(tmp_path / v.lower()) for v in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
+        for name, module, env in (("generator", "generator_svc", {}), ("reward", "reward_svc", {}),
+                                  ("trainer", "trainer_svc", {"TRAINER_TRACKING_DIR": str(track), **wandb_home})):
+            sup.start(name, module, {"JOB_ID": job_id, **env})
+        _wait_finished(sup, ledger, job_id)
+        assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"
+    finally:
+        sup.stop_all()
+    trainer_log = sup.tail("trainer", 100_000)
+    assert [f"tracking: {s} opened" in trainer_log for s in ("tensorboard", "mlflow", "wandb")] == [True] * 3
+    assert " left out " not in trainer_log and " failed (" not in trainer_log, trainer_log  # no sink failed
+    assert all("phase/tracking_s" in r["metrics"] for r in ledger.train_steps(job_id)[1:])
+
+    ea = EventAccumulator(str(track / "tensorboard" / "asyncrl" / job_id), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("reward/mean")] == list(range(1, steps + 1))
+    assert [e.step for e in ea.Scalars("eval/held_out/reward_mean")] == [0, 2, 4]
+    assert [e.step for e in ea.Tensors("changes/knobs/text_summary")] == [1]
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store behind this opt-in
+    client = MlflowClient(tracking_uri=(track / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("asyncrl").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["name"] == "tracked"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == list(range(1, steps + 1))
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/held_out/reward_mean")) == [0, 2, 4]
+    assert json.loads(run.data.tags["change.000001.knobs"]) == {"lr": 5e-6}
+
+    (run_file,) = (track / "wandb").glob(f"offline-run-*-{job_id}/run-{job_id}.wandb")
+    assert run_file.stat().st_size > 1000
+
+
 def _wait_finished(sup: Supervisor, ledger: Ledger, job_id: str, timeout: float = 400) -> None:
     """Until the job ends; it must end finished, with no service failed on the way."""
     deadline = time.monotonic() + timeout

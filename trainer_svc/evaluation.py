@@ -23,6 +23,7 @@ from shared.schema import EvalItem, SamplingParams, pack_i32
 from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
 from trainer_svc.feeder import Feeder, Group
+from trainer_svc.tracking import Tracking
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ class Evaluator:
     (a resumed trainer must not feed a round twice, nor wait for one that was recorded)."""
 
     def __init__(self, spec: JobSpec, sets: dict[str, EvalSet], feeder: Feeder, streams: JobStreams, ledger,
-                 job_id: str):
+                 job_id: str, tracking: Tracking | None = None):
         self.spec, self.sets, self.feeder, self.streams, self.ledger = spec, sets, feeder, streams, ledger
-        self.job_id = job_id
+        self.job_id, self.tracking = job_id, tracking or Tracking()
         self.rounds: dict[str, Round] = {}
         self.started: set[tuple[str, int]] = set()
 
@@ -131,10 +132,11 @@ class Evaluator:
             n = len(per_problem[0][1])
             metrics = round_metrics(per_problem, es.ks, es.pass_threshold)
             episodes = episode_means([s.rollout.env_metrics for g in rnd.groups for s in g.samples.values()])
+            figures = {**metrics, **episodes} if n > 1 or episodes else None
             self.ledger.record_used(used)
             self.ledger.record_eval(self.job_id, rnd.step, min(versions), max(versions), metrics[f"mean@{n}"],
-                                    len(used), name=rnd.name,
-                                    metrics={**metrics, **episodes} if n > 1 or episodes else None)
+                                    len(used), name=rnd.name, metrics=figures)
+            self.tracking.eval(rnd.step, rnd.name, metrics[f"mean@{n}"], figures)
             self.streams.ack(SCORED, GROUP_TRAINERS, entries)
             log.info("eval %s (%s) after step %d: reward %.3f %s (policy version %s)", rid, rnd.name, rnd.step,
                      metrics[f"mean@{n}"], {k: round(v, 3) for k, v in metrics.items() if not k.startswith("mean@")},

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from broker.guard_report import GUARD_ACTOR
 from broker.runtime import ControlWatcher
 from broker.streams import (
     CONTROL,
@@ -40,6 +41,7 @@ from trainer_svc.learner import Learner
 from trainer_svc.sink import Batch, TrainSink
 from trainer_svc.staleness import StalenessBound
 from trainer_svc.state import LoopState
+from trainer_svc.tracking import Tracking
 from trainer_svc.weights import publish_weights
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class Parts:
     server: WeightServer
     scored_in: JobStreams  # the scored stream without idle reclaim (checkpoint.singleton_consumer)
     resume: checkpoint.Resume | None
+    tracking: Tracking  # the job's TensorBoard / MLflow / W&B run, if any (trainer_svc/tracking.py)
     held: list[str] = field(default_factory=list)  # scored entries of trained steps, acked once a checkpoint covers them
     t_boot: float = field(default_factory=time.perf_counter)
 
@@ -101,7 +104,8 @@ class Parts:
         run_id = uuid.uuid4().hex[:8]
         feeder = Feeder(streams, spec, train_set, render, run_id,
                         journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
-        evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id)
+        tracking = Tracking.open(settings, job_id, spec, resume.step if resume else 0)
+        evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id, tracking)
         guard = CollapseGuard(spec.guard, spec.algorithm.loss)
         control = ControlWatcher(streams)
         state = LoopState(run_id, learner.lr, StalenessBound(spec), guard, feeder, control.settings)
@@ -112,7 +116,7 @@ class Parts:
         log.info("trainer: ready in %.2fs (model, data, prompts, weight server)", time.perf_counter() - t_boot)
         return cls(settings, spec, job_id, ledger, streams, ranks, prom, learner, state, feeder, evaluator,
                    TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size), control, server,
-                   checkpoint.singleton_consumer(streams), resume, t_boot=t_boot)
+                   checkpoint.singleton_consumer(streams), resume, tracking, t_boot=t_boot)
 
     def take_over(self) -> int:
         """Continue where a predecessor stopped: its feeder state and replayed steps, every entry it
@@ -148,6 +152,7 @@ class Parts:
             self.state.bound.set_knob(int(knobs["max_staleness"]))
         self.feeder.temperature = float(knobs.get("temperature", self.feeder.temperature))
         self.feeder.top_p = float(knobs.get("top_p", self.feeder.top_p))
+        self.tracking.change(self.state.step + 1, "knobs", knobs)
         log.info("live knobs applied: %s", knobs)
 
     def feed(self) -> None:
@@ -206,7 +211,7 @@ class Parts:
         """
         state, change = self.state, rb.change()
         if rb.plan.action == "fail":
-            self.ledger.record_change(self.job_id, "trainer collapse guard", change)
+            self._record_trip(rb.step, change)
             raise RuntimeError(f"collapse guard: {rb.reason} at step {rb.step}; {rb.plan.note}")
         if rb.redo:
             back_to = rb.back_to
@@ -217,10 +222,15 @@ class Parts:
             state.bound.tighten()
         change |= {"rolled_back_to_step": rb.plan.step, "discarded_steps": list(range(rb.back_to + 1, rb.step)),
                    "lr": state.lr, "max_staleness": state.bound.k}
-        self.ledger.record_change(self.job_id, "trainer collapse guard", change)
+        self._record_trip(rb.step, change)
         log.error("collapse guard: %s at step %d; %s; lr %.3g, staleness bound %d",
                   rb.reason, rb.step, rb.plan.note, state.lr, state.bound.k)
         return rb.redo
+
+    def _record_trip(self, step: int, change: dict[str, Any]) -> None:
+        """A guard trip in the job's change log (broker/guard_report.py reads it) and its tracking."""
+        self.ledger.record_change(self.job_id, GUARD_ACTOR, change)
+        self.tracking.change(step, "guard", change)
 
     def checkpoint(self) -> None:
         """Checkpoint this step boundary, then ack the entries of the steps it covers."""

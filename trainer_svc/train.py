@@ -51,7 +51,9 @@ def run(settings: TrainerSettings) -> None:
     ctx = open_job(settings)
     job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
     try:
-        _train(Parts.build(settings, job_id, spec, ledger, streams, ranks))
+        parts = Parts.build(settings, job_id, spec, ledger, streams, ranks)
+        with parts.tracking:  # the job's TensorBoard / MLflow / W&B run, closed however the loop ends
+            _train(parts)
     except BaseException as exc:
         # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
         if isinstance(exc, Terminated):
@@ -163,7 +165,8 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
 
 def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, float], times: dict[str, float],
             t_start: float) -> None:
-    """The step in the ledger (samples used, metrics), Prometheus and the log; acks what it may."""
+    """The step in the ledger (samples used, metrics), Prometheus, the tracking sinks and the log;
+    acks what it may."""
     spec, st, phases = p.spec, p.state, p.prom.phases
     t_ledger = time.perf_counter()
     used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": st.version - 1, "staleness": age,
@@ -196,6 +199,8 @@ def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, fl
     with phases.span("ledger"):
         p.ledger.record_train_step(p.job_id, st.step, st.version, metrics, job_step=True)  # one transaction
     p.prom.step(st.step, st.version, metrics)
+    with phases.span("tracking"):
+        p.tracking.step(st.step, metrics)
     with phases.span("ack"):
         p.held += p.sink.release(batch)
         p.streams.trim_acked_many(((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)))

@@ -99,6 +99,7 @@ def test_a_client_may_choose_the_job_id_once(api: Api) -> None:
         ({**SPEC, "mode": "bogus"}, "mode", "'async' or 'sync'"),
         ({**SPEC, "algorithm": {"lr": 0}}, "algorithm.lr", "greater than 0"),
         ({**SPEC, "task": {"name": "gsm8k"}}, "task", "task.path is required"),
+        ({**SPEC, "tracking": {"sinks": ["comet"]}}, "tracking.sinks.0", "'tensorboard', 'mlflow' or 'wandb'"),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(api: Api, spec: dict, field: str, hint: str) -> None:
