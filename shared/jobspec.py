@@ -25,6 +25,7 @@ __all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec
 Advantage = Literal["grpo", "group_mean", "rloo"]
 Loss = Literal["aipo", "ppo_clip", "gspo", "reinforce"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LrScheduleName = Literal["constant", "linear", "cosine"]
 
 
 # Bounds that no job reaches but that keep every number in what JSON, the ledger's 64-bit
@@ -92,13 +93,39 @@ class AlgorithmSpec(_Strict):
     gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0, description="gspo: sequence ratio clipped below at 1 - this.")
     gspo_clip_high: float = Field(4e-4, gt=0.0, le=10.0, description="gspo: sequence ratio clipped above at 1 + this.")
     kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the frozen initial policy; 0 disables it.")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=100.0, description="Entropy bonus: the loss minus this x the entropy of the policy's next-token "
+                                           "distribution at the model's tokens, averaged like the policy loss "
+                                           "(`aggregation`); 0 disables it (the entropy is then a metric only).")
     staleness_lr: bool = Field(
         False, description="Divide the step size by max(1, mean staleness of the batch) (Zhang et al. 2016)."
     )
-    lr: float = Field(1e-6, gt=0.0, le=1.0, description="AdamW learning rate (1e-6 suits billion-parameter models; tiny ones take 1e-4).")
+    lr: float = Field(
+        1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate (1e-6 suits billion-parameter models; tiny ones "
+                                          "take 1e-4): the lr of every step with lr_schedule constant and no warm-up.")
+    lr_schedule: LrScheduleName = Field(
+        "constant", description="The lr by step (trainer_svc/algorithms.py lr_at): after the warm-up, constant keeps "
+                                "lr; linear and cosine (half a cosine) decay from lr at step warmup_steps to "
+                                "min_lr_ratio x lr at the last step. A live lr (PATCH) replaces lr from the next step "
+                                "on: the schedule goes on by step, scaled by new lr / old lr; a resume continues it "
+                                "at its step.")
+    warmup_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="Linear warm-up: step t <= warmup_steps trains at lr x t / warmup_steps "
+                                           "(step 1 at lr / warmup_steps, never 0); 0: none. At most `steps`.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="linear, cosine: the last step's lr as a fraction of lr (0: the last step "
+                                         "makes no update).")
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        (0.9, 0.999), description="AdamW (beta1, beta2): decay rates of the gradient's first and second moment estimates.")
+    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon, added to the root of the second moment estimate.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradient clipping by global norm.")
-    micro_batch_size: int = Field(64, ge=1, le=1_000_000, description="Samples per forward/backward pass (gradient accumulation).")
+    micro_batch_size: int = Field(
+        64, ge=1, le=1_000_000, description="Gradient accumulation, in samples: one optimizer step covers the step's "
+                                            "whole batch (prompts_per_step x group_size samples), run as "
+                                            "forward/backward passes of at most this many samples each (per rank) "
+                                            "whose gradients add up. The loss is normalised over the whole batch, so "
+                                            "the update does not depend on it: only memory and speed do.")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
                            "batch from new groups; each drop is recorded in the ledger with its reason.")
@@ -317,6 +344,13 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _warmup_within_steps(self) -> JobSpec:
+        if self.algorithm.warmup_steps > self.steps:
+            raise ValueError(f"algorithm.warmup_steps ({self.algorithm.warmup_steps}) must not exceed steps "
+                             f"({self.steps}): the lr would never reach algorithm.lr")
+        return self
+
+    @model_validator(mode="after")
     def _unique_eval_sets(self) -> JobSpec:
         names = [e.name for e in self.eval_sets]
         if len(set(names)) != len(names):
@@ -349,7 +383,9 @@ class JobSpec(_Strict):
 class JobPatch(_Strict):
     """The knobs that may change while a job runs; services apply them at their next step."""
 
-    lr: float | None = Field(None, gt=0.0, le=1.0, description="New learning rate.")
+    lr: float | None = Field(
+        None, gt=0.0, le=1.0, description="New peak learning rate (algorithm.lr): the schedule goes on by step, "
+                                          "scaled by new lr / old lr; a step's metric `lr` is the lr it trained with.")
     max_staleness: int | None = Field(None, ge=0, le=64, description="New staleness bound k (async jobs).")
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature of new rollouts.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass of new rollouts.")

@@ -31,6 +31,8 @@ def _type(prop: dict[str, Any]) -> str:
         if key in prop:
             return " or ".join(_type(p) for p in prop[key])
     t = prop.get("type", "any")
+    if t == "array" and "prefixItems" in prop:  # a tuple: its items in order
+        return f"[{', '.join(_type(p) for p in prop['prefixItems'])}]"
     if t == "array":
         return f"list of {_type(prop.get('items', {}))}"
     if t == "object" and "additionalProperties" in prop and isinstance(prop["additionalProperties"], dict):
@@ -39,6 +41,11 @@ def _type(prop: dict[str, Any]) -> str:
 
 
 def _constraints(prop: dict[str, Any]) -> str:
+    if "prefixItems" in prop:  # a tuple: its length is in its type, its items' bounds here
+        each = [_constraints(p) for p in prop["prefixItems"]]
+        if len(set(each)) == 1:
+            return f"each {each[0]}" if each[0] else ""
+        return "; ".join(f"item {i} {c}" for i, c in enumerate(each, 1) if c)
     parts = []
     for p in [prop, *prop.get("anyOf", [])]:
         parts += [f"{_SYMBOLS[c]} `{p[c]}`" for c in _CONSTRAINTS if c in p]

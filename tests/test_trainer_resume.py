@@ -25,8 +25,10 @@ import pytest
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
-from shared.ids import group_seq
+from broker.streams import CONTROL, JobStreams, connect
+from shared.ids import control_id, group_seq
 from shared.jobspec import JobSpec
+from shared.schema import Control
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,10 +48,12 @@ def db_url(tmp_path_factory):
     return os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
 
 
-def _run(tmp_path, db_url: str, model, mode: str, kill: bool) -> dict:
+def _run(tmp_path, db_url: str, model, mode: str, kill: bool, algorithm: dict | None = None,
+         lr_knob: float | None = None) -> dict:
     """One job with its own generator, reward and trainer processes; with `kill`, the trainer is
-    SIGKILLed once step KILL_AFTER is in the ledger and started again. Returns what the test
-    compares."""
+    SIGKILLed once step KILL_AFTER is in the ledger and started again. `lr_knob`: a live lr set
+    (a PATCH's control message) before the trainer starts, so it applies from step 1, before any
+    checkpoint. Returns what the test compares."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     tag = f"rs-{mode}-{'kill' if kill else 'ref'}"
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"{tag}-{uuid.uuid4().hex[:8]}:",
@@ -60,9 +64,12 @@ def _run(tmp_path, db_url: str, model, mode: str, kill: bool) -> dict:
     spec = JobSpec.model_validate({
         "name": tag, "model_path": str(model), "mode": mode, "max_staleness": 1, "steps": STEPS, "group_size": N,
         "prompts_per_step": P, "eval_every": EVAL_EVERY, "checkpoint_every": CKPT_EVERY,
-        "task": {"n_train": 64, "n_test": N_TEST}, "sampling": {"max_tokens": 8}})
+        "task": {"n_train": 64, "n_test": N_TEST}, "sampling": {"max_tokens": 8}, "algorithm": algorithm or {}})
     job_id = f"{tag}-{uuid.uuid4().hex[:8]}"
     ledger.create_job(job_id, tag, spec.model_dump(mode="json"))
+    if lr_knob is not None:
+        JobStreams(connect(redis_url), job_id, prefix=env["STREAM_PREFIX"]).publish(CONTROL, Control(
+            job_id=job_id, msg_id=control_id("set", "lr"), policy_version=0, command="set", settings={"lr": lr_knob}))
     out: dict = {"job_id": job_id}
     killed = None
 
@@ -145,9 +152,16 @@ def _accounting(run: dict, k: int) -> None:
     assert c.get("generated", 0) + c.get("scored", 0) <= k * P * N  # in flight when the job ended
 
 
+# A warm-up and a cosine decay, scaled by a live lr of half the spec's (1e-4 * 0.5): with W = 2 and
+# S = 6, steps 1, 2 ramp to 1; then p = (t - 2) / 4 and the factor is 1 - 0.9 (1 - cos(pi p)) / 2.
+SCHEDULE = {"lr": 1e-4, "lr_schedule": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}
+LIVE_LR = 5e-5
+EXPECTED_LR = [LIVE_LR * f for f in (0.5, 1.0, 0.868198, 0.55, 0.231802, 0.1)]
+
+
 def test_sync_resume_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, tiny_model, db_url):
-    ref = _run(tmp_path, db_url, tiny_model, "sync", kill=False)
-    got = _run(tmp_path, db_url, tiny_model, "sync", kill=True)
+    ref = _run(tmp_path, db_url, tiny_model, "sync", kill=False, algorithm=SCHEDULE, lr_knob=LIVE_LR)
+    got = _run(tmp_path, db_url, tiny_model, "sync", kill=True, algorithm=SCHEDULE, lr_knob=LIVE_LR)
     for run in (ref, got):
         _accounting(run, k=0)
         assert set(run["counts"]) == {"trained", "evaluated"}  # sync: nothing dropped, nothing left over
@@ -155,6 +169,10 @@ def test_sync_resume_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, t
     assert got["redone"] == list(range(got["resumed_at"] + 1, got["killed_after"] + 1))
     assert got["reproduced"] == got["redone"]  # re-done versions carry the predecessor's checksums
     assert got["trained"] == ref["trained"]  # same (step, group, prompt, sample) set
+    # the schedule resumes at its step, re-done steps and later ones alike, with the live lr kept
+    lrs = [s["metrics"]["lr"] for s in got["steps"]]
+    assert lrs == [s["metrics"]["lr"] for s in ref["steps"]]
+    assert lrs == pytest.approx(EXPECTED_LR, rel=1e-5)
     print(f"\nsync resume: killed after step {got['killed_after']} (checkpoint {got['checkpoint_at_kill']}), "
           f"re-done {got['redone']}, trainer boot to resumed {got['boot_s']:.1f}s, kill to next new step "
           f"{got['kill_to_next_step_s']:.1f}s, checkpoints (MB, s) {got['ckpt']}; trained sets equal: "

@@ -18,6 +18,7 @@ on how the batch is split (verl `agg_loss` modes, computed over the global batch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,9 @@ class LossInputs:
     advantages: torch.Tensor  # (B,) one advantage per sample (outcome reward)
     mask: torch.Tensor  # (B, T) 1.0 for completion tokens, 0.0 for padding
     ref_logprobs: torch.Tensor | None = None  # (B, T) log pi_ref of a frozen reference, no grad
-    entropy: torch.Tensor | None = None  # (B, T) token entropy of pi, detached; metric only
+    # (B, T) token entropy of pi: with grad for the entropy bonus (LossConfig.entropy_coef > 0),
+    # else detached, a metric only
+    entropy: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class LossConfig:
     gspo_clip_low: float = 3e-4  # gspo: sequence ratio clipped below at 1 - gspo_clip_low
     gspo_clip_high: float = 4e-4  # gspo: sequence ratio clipped above at 1 + gspo_clip_high
     kl_coef: float = 0.0  # weight of the k3 KL to the reference; 0 disables it
+    entropy_coef: float = 0.0  # entropy bonus: loss_t -= entropy_coef * H_t; 0 disables it
 
     def __post_init__(self) -> None:
         lookup(LOSSES, self.loss, "loss")
@@ -110,6 +114,7 @@ class LossConfig:
             gspo_clip_low=spec.gspo_clip_low,
             gspo_clip_high=spec.gspo_clip_high,
             kl_coef=spec.kl_coef,
+            entropy_coef=spec.entropy_coef,
         )
 
 
@@ -364,14 +369,17 @@ def aggregate(
 def policy_loss(inp: LossInputs, cfg: LossConfig, norm: BatchNorm) -> LossOutputs:
     """The loss of one micro-batch, normalised by the global batch; backward() it and sum.
 
-    Adds kl_coef * k3(pi, ref) per token when `cfg.kl_coef > 0`, then aggregates by
-    `cfg.aggregation`. Metrics (sums over this micro-batch, `is/max` a maximum), all masked:
+    Adds kl_coef * k3(pi, ref) per token when `cfg.kl_coef > 0` and subtracts the entropy bonus
+    entropy_coef * H_t when `cfg.entropy_coef > 0` (Williams & Peng 1991; Mnih et al. 2016, A3C,
+    arXiv 1602.01783 eq. 5), then aggregates by `cfg.aggregation`, so both terms are normalised
+    like the policy loss. Metrics (sums over this micro-batch, `is/max` a maximum), all masked:
     `loss`, `is/sum` and `is/sq_sum` (token ratios pi/mu), `is/max`, the loss's
     `is/truncated_*sum`, `mismatch_kl/sum` (k3 of KL(mu || pi): (r - 1) - log r), and
     `kl_ref/sum` / `entropy/sum` when `ref_logprobs` / `entropy` are given.
 
     Raises:
-        ValueError: if `cfg.kl_coef > 0` and `inp.ref_logprobs` is None.
+        ValueError: if `cfg.kl_coef > 0` and `inp.ref_logprobs` is None, or `cfg.entropy_coef > 0`
+            and `inp.entropy` is None or has no grad (the bonus would add a constant, no gradient).
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     out = LOSSES[cfg.loss](inp, cfg)
@@ -386,6 +394,11 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, norm: BatchNorm) -> LossOutput
         raise ValueError(
             "kl_coef > 0 needs LossInputs.ref_logprobs from the frozen reference model"
         )
+    if cfg.entropy_coef > 0:
+        if inp.entropy is None or not inp.entropy.requires_grad:
+            raise ValueError("entropy_coef > 0 needs LossInputs.entropy with grad "
+                             "(logprobs.token_logprobs_and_entropy(..., entropy_grad=True))")
+        per_token = per_token - cfg.entropy_coef * inp.entropy
     loss = aggregate(per_token, mask, cfg.aggregation, norm)
 
     with torch.no_grad():
@@ -461,6 +474,70 @@ def finalize_metrics(sums: Mapping[str, float], norm: BatchNorm) -> dict[str, fl
         out["is/applied_ess"] = sums["is/applied_sum"] ** 2 / (n * sq) if sq > 0 and n > 0 else 1.0
         out["is/applied_max"] = max(sums["is/applied_max"], 0.0)  # a padding rank's -inf alone: 0
     return out
+
+
+# --- learning-rate schedule ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """The lr by step (defaults equal `shared.jobspec`'s: a constant `lr`).
+
+    Raises:
+        ValueError: on an unknown schedule name (listing the valid ones), or a warm-up longer than
+            the job.
+    """
+
+    lr: float = 1e-6  # the peak lr (algorithm.lr)
+    name: str = "constant"  # constant, linear or cosine: the decay after the warm-up
+    warmup_steps: int = 0  # steps 1..warmup_steps ramp linearly up to lr
+    min_lr_ratio: float = 0.0  # linear, cosine: the last step's lr / lr
+    steps: int = 1  # the job's last step
+
+    def __post_init__(self) -> None:
+        lookup(LR_DECAYS, self.name, "lr schedule")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps must lie in 0..steps ({self.steps}), got {self.warmup_steps}")
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> LrSchedule:
+        """From a `shared.jobspec.JobSpec` (read by attribute name)."""
+        a = spec.algorithm
+        return cls(lr=a.lr, name=a.lr_schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
+                   steps=spec.steps)
+
+
+# name -> the fraction of (1 - min_lr_ratio) decayed at progress p in [0, 1] after the warm-up
+LR_DECAYS: dict[str, Callable[[float], float]] = {
+    "constant": lambda p: 0.0,
+    "linear": lambda p: p,
+    "cosine": lambda p: 0.5 * (1.0 - math.cos(math.pi * p)),  # SGDR (Loshchilov & Hutter 2017), half a period
+}
+
+
+def lr_factor(step: int, sched: LrSchedule) -> float:
+    """The lr of `step` relative to the peak lr, in [0, 1].
+
+    Steps count from 1 (the first optimizer step; the ledger's numbering). With W warm-up steps
+    and S steps in all::
+
+        t <= W:   t / W                                   (step 1 at 1/W, step W at 1)
+        t >  W:   1 - (1 - min_lr_ratio) * decay(p),  p = min((t - W) / (S - W), 1)
+
+    decay(p) is 0 (constant), p (linear) or (1 - cos(pi p)) / 2 (cosine), so a decaying schedule
+    reaches min_lr_ratio at the last step S and stays there past it. Exactly 1.0 for a constant
+    schedule after its warm-up, so a job with only `lr` trains at `lr` bit for bit.
+    """
+    w, s = sched.warmup_steps, sched.steps
+    if w and step <= w:
+        return max(step, 0) / w
+    p = min((step - w) / max(s - w, 1), 1.0)
+    return 1.0 - (1.0 - sched.min_lr_ratio) * LR_DECAYS[sched.name](p)
+
+
+def lr_at(step: int, sched: LrSchedule) -> float:
+    """The lr of `step` (1-based): the peak lr times `lr_factor`."""
+    return sched.lr * lr_factor(step, sched)
 
 
 # --- staleness ----------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ One checkpoint, `<root>/<job>/step-NNNNNN/`:
     COMMIT                       written last (then one rename): a directory without it is a
                                  crashed save and is removed at the next start
 
-There is no LR scheduler to save: the lr is a live knob the loop sets on the param groups every
-step (saved as `lr`). Next to the step directories, `feed-journal.json` holds the feeder's state
-after every publish (atomic replace), so a restarted trainer knows what its predecessor fed after
-its last checkpoint.
+There is no LR scheduler state to save: a step's lr is the live lr (saved as `lr`) times the
+schedule's factor at that step (a function of the step, which is saved), set on the param groups
+every step (LoopState.step_lr). Next to the step directories, `feed-journal.json`
+holds the feeder's state after every publish (atomic replace), so a restarted trainer knows what
+its predecessor fed after its last checkpoint.
 
 How resume stays exact (no sample skipped or trained twice). The ledger records a step's samples
 as `trained` when the step is done, and a checkpoint is only taken every N steps, so a trainer

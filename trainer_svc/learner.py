@@ -79,18 +79,20 @@ class Learner:
         self.model = self.ranks.wrap(model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         a = spec.algorithm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.betas, eps=a.eps,
+                                           weight_decay=a.weight_decay)
         self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
         self.cfg = LossConfig.from_spec(a)
-        self.lr = a.lr  # the step size when `step` is given none
+        self.lr = a.lr  # the step size when `step` is given none (the loop gives the schedule's)
         self.ref_model = None
         if a.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
             self.ref_model, _ = load_policy(spec, device)
             self.ref_model.eval().requires_grad_(False)
 
     def step(self, batch: TrainBatch, lr_scale: float = 1.0, lr: float | None = None) -> dict[str, float]:
-        """One optimizer step on `batch` (samples in group order). The step size is `lr` if given,
-        else the base lr times `lr_scale`. Returns the step's metrics."""
+        """One optimizer step on `batch` (samples in group order). The step size is `lr` if given
+        (the loop's: the schedule's at its step, LoopState.step_lr), else the base lr times
+        `lr_scale`. Returns the step's metrics."""
         spec = self.spec
         self.ranks.announce("step", tensors=batch.tensors(), terms=list(batch.term_names), lr_scale=lr_scale, lr=lr)
         rewards, keep = shape_overlong(batch, spec)
@@ -130,7 +132,8 @@ class Learner:
         ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
         adv = advantages[lo:hi].to(self.device)
         # each sample's own sampling temperature: the behaviour policy it was drawn from
-        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
+                                                       entropy_grad=self.cfg.entropy_coef > 0)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():

@@ -98,29 +98,33 @@ def token_logprobs_and_entropy(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus the entropy of each next-token distribution, from one forward pass.
 
     The entropy is that of the distribution the sampler draws from, ``softmax(logits_t / T)``:
-    ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv`` with ``z_t = logits_t / T``. It is a
-    metric only, so it is computed without grad (no (B, L-1, V) activations kept for backward).
+    ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv`` with ``z_t = logits_t / T``. As a metric
+    it is computed without grad (no (B, L-1, V) activations kept for backward); `entropy_grad`
+    keeps its graph, for the entropy bonus (one more (B, L-1, V) tensor held for backward).
 
     Args:
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
         attention_mask: (B, L), 1 for real tokens.
         temperature: > 0, scalar or per row, as in `token_logprobs`.
+        entropy_grad: whether the entropy keeps its graph (gradients flow through it).
 
     Returns:
         ``logprobs`` (B, L-1) float32 with grad as in `token_logprobs`, and ``entropy`` (B, L-1)
-        float32, detached, in nats; both meaningless at padding (mask with ``completion_mask``).
+        float32 in nats, detached unless `entropy_grad`; both meaningless at padding (mask with
+        ``completion_mask``).
     """
     logits = _scaled_logits(model, input_ids, attention_mask, temperature)
     targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
     lse = torch.logsumexp(logits, dim=-1)  # (B, L-1)
     logprobs = logits.gather(-1, targets).squeeze(-1) - lse
-    with torch.no_grad():
-        z, m = logits.detach(), lse.detach()
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        z, m = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
         entropy = m - (torch.exp(z - m.unsqueeze(-1)) * z).sum(dim=-1)
     return logprobs, entropy
 

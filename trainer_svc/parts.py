@@ -33,6 +33,7 @@ from shared.schema import Control, Scored
 from shared.settings import TrainerSettings
 from shared.transport import WeightServer, make_server
 from trainer_svc import checkpoint
+from trainer_svc.algorithms import LrSchedule
 from trainer_svc.dist import Ranks
 from trainer_svc.evaluation import Evaluator, build_sets
 from trainer_svc.feeder import Feeder
@@ -108,7 +109,8 @@ class Parts:
         evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id, tracking)
         guard = CollapseGuard(spec.guard, spec.algorithm.loss)
         control = ControlWatcher(streams)
-        state = LoopState(run_id, learner.lr, StalenessBound(spec), guard, feeder, control.settings)
+        state = LoopState(run_id, learner.lr, StalenessBound(spec), guard, feeder, control.settings,
+                          schedule=LrSchedule.from_spec(spec))
         server = make_server(
             settings.transport, host=settings.bind_host, port=settings.bind_port,
             keep=settings.keep_versions, advertise_host=settings.advertise_host,
@@ -125,6 +127,7 @@ class Parts:
         resume, state, sink = self.resume, self.state, self.sink
         if resume is not None:
             state.step, state.version = resume.step, resume.version
+            state.replay_lr = dict(resume.replay_lr)
             if resume.feeder is not None:
                 self.feeder.restore(resume.feeder)
             sink.expect_replay(resume.replay)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_svc import checkpoint
+from trainer_svc.algorithms import LrSchedule, lr_factor
 from trainer_svc.feeder import Feeder
 from trainer_svc.guard import CollapseGuard
 from trainer_svc.learner import Learner
@@ -23,10 +24,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoopState:
     """step: optimizer steps done; version: the current policy version (one per step); lr: the
-    base lr (a live knob; the guard lowers it); bound: the staleness bound; guard: the collapse
-    guard's trajectory; feeder: its data cursor and what is in flight; run_id: this trainer
-    process's (new per process, resumed or not); knobs: the live knobs set so far (the control
-    watcher's settings, shared)."""
+    peak lr the schedule scales (algorithm.lr; a live knob; the guard lowers it); bound: the
+    staleness bound; guard: the collapse guard's trajectory; feeder: its data cursor and what is
+    in flight; run_id: this trainer process's (new per process, resumed or not); knobs: the live
+    knobs set so far (the control watcher's settings, shared); schedule: the lr by step (from the
+    spec; its position is `step`, so a resume restores it with the step); replay_lr: the lr the
+    ledger recorded for each step a resume re-does (not saved: the resume plan reads it)."""
 
     run_id: str
     lr: float
@@ -36,6 +39,17 @@ class LoopState:
     knobs: dict[str, float] = field(default_factory=dict)
     step: int = 0
     version: int = 0
+    schedule: LrSchedule = field(default_factory=LrSchedule)
+    replay_lr: dict[int, float] = field(default_factory=dict)
+
+    def step_lr(self, step: int, scale: float = 1.0) -> float:
+        """The lr step `step` (1-based) trains with: the recorded one for a re-done step (same
+        weights, data and lr give the same update), else the schedule's at `step` scaled by the
+        live lr relative to algorithm.lr (lr x lr_factor, so a PATCH scales the schedule and a
+        constant one gives `lr` exactly) and by `scale` (staleness_lr)."""
+        if step in self.replay_lr:
+            return self.replay_lr[step]
+        return self.lr * lr_factor(step, self.schedule) * scale
 
     def save(self) -> dict[str, Any]:
         """The checkpoint's trainer state (JSON): step, policy_version, run_id, k, adaptive, lr,

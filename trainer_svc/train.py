@@ -146,12 +146,12 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
     spec, st, data = p.spec, p.state, batch.data
     assert data is not None
     lr_scale = staleness_lr_scale(mean_stale) if spec.algorithm.staleness_lr else 1.0
-    redo_lr = p.resume.replay_lr.get(batch.step) if batch.redo is not None and p.resume is not None else None
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
     tripped = False
     while True:
         with p.prom.phases.span("learner_step"):
-            metrics = p.learner.step(data, lr=st.lr * lr_scale if redo_lr is None else redo_lr)
+            # the schedule's lr at this step, scaled by the live lr and staleness (a re-done step: as recorded)
+            metrics = p.learner.step(data, lr=st.step_lr(batch.step, lr_scale))
         with p.prom.phases.span("guard"):
             trip = st.guard.inspect(metrics, rewards, versions, retry=tripped, redo=batch.redo is not None)
         if trip is None:

@@ -12,9 +12,11 @@ from trainer_svc.algorithms import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
     LOSSES,
+    LR_DECAYS,
     BatchNorm,
     LossConfig,
     LossInputs,
+    LrSchedule,
     accumulate,
     aggregate,
     aipo_loss,
@@ -23,6 +25,8 @@ from trainer_svc.algorithms import (
     grpo_advantages,
     is_fresh,
     lookup,
+    lr_at,
+    lr_factor,
     policy_loss,
     rloo_advantages,
     staleness,
@@ -579,6 +583,7 @@ def test_registries_match_the_job_spec_names():
     assert set(ADVANTAGE_ESTIMATORS) == set(typing.get_args(jobspec.Advantage))
     assert set(LOSSES) == set(typing.get_args(jobspec.Loss))
     assert set(AGGREGATIONS) == set(typing.get_args(jobspec.Aggregation))
+    assert set(LR_DECAYS) == set(typing.get_args(jobspec.LrScheduleName))
 
 
 def test_loss_config_from_spec_and_unknown_names():
@@ -595,7 +600,9 @@ def test_loss_config_from_spec_and_unknown_names():
         gspo_clip_low=spec.gspo_clip_low,
         gspo_clip_high=spec.gspo_clip_high,
         kl_coef=0.01,
+        entropy_coef=0.0,
     )
+    assert LossConfig.from_spec(jobspec.AlgorithmSpec(entropy_coef=0.05)).entropy_coef == 0.05
     # the dataclass defaults are the job spec's defaults
     assert LossConfig.from_spec(jobspec.AlgorithmSpec()) == LossConfig()
     with pytest.raises(
@@ -604,6 +611,115 @@ def test_loss_config_from_spec_and_unknown_names():
         LossConfig(loss="ppo")
     with pytest.raises(ValueError, match="unknown aggregation"):
         LossConfig(aggregation="sum")
+
+
+# --- learning-rate schedule ---------------------------------------------------------------------
+
+
+def _sched(name, warmup=2, steps=6, min_ratio=0.1, lr=1e-3):
+    return LrSchedule(lr=lr, name=name, warmup_steps=warmup, min_lr_ratio=min_ratio, steps=steps)
+
+
+# Warm-up W = 2 then decay over S = 6 steps to min 0.1: steps 1, 2 at 1/2, 1; then p = (t - 2) / 4.
+#   linear: 1 - 0.9 p                       -> t=3..6: 0.775, 0.55, 0.325, 0.1
+#   cosine: 1 - 0.9 (1 - cos(pi p)) / 2     -> t=3: 1 - 0.9 (1 - 0.70711) / 2 = 0.86820
+#           t=4: 1 - 0.9 / 2 = 0.55;  t=5: 1 - 0.9 (1 + 0.70711) / 2 = 0.23180;  t=6: 0.1
+# Step 7 is past the end: the minimum (p is clamped at 1).
+@pytest.mark.parametrize("name,factors", [
+    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]),
+    ("cosine", [0.5, 1.0, 0.868198, 0.55, 0.231802, 0.1, 0.1]),
+])
+def test_lr_schedules_hand_computed(name, factors):
+    sched = _sched(name)
+    got = [lr_at(t, sched) for t in range(1, 8)]
+    assert got == pytest.approx([1e-3 * f for f in factors], rel=1e-5)
+    assert [lr_factor(t, sched) for t in range(1, 8)] == pytest.approx(factors, rel=1e-5)
+
+
+def test_lr_schedule_without_warmup_and_to_zero():
+    # W = 0, S = 4, min 0: p = t / 4 from the first step; cosine (1 + cos(pi t / 4)) / 2
+    cosine = _sched("cosine", warmup=0, steps=4, min_ratio=0.0)
+    assert [lr_factor(t, cosine) for t in range(1, 5)] == pytest.approx([0.853553, 0.5, 0.146447, 0.0], abs=1e-6)
+    linear = _sched("linear", warmup=0, steps=4, min_ratio=0.0)
+    assert [lr_factor(t, linear) for t in range(1, 5)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    # a warm-up as long as the job: every step ramps, the last one at the peak
+    ramp = _sched("cosine", warmup=4, steps=4)
+    assert [lr_factor(t, ramp) for t in range(1, 5)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_a_spec_with_only_lr_trains_at_lr_bit_for_bit():
+    spec = jobspec.JobSpec(model_path="/m", steps=10, algorithm={"lr": 3e-6})
+    sched = LrSchedule.from_spec(spec)
+    assert sched == LrSchedule(lr=3e-6, steps=10)  # the dataclass defaults are the job spec's defaults
+    assert all(lr_at(t, sched) == 3e-6 for t in range(1, 12))  # exactly, past the end too
+    warm = LrSchedule.from_spec(jobspec.JobSpec(model_path="/m", steps=10, algorithm={
+        "lr": 1e-4, "lr_schedule": "linear", "warmup_steps": 3, "min_lr_ratio": 0.5}))
+    assert warm == LrSchedule(lr=1e-4, name="linear", warmup_steps=3, min_lr_ratio=0.5, steps=10)
+
+
+def test_lr_schedule_refuses_unknown_names_and_a_warmup_past_the_end():
+    with pytest.raises(ValueError, match=r"unknown lr schedule 'step'; valid: \['constant', 'cosine', 'linear'\]"):
+        LrSchedule(name="step")
+    with pytest.raises(ValueError, match="warmup_steps must lie in 0..steps"):
+        LrSchedule(warmup_steps=5, steps=4)
+    with pytest.raises(ValueError, match=r"warmup_steps \(5\) must not exceed steps \(4\)"):
+        jobspec.JobSpec(model_path="/m", steps=4, algorithm={"warmup_steps": 5})
+
+
+# --- the entropy bonus --------------------------------------------------------------------------
+
+
+def _two_token_entropy_inputs(entropy_grad: bool):
+    """One sample, two completion tokens over a vocabulary of 2, advantage 0 (so the policy term has
+    no gradient): logits z1 = (0, ln 3) -> p = (1/4, 3/4); z2 = (0, 0) -> p = (1/2, 1/2)."""
+    from types import SimpleNamespace
+
+    from trainer_svc.logprobs import token_logprobs_and_entropy
+
+    z = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0], [0.0, 0.0]]], requires_grad=True)  # (1, L=3, V=2)
+    ids = torch.tensor([[0, 1, 0]])
+
+    def model(input_ids, attention_mask):
+        return SimpleNamespace(logits=z)
+
+    lp, ent = token_logprobs_and_entropy(model, ids, torch.ones_like(ids), entropy_grad=entropy_grad)
+    mask = torch.ones(1, 2)
+    return z, LossInputs(lp, lp.detach(), torch.zeros(1), mask, entropy=ent)
+
+
+# H1 = ln 4 - (3/4) ln 3 = 0.562335; H2 = ln 2 (the maximum: no gradient there).
+# dH/dz_k = -p_k (ln p_k + H): for z1, (3/16) ln 3 x (+1, -1). The bonus is -c H_t per token,
+# averaged like the policy loss: token-mean and seq-mean-token-mean over the 2 tokens,
+# seq-mean-token-sum-norm over max_len (4) x 1 sequence. So d loss / d z1 = c (3/16) ln 3 / D x (-1, +1):
+# a descent step raises the less likely token's logit and lowers the likelier one's, towards
+# the uniform distribution: the entropy goes up.
+@pytest.mark.parametrize("agg,denom", [("token-mean", 2), ("seq-mean-token-mean", 2), ("seq-mean-token-sum-norm", 4)])
+def test_entropy_bonus_hand_computed(agg, denom):
+    c = 0.1
+    z, inp = _two_token_entropy_inputs(entropy_grad=True)
+    h1, h2 = math.log(4) - 0.75 * math.log(3), math.log(2)
+    assert inp.entropy[0].tolist() == pytest.approx([h1, h2], abs=1e-6)
+    out = policy_loss(inp, LossConfig(aggregation=agg, entropy_coef=c), BatchNorm(num_tokens=2, num_seqs=1, max_len=4))
+    assert out.loss.item() == pytest.approx(-c * (h1 + h2) / denom, abs=1e-6)  # the policy term is 0 (A = 0)
+    out.loss.backward()
+    g = c * (3 / 16) * math.log(3) / denom
+    assert z.grad[0, 0].tolist() == pytest.approx([-g, g], abs=1e-6)
+    assert z.grad[0, 1:].abs().max().item() < 1e-7  # at the maximum, and the last position scores nothing
+    with torch.no_grad():  # one descent step on the logits raises the entropy
+        p = torch.softmax(z[0, 0] - 1.0 * z.grad[0, 0], dim=-1)
+    assert -(p * p.log()).sum().item() > h1
+
+
+def test_entropy_bonus_off_is_a_metric_only_and_on_needs_the_graph():
+    z, inp = _two_token_entropy_inputs(entropy_grad=False)
+    assert not inp.entropy.requires_grad
+    norm = BatchNorm(num_tokens=2, num_seqs=1, max_len=4)
+    out = policy_loss(inp, LossConfig(), norm)
+    assert out.loss.item() == 0.0 and out.metrics["entropy/sum"] == pytest.approx(math.log(4) - 0.75 * math.log(3)
+                                                                                  + math.log(2), abs=1e-6)
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs LossInputs.entropy with grad"):
+        policy_loss(inp, LossConfig(entropy_coef=0.1), norm)
 
 
 # --- logprobs + entropy and one real training step ----------------------------------------------
@@ -659,3 +775,39 @@ def test_one_training_step_moves_the_tiny_model(tmp_path):
     with torch.no_grad():  # the positive-advantage completion became more likely
         after = token_logprobs(model, ids, attn)
     assert ((after - beh) * mask)[0].sum() > 0 > ((after - beh) * mask)[1].sum()
+
+
+def test_learner_optimizer_gets_betas_eps_and_the_entropy_bonus_raises_the_entropy(tmp_path):
+    from bench.t_train import fake_batch
+    from trainer_svc.batch import TrainBatch
+    from trainer_svc.learner import Learner
+    from trainer_svc.logprobs import token_logprobs_and_entropy
+    from trainer_svc.sink import flatten_batch
+    from trainer_svc.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
+
+    def learner(**algorithm):
+        spec = jobspec.JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
+                               algorithm={"lr": 1e-3, **algorithm})
+        return Learner(spec, "cpu")
+
+    plain = learner()
+    assert plain.optimizer.param_groups[0]["betas"] == (0.9, 0.999) and plain.optimizer.param_groups[0]["eps"] == 1e-8
+    bonus = learner(betas=[0.8, 0.95], eps=1e-6, entropy_coef=0.1)
+    assert bonus.optimizer.param_groups[0]["betas"] == (0.8, 0.95) and bonus.optimizer.param_groups[0]["eps"] == 1e-6
+    # equal rewards: every advantage is 0, so the entropy bonus is the whole gradient
+    samples, _ = flatten_batch(fake_batch(2, 4, 4, plain.model.config.vocab_size))
+    batch = TrainBatch.of(samples, torch.ones(2, 4))
+    ids, attn, _, mask, temp = batch.micro_batch(0, len(batch), plain.pad_id)
+
+    def entropy(lrn):
+        with torch.no_grad():
+            return float((token_logprobs_and_entropy(lrn.model, ids, attn, temp)[1] * mask).sum() / mask.sum())
+
+    before = entropy(plain)
+    assert entropy(bonus) == pytest.approx(before)  # the same initial model
+    assert plain.step(batch)["entropy"] == pytest.approx(before, rel=1e-5)
+    assert entropy(plain) == pytest.approx(before, abs=1e-7)  # no advantage, no bonus: no update
+    assert bonus.step(batch)["entropy"] == pytest.approx(before, rel=1e-5)
+    assert entropy(bonus) > before + 1e-4  # the bonus alone raised it

@@ -143,3 +143,57 @@ def test_loop_state_save_and_restore_are_a_pair():
     b = LoopState("run2", 1e-3, StalenessBound(spec), CollapseGuard(spec.guard, "aipo"), _Feeder(), {})
     assert b.restore(saved) == knobs
     assert {**b.save(), "run_id": "run1", "knobs": knobs} == saved  # a new process keeps its own run id
+
+
+def test_a_resumed_loop_trains_every_step_at_the_uninterrupted_runs_lr():
+    """The schedule's position is the step, which a checkpoint holds: after a resume every re-done
+    and later step trains at the lr the uninterrupted run used, with a live lr set before the
+    checkpoint and one set after it (the way Parts.take_over and apply_knobs put them)."""
+    import json
+
+    from trainer_svc.algorithms import LrSchedule
+    from trainer_svc.state import LoopState
+
+    spec = _spec(steps=8, algorithm={"lr": 1e-3, "lr_schedule": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1})
+    knob_before = {3: 5e-4, 6: 2e-3}  # PATCH lr, applied before these steps
+
+    def state() -> LoopState:
+        return LoopState("run", spec.algorithm.lr, StalenessBound(spec), CollapseGuard(spec.guard, "aipo"), _Feeder(),
+                         {}, schedule=LrSchedule.from_spec(spec))
+
+    # the uninterrupted run, checkpointed after step 4; the ledger records each step's lr
+    run, ledger_lr, saved = state(), {}, {}
+    for t in range(1, 9):
+        if t in knob_before:
+            run.knobs["lr"] = run.lr = knob_before[t]
+        ledger_lr[t] = run.step_lr(t)
+        run.step = run.version = t
+        if t == 4:
+            saved = json.loads(json.dumps(run.save()))  # trainer.json
+    # Hand-computed: W = 2, S = 8, min 0.1; after the warm-up p = (t - 2) / 6 and the factor is
+    # 1 - 0.9 (1 - cos(pi p)) / 2: t=3..8: 0.939711, 0.775, 0.55, 0.325, 0.160289, 0.1; times the
+    # live lr (1e-3, then 5e-4 from step 3, 2e-3 from step 6).
+    assert list(ledger_lr.values()) == pytest.approx(
+        [5e-4, 1e-3, 5e-4 * 0.939711, 5e-4 * 0.775, 5e-4 * 0.55, 2e-3 * 0.325, 2e-3 * 0.160289, 2e-4], rel=1e-5)
+
+    # killed after step 6: a new process resumes from the checkpoint of step 4 and re-does 5 and 6
+    resumed = state()
+    resumed.step, resumed.version = 4, 4
+    resumed.replay_lr = {5: ledger_lr[5], 6: ledger_lr[6]}  # checkpoint.plan_resume, from the ledger
+    applied = resumed.restore(saved)
+    control = {"lr": 2e-3}  # the control stream replayed from its start: the knobs set so far
+    since = {k: v for k, v in control.items() if applied.get(k) != v}
+    assert applied == {"lr": 5e-4} and since == {"lr": 2e-3}
+    resumed.lr = since["lr"]  # apply_knobs
+    assert {t: resumed.step_lr(t) for t in range(5, 9)} == {t: ledger_lr[t] for t in range(5, 9)}
+    # the staleness scale multiplies a step's lr; a re-done step keeps the lr it was recorded with
+    assert resumed.step_lr(7, 0.5) == pytest.approx(ledger_lr[7] / 2) and resumed.step_lr(5, 0.5) == ledger_lr[5]
+
+
+def test_a_constant_schedule_trains_at_the_live_lr_exactly():
+    from trainer_svc.state import LoopState
+
+    spec = _spec(steps=5, algorithm={"lr": 3e-6})
+    st = LoopState("run", 3e-6, StalenessBound(spec), CollapseGuard(spec.guard, "aipo"), _Feeder())
+    st.lr = 7e-6  # a PATCH; the guard's lower lr likewise
+    assert [st.step_lr(t, 0.5) for t in range(1, 6)] == [7e-6 * 0.5] * 5  # as before schedules: lr x staleness scale
