@@ -1,7 +1,8 @@
 """Rewards scored over HTTP: a remote scorer (kind `http`) and an LLM judge (kind `judge`).
 
 Remote scorer protocol: POST `url` with {"items": [{"prompt", "completion", "answer", "metadata",
-"finish_reason"}, ...]} (up to batch_size items); the answer is {"rewards": [r, ...]}, one per item
+"finish_reason", "episode"}, ...]} (up to batch_size items; `episode`: a multi-turn episode's
+metrics, {} for a single turn); the answer is {"rewards": [r, ...]}, one per item
 in order, each a number or a dict of named numbers (components, summed). Judge: POST
 `<base_url>/chat/completions` (OpenAI-compatible) with the template filled in as the user message;
 the reply's text becomes a score by the spec's rule (JUDGE_RULES); a reply the rule cannot read is

@@ -122,7 +122,7 @@ def test_http_batches_items_and_reads_rewards_and_components(server):
     # the batches go out concurrently: find the one that holds "a" rather than trust arrival order
     (first,) = [b for b in server.bodies if b["items"][0]["completion"] == "a"]
     assert first["items"][0] == {"prompt": "2+2=", "completion": "a", "answer": "4", "metadata": {},
-                                 "finish_reason": None}
+                                 "finish_reason": None, "episode": {}}
     assert sorted(len(b["items"]) for b in server.bodies) == [1, 2]
 
 
