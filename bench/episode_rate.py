@@ -47,6 +47,7 @@ Results: results/episode_rate.json and results/episode_rate.md.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -212,6 +213,7 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         return {"wall_s": wall, "model_tokens_per_s": model_tokens / wall, "engine_calls": engine.calls,
                 "call_s": [b - a for a, b in engine.spans]}
 
+    load_before = os.getloadavg()
     try:
         # warm-up: every path once (engine start-up, first-call allocations, the episode driver),
         # recording the contexts of a concurrent run: its turns' contexts, turn by turn (each turn
@@ -244,6 +246,10 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         "utilisation": conc_tps / single_tps,
         # the same, against single-turn requests of the contexts the episodes' turns had
         "utilisation_same_contexts": conc_tps / same_tps,
+        # each run's concurrent / the single-turn run after it: on a shared machine the load moves
+        # between runs, and adjacent runs share more of it
+        "utilisation_per_run": [c["model_tokens_per_s"] / t["model_tokens_per_s"]
+                                for c, t in zip(runs["concurrent"], runs["single_turn"], strict=True)],
         # the best a run of episodes in lockstep can do: the engine's own time for the turns, plus
         # one tool call per turn during which every episode sleeps and the engine has nothing to run
         "utilisation_bound_lockstep": (model_tokens / single_tps) / (busy + turns * tool_sleep_s),
@@ -266,6 +272,8 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
                   "model": "trainer_svc.tiny_model defaults (random init, char-level, 256-token context)"},
         "runs": runs,
         "machine": machine(),
+        # the machine may be shared: its load average (1, 5, 15 min) before and after the runs
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if out_dir is not None:
@@ -280,6 +288,10 @@ def markdown(r: dict[str, Any]) -> str:
     s = r["shape"]
     c = r["runs"]["concurrent"]
     seq_busy = statistics.median(x["engine_busy_fraction"] for x in r["runs"]["sequential"])
+    idle = statistics.median(x["wall_s"] - x["engine_busy_s"] for x in c)
+
+    def walls(kind: str) -> str:
+        return ", ".join(f"{x['wall_s']:.2f}" for x in r["runs"][kind])
     return "\n".join([
         "# Multi-turn episode rate (`python -m bench episode-rate`)", "",
         f"{s['episodes']} episodes ({s['groups']} groups x {s['n']}) of {s['turns']} model turns x "
@@ -287,26 +299,32 @@ def markdown(r: dict[str, Any]) -> str:
         f"random-init model on the vLLM CPU engine, {r['machine']['cores']} cores. Medians of {s['reps']} interleaved "
         f"runs (sequential: {s['sequential_episodes']} episodes per run). bench/episode_rate.py says what each "
         "figure is.", "",
-        "| run | episodes/s | model tokens/s | engine busy |", "|---|---|---|---|",
+        "| run | episodes/s | model tokens/s | engine busy | wall of each run (s) |", "|---|---|---|---|---|",
         f"| concurrent (`run_groups`) | {r['episodes_per_s_concurrent']:.2f} | {r['model_tokens_per_s_concurrent']:.0f} "
-        f"| {r['engine_busy_fraction']:.2f} |",
+        f"| {r['engine_busy_fraction']:.2f} | {walls('concurrent')} |",
         f"| sequential (one episode at a time) | {r['episodes_per_s_sequential']:.2f} | "
-        f"{r['model_tokens_per_s_sequential']:.0f} | {seq_busy:.2f} |",
-        f"| single-turn, no environment (the openings as prompts) | - | {r['model_tokens_per_s_single_turn']:.0f} | 1.00 |",
+        f"{r['model_tokens_per_s_sequential']:.0f} | {seq_busy:.2f} | {walls('sequential')} |",
+        f"| single-turn, no environment (the openings as prompts) | - | {r['model_tokens_per_s_single_turn']:.0f} | 1.00 "
+        f"| {walls('single_turn')} |",
         f"| single-turn, no environment (the turns' contexts as prompts) | - | "
-        f"{r['model_tokens_per_s_single_turn_same_contexts']:.0f} | 1.00 |", "",
+        f"{r['model_tokens_per_s_single_turn_same_contexts']:.0f} | 1.00 | {walls('single_turn_same_contexts')} |", "",
         f"- utilisation (concurrent / single-turn model tokens/s): **{r['utilisation']:.2f}** (target >= 0.8); "
         f"against the same contexts: {r['utilisation_same_contexts']:.2f}; the lockstep bound at this shape: "
-        f"{r['utilisation_bound_lockstep']:.2f}",
+        f"{r['utilisation_bound_lockstep']:.2f}; run by run (concurrent / the single-turn run after it): "
+        + ", ".join(f"{u:.2f}" for u in r["utilisation_per_run"]),
+        f"- where the concurrent run's time goes (medians): wall {idle + r['engine_busy_s_concurrent']:.2f} s = engine "
+        f"{r['engine_busy_s_concurrent']:.2f} s + idle {idle:.2f} s, of which {s['turns']} tool rounds x "
+        f"{r['tool_sleep_s'] * 1000:.0f} ms = {s['turns'] * r['tool_sleep_s']:.2f} s of sleep (every episode in its "
+        "tool at once: nothing for the engine to run) and the rest the loop's own work between calls",
         f"- speed-up over sequential: **{r['speedup_vs_sequential']:.1f}x**",
         f"- concurrent: {r['engine_calls_concurrent']:.0f} engine calls (median; sequences per call "
         f"{c[0]['sequences_per_call']} in the first run), engine busy {r['engine_busy_s_concurrent']:.2f} s vs "
         f"{r['engine_s_single_turn']:.2f} s single-turn; engine idle between calls "
         f"{r['engine_idle_between_calls_s_median'] * 1000:.0f} ms (median; the tool's "
         f"{r['tool_sleep_s'] * 1000:.0f} ms plus the loop's work on {s['episodes']} replies), after the last call "
-        f"{r['engine_idle_after_last_call_s_median'] * 1000:.0f} ms; walls " + ", ".join(f"{x['wall_s']:.2f}" for x in c)
-        + " s",
-        f"- {r['date']}, {r['machine']['cpu']}",
+        f"{r['engine_idle_after_last_call_s_median'] * 1000:.0f} ms",
+        f"- {r['date']}, {r['machine']['cpu']}; load average (1 min) {r['load_average']['before'][0]:.2f} before, "
+        f"{r['load_average']['after'][0]:.2f} after (a shared machine: a run far off the others was disturbed)",
     ]) + "\n"
 
 
