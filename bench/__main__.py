@@ -23,13 +23,16 @@ def main(
         "phase at the demo's size, async / max(T_gen, T_train); admission: samples dropped for staleness with 1, 2 "
         "and 4 generators (the demo job); startup: command -> first trained step and its "
         "breakdown per service (--seeds: repetitions, --before DIR: code before); multiturn: the tools environment "
-        "demonstration (warm start, RL, tool success and held-out curves, the retokenization check)."
+        "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
+        "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
+        "(--runs)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
-    runs: int = typer.Option(2, help="steps: runs of each code (interleaved with --before)."),
+    runs: int = typer.Option(0, help="steps: runs of each code, interleaved with --before (0: 2); episode-rate: "
+                             "runs of each measurement, interleaved (0: 3)."),
     before: str = typer.Option("", help="steps, startup: another checkout whose services to measure too (before)."),
     label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
@@ -61,7 +64,7 @@ def main(
     elif which == "steps":
         from bench.steps import bench_steps
 
-        bench_steps(out_dir=out, steps=steps or 40, runs=runs, before=before or None)
+        bench_steps(out_dir=out, steps=steps or 40, runs=runs or 2, before=before or None)
     elif which == "admission":
         from bench.admission import bench_admission
 
@@ -70,6 +73,11 @@ def main(
         from bench.multiturn import bench_multiturn
 
         bench_multiturn(out_dir=out, steps=steps or 60)
+    elif which == "episode-rate":
+        from bench.episode_rate import bench_episode_rate
+
+        result = bench_episode_rate(out_dir=out, reps=runs or 3)
+        typer.echo(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -86,7 +94,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn")
+                                "steps, admission, startup, multiturn, episode-rate")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 A job with an `environment` (shared/environments) turns each training prompt group into n
 episodes. They run concurrently on one event loop (`run_groups`): an episode waiting for its
-environment (a tool in a worker thread, or an `async def` step) holds nothing, and every model
-turn that is ready goes into the next engine call (`TurnBatcher`), so while one episode's tool
-runs the others keep the engine busy.
+environment (a tool in a worker thread of its own, or an `async def` step) holds nothing, and
+every model turn that is ready goes into the next engine call (`TurnBatcher`), so while one
+episode's tool runs the others keep the engine busy.
 
 Token in, token out: a model turn is the ids the engine sampled, with their logprobs; an
 environment reply is tokenized once when appended (shared/environments/episode.py); the episode
@@ -54,6 +54,7 @@ from shared.schema import PromptGroup, SamplingParams
 log = logging.getLogger(__name__)
 
 MAX_STOP_REASON = 2000
+MAX_ENV_THREADS = 256  # worker threads for sync environments' calls, per run_groups
 
 
 @dataclass
@@ -67,15 +68,19 @@ class _Turn:
 class TurnBatcher:
     """Model turns of concurrent episodes -> engine calls, each taking every turn waiting.
 
-    After a call, the episodes it answered go to their environments; a fast environment (a
-    calculator) answers within a millisecond, so the next call waits up to `gather_s` for the
-    episodes still active to ask, rather than run a handful of turns alone; a slow one (a tool
-    that sleeps) is not waited for past that.
+    After a call, the episodes it answered go to their environments and come back one by one:
+    even a tool of fixed latency answers 64 episodes over some milliseconds (each reply is
+    rendered and tokenized on the loop). So a call waits while turns keep coming: until every
+    active episode waits, or no new turn came for `gather_s`, or `max_gather_s` in all. Launching
+    at the first turn back would run it nearly alone and leave the rest for the next call, the
+    engine's time per call being mostly its steps, not its sequences. A slow environment (a
+    tool that sleeps) is not waited for: a gap of `gather_s` ends the gathering.
     """
 
     engine: Engine
     active: int = 0  # episodes not yet ended
-    gather_s: float = 0.002
+    gather_s: float = 0.005  # a gap with no new turn that ends the gathering
+    max_gather_s: float = 0.05  # the longest a call waits for more turns
     waiting: list[_Turn] = field(default_factory=list)
     calls: int = 0
     turns: int = 0
@@ -95,11 +100,24 @@ class TurnBatcher:
         self.active -= 1
         self._signal()
 
-    async def _until_woken(self, timeout: float | None) -> None:
+    async def _until_woken(self, timeout: float | None) -> bool:
+        """Until a turn comes or an episode ends (True), or `timeout` passes (False)."""
         assert self._wake is not None
+        woken = False
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            woken = await asyncio.wait_for(self._wake.wait(), timeout)
         self._wake.clear()
+        return woken
+
+    async def _gather(self) -> None:
+        """While turns keep coming: until every active episode waits, no turn came for
+        `gather_s`, or `max_gather_s` passed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.max_gather_s
+        while len(self.waiting) < self.active:
+            left = end - loop.time()
+            if left <= 0 or not await self._until_woken(min(self.gather_s, left)):
+                return
 
     async def serve(self) -> None:
         """Run engine calls until every episode has ended."""
@@ -109,7 +127,7 @@ class TurnBatcher:
                 await self._until_woken(None)  # every active episode is with its environment
                 continue
             if len(self.waiting) < self.active:
-                await self._until_woken(self.gather_s)  # the others may be a moment away
+                await self._gather()  # the others may be a moment away
             batch, self.waiting = self.waiting, []
             try:
                 results = self.engine.generate([t.context for t in batch], [t.params for t in batch], [1] * len(batch))
@@ -204,6 +222,11 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
             await asyncio.sleep(keepalive_s)
 
     async def play() -> list[Episode]:
+        # A worker thread per episode for sync environments' calls (run_episode's asyncio.to_thread):
+        # asyncio's default pool has min(32, cores + 4), so on 2 cores 64 episodes' tool calls of
+        # 50 ms ran 6 at a time, 11 rounds of 50 ms per turn. Threads start only as calls need them.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+            max_workers=max(1, min(batcher.active, MAX_ENV_THREADS)), thread_name_prefix="env-step"))
         pool = ThreadPoolExecutor(1, thread_name_prefix="keepalive") if keepalive is not None else None
         holder = None if pool is None else asyncio.create_task(keep(pool))
         try:
