@@ -183,7 +183,9 @@ class Ranks:
             return model
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        # pinned host memory (faster copies to the GPU) needs an accelerator; on CPU the policy is
+        # accepted but there is nothing to move
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
 
         full = {k: v.detach().clone() for k, v in model.state_dict().items()} if self.is_main else {}
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
