@@ -126,6 +126,21 @@ class AlgorithmSpec(_Strict):
                                             "forward/backward passes of at most this many samples each (per rank) "
                                             "whose gradients add up. The loss is normalised over the whole batch, so "
                                             "the update does not depend on it: only memory and speed do.")
+    logprob_chunk_tokens: int = Field(
+        0, ge=0, le=1_000_000, description="Memory: > 0 computes the policy's per-token logprobs (and entropy) over "
+                                           "this many sequence positions at a time, each chunk's head, log-softmax and "
+                                           "gather checkpointed, so the micro-batch's full-vocabulary float32 logits "
+                                           "never exist at once (same values and gradients; the backward recomputes "
+                                           "the head). 0: unchunked. Unsharded HF models with a linear head; others "
+                                           "(and FSDP2 ranks) run unchunked.")
+    gradient_checkpointing: bool = Field(
+        False, description="Memory: activation checkpointing of the policy's decoder layers (HF "
+                           "gradient_checkpointing_enable, non-reentrant): the backward recomputes each layer's "
+                           "forward instead of keeping its activations. Same loss and gradients; slower.")
+    cpu_offload: bool = Field(
+        False, description="Memory, with several trainer ranks (FSDP2, torchrun): keep the sharded parameters, "
+                           "gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy), the optimizer step "
+                           "on CPU. No effect with one rank.")
     dynamic_sampling: bool = Field(
         False, description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
                            "batch from new groups; each drop is recorded in the ledger with its reason.")

@@ -174,13 +174,18 @@ class Ranks:
 
     # --- the model -----------------------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, cpu_offload: bool = False) -> torch.nn.Module:
         """Shard `model` in place with FSDP2, one unit per decoder layer (HF `_no_split_modules`)
         plus the root, then give every rank rank 0's weights (it may hold a resumed checkpoint the
-        others never read). At world size 1: `model` as it is."""
+        others never read). `cpu_offload`: FSDP2's CPUOffloadPolicy (sharded parameters, gradients
+        and optimizer state in CPU memory). At world size 1: `model` as it is."""
         if not self.sharded:
             return model
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        # pinned host memory (faster copies to the GPU) needs an accelerator; on CPU the policy is
+        # accepted but there is nothing to move
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
 
         full = {k: v.detach().clone() for k, v in model.state_dict().items()} if self.is_main else {}
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
@@ -189,8 +194,8 @@ class Ranks:
             raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
                              "FSDP2 needs one unit per layer")
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
         self.load_model_state(model, full)
         return model
 

@@ -55,6 +55,15 @@ def shape_overlong(batch: TrainBatch, spec: JobSpec) -> tuple[torch.Tensor, torc
     return rewards, keep
 
 
+def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
+    """Activation checkpointing of an HF model's layers (non-reentrant), if it supports it;
+    whether it was enabled."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
 class Learner:
     """The policy, its optimizer and the algorithm: one optimizer step on one global batch.
 
@@ -76,9 +85,11 @@ class Learner:
         # ranks may not see), and `wrap` hands its weights to them.
         model, self.tokenizer = load_policy(spec, device, model_path if self.ranks.is_main else None)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
-        self.model = self.ranks.wrap(model)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         a = spec.algorithm
+        if a.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.betas, eps=a.eps,
                                            weight_decay=a.weight_decay)
         self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
@@ -132,12 +143,13 @@ class Learner:
         ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
         adv = advantages[lo:hi].to(self.device)
         # each sample's own sampling temperature: the behaviour policy it was drawn from
+        chunk = self.spec.algorithm.logprob_chunk_tokens
         logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
-                                                       entropy_grad=self.cfg.entropy_coef > 0)
+                                                       entropy_grad=self.cfg.entropy_coef > 0, chunk_tokens=chunk)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.ref_model, ids, attn, temp)
+                ref = token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk)
         out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
         if part is None:
             (out.loss * 0.0).backward()

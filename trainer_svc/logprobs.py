@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 
 def pad_batch(
@@ -58,13 +59,94 @@ def pad_batch(
     return input_ids, attention_mask, completion_mask
 
 
-def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor) -> torch.Tensor:
-    """logits[:, :-1] / temperature, in float32; temperature a scalar or one per row (B,)."""
+def _temperature(temperature: float | torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(temperature, dtype=torch.float32)
     if bool((t <= 0).any()):
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    return t
+
+
+def _divide(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """logits (B, n, V) / temperature, a scalar or one per row."""
+    return logits / (t.to(logits.device).view(-1, 1, 1) if t.ndim else t.item())
+
+
+def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor) -> torch.Tensor:
+    """logits[:, :-1] / temperature, in float32; temperature a scalar or one per row (B,)."""
+    t = _temperature(temperature)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return logits / (t.to(logits.device).view(-1, 1, 1) if t.ndim else t.item())  # (B, L-1, V)
+    return _divide(logits, t)  # (B, L-1, V)
+
+
+def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy: bool,
+                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs (B, n) of `targets` (B, n, 1) and optionally the entropy (B, n) from
+    scaled float32 logits (B, n, V); the entropy keeps its graph only with `entropy_grad`."""
+    lse = torch.logsumexp(logits, dim=-1)  # (B, n)
+    # gather - logsumexp avoids materialising a second (B, n, V) log_softmax tensor.
+    logprobs = logits.gather(-1, targets).squeeze(-1) - lse
+    if not entropy:
+        return logprobs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        z, m = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
+        ent = m - (torch.exp(z - m.unsqueeze(-1)) * z).sum(dim=-1)
+    return logprobs, ent
+
+
+def _chunkable(model: torch.nn.Module) -> bool:
+    """Whether the chunked path applies: an HF causal LM with a linear output head, and unsharded
+    (FSDP2's DTensor parameters would be used outside the module's forward: not done)."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    return not any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy: bool,
+             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`_logprobs_entropy` without full-vocabulary logits for the whole sequence: the final hidden
+    states once, then the head, log-softmax and gather over `chunk` positions at a time; with
+    autograd each chunk is checkpointed (its (B, chunk, V) logits are recomputed in the backward,
+    not kept). None when the model's logits are not its head applied to its last hidden state (a
+    logit scale or soft-cap, checked at the last position): use the full path then."""
+    t = _temperature(temperature)
+    # logits_to_keep=1: the head runs on the last position only, the check below.
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # (B, L, H), after the final norm
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        if not torch.allclose(head(hidden[:, -1:]).float(), out.logits[:, -1:].float(), rtol=1e-5, atol=1e-5):
+            return None
+    hidden = hidden[:, :-1]
+    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
+
+    def piece(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = _logprobs_entropy(_divide(head(h).float(), t), tgt, entropy, entropy_grad)
+        return lp, (ent if ent is not None else lp.new_zeros(()))
+
+    grad = torch.is_grad_enabled()
+    lps, ents = [], []
+    for s in range(0, hidden.shape[1], chunk):
+        h, tgt = hidden[:, s:s + chunk], targets[:, s:s + chunk]
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(piece, h, tgt, use_reentrant=False)
+        else:
+            lp, ent = piece(h, tgt)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
+
+
+def _compute(model, input_ids, attention_mask, temperature, chunk_tokens: int, entropy: bool,
+             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+    if chunk_tokens and _chunkable(model):
+        got = _chunked(model, input_ids, attention_mask, temperature, chunk_tokens, entropy, entropy_grad)
+        if got is not None:
+            return got
+    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
+    return _logprobs_entropy(logits, input_ids[:, 1:].unsqueeze(-1), entropy, entropy_grad)
 
 
 def token_logprobs(
@@ -72,6 +154,7 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Log-probability of each next token: ``log softmax(logits_t / temperature)[x_{t+1}]``.
 
@@ -83,14 +166,16 @@ def token_logprobs(
         attention_mask: (B, L), 1 for real tokens.
         temperature: > 0; the sampler's temperature, so these match the behaviour policy. A
             scalar, or one per row (B,) when samples were drawn at different temperatures.
+        chunk_tokens: > 0: the head and log-softmax over this many positions at a time, each
+            chunk checkpointed, so no (B, L-1, V) float32 logits exist at once, in the forward nor
+            kept for the backward (same values and gradients; the backward recomputes each
+            chunk's head). 0: the model's full logits. Unsharded HF models with a linear head
+            only; others take the full path.
 
     Returns:
         (B, L-1) float32; entries at padding are meaningless, mask them with ``completion_mask``.
     """
-    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
-    # gather - logsumexp avoids materialising a second (B, L-1, V) log_softmax tensor.
-    return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return _compute(model, input_ids, attention_mask, temperature, chunk_tokens, False, False)[0]
 
 
 def token_logprobs_and_entropy(
@@ -99,13 +184,15 @@ def token_logprobs_and_entropy(
     attention_mask: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     entropy_grad: bool = False,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus the entropy of each next-token distribution, from one forward pass.
 
     The entropy is that of the distribution the sampler draws from, ``softmax(logits_t / T)``:
     ``H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv`` with ``z_t = logits_t / T``. As a metric
     it is computed without grad (no (B, L-1, V) activations kept for backward); `entropy_grad`
-    keeps its graph, for the entropy bonus (one more (B, L-1, V) tensor held for backward).
+    keeps its graph, for the entropy bonus (one more (B, L-1, V) tensor held for backward, unless
+    chunked: `chunk_tokens`).
 
     Args:
         model: a causal LM returning ``.logits`` (B, L, V).
@@ -113,19 +200,15 @@ def token_logprobs_and_entropy(
         attention_mask: (B, L), 1 for real tokens.
         temperature: > 0, scalar or per row, as in `token_logprobs`.
         entropy_grad: whether the entropy keeps its graph (gradients flow through it).
+        chunk_tokens: as in `token_logprobs` (0: unchunked).
 
     Returns:
         ``logprobs`` (B, L-1) float32 with grad as in `token_logprobs`, and ``entropy`` (B, L-1)
         float32 in nats, detached unless `entropy_grad`; both meaningless at padding (mask with
         ``completion_mask``).
     """
-    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
-    targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
-    lse = torch.logsumexp(logits, dim=-1)  # (B, L-1)
-    logprobs = logits.gather(-1, targets).squeeze(-1) - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        z, m = (logits, lse) if entropy_grad else (logits.detach(), lse.detach())
-        entropy = m - (torch.exp(z - m.unsqueeze(-1)) * z).sum(dim=-1)
+    logprobs, entropy = _compute(model, input_ids, attention_mask, temperature, chunk_tokens, True, entropy_grad)
+    assert entropy is not None
     return logprobs, entropy
 
 

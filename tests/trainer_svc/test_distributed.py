@@ -34,7 +34,9 @@ from shared.schema import Rollout, Scored, pack_f32, pack_i32
 from trainer_svc.batch import TrainBatch
 
 STEPS = 2
-CASES = {"one-micro-batch-per-rank": 64, "padded": 4}  # micro_batch_size; 9 samples -> shares 5 and 4
+# (micro_batch_size, cpu_offload); 9 samples -> shares 5 and 4. cpu-offload: FSDP2 CPUOffloadPolicy on the
+# 2 ranks (1 rank has nothing to offload), the same step.
+CASES = {"one-micro-batch-per-rank": (64, False), "padded": (4, False), "cpu-offload": (64, True)}
 GROUPS, N, MAX_TOKENS = 3, 3, 6
 
 
@@ -48,9 +50,10 @@ def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple
     return metrics, seconds
 
 
-def _spec(model: str | Path, micro_batch_size: int) -> JobSpec:
+def _spec(model: str | Path, micro_batch_size: int, cpu_offload: bool = False) -> JobSpec:
     return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
-                   algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e6})  # no clipping (the bound is 1e6)
+                   algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e6,
+                              "cpu_offload": cpu_offload})  # no clipping (the bound is 1e6)
 
 
 def _batch(vocab: int, seed: int = 0) -> tuple[list[Scored], torch.Tensor]:
@@ -85,8 +88,8 @@ def _worker(model: str, out: str) -> None:
             follow(TrainerSettings(threads=1), ranks)
         ranks.close()
         return
-    for case, mb in CASES.items():
-        learner = Learner(_spec(model, mb), "cpu", ranks=ranks)
+    for case, (mb, offload) in CASES.items():
+        learner = Learner(_spec(model, mb, offload), "cpu", ranks=ranks)
         samples, rewards = _batch(learner.model.config.vocab_size)
         metrics, seconds = _timed_steps(learner, samples, rewards)
         ranks._last_sent -= KEEPALIVE_S + 1  # as if rank 0 had waited that long: a tick goes out
@@ -109,7 +112,7 @@ def _worker(model: str, out: str) -> None:
     # resume on 2 ranks: rank 0 alone reads the checkpoint, rank 1 builds the base model
     case = next(iter(CASES))
     ckpt = checkpoint.step_dir(out, case, STEPS)
-    learner = Learner(_spec(model, CASES[case]), "cpu", ckpt, ranks)
+    learner = Learner(_spec(model, CASES[case][0]), "cpu", ckpt, ranks)
     learner.restore(ckpt, weights=False)
     weights, optim = learner.full_state()
     saved = checkpoint.read_optimizer(ckpt)
@@ -145,8 +148,8 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
     wall_2 = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     torch.set_num_threads(1)
-    for case, mb in CASES.items():
-        spec = _spec(tiny_model, mb)
+    for case, (mb, offload) in CASES.items():
+        spec = _spec(tiny_model, mb, offload)
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
         metrics, seconds = _timed_steps(one, samples, rewards)
@@ -182,7 +185,7 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
         print(f"\n{case} (micro-batch {mb}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
               f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")
     assert json.loads((tmp_path / "resume.json").read_text())["resumed"], "2 ranks did not resume the checkpoint"
-    print(f"2-rank worker wall time (torchrun start to exit, both cases) {wall_2:.1f}s")
+    print(f"2-rank worker wall time (torchrun start to exit, all cases) {wall_2:.1f}s")
 
 
 # --- a whole job ---------------------------------------------------------------------------------
