@@ -197,7 +197,7 @@ class TrainSink:
         self.feeder.done(g.group_id)
         log.warning("group %s: %s", g.group_id, why)
         if g.purpose == "train":
-            self.dead_streak.append(why)
+            self.dead_streak.append(why.replace(g.group_id, "<group>"))  # alike reasons count together
             self._check_progress()
 
     def _check_progress(self) -> None:

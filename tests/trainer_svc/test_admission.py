@@ -254,6 +254,11 @@ def test_a_job_whose_every_group_dead_letters_fails_saying_why(streams):
                                            r"env_error: the opening is 821 tokens"):
         job.sink._route(dead(999, "env_error: the opening is 821 tokens"), 0)
     assert len(job.sink.ledger.rows) == 2 * (2 * limit - 1)  # every dead group's samples dropped in the ledger
+    # reasons naming their group (the generator's do) are counted together, the group left out
+    job.sink.dead_streak.clear()
+    with pytest.raises(RuntimeError, match=r"32 x dead-lettered: env_error: episode 0 of group <group> never"):
+        for i in range(limit):
+            job.sink._route(dead(200 + i, f"env_error: episode 0 of group job1/dead{200 + i} never reached a turn"), 0)
 
 
 def test_a_dropped_group_lets_the_next_in_feed_order_move_up(streams):
