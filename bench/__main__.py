@@ -26,7 +26,9 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama)."
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); capacity: unit costs "
+        "of one Redis shard, the PostgreSQL ledger and the weight links, the capacity model's simulation and its "
+        "figures (docs/scaling.md)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -54,6 +56,12 @@ def main(
         res = launcher_vs_pinned(wd, steps=steps or 80)
         (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
         typer.echo(json.dumps(res, indent=2))
+    elif which == "capacity":
+        from bench.capacity import bench_capacity
+        from bench.capacity_sim import write_figures
+
+        bench_capacity(out_dir=out)
+        write_figures(results_dir=out)
     elif which == "trainer-mem":
         from bench.trainer_mem import bench_trainer_mem
 
@@ -99,7 +107,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity")
 
 
 if __name__ == "__main__":

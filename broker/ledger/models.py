@@ -137,6 +137,8 @@ class Sample(Base):
         UniqueConstraint("msg_id"),
         # Also serves lookups by job_id alone (leftmost prefix), so no separate job_id index.
         Index(None, "job_id", "status"),
+        # A job's samples in insertion order (its pages), without walking other jobs' rows (0007).
+        Index(None, "job_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(_RowId, primary_key=True, autoincrement=True)

@@ -57,7 +57,7 @@ def api(tmp_path) -> Iterator[Api]:
 def test_health(api: Api) -> None:
     resp = api.client.get("/health")
     assert resp.status_code == 200
-    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0006"}
+    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0007"}
 
 
 def test_submit_valid_job(api: Api) -> None:

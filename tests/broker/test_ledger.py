@@ -22,7 +22,7 @@ from broker.ledger.jobs import JobRepository
 from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0006"
+HEAD = "0007"
 TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
 
 
