@@ -73,21 +73,30 @@ class UnitCosts:
 
     redis_cpu_s_per_sample_base / _per_byte: Redis main-thread CPU seconds per sample through all
     three streams, as a + b * rollout_bytes (a fit over the measured completion lengths);
-    ledger_s_per_sample: PostgreSQL seconds per sample for its four writes at the measured
-    concurrency (1 / samples per second); link_bytes_per_s: one weight link's bytes/s.
+    ledger_s_per_sample (+ ledger_s_per_completion_token x completion tokens): PostgreSQL seconds
+    per sample for its four writes (server CPU over the server's cores: the row holds the
+    completion text); link_bytes_per_s: one weight link's bytes/s;
+    redis_idle_cpu_per_consumer: Redis CPU seconds per second that one consumer waiting on an
+    empty stream costs (its reads every wake-poll interval, broker.streams._WAKE_POLL_S).
     """
 
     redis_cpu_s_per_sample_base: float
     redis_cpu_s_per_sample_per_byte: float
     ledger_s_per_sample: float
     link_bytes_per_s: float
+    redis_idle_cpu_per_consumer: float = 0.0
+    ledger_s_per_completion_token: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(ledger_s_per_sample=self.ledger_s_per_sample, link_bytes_per_s=self.link_bytes_per_s)
-        if self.redis_cpu_s_per_sample_base < 0 or self.redis_cpu_s_per_sample_per_byte < 0:
+        if self.redis_cpu_s_per_sample_base < 0 or self.redis_cpu_s_per_sample_per_byte < 0 \
+                or self.redis_idle_cpu_per_consumer < 0 or self.ledger_s_per_completion_token < 0:
             raise ValueError("Redis costs must be >= 0")
         if self.redis_cpu_s_per_sample_base + self.redis_cpu_s_per_sample_per_byte <= 0:
             raise ValueError("Redis costs cannot both be 0")
+
+    def ledger_s(self, w: Workload) -> float:
+        return self.ledger_s_per_sample + self.ledger_s_per_completion_token * w.completion_tokens
 
     def redis_cpu_s_per_sample(self, w: Workload) -> float:
         return self.redis_cpu_s_per_sample_base + self.redis_cpu_s_per_sample_per_byte * rollout_bytes(w)
@@ -158,17 +167,19 @@ class Load:
     ledger_utilisation: float
 
 
-def load(samples_per_s: float, w: Workload, c: UnitCosts) -> Load:
-    """The load of `samples_per_s` samples/s on one Redis shard and one PostgreSQL."""
-    if samples_per_s < 0:
-        raise ValueError(f"samples_per_s must be >= 0, got {samples_per_s}")
+def load(samples_per_s: float, w: Workload, c: UnitCosts, *, idle_consumers: int = 0) -> Load:
+    """The load of `samples_per_s` samples/s on one Redis shard and one PostgreSQL, with
+    `idle_consumers` consumers waiting on empty streams meanwhile (a generator polls only while it
+    has nothing to generate)."""
+    if samples_per_s < 0 or idle_consumers < 0:
+        raise ValueError(f"samples_per_s and idle_consumers must be >= 0, got {samples_per_s}, {idle_consumers}")
     return Load(
         samples_per_s=samples_per_s,
         redis_msgs_per_s=samples_per_s * (2 + 1 / w.group_size),
         redis_bytes_per_s=samples_per_s * redis_bytes_per_sample(w),
-        redis_utilisation=samples_per_s * c.redis_cpu_s_per_sample(w),
+        redis_utilisation=samples_per_s * c.redis_cpu_s_per_sample(w) + idle_consumers * c.redis_idle_cpu_per_consumer,
         ledger_rows_per_s=4 * samples_per_s,
-        ledger_utilisation=samples_per_s * c.ledger_s_per_sample,
+        ledger_utilisation=samples_per_s * c.ledger_s(w),
     )
 
 
@@ -186,7 +197,7 @@ def max_generators_per_redis(w: Workload, c: UnitCosts, g: Generator, *, target:
 def max_generators_per_ledger(w: Workload, c: UnitCosts, g: Generator, *, target: float = 0.7) -> int:
     """Generator replicas one PostgreSQL (as measured) serves at most `target` busy."""
     _positive(target=target)
-    return math.floor(target / c.ledger_s_per_sample / g.samples_per_s(w) + 1e-9)
+    return math.floor(target / c.ledger_s(w) / g.samples_per_s(w) + 1e-9)
 
 
 def generators_to_feed_trainer(m: ModelSize, w: Workload, g: Generator, t: Trainer) -> int:

@@ -80,3 +80,18 @@ def test_broadcast_star_and_tree_by_hand() -> None:
 def test_bad_input_is_refused(bad) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         bad()
+
+
+def test_idle_consumers_and_ledger_per_token_by_hand() -> None:
+    costs = cm.UnitCosts(redis_cpu_s_per_sample_base=1e-4, redis_cpu_s_per_sample_per_byte=0.0,
+                         ledger_s_per_sample=1e-4, link_bytes_per_s=1e9, redis_idle_cpu_per_consumer=2e-3,
+                         ledger_s_per_completion_token=1e-7)
+    # ledger: 1e-4 + 1e-7 * 1024 = 2.024e-4 s per sample
+    assert costs.ledger_s(W) == pytest.approx(2.024e-4)
+    ld = cm.load(100.0, W, costs, idle_consumers=50)
+    assert ld.redis_utilisation == pytest.approx(100 * 1e-4 + 50 * 2e-3)  # 0.01 + 0.1
+    assert ld.ledger_utilisation == pytest.approx(100 * 2.024e-4)
+    # 0.7 / 2.024e-4 = 3458.5 samples/s; / 7.8125 = 442.7 -> 442 generators
+    assert cm.max_generators_per_ledger(W, costs, cm.Generator(8000)) == 442
+    with pytest.raises(ValueError):
+        cm.load(1.0, W, costs, idle_consumers=-1)

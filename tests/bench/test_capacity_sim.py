@@ -36,3 +36,15 @@ def test_redis_bound() -> None:
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError):
         SimConfig(generators=0, gen_samples_per_s=1, batch_samples=1, samples_per_step=1, step_s=0, redis_s_per_sample=0)
+
+
+def test_waiting_generators_poll_redis() -> None:
+    # 40 generators offer 2,000/s to a trainer that takes 256/s: most wait on the feeder's bound,
+    # each polling at 1 ms of Redis CPU per second; 1 generator is never left waiting for long
+    cfg = dict(gen_samples_per_s=50, step_s=0.25, redis_idle_per_consumer=1e-3, **BASE)
+    many = simulate(SimConfig(generators=40, **cfg))  # type: ignore[arg-type]
+    one = simulate(SimConfig(generators=1, **cfg))  # type: ignore[arg-type]
+    assert many.samples_per_s <= 256
+    # at most 40 waiting x 1e-3; at least the ~33 generators the trainer cannot use
+    assert 0.025 < many.redis_idle_utilisation <= 0.04
+    assert one.redis_idle_utilisation < 0.001
