@@ -61,7 +61,7 @@ def main(
         from bench.capacity_sim import write_figures
 
         bench_capacity(out_dir=out)
-        write_figures(results_dir=out)
+        write_figures(results_dir=out, docs_dir="docs" if out == "results" else out)  # figures of docs/scaling.md
     elif which == "trainer-mem":
         from bench.trainer_mem import bench_trainer_mem
 
