@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -171,6 +172,42 @@ def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
             pass
 
     return _repair(buf, manifest, refetch, bad, retries)
+
+
+class Uplink:
+    """An emulated uplink: at most `rate` bytes/s leave a server through it, shared fairly by all its
+    connections (a virtual-time token bucket). For benchmarks that model a network where each
+    node's uplink is the constraint (loopback is as fast as memory); never on by default."""
+
+    SLICE = 256 * 1024  # bytes sent per grant: connections interleave at this grain
+
+    def __init__(self, rate: float):
+        if rate <= 0:
+            raise ValueError(f"uplink rate must be > 0 bytes/s, got {rate}")
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link has sent everything granted so far
+
+    def take(self, n: int) -> None:
+        """Block until `n` more bytes may leave."""
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + n / self.rate
+            wait = self._free_at - now  # the bytes are out once the earlier grants and their own time are
+        if wait > 0:
+            time.sleep(wait)
+
+
+class EgressCounter:
+    """Bytes a server has sent, thread-safe (a server's egress per version is a difference of two reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
 
 
 class VersionStore:

@@ -14,7 +14,9 @@ import numpy as np
 from shared.schema import Manifest
 from shared.transport.base import (
     DEFAULT_PIECE_BYTES,
+    EgressCounter,
     RequestRefused,
+    Uplink,
     VersionStore,
     fetch_verified,
     receive_buffer,
@@ -23,12 +25,16 @@ from shared.transport.wire import ControlServer, recv_exact, recv_msg, send_msg,
 
 
 class TcpWeightServer:
-    """A threaded socket server for the last `keep` versions."""
+    """A threaded socket server for the last `keep` versions. `sent` counts the payload bytes it
+    has sent; `uplink_bytes_per_s` emulates a slower uplink (benchmarks only, `Uplink`)."""
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: int = 3, advertise_host: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: int = 3, advertise_host: str | None = None,
+                 uplink_bytes_per_s: float | None = None):
         self.store = VersionStore(keep)
+        self.sent = EgressCounter()
+        self.uplink = None if uplink_bytes_per_s is None else Uplink(uplink_bytes_per_s)
         self._control = ControlServer(host, port, self._handle, name="weight-server", advertise_host=advertise_host)
         self.port, self.address = self._control.port, self._control.address
 
@@ -48,7 +54,15 @@ class TcpWeightServer:
                 send_msg(sock, {"ok": False, "error": str(exc)})
                 continue
             send_msg(sock, {"ok": True, "nbytes": length})
-            sock.sendall(buf.data[off : off + length])
+            data = buf.data[off : off + length]
+            if self.uplink is None:
+                sock.sendall(data)
+            else:
+                for lo in range(0, length, Uplink.SLICE):
+                    piece = data[lo : lo + Uplink.SLICE]
+                    self.uplink.take(len(piece))
+                    sock.sendall(piece)
+            self.sent.add(length)
 
     def close(self) -> None:
         self._control.close()

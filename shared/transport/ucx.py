@@ -48,6 +48,7 @@ from shared.schema import Manifest
 from shared.transport.base import (
     DEFAULT_PIECE_BYTES,
     Buffer,
+    EgressCounter,
     RequestRefused,
     VersionStore,
     fetch_verified,
@@ -222,6 +223,7 @@ class UcxWeightServer:
         timeout_s: float = 120.0,
     ):
         self.store = VersionStore(keep)
+        self.sent = EgressCounter()  # payload bytes sent
         self.timeout_s = timeout_s
         self.ucx = get_worker()
         self._conns: set[socket.socket] = set()
@@ -285,6 +287,7 @@ class UcxWeightServer:
             )
             send_msg(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             raise
+        self.sent.add(length)
         send_msg(sock, {"ok": True})
 
     def close(self) -> None:
