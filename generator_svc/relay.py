@@ -165,7 +165,6 @@ class WeightRelay:
             Exception: the trainer itself failed (whatever its client raised); nothing is served.
         """
         m, t0 = ann.manifest, time.monotonic()
-        server = self.server(ann.transport)
         with self._lock:
             if (ann.trainer_run, ann.transport) != (self._run, self._transport):  # a restarted trainer
                 # may reuse version numbers
@@ -173,7 +172,8 @@ class WeightRelay:
                 for srv in self._servers.values():
                     srv.store = VersionStore(self.cfg.keep)  # type: ignore[attr-defined]
             self._fetching = m.version
-        self.beat()
+        self.beat()  # "coming": children wait for it rather than go round it
+        server = self.server(ann.transport)  # after: starting one can take a second (UCX's worker)
         failed: dict[str, str] = {}
         try:
             while True:
@@ -292,11 +292,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fanout", type=int, default=RelayConfig.fanout)
     p.add_argument("--host", default=RelayConfig.host)
     p.add_argument("--keep", type=int, default=RelayConfig.keep)
+    p.add_argument("--ttl", type=float, default=RelayConfig.ttl_s, help="seconds without a heartbeat: a dead relay")
+    p.add_argument("--idle-wait", type=float, default=RelayConfig.idle_wait_s,
+                   help="seconds to wait for an ancestor that has not started on a version")
     p.add_argument("--uplink-mbps", type=float, default=0.0,
                    help="emulated uplink of this relay's server in MB/s (0: none; benchmarks only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s relay %(message)s")
-    cfg = RelayConfig(fanout=a.fanout, host=a.host, keep=a.keep,
+    cfg = RelayConfig(fanout=a.fanout, host=a.host, keep=a.keep, ttl_s=a.ttl, beat_s=min(1.0, a.ttl / 3),
+                      idle_wait_s=a.idle_wait,
                       uplink_bytes_per_s=a.uplink_mbps * 1e6 if a.uplink_mbps > 0 else None)
     streams = JobStreams(connect(a.redis), a.job, prefix=a.prefix)
     follower = RelayFollower(WeightRelay(streams, a.id, cfg), streams)
