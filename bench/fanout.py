@@ -132,8 +132,8 @@ def _one_group(server: TcpWeightServer, base: np.ndarray, first_version: int, n:
     return out
 
 
-def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8, 16), payload_mb: int = 64,
-                 uplink_mbps: float = 125.0, fanout: int = 2, versions: int = 3) -> dict:
+def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8, 16), payload_mb: int = 32,
+                 uplink_mbps: float = 25.0, fanout: int = 2, versions: int = 3) -> dict:
     """Star vs tree for each N in `sizes`, `versions` publishes each (median), interleaved."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     payload = payload_mb * MB

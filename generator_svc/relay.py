@@ -238,6 +238,8 @@ class RelayFollower:
         self._cond = threading.Condition()
         self._failed: dict[tuple[str, int], str] = {}
         self._stop = threading.Event()
+        self._handling: PolicyAnnouncement | None = None  # the newest announcement it has taken up
+        relay.beat()  # a member of the tree from now on
         self._thread = threading.Thread(target=self._run, name="relay-follow", daemon=True)
         self._thread.start()
 
@@ -247,6 +249,8 @@ class RelayFollower:
         while not self._stop.is_set():
             if newest is not None and self.relay.serves(newest) is None \
                     and (newest.trainer_run, newest.manifest.version) not in self._failed:
+                with self._cond:
+                    self._handling = newest
                 try:
                     self.relay.fetch(newest)
                 except Exception as exc:  # noqa: BLE001 - the engine falls back to the trainer itself
@@ -274,6 +278,9 @@ class RelayFollower:
                 left = deadline - time.monotonic()
                 if address is not None or left <= 0 or (ann.trainer_run, ann.manifest.version) in self._failed:
                     return address
+                h = self._handling
+                if h is not None and (h.trainer_run != ann.trainer_run or h.manifest.version > ann.manifest.version):
+                    return None  # it moved on to a newer version: it will not fetch this one
                 self._cond.wait(min(left, 0.5))
 
     def close(self) -> None:

@@ -180,6 +180,7 @@ class Uplink:
     node's uplink is the constraint (loopback is as fast as memory); never on by default."""
 
     SLICE = 256 * 1024  # bytes sent per grant: connections interleave at this grain
+    BURST = 4 * SLICE  # credit a late sender may catch up on (a sleep that overshot wastes no link time)
 
     def __init__(self, rate: float):
         if rate <= 0:
@@ -192,7 +193,7 @@ class Uplink:
         """Block until `n` more bytes may leave."""
         with self._lock:
             now = time.monotonic()
-            self._free_at = max(self._free_at, now) + n / self.rate
+            self._free_at = max(self._free_at, now - self.BURST / self.rate) + n / self.rate
             wait = self._free_at - now  # the bytes are out once the earlier grants and their own time are
         if wait > 0:
             time.sleep(wait)
