@@ -30,7 +30,7 @@ import numpy as np
 from broker.streams import POLICY, JobStreams, connect
 from shared.schema import PolicyAnnouncement
 from shared.transport import WeightServer, make_client, make_server
-from shared.transport.base import VersionStore
+from shared.transport.base import Streaming, VersionStore
 from shared.transport.relay import COMING, SERVING, TRAINER, pick_source, tree_ancestors
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class RelayConfig:
     beat_s: float = 1.0  # how often a relay refreshes its entry
     poll_s: float = 0.02  # how often a waiting relay looks at the registry again
     uplink_bytes_per_s: float | None = None  # emulated uplink of its server (benchmarks only)
+    stream: bool = True  # pass each chunk on once it verified (False: only whole versions, store and forward)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class WeightRelay:
         self._versions: list[int] = []
         self._served_at: dict[int, float] = {}
         self._fetching: int | None = None
+        self._streaming: int | None = None  # the version it passes on while fetching it (cfg.stream)
         self._stop = threading.Event()
         self._beat_thread = threading.Thread(target=self._beat_loop, name="relay-beat", daemon=True)
         self._beat_thread.start()
@@ -93,6 +95,7 @@ class WeightRelay:
                 "versions": list(self._versions),
                 "served_at": {str(v): t for v, t in self._served_at.items()},
                 "fetching": self._fetching,
+                "streaming": self._streaming,
                 "ts": time.time(),
             }
 
@@ -130,7 +133,7 @@ class WeightRelay:
     def _state(entry: dict, ann: PolicyAnnouncement) -> str:
         v = ann.manifest.version
         if entry.get("run") == ann.trainer_run and entry.get("transport") == ann.transport:
-            if v in entry.get("versions", []):
+            if v in entry.get("versions", []) or entry.get("streaming") == v:
                 return SERVING
             if entry.get("fetching") == v:
                 return COMING
@@ -189,11 +192,27 @@ class WeightRelay:
                     time.sleep(self.cfg.poll_s)
                     continue
                 address = ann.address if source == TRAINER else members[source]["address"]
-                client = make_client(ann.transport)
+                # pieces of one chunk: each chunk is hashed, and so passed on, as soon as it landed
+                client = make_client(ann.transport, piece_bytes=m.chunk_bytes)
+                partial = None
+                if self.cfg.stream:  # children may read each chunk as soon as it verified
+                    partial = Streaming(m)
+                    server.serve(m, partial)  # type: ignore[arg-type]
+                    with self._lock:
+                        self._streaming = m.version
+                    self.beat()
                 try:
-                    buf = client.fetch(address, m)
+                    if partial is None:
+                        buf = client.fetch(address, m)
+                    else:
+                        buf = client.fetch(address, m, out=partial.buf, on_ok=partial.mark)  # type: ignore[call-arg]
                     break
                 except Exception as exc:
+                    if partial is not None:
+                        partial.abort()  # its readers are cut off (they route around) and it is served no more
+                        with self._lock:
+                            self._streaming = None
+                        self._drop(server, m.version)
                     if source == TRAINER:
                         raise
                     failed[source] = f"{type(exc).__name__}: {exc}"
@@ -203,7 +222,7 @@ class WeightRelay:
                     client.close()
         finally:
             with self._lock:
-                self._fetching = None
+                self._fetching = self._streaming = None
         server.serve(m, buf)
         with self._lock:
             self._versions = ([v for v in self._versions if v != m.version] + [m.version])[-self.cfg.keep:]
@@ -214,6 +233,12 @@ class WeightRelay:
         log.info("relay %s: serving v%d (%.1f MB) from %s after %.2fs%s", self.id, m.version, m.total_bytes / 1e6,
                  got.source, got.seconds, f"; routed around {sorted(failed)}" if failed else "")
         return got
+
+    @staticmethod
+    def _drop(server: WeightServer, version: int) -> None:
+        store = server.store  # type: ignore[attr-defined]
+        with store._lock:
+            store._bufs.pop(version, None)
 
     def close(self) -> None:
         """Leave the registry and stop serving."""
@@ -302,12 +327,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttl", type=float, default=RelayConfig.ttl_s, help="seconds without a heartbeat: a dead relay")
     p.add_argument("--idle-wait", type=float, default=RelayConfig.idle_wait_s,
                    help="seconds to wait for an ancestor that has not started on a version")
+    p.add_argument("--store-and-forward", action="store_true",
+                   help="pass a version on only once all of it verified (default: each chunk once it verified)")
     p.add_argument("--uplink-mbps", type=float, default=0.0,
                    help="emulated uplink of this relay's server in MB/s (0: none; benchmarks only)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s relay %(message)s")
     cfg = RelayConfig(fanout=a.fanout, host=a.host, keep=a.keep, ttl_s=a.ttl, beat_s=min(1.0, a.ttl / 3),
-                      idle_wait_s=a.idle_wait,
+                      idle_wait_s=a.idle_wait, stream=not a.store_and_forward,
                       uplink_bytes_per_s=a.uplink_mbps * 1e6 if a.uplink_mbps > 0 else None)
     streams = JobStreams(connect(a.redis), a.job, prefix=a.prefix)
     follower = RelayFollower(WeightRelay(streams, a.id, cfg), streams)

@@ -50,6 +50,7 @@ from shared.transport.base import (
     Buffer,
     EgressCounter,
     RequestRefused,
+    Streaming,
     VersionStore,
     fetch_verified,
     receive_buffer,
@@ -266,6 +267,9 @@ class UcxWeightServer:
         except RequestRefused as exc:
             send_msg(sock, {"ok": False, "error": str(exc)})
             return
+        if isinstance(buf, Streaming):  # a version a relay still fetches: send the range once verified
+            buf.wait_verified(off + length, self.timeout_s)
+            buf = buf.buf
         tag, piece = int(req.get("tag", 0)), int(req.get("piece", DEFAULT_PIECE_BYTES))
         if piece <= 0 or -(-length // piece) >= 1 << _TAG_BITS:
             send_msg(
@@ -383,9 +387,10 @@ class UcxWeightClient:
         *,
         out: np.ndarray | None = None,
         corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+        on_ok: Callable[[int], None] | None = None,
     ) -> np.ndarray:
-        """The version, verified chunk by chunk while it arrives (`fetch_verified`), in `out`
-        (reused, e.g. across a generator's swaps) or a fresh buffer."""
+        """The version, verified chunk by chunk while it arrives (`fetch_verified`; `on_ok(i)`
+        as chunk i matches), in `out` (reused, e.g. across a generator's swaps) or a fresh buffer."""
         buf = receive_buffer(manifest, out)
         with self._connect(address) as sock:
             return fetch_verified(
@@ -394,6 +399,7 @@ class UcxWeightClient:
                 lambda lo, hi: self._fetch_range(sock, manifest.version, buf[lo:hi], lo),
                 self.retries,
                 corrupt_hook,
+                on_ok,
             )
 
     def close(self) -> None:

@@ -1,13 +1,19 @@
-"""The relay tree and the source rule (shared/transport/relay.py), against hand-drawn trees."""
+"""The relay tree and the source rule (shared/transport/relay.py) against hand-drawn trees; the
+emulated uplink; a version served while it still arrives, only as far as it verified."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
+import numpy as np
 import pytest
 
-from shared.transport.base import Uplink
+from shared.transport import TcpWeightClient, TcpWeightServer, build_manifest
+from shared.transport.base import Streaming, Uplink
 from shared.transport.relay import COMING, SERVING, TRAINER, pick_source, tree_ancestors, tree_depth
+from shared.transport.wire import recv_msg, send_msg, split_address
 
 IDS = [f"g{i}" for i in range(7)]
 
@@ -80,3 +86,54 @@ def test_uplink_rate():
     assert time.monotonic() - t0 >= 0.19  # a lower bound only: the sleep can overshoot on a busy box
     with pytest.raises(ValueError):
         Uplink(0)
+
+
+def _recv_some(sock, want: int, timeout_s: float) -> int:
+    """Bytes that arrive on `sock` within `timeout_s`, up to `want`."""
+    sock.settimeout(timeout_s)
+    got = 0
+    try:
+        while got < want:
+            n = len(sock.recv(min(1 << 20, want - got)))
+            if n == 0:
+                break
+            got += n
+    except TimeoutError:
+        pass
+    return got
+
+
+def test_a_streaming_version_is_served_only_as_far_as_it_verified():
+    """A relay passes a version on while it arrives (`Streaming`): the server sends a byte only
+    once every chunk up to it has verified, in order; an aborted fetch cuts the reader off."""
+    mib = 1 << 20
+    buf = np.random.default_rng(3).integers(0, 256, 3 * mib, dtype=np.uint8)
+    m = build_manifest(1, [("w", [buf.nbytes], "uint8", buf.nbytes)], buf, chunk_bytes=mib)
+    srv = TcpWeightServer()
+    st = Streaming(m)
+    st.buf[:] = buf  # every byte has landed, none verified yet
+    srv.serve(m, st)  # type: ignore[arg-type]
+    try:
+        with socket.create_connection(split_address(srv.address)) as sock:
+            send_msg(sock, {"version": 1, "offset": 0, "length": buf.nbytes})
+            assert recv_msg(sock) == {"ok": True, "nbytes": buf.nbytes}
+            st.mark(1)  # chunk 1 verified but not chunk 0: nothing may go
+            assert _recv_some(sock, buf.nbytes, 0.3) == 0
+            st.mark(0)  # chunks 0 and 1 now: exactly 2 MiB go
+            assert _recv_some(sock, buf.nbytes, 0.5) == 2 * mib
+            st.abort()  # chunk 2 never verifies: the connection ends without it
+            assert _recv_some(sock, buf.nbytes, 2.0) == 0
+        # a whole, verified version from a streaming one
+        st2 = Streaming(m)
+        st2.buf[:] = buf
+        srv.serve(m, st2)  # type: ignore[arg-type]
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(buf=TcpWeightClient().fetch(srv.address, m)))
+        t.start()
+        for i in (2, 0, 1):
+            time.sleep(0.05)
+            st2.mark(i)
+        t.join(10)
+        assert np.array_equal(got["buf"], buf)
+    finally:
+        srv.close()
