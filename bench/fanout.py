@@ -14,9 +14,10 @@ trainer cost little and the star looks fine. Every server here (the trainer's an
 therefore sends through an emulated uplink of `uplink_mbps` MB/s shared by all its connections (a
 token bucket in the TCP server's send path, `shared.transport.base.Uplink`): the figures model a
 network where each node's uplink is the constraint. The times are emulated in that sense; the
-bytes counted (trainer egress) are real. Store and forward: a relay serves a version once it has
-all of it, so the tree's time is about depth x fan-out x (payload / uplink); the model figures
-next to the measured ones are that formula.
+bytes counted (trainer egress) are real. Three ways: the star (fan-out 0: every receiver from the
+trainer), the tree as generators run it (relays pass each chunk on once it verified), and the tree
+store and forward (a relay passes a version on only once all of it verified). The model figures
+next to the measured ones are the formulas in results/fanout.md (`model_tree_s`).
 
     python -m bench fanout        (or python -m bench.fanout)
 """
@@ -136,6 +137,7 @@ def _one_group(server: TcpWeightServer, base: np.ndarray, first_version: int, n:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
         errs = [(p.returncode, p.stderr.read().decode(errors="replace")) for p in procs
                 if p.stderr and p.returncode != 0]
         streams.r.delete(streams.key(RELAYS), streams.key(POLICY))

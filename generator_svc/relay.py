@@ -6,7 +6,8 @@ the trainer's manifest, then serves it to its own children.
 `{job}:relays`: generator id -> its address, the versions it serves, the one it is fetching, a
 heartbeat time), picks a source per version by the rules of shared/transport/relay.py (parent
 first; a dead, idle or failing relay is routed around, up to the trainer), fetches with the
-transport's verifying client, and only then serves the version from its own weight server.
+transport's verifying client and serves the version from its own weight server as it verifies:
+each chunk once it matched the trainer's manifest (`Streaming`), all of it once complete.
 `RelayFollower` runs it in a background thread on every announcement, so a generator relays a new
 version as soon as it is published, whatever its engine is doing; the engine then loads it from
 this local server at its next swap.

@@ -5,9 +5,10 @@ carries N copies per step. With relays, a generator that has fetched and verifie
 it too, and the generators form a tree with fan-out k over their sorted ids (a k-ary heap): the
 first id fetches from the trainer, id i from id (i - 1) // k. The trainer then sends one copy per
 version and the time until every generator holds it grows with the tree's depth, log_k N, instead
-of with N. Store and forward: a relay serves a version only once every chunk matched the trainer's
-manifest, so it can never hand on bytes it did not verify (and its children verify again against
-that same manifest, which came from the trainer on the policy stream, not from the relay).
+of with N. A relay passes on a chunk only once it matched the trainer's manifest
+(`shared.transport.base.Streaming`), so it can never hand on bytes it did not verify (and its
+children verify again against that same manifest, which came from the trainer on the policy
+stream, not from the relay).
 
 Everything here is pure (no I/O); generator_svc/relay.py runs it against Redis and a transport.
 """
