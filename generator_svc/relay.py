@@ -213,7 +213,7 @@ class WeightRelay:
                         partial.abort()  # its readers are cut off (they route around) and it is served no more
                         with self._lock:
                             self._streaming = None
-                        self._drop(server, m.version)
+                        server.store.drop(m.version)  # type: ignore[attr-defined]
                     if source == TRAINER:
                         raise
                     failed[source] = f"{type(exc).__name__}: {exc}"
@@ -234,12 +234,6 @@ class WeightRelay:
         log.info("relay %s: serving v%d (%.1f MB) from %s after %.2fs%s", self.id, m.version, m.total_bytes / 1e6,
                  got.source, got.seconds, f"; routed around {sorted(failed)}" if failed else "")
         return got
-
-    @staticmethod
-    def _drop(server: WeightServer, version: int) -> None:
-        store = server.store  # type: ignore[attr-defined]
-        with store._lock:
-            store._bufs.pop(version, None)
 
     def close(self) -> None:
         """Leave the registry and stop serving."""

@@ -182,8 +182,7 @@ class PolicyFollower:
         # the verified copy this generator's relay holds, else the trainer's
         address = ann.address
         if self.relay is not None:
-            with phases.span("relay_wait"):
-                address = self.relay.address_for(ann, self.relay_wait_s) or ann.address
+            address = self.relay.address_for(ann, self.relay_wait_s) or ann.address
         for attempt in range(self.load_retries + 1):
             res = self.engine.load_version(ann.transport, address, ann.manifest)
             address = ann.address  # a retry goes to the source

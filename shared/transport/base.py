@@ -292,6 +292,11 @@ class VersionStore:
             while len(self._bufs) > self.keep:
                 self._bufs.popitem(last=False)
 
+    def drop(self, version: int) -> None:
+        """Serve `version` no more (a relay whose fetch of it failed)."""
+        with self._lock:
+            self._bufs.pop(version, None)
+
     def get(self, version: int) -> Any | None:
         with self._lock:
             return self._bufs.get(version)
