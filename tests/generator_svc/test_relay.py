@@ -32,6 +32,7 @@ from shared.transport import (
 pytestmark = pytest.mark.integration
 
 PREFIX = "testrelay:"
+TTL_S = 3  # a relay not heard of for this long is dead (they beat every second)
 SIZE = 6 * 1024 * 1024 + 123  # two 4 MiB chunks, the last one partial
 
 
@@ -69,7 +70,7 @@ def _wait_served(streams: JobStreams, ids: list[str], v: int, timeout_s: float =
 def _relay_procs(streams: JobStreams, ids: list[str], fanout: int) -> list[subprocess.Popen]:
     url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     return [subprocess.Popen([sys.executable, "-m", "generator_svc.relay", "--job", streams.job_id, "--id", i,
-                              "--redis", url, "--prefix", PREFIX, "--fanout", str(fanout), "--ttl", "2",
+                              "--redis", url, "--prefix", PREFIX, "--fanout", str(fanout), "--ttl", str(TTL_S),
                               "--idle-wait", "1"]) for i in ids]
 
 
@@ -129,7 +130,8 @@ def test_relay_tree_and_a_killed_relay(transport):
         _check_bytes(transport, e, ids[1:], m2)
 
         # once its entry is past the ttl the tree re-forms without it: r1 <- trainer; r2, r3 <- r1
-        time.sleep(2.5)
+        while time.time() - _entries(streams)["r0"]["ts"] < TTL_S + 0.5:
+            time.sleep(0.1)
         sent = server.sent.bytes
         m3, b3 = _version(3)
         server.serve(m3, b3)
