@@ -206,7 +206,7 @@ class WeightRelay:
                     if partial is None:
                         buf = client.fetch(address, m)
                     else:
-                        buf = client.fetch(address, m, out=partial.buf, on_ok=partial.mark)  # type: ignore[call-arg]
+                        buf = client.fetch(address, m, out=partial.buf, on_ok=partial.mark)
                     break
                 except Exception as exc:
                     if partial is not None:

@@ -334,8 +334,10 @@ class WeightServer(Protocol):
 class WeightClient(Protocol):
     """Generator side: pull one version into a verified buffer."""
 
-    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None) -> np.ndarray:
-        """The verified version, in `out` when given (a buffer reused across fetches)."""
+    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None,
+              on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+        """The verified version, in `out` when given (a buffer reused across fetches); `on_ok(i)`
+        as soon as chunk i matched the manifest (a relay passes it on then)."""
         ...
 
     def close(self) -> None: ...
