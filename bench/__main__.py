@@ -28,7 +28,8 @@ def main(
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
         "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); capacity: unit costs "
         "of one Redis shard, the PostgreSQL ledger and the weight links, the capacity model's simulation and its "
-        "figures (docs/scaling.md)."
+        "figures (docs/scaling.md); fanout: seconds from a weight publish until 1, 2, 4, 8, 16 receivers all serve "
+        "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -91,6 +92,12 @@ def main(
 
         result = bench_episode_rate(out_dir=out, reps=runs or 3)
         typer.echo(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    elif which == "fanout":
+        from bench.fanout import bench_fanout
+
+        result = bench_fanout(out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict) or "star_s" not in v},
+                              indent=2))
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -107,7 +114,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from generator_svc.colocate import Turns
 from generator_svc.engine import Engine, TransferError
 from generator_svc.engine import prepare as prepare_engine
 from generator_svc.episodes import run_groups
+from generator_svc.relay import RelayConfig, RelayFollower, WeightRelay
 from shared.entry import Drained, drain_requested
 from shared.environments.episode import Codec, codec_for
 from shared.environments.registry import load_environment
@@ -88,8 +89,11 @@ class PolicyFollower:
     """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
 
     def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str,
-                 verify_atol: float = 1e-3, load_retries: int = 2, metrics: GeneratorMetrics | None = None):
+                 verify_atol: float = 1e-3, load_retries: int = 2, metrics: GeneratorMetrics | None = None,
+                 relay: RelayFollower | None = None, relay_wait_s: float = 180.0):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
+        # relay fan-out (generator_svc/relay.py): the engine loads from this generator's own relay
+        self.relay, self.relay_wait_s = relay, relay_wait_s
         self.verify_atol, self.load_retries = verify_atol, load_retries
         self.metrics = metrics or GeneratorMetrics(job_id=streams.job_id)
         self.fingerprint: str | None = None
@@ -175,8 +179,13 @@ class PolicyFollower:
     def _load(self, ann: PolicyAnnouncement) -> None:
         """Pull, swap and verify one version; retried, and never used unverified."""
         v, phases = ann.manifest.version, self.metrics.phases
+        # the verified copy this generator's relay holds, else the trainer's
+        address = ann.address
+        if self.relay is not None:
+            address = self.relay.address_for(ann, self.relay_wait_s) or ann.address
         for attempt in range(self.load_retries + 1):
-            res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
+            res = self.engine.load_version(ann.transport, address, ann.manifest)
+            address = ann.address  # a retry goes to the source
             phases.observe("fetch", res["fetch_s"])  # pull + chunk checksums, in the engine's worker
             phases.observe("swap", res["total_s"] - res["fetch_s"])  # reload_weights + prefix cache reset
             with phases.span("verify"):
@@ -390,9 +399,10 @@ def run(settings: GeneratorSettings) -> None:
         in_process=settings.engine_in_process,
         enable_sleep_mode=turns,
     )
+    relay = start_relay(settings, ctx.streams)
     try:
         policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id, settings.verify_atol,
-                                settings.load_retries, metrics)
+                                settings.load_retries, metrics, relay, settings.relay_wait_s)
         handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
         loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
@@ -401,7 +411,19 @@ def run(settings: GeneratorSettings) -> None:
         state = loop.run()
         log.info("generator %s stopping (%s)", consumer.name, state)
     finally:
+        if relay is not None:
+            relay.close()
         engine.close()
+
+
+def start_relay(settings: GeneratorSettings, streams: JobStreams) -> RelayFollower | None:
+    """This generator's relay (relay_fanout > 0): it fetches, verifies and serves each version in
+    the background from the moment it is announced; None with relays off."""
+    if settings.relay_fanout == 0:
+        return None
+    cfg = RelayConfig(fanout=settings.relay_fanout, host=settings.relay_host,
+                      advertise_host=settings.relay_advertise_host)
+    return RelayFollower(WeightRelay(streams, settings.generator_id, cfg), streams)
 
 
 class Generation:

@@ -132,6 +132,17 @@ class GeneratorSettings(CommonSettings):
         1e-3, gt=0, description="Max |logprob| gap on the policy's probe after a swap (fp32: 1e-3; bf16: ~0.1)."
     )
     load_retries: int = Field(2, ge=0, description="Re-fetch and reload this often before a swap counts as failed.")
+    relay_fanout: int = Field(
+        0, ge=0, le=64,
+        description="Relay fan-out of weights (ARCHITECTURE.md, 'Weights: relay fan-out'): 0 fetches every version "
+        "from the trainer (N copies leave the trainer per version); k >= 1 makes the generators a tree with k "
+        "children per relay, the first (by id) fetching from the trainer: one copy leaves the trainer. Each "
+        "generator then serves what it verified; set the same k on every generator of a job.")
+    relay_host: str = Field("127.0.0.1", description="Interface this generator's relay server listens on (relay_fanout > 0).")
+    relay_advertise_host: str | None = Field(None, description="Host other generators reach the relay at; default relay_host.")
+    relay_wait_s: float = Field(
+        180.0, gt=0, description="Longest wait for this generator's relay to hold a version before the engine "
+        "fetches it from the trainer itself.")
 
 
 class RewardSettings(CommonSettings):

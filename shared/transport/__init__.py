@@ -76,6 +76,7 @@ def make_server(name: str, **kwargs: Any) -> WeightServer:
     return _transport(name)[0](**kwargs)
 
 
-def make_client(name: str) -> WeightClient:
-    """A generator's client of transport `name` (raises like `make_server`)."""
-    return _transport(name)[1]()
+def make_client(name: str, **kwargs: Any) -> WeightClient:
+    """A generator's client of transport `name` (kwargs: retries, timeout_s, piece_bytes; raises
+    like `make_server`)."""
+    return _transport(name)[1](**kwargs)

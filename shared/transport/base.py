@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,8 +93,9 @@ def verify_and_repair(
 
 
 def _repair(buf: Buffer, manifest: Manifest, refetch: Callable[[int, int], None], bad: list[int],
-            retries: int) -> np.ndarray:
-    """Re-fetch the chunks in `bad` and re-check only those, up to `retries` rounds."""
+            retries: int, on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+    """Re-fetch the chunks in `bad` and re-check only those, up to `retries` rounds (`on_ok(i)`:
+    called for each chunk once it matches)."""
     cb, want = manifest.chunk_bytes, manifest.chunk_checksums
     mv = memoryview(buf).cast("B")
     for _ in range(retries):
@@ -102,7 +104,11 @@ def _repair(buf: Buffer, manifest: Manifest, refetch: Callable[[int, int], None]
         log.warning("version %d: %d corrupted chunk(s) %s; re-fetching", manifest.version, len(bad), bad[:8])
         for i in bad:
             refetch(i * cb, min((i + 1) * cb, manifest.total_bytes))
-        bad = [i for i in bad if xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]]
+        still = [i for i in bad if xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]]
+        if on_ok is not None:
+            for i in sorted(set(bad) - set(still)):
+                on_ok(i)
+        bad = still
     if not bad:
         return buf
     raise ChecksumError(f"version {manifest.version}: chunks {bad[:8]} still corrupted after {retries} re-fetches")
@@ -130,13 +136,16 @@ offset below which every byte has landed, increasing, as the transfer goes (the 
 
 
 def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
-                   corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None) -> np.ndarray:
+                   corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+                   on_ok: Callable[[int], None] | None = None) -> np.ndarray:
     """Fill all of `buf` while hashing threads (`hash_threads`) check each chunk as soon as it has
     landed (the hash overlaps the rest of the transfer), then re-fetch the bad chunks only, up to
     `retries` rounds. Returns `buf` once every chunk matches the manifest; raises ChecksumError otherwise.
 
     `corrupt_hook(buf, lo, hi)`: tests inject transit corruption into each span [lo, hi) of the
     first pass as it lands, before any of its chunks is hashed.
+    `on_ok(i)`: called (from a hashing thread) as soon as chunk i matches the manifest; a relay
+    passes on a version's verified chunks while the rest still arrive (`Streaming`).
     """
     cb, total, want = manifest.chunk_bytes, manifest.total_bytes, manifest.chunk_checksums
     if len(want) != -(-total // cb):
@@ -145,7 +154,10 @@ def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
 
     def corrupted(i: int) -> bool:
         # xxhash (4.x) releases the GIL while it hashes, so this overlaps the transfer
-        return xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]
+        bad = xxhash.xxh3_64_hexdigest(mv[i * cb : (i + 1) * cb]) != want[i]
+        if not bad and on_ok is not None:
+            on_ok(i)
+        return bad
 
     with ThreadPoolExecutor(hash_threads(), thread_name_prefix="verify") as hasher:
         checks: list[Future[bool]] = []  # one per chunk, in chunk order
@@ -170,7 +182,93 @@ def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
         for _ in fill(lo, hi):
             pass
 
-    return _repair(buf, manifest, refetch, bad, retries)
+    return _repair(buf, manifest, refetch, bad, retries, on_ok)
+
+
+class Streaming:
+    """A version a relay is still fetching, served as far as it has verified: its buffer, and the
+    prefix of chunks that matched the manifest so far. A server sends a range of it piece by piece,
+    each piece only once every byte of it verified (`wait_verified`), so bytes that did not verify
+    are never passed on; a fetch that fails `abort`s it and cuts off whoever is reading it."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.buf = np.empty(manifest.total_bytes, dtype=np.uint8)
+        self.nbytes = manifest.total_bytes
+        self._ok = bytearray(len(manifest.chunk_checksums))
+        self._prefix = 0  # chunks verified contiguously from the start
+        self._aborted = False
+        self._cond = threading.Condition()
+
+    def mark(self, i: int) -> None:
+        """Chunk i matched the manifest (`fetch_verified`'s `on_ok`)."""
+        with self._cond:
+            self._ok[i] = 1
+            while self._prefix < len(self._ok) and self._ok[self._prefix]:
+                self._prefix += 1
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def verified_bytes(self) -> int:
+        with self._cond:
+            return min(self._prefix * self.manifest.chunk_bytes, self.nbytes)
+
+    def wait_verified(self, hi: int, timeout_s: float) -> None:
+        """Block until bytes [0, hi) have verified.
+
+        Raises:
+            ConnectionError: the fetch was aborted, or nothing verified for `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while min(self._prefix * self.manifest.chunk_bytes, self.nbytes) < hi:
+                left = deadline - time.monotonic()
+                if self._aborted or left <= 0:
+                    raise ConnectionError(f"version {self.manifest.version}: "
+                                          f"{'fetch aborted' if self._aborted else 'no progress'} at byte "
+                                          f"{self._prefix * self.manifest.chunk_bytes}")
+                self._cond.wait(left)
+
+
+class Uplink:
+    """An emulated uplink: at most `rate` bytes/s leave a server through it, shared fairly by all its
+    connections (a virtual-time token bucket). For benchmarks that model a network where each
+    node's uplink is the constraint (loopback is as fast as memory); never on by default."""
+
+    SLICE = 256 * 1024  # bytes sent per grant: connections interleave at this grain
+    BURST = 4 * SLICE  # credit a late sender may catch up on (a sleep that overshot wastes no link time)
+
+    def __init__(self, rate: float):
+        if rate <= 0:
+            raise ValueError(f"uplink rate must be > 0 bytes/s, got {rate}")
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the link has sent everything granted so far
+
+    def take(self, n: int) -> None:
+        """Block until `n` more bytes may leave."""
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now - self.BURST / self.rate) + n / self.rate
+            wait = self._free_at - now  # the bytes are out once the earlier grants and their own time are
+        if wait > 0:
+            time.sleep(wait)
+
+
+class EgressCounter:
+    """Bytes a server has sent, thread-safe (a server's egress per version is a difference of two reads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
 
 
 class VersionStore:
@@ -193,6 +291,11 @@ class VersionStore:
             self._bufs[manifest.version] = buf
             while len(self._bufs) > self.keep:
                 self._bufs.popitem(last=False)
+
+    def drop(self, version: int) -> None:
+        """Serve `version` no more (a relay whose fetch of it failed)."""
+        with self._lock:
+            self._bufs.pop(version, None)
 
     def get(self, version: int) -> Any | None:
         with self._lock:
@@ -231,8 +334,10 @@ class WeightServer(Protocol):
 class WeightClient(Protocol):
     """Generator side: pull one version into a verified buffer."""
 
-    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None) -> np.ndarray:
-        """The verified version, in `out` when given (a buffer reused across fetches)."""
+    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None,
+              on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+        """The verified version, in `out` when given (a buffer reused across fetches); `on_ok(i)`
+        as soon as chunk i matched the manifest (a relay passes it on then)."""
         ...
 
     def close(self) -> None: ...

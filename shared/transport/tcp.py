@@ -14,21 +14,30 @@ import numpy as np
 from shared.schema import Manifest
 from shared.transport.base import (
     DEFAULT_PIECE_BYTES,
+    EgressCounter,
     RequestRefused,
+    Streaming,
+    Uplink,
     VersionStore,
     fetch_verified,
     receive_buffer,
 )
 from shared.transport.wire import ControlServer, recv_exact, recv_msg, send_msg, split_address
 
+STREAM_WAIT_S = 60.0  # a relayed version that verifies nothing more for this long is dropped
+
 
 class TcpWeightServer:
-    """A threaded socket server for the last `keep` versions."""
+    """A threaded socket server for the last `keep` versions. `sent` counts the payload bytes it
+    has sent; `uplink_bytes_per_s` emulates a slower uplink (benchmarks only, `Uplink`)."""
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: int = 3, advertise_host: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: int = 3, advertise_host: str | None = None,
+                 uplink_bytes_per_s: float | None = None):
         self.store = VersionStore(keep)
+        self.sent = EgressCounter()
+        self.uplink = None if uplink_bytes_per_s is None else Uplink(uplink_bytes_per_s)
         self._control = ControlServer(host, port, self._handle, name="weight-server", advertise_host=advertise_host)
         self.port, self.address = self._control.port, self._control.address
 
@@ -47,8 +56,28 @@ class TcpWeightServer:
             except RequestRefused as exc:
                 send_msg(sock, {"ok": False, "error": str(exc)})
                 continue
-            send_msg(sock, {"ok": True, "nbytes": length})
-            sock.sendall(buf.data[off : off + length])
+            try:
+                send_msg(sock, {"ok": True, "nbytes": length})
+                self._send(sock, buf, off, length)
+            except (ConnectionError, OSError):  # the client hung up, or a relayed fetch was aborted
+                return
+            self.sent.add(length)
+
+    def _send(self, sock: socket.socket, buf, off: int, length: int) -> None:
+        """Bytes [off, off + length) of `buf`: at once, or piece by piece through the emulated
+        uplink, or (a version still arriving, `Streaming`) each piece once it has verified."""
+        streaming = buf if isinstance(buf, Streaming) else None
+        data = (streaming.buf if streaming is not None else buf).data[off : off + length]
+        if self.uplink is None and streaming is None:
+            sock.sendall(data)
+            return
+        for lo in range(0, length, Uplink.SLICE):
+            piece = data[lo : lo + Uplink.SLICE]
+            if streaming is not None:
+                streaming.wait_verified(off + lo + len(piece), STREAM_WAIT_S)
+            if self.uplink is not None:
+                self.uplink.take(len(piece))
+            sock.sendall(piece)
 
     def close(self) -> None:
         self._control.close()
@@ -81,9 +110,10 @@ class TcpWeightClient:
         *,
         out: np.ndarray | None = None,
         corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+        on_ok: Callable[[int], None] | None = None,
     ) -> np.ndarray:
-        """The version, verified chunk by chunk while it arrives (`fetch_verified`), in `out`
-        (reused, e.g. across a generator's swaps) or a fresh buffer."""
+        """The version, verified chunk by chunk while it arrives (`fetch_verified`; `on_ok(i)`
+        as chunk i matches), in `out` (reused, e.g. across a generator's swaps) or a fresh buffer."""
         buf = receive_buffer(manifest, out)
         view = buf.data
         with socket.create_connection(split_address(address), timeout=self.timeout_s) as sock:
@@ -94,6 +124,7 @@ class TcpWeightClient:
                 lambda lo, hi: self._fetch_range(sock, manifest.version, view[lo:hi], lo),
                 self.retries,
                 corrupt_hook,
+                on_ok,
             )
 
     def close(self) -> None:

@@ -48,7 +48,9 @@ from shared.schema import Manifest
 from shared.transport.base import (
     DEFAULT_PIECE_BYTES,
     Buffer,
+    EgressCounter,
     RequestRefused,
+    Streaming,
     VersionStore,
     fetch_verified,
     receive_buffer,
@@ -222,6 +224,7 @@ class UcxWeightServer:
         timeout_s: float = 120.0,
     ):
         self.store = VersionStore(keep)
+        self.sent = EgressCounter()  # payload bytes sent
         self.timeout_s = timeout_s
         self.ucx = get_worker()
         self._conns: set[socket.socket] = set()
@@ -264,6 +267,9 @@ class UcxWeightServer:
         except RequestRefused as exc:
             send_msg(sock, {"ok": False, "error": str(exc)})
             return
+        if isinstance(buf, Streaming):  # a version a relay still fetches: send the range once verified
+            buf.wait_verified(off + length, self.timeout_s)
+            buf = buf.buf
         tag, piece = int(req.get("tag", 0)), int(req.get("piece", DEFAULT_PIECE_BYTES))
         if piece <= 0 or -(-length // piece) >= 1 << _TAG_BITS:
             send_msg(
@@ -285,6 +291,7 @@ class UcxWeightServer:
             )
             send_msg(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             raise
+        self.sent.add(length)
         send_msg(sock, {"ok": True})
 
     def close(self) -> None:
@@ -380,9 +387,10 @@ class UcxWeightClient:
         *,
         out: np.ndarray | None = None,
         corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+        on_ok: Callable[[int], None] | None = None,
     ) -> np.ndarray:
-        """The version, verified chunk by chunk while it arrives (`fetch_verified`), in `out`
-        (reused, e.g. across a generator's swaps) or a fresh buffer."""
+        """The version, verified chunk by chunk while it arrives (`fetch_verified`; `on_ok(i)`
+        as chunk i matches), in `out` (reused, e.g. across a generator's swaps) or a fresh buffer."""
         buf = receive_buffer(manifest, out)
         with self._connect(address) as sock:
             return fetch_verified(
@@ -391,6 +399,7 @@ class UcxWeightClient:
                 lambda lo, hi: self._fetch_range(sock, manifest.version, buf[lo:hi], lo),
                 self.retries,
                 corrupt_hook,
+                on_ok,
             )
 
     def close(self) -> None:
