@@ -176,7 +176,7 @@ class PolicyFollower:
         """Pull, swap and verify one version; retried, and never used unverified."""
         v, phases = ann.manifest.version, self.metrics.phases
         for attempt in range(self.load_retries + 1):
-            res = self.engine.load_version(ann.transport, ann.address, ann.manifest)
+            res = self.engine.load_version(ann.transport, ann.address, ann.manifest, ann.lora)
             phases.observe("fetch", res["fetch_s"])  # pull + chunk checksums, in the engine's worker
             phases.observe("swap", res["total_s"] - res["fetch_s"])  # reload_weights + prefix cache reset
             with phases.span("verify"):
@@ -389,6 +389,7 @@ def run(settings: GeneratorSettings) -> None:
         enforce_eager=settings.enforce_eager,
         in_process=settings.engine_in_process,
         enable_sleep_mode=turns,
+        lora_rank=None if ctx.spec.lora is None else ctx.spec.lora.rank,
     )
     try:
         policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id, settings.verify_atol,
