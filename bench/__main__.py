@@ -26,7 +26,8 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama)."
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); lora: LoRA vs full "
+        "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -58,6 +59,10 @@ def main(
         from bench.trainer_mem import bench_trainer_mem
 
         typer.echo(json.dumps(bench_trainer_mem(out_dir=out), indent=2))
+    elif which == "lora":
+        from bench.lora import bench_lora
+
+        bench_lora(out_dir=out, steps=steps or 30)
     elif which == "startup":
         from bench.startup import bench_startup
 
@@ -99,7 +104,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, lora")
 
 
 if __name__ == "__main__":
