@@ -62,7 +62,7 @@ def main(
     elif which == "lora":
         from bench.lora import bench_lora
 
-        bench_lora(out_dir=out, steps=steps or 30)
+        bench_lora(out_dir=out, steps=steps or 30, seeds=seeds)
     elif which == "startup":
         from bench.startup import bench_startup
 

@@ -49,13 +49,6 @@ def adapter_name(param_name: str) -> str:
     return param_name.replace(f".{ADAPTER_NAME}.", ".")
 
 
-def param_name(saved: str) -> str:
-    """The inverse of `adapter_name`."""
-    for part in ("lora_A", "lora_B"):
-        saved = saved.replace(f".{part}.", f".{part}.{ADAPTER_NAME}.")
-    return saved
-
-
 def adapter_state(model: torch.nn.Module, is_main: bool = True) -> dict[str, torch.Tensor]:
     """The adapter's full tensors under their saved names, on the CPU; on rank 0 only ({} on
     the others). With FSDP2 each parameter is a DTensor shard: gathering it is a collective,
