@@ -29,7 +29,8 @@ def main(
         "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); capacity: unit costs "
         "of one Redis shard, the PostgreSQL ledger and the weight links, the capacity model's simulation and its "
         "figures (docs/scaling.md); fanout: seconds from a weight publish until 1, 2, 4, 8, 16 receivers all serve "
-        "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks)."
+        "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks); lora: LoRA vs full "
+        "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -67,6 +68,10 @@ def main(
         from bench.trainer_mem import bench_trainer_mem
 
         typer.echo(json.dumps(bench_trainer_mem(out_dir=out), indent=2))
+    elif which == "lora":
+        from bench.lora import bench_lora
+
+        bench_lora(out_dir=out, steps=steps or 30, seeds=seeds)
     elif which == "startup":
         from bench.startup import bench_startup
 
@@ -114,7 +119,8 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
+                                "lora")
 
 
 if __name__ == "__main__":

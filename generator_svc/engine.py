@@ -7,10 +7,16 @@ generate call ever mixes versions; `Engine.load_version` swaps weights in place 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from shared.schema import Manifest, SamplingParams
+from shared.schema import LoraAdapter, Manifest, SamplingParams
+
+# The ranks vLLM's LoRA slots come in (its LoRAConfig.max_lora_rank accepts only these).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class TransferError(RuntimeError):
@@ -62,7 +68,10 @@ class Engine:
         enforce_eager: bool = True,
         in_process: bool = True,
         enable_sleep_mode: bool = False,
+        lora_rank: int | None = None,
     ):
+        """`lora_rank`: the job trains LoRA adapters of this rank; versions arrive as adapters
+        (`load_version` with an `adapter`) and every generate and score call applies the newest."""
         prepare(kv_cache_gib=kv_cache_gib, in_process=in_process)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -90,7 +99,12 @@ class Engine:
             enable_sleep_mode=enable_sleep_mode,
             **({"distributed_executor_backend": "uni"} if in_process else {}),
             **cpu,
+            **({"enable_lora": True, "max_loras": 1,
+                "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora_rank)} if lora_rank else {}),
         )
+        self._lora = None  # the LoRARequest of the adapter loaded now (None: the plain weights)
+        self._lora_ids = 0  # vLLM caches adapters by int id: every load takes a new one
+        self._lora_root = Path(tempfile.mkdtemp(prefix="asyncrl-lora-")) if lora_rank else None
 
     def generate(self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:
         """One blocking generate call. A prompt is token ids (generated from exactly as given) or
@@ -113,7 +127,7 @@ class Engine:
             for p, k in zip(params, n, strict=True)
         ]
         inputs = [{"prompt_token_ids": list(x)} if isinstance(x, list) else x for x in prompts]
-        outs = self._llm.generate(inputs, vparams, use_tqdm=False)
+        outs = self._llm.generate(inputs, vparams, use_tqdm=False, lora_request=self._lora)
         result = []
         for out in outs:
             group = []
@@ -126,15 +140,50 @@ class Engine:
             result.append(group)
         return result
 
-    def load_version(self, transport: str, address: str, manifest: Manifest) -> dict:
-        """Pull, verify and swap in one version; then drop KV computed with the old weights."""
+    def load_version(self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter | None = None) -> dict:
+        """Pull, verify and swap in one version; then drop KV computed with the old weights.
+
+        `adapter`: the version is a LoRA adapter: the worker writes it as a PEFT folder, vLLM
+        loads it under a new adapter id, and the previous adapter is removed."""
         t0 = time.perf_counter()
+        if adapter is not None:
+            return self._load_adapter(transport, address, manifest, adapter, t0)
         res = self._llm.collective_rpc(
             "asyncrl_load_version", args=(transport, address, manifest.model_dump(mode="json"))
         )[0]
         if not res["ok"]:
             raise TransferError(f"policy v{manifest.version} from {transport}://{address}: {res['error']}")
         self._llm.reset_prefix_cache()
+        res["total_s"] = time.perf_counter() - t0
+        return res
+
+    def _load_adapter(self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter, t0: float) -> dict:
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_root is None:
+            raise TransferError(f"policy v{manifest.version} is a LoRA adapter, but this engine was built "
+                                "without lora_rank (the job's spec has no lora)")
+        self._lora_ids += 1
+        path = self._lora_root / f"v{manifest.version}-{self._lora_ids}"
+        res = self._llm.collective_rpc(
+            "asyncrl_fetch_adapter",
+            args=(transport, address, manifest.model_dump(mode="json"), adapter.model_dump(mode="json"), str(path)),
+        )[0]
+        if not res["ok"]:
+            raise TransferError(f"policy v{manifest.version} from {transport}://{address}: {res['error']}")
+        t1 = time.perf_counter()
+        request = LoRARequest(f"policy-v{manifest.version}-{self._lora_ids}", self._lora_ids, str(path))
+        try:
+            self._llm.llm_engine.add_lora(request)  # loads it now: a bad adapter fails here, not mid-generate
+        except Exception as exc:  # noqa: BLE001 - vLLM refused the adapter: keep the old one
+            shutil.rmtree(path, ignore_errors=True)
+            raise TransferError(f"policy v{manifest.version}: vLLM did not load the adapter: {exc}") from exc
+        old, self._lora = self._lora, request
+        if old is not None:
+            self._llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._llm.reset_prefix_cache()
+        res["load_s"] += time.perf_counter() - t1
         res["total_s"] = time.perf_counter() - t0
         return res
 
@@ -145,7 +194,7 @@ class Engine:
         out = self._llm.generate(
             [{"prompt_token_ids": list(token_ids)}],
             VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
-            use_tqdm=False,
+            use_tqdm=False, lora_request=self._lora,
         )[0]
         # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
         return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
@@ -169,6 +218,12 @@ class Engine:
     def close(self) -> None:
         """Shut the engine core (its process, when it has one) down now rather than at interpreter exit."""
         self._llm.llm_engine.engine_core.shutdown(timeout=10)
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
 
     def fingerprint(self) -> str:
-        return self._llm.collective_rpc("asyncrl_fingerprint")[0]
+        """xxh3 of the engine's own parameters; with an adapter loaded, also of its tensors."""
+        base = self._llm.collective_rpc("asyncrl_fingerprint")[0]
+        if self._lora is None:
+            return base
+        return f"{base}+{self._llm.collective_rpc('asyncrl_adapter_fingerprint', args=(self._lora.lora_path,))[0]}"

@@ -184,7 +184,7 @@ class PolicyFollower:
         if self.relay is not None:
             address = self.relay.address_for(ann, self.relay_wait_s) or ann.address
         for attempt in range(self.load_retries + 1):
-            res = self.engine.load_version(ann.transport, address, ann.manifest)
+            res = self.engine.load_version(ann.transport, address, ann.manifest, ann.lora)
             address = ann.address  # a retry goes to the source
             phases.observe("fetch", res["fetch_s"])  # pull + chunk checksums, in the engine's worker
             phases.observe("swap", res["total_s"] - res["fetch_s"])  # reload_weights + prefix cache reset
@@ -398,6 +398,7 @@ def run(settings: GeneratorSettings) -> None:
         enforce_eager=settings.enforce_eager,
         in_process=settings.engine_in_process,
         enable_sleep_mode=turns,
+        lora_rank=None if ctx.spec.lora is None else ctx.spec.lora.rank,
     )
     relay = start_relay(settings, ctx.streams)
     try:

@@ -16,13 +16,15 @@ swapped weights are the ones the engine then scores with).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 import xxhash
 
-from shared.schema import Manifest
+from shared.schema import LoraAdapter, Manifest
 from shared.transport import make_client
 
 _DTYPES = {
@@ -111,6 +113,35 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=iter(tensors_from_buffer(buf, m)))
         t2 = time.perf_counter()
         return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}
+
+    def asyncrl_fetch_adapter(self, transport: str, address: str, manifest: dict, adapter: dict, path: str) -> dict:
+        """A LoRA version: fetch and verify its tensors like `asyncrl_load_version`, then write
+        them as a PEFT adapter folder at `path` for vLLM's LoRA loader (the engine adds it)."""
+        from safetensors.torch import save_file
+
+        m = Manifest.model_validate(manifest)
+        a = LoraAdapter.model_validate(adapter)
+        t0 = time.perf_counter()
+        client = make_client(transport)
+        try:
+            buf = client.fetch(address, m)
+        except Exception as exc:  # noqa: BLE001 - any transfer failure: report, keep serving old weights
+            return {"ok": False, "version": m.version, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            client.close()
+        t1 = time.perf_counter()
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in tensors_from_buffer(buf, m)}, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": a.rank, "lora_alpha": a.alpha, "target_modules": list(a.target_modules),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}))
+        return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                "bytes": m.total_bytes}
+
+    def asyncrl_adapter_fingerprint(self, path: str) -> str:
+        """xxh3 of the loaded adapter's file (the tensors vLLM read)."""
+        return xxhash.xxh3_64((Path(path) / "adapter_model.safetensors").read_bytes()).hexdigest()
 
     def asyncrl_fingerprint(self) -> str:
         """xxh3 over the engine's own parameters (after any repacking), in name order."""

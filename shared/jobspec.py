@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.environments.spec import EnvironmentSpec
 from shared.rewards.spec import REWARDS, RewardSpec
-from shared.schema import SamplingParams
+from shared.schema import LORA_MODULE, LoraAdapter, SamplingParams
 from shared.spectypes import PrintableStr, SpecModel, refuse_nul
 from shared.staleness_bound import groups_in_flight, start_bound
 from shared.tracking import TrackingSink
@@ -156,6 +156,24 @@ class AlgorithmSpec(_Strict):
     overlong_penalty: float = Field(1.0, ge=0.0, le=100.0, description="penalty: its size at max_tokens.")
 
 
+class LoraSpec(_Strict):
+    """LoRA fine-tuning (PEFT): the job's model stays frozen; only low-rank adapters on the target
+    modules train, and only they travel to the generators at each version."""
+
+    rank: int = Field(8, ge=1, le=512, description="Adapter rank r (vLLM serves ranks up to 512).")
+    alpha: float = Field(16.0, gt=0.0, le=1e6, description="Scale numerator: the update is (alpha / rank) * B @ A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
+    target_modules: list[Annotated[str, Field(pattern=LORA_MODULE)]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1, max_length=64,
+        description="Names of the linear layers that get adapters (Llama-style names by default); a name the "
+                    "model lacks fails the trainer at start.")
+
+    def adapter(self) -> LoraAdapter:
+        """The adapter's description on the wire (PolicyAnnouncement.lora)."""
+        return LoraAdapter(rank=self.rank, alpha=self.alpha, target_modules=list(self.target_modules))
+
+
 class AdaptiveStalenessSpec(_Strict):
     k_min: int = Field(0, ge=0, le=64, description="Tightest bound the controller may set.")
     k_max: int = Field(4, ge=0, le=64, description="Loosest bound the controller may set.")
@@ -295,6 +313,8 @@ class JobSpec(_Strict):
                           "environment's replies are kept as token ids and only the model's are trained on. "
                           "Unset: one completion per prompt, as with single_turn.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
+    lora: LoraSpec | None = Field(
+        None, description="Train LoRA adapters instead of every weight; unset: full fine-tuning.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."

@@ -454,6 +454,20 @@ class Manifest(BaseModel):
         return self
 
 
+# The module names a LoRA adapter may target: a layer's own attribute name (q_proj, down_proj...).
+LORA_MODULE = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+
+
+class LoraAdapter(BaseModel):
+    """What a LoRA version's tensors are: a PEFT adapter (names as PEFT saves them) over the job's
+    own model, whose effective weight is W + (alpha / rank) * B @ A on each target module."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: int = Field(ge=1, le=512)
+    alpha: float = Field(gt=0.0, le=1e6, allow_inf_nan=False)
+    target_modules: list[Annotated[str, Field(pattern=LORA_MODULE)]] = Field(min_length=1, max_length=64)
+
+
 # trainer_svc -> every generator_svc (plain XREAD)
 class PolicyAnnouncement(Message):
     """A new weight version. `probe_ids`/`probe_logprobs` are a functional fingerprint: the
@@ -471,6 +485,9 @@ class PolicyAnnouncement(Message):
     # The trainer's staleness bound k when it published this version: generators admit training
     # groups by it (PromptGroup.train_version - k). None: a trainer from before admission by version.
     max_staleness: int | None = _int32(None)
+    # None: the manifest holds the whole model. Set: it holds only this LoRA adapter's tensors,
+    # over the job's model_path, and the probe was taken with the adapter applied.
+    lora: LoraAdapter | None = None
 
     @model_validator(mode="after")
     def _probe(self) -> PolicyAnnouncement:

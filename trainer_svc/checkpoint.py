@@ -4,7 +4,10 @@ One checkpoint, `<root>/<job>/step-NNNNNN/`:
 
     config.json, model.safetensors, tokenizer files   the policy in HF format, at the top level, so
                                                       the directory loads with from_pretrained and
-                                                      vLLM and exports as it is
+                                                      vLLM and exports as it is (LoRA: the base
+                                                      with the adapter merged in)
+    adapter/                     LoRA jobs: the PEFT adapter (adapter_config.json,
+                                 adapter_model.safetensors), what a resume loads onto the base
     trainer_state/optimizer.pt   AdamW state_dict (tensors and numbers; torch.load(weights_only=True))
     trainer_state/rng.pt         torch CPU (and CUDA) generator states, numpy's MT19937 key
     trainer_state/trainer.json   step, policy version, run id, staleness bound and the adaptive
@@ -138,7 +141,16 @@ def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=model_state)
+    if getattr(model, "peft_config", None):  # LoRA: the merged model at the top, the adapter beside it
+        from trainer_svc import lora
+
+        spec = lora_spec(model)
+        full = model_state if model_state is not None else model.state_dict()
+        model.get_base_model().save_pretrained(tmp, state_dict=lora.merged_state(full, spec))
+        lora.write_adapter(tmp / lora.ADAPTER_DIR, {lora.adapter_name(k): v for k, v in full.items() if ".lora_" in k},
+                           spec, str(model.peft_config[lora.ADAPTER_NAME].base_model_name_or_path or ""))
+    else:
+        model.save_pretrained(tmp, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
     sd = tmp / STATE_DIR
     sd.mkdir()
@@ -157,6 +169,14 @@ def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[
     finally:
         os.close(fd)
     return {"bytes": float(dir_bytes(final)), "seconds": time.perf_counter() - t0}
+
+
+def lora_spec(model):
+    """The LoraSpec a PeftModel was built with."""
+    from shared.jobspec import LoraSpec
+
+    c = model.peft_config["default"]
+    return LoraSpec(rank=c.r, alpha=c.lora_alpha, dropout=c.lora_dropout, target_modules=sorted(c.target_modules))
 
 
 def dir_bytes(path: Path) -> int:

@@ -232,7 +232,8 @@ class Ranks:
                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return {}
-        index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        # the optimizer's own order: the parameters it updates (LoRA: the adapters only)
+        index = {name: i for i, (name, _) in enumerate(_trained(model))}
         return {"state": {index[n]: s for n, s in by_name["state"].items()},
                 "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
 
@@ -253,11 +254,15 @@ class Ranks:
 
         by_name: dict[str, Any] = {}
         if self.is_main:
-            names = [name for name, _ in model.named_parameters()]
+            names = [name for name, _ in _trained(model)]
             by_name = {"state": {names[i]: s for i, s in state["state"].items()},
                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, by_name,
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shared.entry import accept_drain
 from shared.jobspec import JobSpec
 from shared.settings import TrainerSettings
-from trainer_svc import checkpoint
+from trainer_svc import checkpoint, lora
 from trainer_svc.algorithms import (
     ADVANTAGE_ESTIMATORS,
     BatchNorm,
@@ -31,11 +31,16 @@ from trainer_svc.shaping import overlong_penalty
 from trainer_svc.weights import probe
 
 
-def load_policy(spec: JobSpec, device: str, path: str | Path | None = None):
-    """The policy and tokenizer from `path` (a checkpoint), else the job's model."""
+def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adapters: bool = True):
+    """The policy and tokenizer from `path` (a checkpoint), else the job's model. With `spec.lora`
+    (and `adapters`): the job's model with fresh LoRA adapters (a checkpoint's top-level weights
+    are merged: never the base to adapt; `Learner` loads its adapter folder)."""
     path = path or spec.model_path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    use_lora = spec.lora is not None and adapters
+    model = AutoModelForCausalLM.from_pretrained(spec.model_path if use_lora else path, dtype=torch.float32).to(device)
+    if use_lora:
+        model = lora.wrap(model, spec.lora, spec.seed)
     model.train()
     return model, tokenizer
 
@@ -84,20 +89,25 @@ class Learner:
         # Every rank builds the job's model; only rank 0 reads `model_path` (a checkpoint the other
         # ranks may not see), and `wrap` hands its weights to them.
         model, self.tokenizer = load_policy(spec, device, model_path if self.ranks.is_main else None)
+        # LoRA: the initial adapters (B = 0), which `restore(None)` puts back; then the checkpoint's
+        self.initial_adapter = lora.adapter_state(model) if spec.lora and self.ranks.is_main else None
+        if spec.lora and model_path and self.ranks.is_main and (Path(model_path) / lora.ADAPTER_DIR).is_dir():
+            lora.load_adapter_state(model, lora.read_adapter(Path(model_path) / lora.ADAPTER_DIR))
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.betas, eps=a.eps,
+        # LoRA: the adapters only (the frozen base has no optimizer state at all)
+        self.optimizer = torch.optim.AdamW([p for _, p in lora.trainable(self.model)], lr=a.lr, betas=a.betas, eps=a.eps,
                                            weight_decay=a.weight_decay)
         self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
         self.cfg = LossConfig.from_spec(a)
         self.lr = a.lr  # the step size when `step` is given none (the loop gives the schedule's)
         self.ref_model = None
         if a.kl_coef > 0:  # frozen copy of the initial policy for the KL penalty
-            self.ref_model, _ = load_policy(spec, device)
+            self.ref_model, _ = load_policy(spec, device, adapters=False)
             self.ref_model.eval().requires_grad_(False)
 
     def step(self, batch: TrainBatch, lr_scale: float = 1.0, lr: float | None = None) -> dict[str, float]:
@@ -159,9 +169,11 @@ class Learner:
         return out.metrics
 
     def snapshot(self) -> tuple[dict[str, torch.Tensor], tuple[list[int], list[float]]]:
-        """The full weights (on rank 0; {} on the others) and the probe fingerprint, for
-        `weights.publish_weights`."""
+        """The full weights (LoRA: the adapter's tensors only) on rank 0, {} on the others, and
+        the probe fingerprint (with the adapter applied), for `weights.publish_weights`."""
         self.ranks.announce("snapshot")
+        if self.spec.lora is not None:
+            return lora.adapter_state(self.model, self.ranks.is_main), probe(self.model)
         return self.ranks.model_state(self.model), probe(self.model)
 
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -176,7 +188,10 @@ class Learner:
         cursors stay as they are (the collapse guard's undo; a resume restores those itself)."""
         self.ranks.announce("restore", path=None if path is None else str(path), weights=weights)
         main = self.ranks.is_main
-        if weights:
+        if weights and self.spec.lora is not None:  # the base is frozen: only the adapters go back
+            state = (lora.read_adapter(Path(path) / lora.ADAPTER_DIR) if path else self.initial_adapter) if main else {}
+            lora.load_adapter_state(self.model, state or {}, main)
+        elif weights:
             self.ranks.load_model_state(self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {})
         optimizer = None if path is None else checkpoint.read_optimizer(Path(path)) if main else {}
         self.ranks.load_optimizer_state(self.model, self.optimizer, optimizer)

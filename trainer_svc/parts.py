@@ -190,7 +190,8 @@ class Parts:
             snapshot = self.learner.snapshot()
         return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
                                self.job_id, self.settings.keep_versions, self.state.run_id, snapshot,
-                               self.prom.phases, max_staleness=self.state.bound.k)
+                               self.prom.phases, max_staleness=self.state.bound.k,
+                               lora=None if self.spec.lora is None else self.spec.lora.adapter())
 
     def compare_redone(self, checksum: str) -> None:
         """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""

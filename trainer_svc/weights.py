@@ -13,7 +13,7 @@ import torch
 from broker.streams import POLICY, JobStreams
 from shared.ids import policy_version_id
 from shared.metrics import Phases
-from shared.schema import PolicyAnnouncement, pack_f32, pack_i32
+from shared.schema import LoraAdapter, PolicyAnnouncement, pack_f32, pack_i32
 from shared.transport import WeightServer, build_manifest
 from trainer_svc.logprobs import token_logprobs
 
@@ -58,12 +58,14 @@ def publish_weights(
     run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
     phases: Phases | None = None,
     max_staleness: int | None = None,
+    lora: LoraAdapter | None = None,
 ) -> tuple[float, str]:
     """Serve and announce version `version`; returns (seconds, the version's checksum).
 
     `snapshot`: (full weights, probe) from `Learner.snapshot` when `model` is sharded; None takes
     both from `model`. `phases`: times flatten, checksum, serve and announce. `max_staleness`: the
-    staleness bound now, announced with the version (generators admit training groups by it)."""
+    staleness bound now, announced with the version (generators admit training groups by it).
+    `lora`: the weights are this LoRA adapter's tensors only (`Learner.snapshot` of a LoRA job)."""
     def span(name: str):
         return phases.span(name) if phases is not None else nullcontext()
 
@@ -83,7 +85,7 @@ def publish_weights(
             PolicyAnnouncement(
                 job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
                 manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
-                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp), max_staleness=max_staleness,
+                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp), max_staleness=max_staleness, lora=lora,
             ),
         )
         # A version older than the ones the server still holds cannot be fetched: drop its announcement.

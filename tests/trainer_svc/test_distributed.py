@@ -34,9 +34,11 @@ from shared.schema import Rollout, Scored, pack_f32, pack_i32
 from trainer_svc.batch import TrainBatch
 
 STEPS = 2
-# (micro_batch_size, cpu_offload); 9 samples -> shares 5 and 4. cpu-offload: FSDP2 CPUOffloadPolicy on the
-# 2 ranks (1 rank has nothing to offload), the same step.
-CASES = {"one-micro-batch-per-rank": (64, False), "padded": (4, False), "cpu-offload": (64, True)}
+# (micro_batch_size, cpu_offload, lora); 9 samples -> shares 5 and 4. cpu-offload: FSDP2 CPUOffloadPolicy on
+# the 2 ranks (1 rank has nothing to offload), the same step. lora: PEFT adapters (frozen base, sharded
+# like the rest), the optimizer over the adapters only, checkpoints holding the adapter.
+CASES = {"one-micro-batch-per-rank": (64, False, False), "padded": (4, False, False), "cpu-offload": (64, True, False),
+         "lora": (4, False, True)}
 GROUPS, N, MAX_TOKENS = 3, 3, 6
 
 
@@ -50,8 +52,9 @@ def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple
     return metrics, seconds
 
 
-def _spec(model: str | Path, micro_batch_size: int, cpu_offload: bool = False) -> JobSpec:
+def _spec(model: str | Path, micro_batch_size: int, cpu_offload: bool = False, lora: bool = False) -> JobSpec:
     return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
+                   lora={"rank": 4, "alpha": 8.0} if lora else None,
                    algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e6,
                               "cpu_offload": cpu_offload})  # no clipping (the bound is 1e6)
 
@@ -88,8 +91,8 @@ def _worker(model: str, out: str) -> None:
             follow(TrainerSettings(threads=1), ranks)
         ranks.close()
         return
-    for case, (mb, offload) in CASES.items():
-        learner = Learner(_spec(model, mb, offload), "cpu", ranks=ranks)
+    for case, (mb, offload, lora) in CASES.items():
+        learner = Learner(_spec(model, mb, offload, lora), "cpu", ranks=ranks)
         samples, rewards = _batch(learner.model.config.vocab_size)
         metrics, seconds = _timed_steps(learner, samples, rewards)
         ranks._last_sent -= KEEPALIVE_S + 1  # as if rank 0 had waited that long: a tick goes out
@@ -148,8 +151,8 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
     wall_2 = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     torch.set_num_threads(1)
-    for case, (mb, offload) in CASES.items():
-        spec = _spec(tiny_model, mb, offload)
+    for case, (mb, offload, lora) in CASES.items():
+        spec = _spec(tiny_model, mb, offload, lora)
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
         metrics, seconds = _timed_steps(one, samples, rewards)
