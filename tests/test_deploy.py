@@ -874,7 +874,7 @@ def test_deploy_readme_mentions_only_real_variables_and_ports():
     text = (ROOT / "deploy/README.md").read_text()
     names = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
     # Not environment variables: words that merely look like them.
-    allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "POSTGRES_USER",
+    allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "ASYNCRL_VENV", "POSTGRES_USER",
                                                      "POSTGRES_DB", "SIGTERM", "SIGKILL", "SIGINT"}
     unknown = {n for n in names if n not in allowed and not THIRD_PARTY.match(n)}
     assert not unknown, f"deploy/README.md names {sorted(unknown)}, which no settings class reads"
