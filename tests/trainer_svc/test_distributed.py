@@ -8,6 +8,10 @@ so one case pads a rank's micro-batches. A checkpoint written by the 2 ranks als
 world size 1, resumes on 2 ranks (rank 0 alone reads it) and rolls back (Learner.restore) on 2
 ranks.
 
+`test_two_nodes_step_like_one`: the same worker as two torchrun "nodes" on loopback (`--nnodes 2
+--nproc-per-node 1`, one torchrun process per `--node-rank`, static rendezvous on rank 0's
+address, as deploy/k8s and deploy/slurm start the trainer); the same checks against one process.
+
 `test_job_on_two_ranks`: a short sync job with the real generator and reward services and the
 trainer under `torchrun --nproc-per-node 2`; the ledger shows every step, version, group and
 sample once, and one rank fed and published.
@@ -86,6 +90,9 @@ def _worker(model: str, out: str) -> None:
     torch.set_num_threads(1)
     ranks = Ranks.from_env("cpu")
     assert ranks.world_size == 2
+    # where torchrun placed this rank: its node (GROUP_RANK) and the ranks on that node
+    (Path(out) / f"rank{ranks.rank}.json").write_text(json.dumps(
+        {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}))
     if not ranks.is_main:
         for _ in range(len(CASES) + 1):  # each case, then the resume
             follow(TrainerSettings(threads=1), ranks)
@@ -142,14 +149,48 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_ranks_step_like_one(tmp_path, tiny_model):
-    from trainer_svc import checkpoint
-    from trainer_svc.learner import Learner
-    from trainer_svc.weights import probe
-
     t0 = time.perf_counter()
     proc = _torchrun(__file__, str(tiny_model), str(tmp_path))
     wall_2 = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _assert_like_one(tmp_path, tiny_model)
+    print(f"2-rank worker wall time (torchrun start to exit, all cases) {wall_2:.1f}s")
+
+
+@pytest.mark.slow
+def test_two_nodes_step_like_one(tmp_path, tiny_model):
+    """Two torchrun agents, one per "node" (`--node-rank 0` and `1`), one rank each, meeting at
+    node 0's address: the multi-node launch of deploy/k8s and deploy/slurm, on loopback."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         __file__, str(tiny_model), str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    wall = time.perf_counter() - t0
+    for node, (p, out) in enumerate(zip(nodes, outs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{out[-6000:]}"
+    # each node ran one rank of the two, and node 0 holds rank 0 (the one that serves the job)
+    placed = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(p["RANK"], p["GROUP_RANK"], p["LOCAL_RANK"], p["LOCAL_WORLD_SIZE"]) for p in placed] == [
+        ("0", "0", "0", "1"), ("1", "1", "0", "1")], placed
+    _assert_like_one(tmp_path, tiny_model)
+    print(f"2-node worker wall time (both torchrun agents, start to exit) {wall:.1f}s")
+
+
+def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
+    """What the 2-rank `_worker` wrote under `tmp_path` equals one process's steps, per case."""
+    from trainer_svc import checkpoint
+    from trainer_svc.learner import Learner
+    from trainer_svc.weights import probe
+
     torch.set_num_threads(1)
     for case, (mb, offload, lora) in CASES.items():
         spec = _spec(tiny_model, mb, offload, lora)
@@ -188,7 +229,6 @@ def test_two_ranks_step_like_one(tmp_path, tiny_model):
         print(f"\n{case} (micro-batch {mb}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
               f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")
     assert json.loads((tmp_path / "resume.json").read_text())["resumed"], "2 ranks did not resume the checkpoint"
-    print(f"2-rank worker wall time (torchrun start to exit, all cases) {wall_2:.1f}s")
 
 
 # --- a whole job ---------------------------------------------------------------------------------
