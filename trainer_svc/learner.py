@@ -89,9 +89,12 @@ class Learner:
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        # Packing: refuse a model that would let packed samples attend to each other. Before the
+        # FSDP2 wrap: a forward of the wrapped model before the optimizer exists left the optimizer
+        # holding parameters FSDP2 does not know (KeyError in get_optimizer_state_dict).
+        if a.packing:
+            check_packing(model)
         self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
-        if a.packing:  # refuse a model that would let packed samples attend to each other
-            check_packing(self.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.betas, eps=a.eps,
                                            weight_decay=a.weight_decay)

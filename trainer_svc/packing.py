@@ -100,7 +100,7 @@ class PackedMicroBatch:
 def check_packing(model: torch.nn.Module) -> float:
     """That `model` confines attention to each packed sample: the logits of two short samples
     packed into one row (reset position ids, no attention mask, no cache) must equal their logits
-    run alone. With FSDP2 this is collective: every rank calls it (it does, in the Learner).
+    run alone. Call it on the unwrapped model (FSDP2: before `fully_shard`; no collective).
 
     Returns:
         The largest logit difference, packed vs alone.
