@@ -26,7 +26,9 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama)."
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); packing: one "
+        "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
+        "peak memory per token)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -54,6 +56,10 @@ def main(
         res = launcher_vs_pinned(wd, steps=steps or 80)
         (Path(out) / "launcher.json").write_text(json.dumps(res, indent=2) + "\n")
         typer.echo(json.dumps(res, indent=2))
+    elif which == "packing":
+        from bench.packing import bench_packing
+
+        typer.echo(json.dumps(bench_packing(out_dir=out), indent=2))
     elif which == "trainer-mem":
         from bench.trainer_mem import bench_trainer_mem
 
@@ -99,7 +105,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, packing")
 
 
 if __name__ == "__main__":
