@@ -123,7 +123,8 @@ class AlgorithmSpec(_Strict):
     micro_batch_size: int = Field(
         64, ge=1, le=1_000_000, description="Gradient accumulation, in samples: one optimizer step covers the step's "
                                             "whole batch (prompts_per_step x group_size samples), run as "
-                                            "forward/backward passes of at most this many samples each (per rank) "
+                                            "forward/backward passes of at most this many samples each (per rank; "
+                                            "with packing, micro_batch_tokens decides instead) "
                                             "whose gradients add up. The loss is normalised over the whole batch, so "
                                             "the update does not depend on it: only memory and speed do.")
     packing: bool = Field(

@@ -23,7 +23,8 @@ Who does what with N ranks:
 
 What is sharded (FSDP2, one `fully_shard` unit per decoder layer plus the root): parameters,
 gradients and AdamW state, 1/N per rank. Each rank computes the loss on its contiguous share of
-the global batch; the normalisation stays global (`BatchNorm` from every sample's length), and
+the global batch (in micro-batches of samples, or packed to a token budget: every rank packs every
+rank's share alike, so all know the most passes any needs); the normalisation stays global (`BatchNorm` from every sample's length), and
 each rank scales its loss by N before backward because the gradient reduce-scatter averages over
 ranks, so the summed update equals the single-process update. (FSDP2's
 `set_gradient_divide_factor(1.0)` would say "sum" directly, but it reduces with PREMUL_SUM, and
