@@ -30,7 +30,9 @@ def main(
         "of one Redis shard, the PostgreSQL ledger and the weight links, the capacity model's simulation and its "
         "figures (docs/scaling.md); fanout: seconds from a weight publish until 1, 2, 4, 8, 16 receivers all serve "
         "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks); lora: LoRA vs full "
-        "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency)."
+        "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency); packing: one "
+        "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
+        "peak memory per token)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -64,6 +66,10 @@ def main(
 
         bench_capacity(out_dir=out)
         write_figures(results_dir=out, docs_dir="docs" if out == "results" else out)  # figures of docs/scaling.md
+    elif which == "packing":
+        from bench.packing import bench_packing
+
+        typer.echo(json.dumps(bench_packing(out_dir=out), indent=2))
     elif which == "trainer-mem":
         from bench.trainer_mem import bench_trainer_mem
 
@@ -120,7 +126,7 @@ def main(
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
                                 "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-                                "lora")
+                                "lora, packing")
 
 
 if __name__ == "__main__":

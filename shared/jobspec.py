@@ -123,9 +123,23 @@ class AlgorithmSpec(_Strict):
     micro_batch_size: int = Field(
         64, ge=1, le=1_000_000, description="Gradient accumulation, in samples: one optimizer step covers the step's "
                                             "whole batch (prompts_per_step x group_size samples), run as "
-                                            "forward/backward passes of at most this many samples each (per rank) "
+                                            "forward/backward passes of at most this many samples each (per rank; "
+                                            "with packing, micro_batch_tokens decides instead) "
                                             "whose gradients add up. The loss is normalised over the whole batch, so "
                                             "the update does not depend on it: only memory and speed do.")
+    packing: bool = Field(
+        False, description="Sequence packing: each forward/backward pass is one row of whole samples back to back "
+                           "(at most micro_batch_tokens tokens, first-fit decreasing; micro_batch_size is not used), "
+                           "position ids restarting for each sample and attention confined to it (a block-diagonal "
+                           "causal mask on CPU, varlen flash attention with attn_implementation flash_attention_2), "
+                           "instead of rows padded to the longest sample. Same loss and gradients within float "
+                           "rounding; no compute spent on padding. The trainer checks at start-up that the model "
+                           "confines attention this way (transformers >= 5) and refuses to start otherwise. Off by "
+                           "default: the padded path is what the rest of the tests and results were measured with.")
+    micro_batch_tokens: int = Field(
+        8192, ge=1, le=10_000_000, description="With packing: the token budget (prompt + completion tokens) of one "
+                                                "packed forward/backward pass per rank; a sample longer than it gets "
+                                                "a pass of its own. Memory and speed only, as for micro_batch_size.")
     logprob_chunk_tokens: int = Field(
         0, ge=0, le=1_000_000, description="Memory: > 0 computes the policy's per-token logprobs (and entropy) over "
                                            "this many sequence positions at a time, each chunk's head, log-softmax and "

@@ -3,7 +3,8 @@
 Scored wire messages become a `TrainBatch` once, at the edge (`TrainBatch.of`); from there on the
 step, the rank broadcast (trainer_svc/dist.py) and every micro-batch work on tensors. Ragged
 sequences are stored flat with their lengths, so a micro-batch pads only its own rows (the same
-padding `logprobs.pad_batch` does).
+padding `logprobs.pad_batch` does), or packs its samples into one row with no padding at all
+(`packed_micro_batch`, trainer_svc/packing.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from shared.schema import Scored
+from trainer_svc.packing import PackedMicroBatch, position_ids
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class TrainBatch:
     def __len__(self) -> int:
         return int(self.prompt_lens.numel())
 
+    def sample_lengths(self) -> list[int]:
+        """Each sample's tokens, prompt + completion: what a packed micro-batch holds of it."""
+        return (self.prompt_lens + self.completion_lens).tolist()
+
     def model_token_counts(self) -> list[int]:
         """Each sample's model-sampled completion tokens: the loss's token counts (an environment's
         tokens in a multi-turn episode are not the model's to learn)."""
@@ -117,6 +123,43 @@ class TrainBatch:
             mask[row, p - 1 : p + c - 1] = self.model_mask[c_off[i] : c_off[i] + c]
             behaviour[row, p - 1 : p + c - 1] = self.behaviour_logprobs[c_off[i] : c_off[i] + c]
         return input_ids, attn, behaviour, mask, self.temperatures[lo:hi]
+
+    def packed_micro_batch(self, indices: Sequence[int]) -> PackedMicroBatch:
+        """Samples `indices` back to back in one row, position ids restarting for each (see
+        trainer_svc/packing.py): no padding, so no pad id; once `unpack`ed, the same scores and
+        masks per sample as `micro_batch` gives."""
+        if not indices:
+            raise ValueError("a packed micro-batch needs at least one sample")
+        p_off = _offsets(self.prompt_lens)
+        c_off = _offsets(self.completion_lens)
+        plens = [int(self.prompt_lens[i]) for i in indices]
+        clens = [int(self.completion_lens[i]) for i in indices]
+        lengths = [p + c for p, c in zip(plens, clens, strict=True)]
+        width = max(clens, default=0)
+        pieces, temps = [], []
+        index = torch.zeros((len(indices), width), dtype=torch.long)
+        behaviour = torch.zeros((len(indices), width), dtype=torch.float32)
+        mask = torch.zeros_like(behaviour)
+        start = 0
+        for k, i in enumerate(indices):
+            p, c = plens[k], clens[k]
+            pieces += [self.prompt_tokens[p_off[i]: p_off[i] + p], self.completion_tokens[c_off[i]: c_off[i] + c]]
+            temps.append(self.temperatures[i].expand(p + c))
+            # the row's token start + j (j in [p, p + c)) is scored at shifted position start + j - 1
+            index[k, :c] = torch.arange(start + p - 1, start + p + c - 1)
+            behaviour[k, :c] = self.behaviour_logprobs[c_off[i]: c_off[i] + c]
+            mask[k, :c] = self.model_mask[c_off[i]: c_off[i] + c]
+            start += p + c
+        ids = torch.cat(pieces).to(torch.long)
+        return PackedMicroBatch(
+            samples=torch.tensor(list(indices), dtype=torch.long),
+            input_ids=ids[None],
+            position_ids=position_ids(lengths)[None],
+            # position t scores token t + 1 of the same sample; a sample's last position scores the
+            # next sample's first token, which no index points at
+            temperatures=torch.cat(temps)[None, :-1].to(torch.float32),
+            index=index, behaviour_logprobs=behaviour, mask=mask,
+        )
 
 
 def _offsets(lens: torch.Tensor) -> list[int]:

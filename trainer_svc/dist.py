@@ -23,7 +23,8 @@ Who does what with N ranks:
 
 What is sharded (FSDP2, one `fully_shard` unit per decoder layer plus the root): parameters,
 gradients and AdamW state, 1/N per rank. Each rank computes the loss on its contiguous share of
-the global batch; the normalisation stays global (`BatchNorm` from every sample's length), and
+the global batch (in micro-batches of samples, or packed to a token budget: every rank packs every
+rank's share alike, so all know the most passes any needs); the normalisation stays global (`BatchNorm` from every sample's length), and
 each rank scales its loss by N before backward because the gradient reduce-scatter averages over
 ranks, so the summed update equals the single-process update. (FSDP2's
 `set_gradient_divide_factor(1.0)` would say "sum" directly, but it reduces with PREMUL_SUM, and
@@ -49,6 +50,8 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed as dist
+
+from trainer_svc.packing import first_fit_decreasing
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,20 @@ class Ranks:
         most = math.ceil(math.ceil(n / self.world_size) / size)
         lo, hi = self.shard(n)
         return [(a, min(a + size, hi)) if (a := lo + i * size) < hi else None for i in range(most)]
+
+    def packed_micro_batches(self, lengths: list[int], budget: int) -> list[list[int] | None]:
+        """This rank's share of the samples (the same contiguous share as `micro_batches`) packed
+        into micro-batches of at most `budget` tokens (`packing.first_fit_decreasing`; `lengths`
+        is every sample's prompt + completion), as global sample indices, padded with None to the
+        count of the rank with the most. Every rank holds every length (the step's announcement
+        carries the whole batch), so each computes every rank's packing: no collective needed."""
+        def bins(rank: int) -> list[list[int]]:
+            lo, hi = Ranks(rank, self.world_size).shard(len(lengths))
+            return [[lo + i for i in b] for b in first_fit_decreasing(lengths[lo:hi], budget)]
+
+        most = max(len(bins(r)) for r in range(self.world_size))
+        mine: list[list[int] | None] = list(bins(self.rank))
+        return mine + [None] * (most - len(mine))
 
     def reduce_metrics(self, sums: Mapping[str, float]) -> dict[str, float]:
         """Micro-batch metric sums of every rank combined like `algorithms.accumulate` does: max

@@ -27,6 +27,7 @@ from trainer_svc.algorithms import (
 from trainer_svc.batch import TrainBatch
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.logprobs import token_logprobs, token_logprobs_and_entropy
+from trainer_svc.packing import check_packing
 from trainer_svc.shaping import overlong_penalty
 from trainer_svc.weights import probe
 
@@ -97,6 +98,11 @@ class Learner:
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        # Packing: refuse a model that would let packed samples attend to each other. Before the
+        # FSDP2 wrap: a forward of the wrapped model before the optimizer exists left the optimizer
+        # holding parameters FSDP2 does not know (KeyError in get_optimizer_state_dict).
+        if a.packing:
+            check_packing(model)
         self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # LoRA: the adapters only (the frozen base has no optimizer state at all)
@@ -121,9 +127,13 @@ class Learner:
         norm = BatchNorm.from_lengths(batch.model_token_counts(), max_len=spec.sampling.max_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        # This rank's share of the global batch, in micro-batches; None pads the count to that of
-        # the busiest rank (every FSDP forward is a collective) and contributes no gradient.
-        for part in self.ranks.micro_batches(len(batch), spec.algorithm.micro_batch_size):
+        # This rank's share of the global batch, in micro-batches (sample ranges, or sample lists
+        # packed to a token budget); None pads the count to that of the busiest rank (every FSDP
+        # forward is a collective) and contributes no gradient.
+        a = spec.algorithm
+        parts = (self.ranks.packed_micro_batches(batch.sample_lengths(), a.micro_batch_tokens) if a.packing
+                 else self.ranks.micro_batches(len(batch), a.micro_batch_size))
+        for part in parts:
             sums = accumulate(sums, self._backward(batch, advantages, norm, part))
         sums = self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
         grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -145,21 +155,30 @@ class Learner:
         }
 
     def _backward(self, batch: TrainBatch, advantages: torch.Tensor, norm: BatchNorm,
-                  part: tuple[int, int] | None) -> dict[str, float]:
-        """Loss and backward of samples [lo, hi) of `batch` (`part`; None: a padding micro-batch
-        that contributes no gradient); returns its metric sums."""
-        lo, hi = part or (0, 1)
-        ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, self.pad_id)
-        ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
-        adv = advantages[lo:hi].to(self.device)
+                  part: tuple[int, int] | list[int] | None) -> dict[str, float]:
+        """Loss and backward of samples [lo, hi) of `batch` (`part`), or of the samples listed,
+        packed into one row (trainer_svc/packing.py); None: a padding micro-batch that
+        contributes no gradient. Returns its metric sums."""
+        pos = None
+        if isinstance(part, list) or (part is None and self.spec.algorithm.packing):
+            mb = batch.packed_micro_batch(part or [0]).to(self.device)
+            ids, attn, pos, temp, behaviour, mask = (mb.input_ids, None, mb.position_ids, mb.temperatures,
+                                                     mb.behaviour_logprobs, mb.mask)
+            adv, unpack = advantages[mb.samples.cpu()].to(self.device), mb.unpack
+        else:
+            lo, hi = part or (0, 1)
+            ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, self.pad_id)
+            ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
+            adv, unpack = advantages[lo:hi].to(self.device), _same
         # each sample's own sampling temperature: the behaviour policy it was drawn from
         chunk = self.spec.algorithm.logprob_chunk_tokens
-        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
-                                                       entropy_grad=self.cfg.entropy_coef > 0, chunk_tokens=chunk)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp, entropy_grad=self.cfg.entropy_coef > 0,
+                                                       chunk_tokens=chunk, position_ids=pos)
+        logprobs, entropy = unpack(logprobs), unpack(entropy)  # packed: back to one row per sample
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk)
+                ref = unpack(token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk, position_ids=pos))
         out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
         if part is None:
             (out.loss * 0.0).backward()
@@ -195,6 +214,10 @@ class Learner:
             self.ranks.load_model_state(self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {})
         optimizer = None if path is None else checkpoint.read_optimizer(Path(path)) if main else {}
         self.ranks.load_optimizer_state(self.model, self.optimizer, optimizer)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # Ranks 1..N-1: what to do on each announcement of rank 0 (the Learner calls above).

@@ -67,14 +67,27 @@ def _temperature(temperature: float | torch.Tensor) -> torch.Tensor:
 
 
 def _divide(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """logits (B, n, V) / temperature, a scalar or one per row."""
+    """logits (B, n, V) / temperature: a scalar, one per row (B,), or one per position (B, n)
+    (packed rows: each sample's positions at its own temperature)."""
+    if t.ndim == 2:
+        return logits / t.to(logits.device).unsqueeze(-1)
     return logits / (t.to(logits.device).view(-1, 1, 1) if t.ndim else t.item())
 
 
-def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor) -> torch.Tensor:
-    """logits[:, :-1] / temperature, in float32; temperature a scalar or one per row (B,)."""
+def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
+    """The model's forward; with `position_ids` (packed rows, trainer_svc/packing.py) no attention
+    mask and no cache, so transformers derives the per-sample attention from the position ids."""
+    if position_ids is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+
+
+def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits[:, :-1] / temperature, in float32; temperature a scalar, per row (B,) or per
+    position (B, L-1)."""
     t = _temperature(temperature)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = _forward(model, input_ids, attention_mask, position_ids).logits[:, :-1].float()
     return _divide(logits, t)  # (B, L-1, V)
 
 
@@ -103,7 +116,8 @@ def _chunkable(model: torch.nn.Module) -> bool:
 
 
 def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy: bool,
-             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+             entropy_grad: bool, position_ids: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`_logprobs_entropy` without full-vocabulary logits for the whole sequence: the final hidden
     states once, then the head, log-softmax and gather over `chunk` positions at a time; with
     autograd each chunk is checkpointed (its (B, chunk, V) logits are recomputed in the backward,
@@ -111,7 +125,7 @@ def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy:
     logit scale or soft-cap, checked at the last position): use the full path then."""
     t = _temperature(temperature)
     # logits_to_keep=1: the head runs on the last position only, the check below.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+    out = _forward(model, input_ids, attention_mask, position_ids, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1]  # (B, L, H), after the final norm
     head = model.get_output_embeddings()
     with torch.no_grad():
@@ -120,32 +134,35 @@ def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy:
     hidden = hidden[:, :-1]
     targets = input_ids[:, 1:].unsqueeze(-1)  # (B, L-1, 1)
 
-    def piece(h: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lp, ent = _logprobs_entropy(_divide(head(h).float(), t), tgt, entropy, entropy_grad)
+    def piece(h: torch.Tensor, tgt: torch.Tensor, tc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = _logprobs_entropy(_divide(head(h).float(), tc), tgt, entropy, entropy_grad)
         return lp, (ent if ent is not None else lp.new_zeros(()))
 
     grad = torch.is_grad_enabled()
     lps, ents = [], []
     for s in range(0, hidden.shape[1], chunk):
         h, tgt = hidden[:, s:s + chunk], targets[:, s:s + chunk]
+        tc = t[:, s:s + chunk] if t.ndim == 2 else t  # per-position temperatures follow the chunk
         if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(piece, h, tgt, use_reentrant=False)
+            lp, ent = torch.utils.checkpoint.checkpoint(piece, h, tgt, tc, use_reentrant=False)
         else:
-            lp, ent = piece(h, tgt)
+            lp, ent = piece(h, tgt, tc)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
 
 
 def _compute(model, input_ids, attention_mask, temperature, chunk_tokens: int, entropy: bool,
-             entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+             entropy_grad: bool, position_ids: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
     if chunk_tokens and _chunkable(model):
-        got = _chunked(model, input_ids, attention_mask, temperature, chunk_tokens, entropy, entropy_grad)
+        got = _chunked(model, input_ids, attention_mask, temperature, chunk_tokens, entropy, entropy_grad,
+                       position_ids)
         if got is not None:
             return got
-    logits = _scaled_logits(model, input_ids, attention_mask, temperature)
+    logits = _scaled_logits(model, input_ids, attention_mask, temperature, position_ids)
     return _logprobs_entropy(logits, input_ids[:, 1:].unsqueeze(-1), entropy, entropy_grad)
 
 
@@ -155,6 +172,7 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     chunk_tokens: int = 0,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probability of each next token: ``log softmax(logits_t / temperature)[x_{t+1}]``.
 
@@ -163,19 +181,23 @@ def token_logprobs(
     Args:
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
-        attention_mask: (B, L), 1 for real tokens.
+        attention_mask: (B, L), 1 for real tokens; ignored with `position_ids`.
         temperature: > 0; the sampler's temperature, so these match the behaviour policy. A
-            scalar, or one per row (B,) when samples were drawn at different temperatures.
+            scalar, or one per row (B,) when samples were drawn at different temperatures, or one
+            per shifted position (B, L-1) for packed rows.
         chunk_tokens: > 0: the head and log-softmax over this many positions at a time, each
             chunk checkpointed, so no (B, L-1, V) float32 logits exist at once, in the forward nor
             kept for the backward (same values and gradients; the backward recomputes each
             chunk's head). 0: the model's full logits. Unsharded HF models with a linear head
             only; others take the full path.
+        position_ids: (B, L) for packed rows (trainer_svc/packing.py): several samples back to
+            back, positions restarting at 0 for each; the forward then passes no attention mask
+            and no cache, and the model confines attention to each sample.
 
     Returns:
         (B, L-1) float32; entries at padding are meaningless, mask them with ``completion_mask``.
     """
-    return _compute(model, input_ids, attention_mask, temperature, chunk_tokens, False, False)[0]
+    return _compute(model, input_ids, attention_mask, temperature, chunk_tokens, False, False, position_ids)[0]
 
 
 def token_logprobs_and_entropy(
@@ -185,6 +207,7 @@ def token_logprobs_and_entropy(
     temperature: float | torch.Tensor = 1.0,
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus the entropy of each next-token distribution, from one forward pass.
 
@@ -198,16 +221,18 @@ def token_logprobs_and_entropy(
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
         attention_mask: (B, L), 1 for real tokens.
-        temperature: > 0, scalar or per row, as in `token_logprobs`.
+        temperature: > 0, scalar, per row or per position, as in `token_logprobs`.
         entropy_grad: whether the entropy keeps its graph (gradients flow through it).
         chunk_tokens: as in `token_logprobs` (0: unchunked).
+        position_ids: packed rows, as in `token_logprobs`.
 
     Returns:
         ``logprobs`` (B, L-1) float32 with grad as in `token_logprobs`, and ``entropy`` (B, L-1)
         float32 in nats, detached unless `entropy_grad`; both meaningless at padding (mask with
         ``completion_mask``).
     """
-    logprobs, entropy = _compute(model, input_ids, attention_mask, temperature, chunk_tokens, True, entropy_grad)
+    logprobs, entropy = _compute(model, input_ids, attention_mask, temperature, chunk_tokens, True, entropy_grad,
+                                 position_ids)
     assert entropy is not None
     return logprobs, entropy
 

@@ -4,7 +4,8 @@
 spec and batch, a few steps, then the gathered weights and optimizer state; they must equal what
 one process in the test computes (fp32; loss within 1e-6, parameters within 1e-5). The batch has
 uneven completion lengths, so a per-rank loss normalisation would show, and an odd sample count,
-so one case pads a rank's micro-batches. A checkpoint written by the 2 ranks also resumes at
+so one case pads a rank's micro-batches; the packed case packs each rank's share to a token budget
+(sequence packing), its 2-rank step equal to the 1-rank packed step. A checkpoint written by the 2 ranks also resumes at
 world size 1, resumes on 2 ranks (rank 0 alone reads it) and rolls back (Learner.restore) on 2
 ranks.
 
@@ -38,11 +39,14 @@ from shared.schema import Rollout, Scored, pack_f32, pack_i32
 from trainer_svc.batch import TrainBatch
 
 STEPS = 2
-# (micro_batch_size, cpu_offload, lora); 9 samples -> shares 5 and 4. cpu-offload: FSDP2 CPUOffloadPolicy on
-# the 2 ranks (1 rank has nothing to offload), the same step. lora: PEFT adapters (frozen base, sharded
-# like the rest), the optimizer over the adapters only, checkpoints holding the adapter.
-CASES = {"one-micro-batch-per-rank": (64, False, False), "padded": (4, False, False), "cpu-offload": (64, True, False),
-         "lora": (4, False, True)}
+# (micro_batch_size, cpu_offload, lora, packing); 9 samples -> shares 5 and 4. cpu-offload: FSDP2
+# CPUOffloadPolicy on the 2 ranks (1 rank has nothing to offload), the same step. lora: PEFT adapters (frozen
+# base, sharded like the rest), the optimizer over the adapters only, checkpoints holding the adapter. packed:
+# sequence packing to PACK_TOKENS tokens per pass, each rank packing its own share (the counts differ, so one
+# rank pads).
+CASES = {"one-micro-batch-per-rank": (64, False, False, False), "padded": (4, False, False, False),
+         "cpu-offload": (64, True, False, False), "lora": (4, False, True, False), "packed": (64, False, False, True)}
+PACK_TOKENS = 13  # rank 0 packs its share into 4 passes, rank 1 into 3 and one padding pass
 GROUPS, N, MAX_TOKENS = 3, 3, 6
 
 
@@ -56,11 +60,13 @@ def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple
     return metrics, seconds
 
 
-def _spec(model: str | Path, micro_batch_size: int, cpu_offload: bool = False, lora: bool = False) -> JobSpec:
+def _spec(model: str | Path, micro_batch_size: int, cpu_offload: bool = False, lora: bool = False,
+          packing: bool = False) -> JobSpec:
     return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
                    lora={"rank": 4, "alpha": 8.0} if lora else None,
                    algorithm={"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e6,
-                              "cpu_offload": cpu_offload})  # no clipping (the bound is 1e6)
+                              "cpu_offload": cpu_offload, "packing": packing,
+                              "micro_batch_tokens": PACK_TOKENS})  # no clipping (the bound is 1e6)
 
 
 def _batch(vocab: int, seed: int = 0) -> tuple[list[Scored], torch.Tensor]:
@@ -98,8 +104,8 @@ def _worker(model: str, out: str) -> None:
             follow(TrainerSettings(threads=1), ranks)
         ranks.close()
         return
-    for case, (mb, offload, lora) in CASES.items():
-        learner = Learner(_spec(model, mb, offload, lora), "cpu", ranks=ranks)
+    for case, (mb, offload, lora, packing) in CASES.items():
+        learner = Learner(_spec(model, mb, offload, lora, packing), "cpu", ranks=ranks)
         samples, rewards = _batch(learner.model.config.vocab_size)
         metrics, seconds = _timed_steps(learner, samples, rewards)
         ranks._last_sent -= KEEPALIVE_S + 1  # as if rank 0 had waited that long: a tick goes out
@@ -192,8 +198,8 @@ def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
     from trainer_svc.weights import probe
 
     torch.set_num_threads(1)
-    for case, (mb, offload, lora) in CASES.items():
-        spec = _spec(tiny_model, mb, offload, lora)
+    for case, (mb, offload, lora, packing) in CASES.items():
+        spec = _spec(tiny_model, mb, offload, lora, packing)
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
         metrics, seconds = _timed_steps(one, samples, rewards)
@@ -226,7 +232,8 @@ def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
             assert torch.equal(v, two["weights"][k]), k
         m1, m2 = one.step(TrainBatch.of(samples, rewards)), resumed.step(TrainBatch.of(samples, rewards))
         assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
-        print(f"\n{case} (micro-batch {mb}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
+        size = f"packed to {PACK_TOKENS} tokens" if packing else f"micro-batch {mb}"
+        print(f"\n{case} ({size}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
               f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")
     assert json.loads((tmp_path / "resume.json").read_text())["resumed"], "2 ranks did not resume the checkpoint"
 
