@@ -27,6 +27,7 @@ from trainer_svc.algorithms import (
 from trainer_svc.batch import TrainBatch
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.logprobs import token_logprobs, token_logprobs_and_entropy
+from trainer_svc.precision import autocast, mixed_precision_policy
 from trainer_svc.shaping import overlong_penalty
 from trainer_svc.weights import probe
 
@@ -88,7 +89,8 @@ class Learner:
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
+        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload, mp_policy=mixed_precision_policy(device, a.dtype))
+        self.autocast = autocast(device, a.dtype)  # the forward's precision; weights stay float32
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, betas=a.betas, eps=a.eps,
                                            weight_decay=a.weight_decay)
@@ -144,11 +146,12 @@ class Learner:
         adv = advantages[lo:hi].to(self.device)
         # each sample's own sampling temperature: the behaviour policy it was drawn from
         chunk = self.spec.algorithm.logprob_chunk_tokens
-        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
-                                                       entropy_grad=self.cfg.entropy_coef > 0, chunk_tokens=chunk)
+        with self.autocast():
+            logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
+                                                           entropy_grad=self.cfg.entropy_coef > 0, chunk_tokens=chunk)
         ref = None
         if self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 ref = token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk)
         out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
         if part is None:
