@@ -26,7 +26,8 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama)."
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); precision: "
+        "bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer mismatch KL (a 13M-parameter Llama)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -58,6 +59,12 @@ def main(
         from bench.trainer_mem import bench_trainer_mem
 
         typer.echo(json.dumps(bench_trainer_mem(out_dir=out), indent=2))
+    elif which == "precision":
+        from bench.precision import bench_precision
+
+        res = bench_precision(out_dir=out)
+        typer.echo(json.dumps({k: res[k] for k in ("fp32_mismatch_kl", "bf16_mismatch_kl", "mismatch", "engines")},
+                              indent=2))
     elif which == "startup":
         from bench.startup import bench_startup
 
@@ -99,7 +106,7 @@ def main(
                                 for g, r in result["swap_latency_s"].items()) + ".\n")
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem")
+                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, precision")
 
 
 if __name__ == "__main__":

@@ -332,10 +332,12 @@ def mismatch_k3(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: 
         behaviour_logprobs: (B, T) log mu.
         mask: (B, T) float; padding gets log r = 0, hence k3 = 0.
     Returns:
-        (B, T), 0 at padding.
+        (B, T) in the dtype of `logprobs`, 0 at padding. Computed as expm1(x) - x in float64: k3 is
+        ~x^2/2, so at float32's logprob gaps (~1e-7) float32's exp(x) - 1 - x rounds it to 0 or to
+        noise of the size of x itself.
     """
-    log_ratio = (logprobs - behaviour_logprobs) * mask
-    return (torch.exp(log_ratio) - 1.0 - log_ratio) * mask
+    log_ratio = ((logprobs - behaviour_logprobs) * mask).double()
+    return ((torch.expm1(log_ratio) - log_ratio) * mask).to(logprobs.dtype)
 
 
 # --- aggregation over the global batch ----------------------------------------------------------

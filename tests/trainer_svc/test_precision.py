@@ -34,6 +34,10 @@ def test_mismatch_k3_by_hand() -> None:
     want = torch.tensor([[1 - math.log(2), -0.5 + math.log(2), 0.0], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(k3, want, rtol=0, atol=1e-6)
     assert bool((k3 >= 0).all())  # KL estimates are never negative
+    # a float32-sized gap: log r = -1e-4 -> k3 = expm1(x) - x = x^2/2 + x^3/6 + ... = 4.99983e-9; exp(x) - 1 - x
+    # in float32 would give rounding noise of ~1e-8 instead
+    tiny = mismatch_k3(torch.tensor([[-1e-4]]), torch.tensor([[0.0]]), torch.ones(1, 1))
+    assert tiny.dtype == torch.float32 and float(tiny) == pytest.approx(5e-9 - 1e-12 / 6, rel=1e-5)
 
 
 def _model(seed: int = 0):
