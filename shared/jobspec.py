@@ -167,11 +167,12 @@ class GeneratorSpec(_Strict):
         None, description="vLLM's dtype for this job's engines (auto: vLLM's choice for the checkpoint); "
                           "unset: the generator's GEN_DTYPE setting (float32 by default, which keeps behaviour "
                           "logprobs equal to the trainer's on CPU). Lower precision is faster on a GPU and shows as "
-                          "the trainer's mismatch_kl; the post-swap probe check is loosened to at least 0.1.")
+                          "the trainer's mismatch_kl; the post-swap probe check is loosened to at least 0.1 (0.5 with fp8).")
     quantization: Literal["fp8"] | None = Field(
         None, description="vLLM's online quantization of the weights (fp8, as LlamaRL does for generation): CUDA "
                           "only (the CPU build refuses it when the engine starts); the trainer's weights stay "
-                          "unquantized and each swap is quantized again in the engine.")
+                          "unquantized, and each swap hands them to vLLM's reload_weights, which quantizes them "
+                          "as it loads.")
 
     def engine_dtype(self, default: str) -> str:
         """The dtype the engine is built with: this spec's, else the generator's setting `default`."""
