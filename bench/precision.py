@@ -264,7 +264,12 @@ def _markdown(res: dict[str, Any]) -> str:
               f"{L['weight_drift_l2']:.3g} (L2) from the float32 ones, whose own update from the start is "
               f"{L['fp32_update_l2']:.3g}.", "", res["method"] + ".", "",
               "Steps after the first train on samples of the initial policy (a fixed set), so their mismatch_kl "
-              "also holds the policy's drift since; step 1's is the precision alone.", ""]
+              "also holds the policy's drift since; step 1's is the precision alone.", "",
+              "CUDA-only and not run here (no GPU on this machine): `generator.quantization: fp8` (the CPU build "
+              "refuses it at engine start, tested), CUDA autocast, FSDP2's MixedPrecisionPolicy (bfloat16 "
+              "all-gathers, float32 reduce-scatter; trainer_svc/precision.py), and a bfloat16 engine on a GPU "
+              "(other kernels than the CPU's). What ran: CPU autocast (1 rank here; 2 FSDP2 ranks over gloo in "
+              "tests/trainer_svc/test_distributed.py) and vLLM's CPU engine in float32 and bfloat16.", ""]
     return "\n".join(lines)
 
 
