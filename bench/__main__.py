@@ -32,7 +32,8 @@ def main(
         "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks); lora: LoRA vs full "
         "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency); packing: one "
         "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
-        "peak memory per token)."
+        "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
+        "mismatch KL (a 13M-parameter Llama)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -78,6 +79,12 @@ def main(
         from bench.lora import bench_lora
 
         bench_lora(out_dir=out, steps=steps or 30, seeds=seeds)
+    elif which == "precision":
+        from bench.precision import bench_precision
+
+        res = bench_precision(out_dir=out)
+        typer.echo(json.dumps({k: res[k] for k in ("fp32_mismatch_kl", "bf16_mismatch_kl", "mismatch", "engines")},
+                              indent=2))
     elif which == "startup":
         from bench.startup import bench_startup
 
@@ -126,7 +133,7 @@ def main(
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
                                 "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-                                "lora, packing")
+                                "lora, packing, precision")
 
 
 if __name__ == "__main__":

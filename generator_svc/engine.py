@@ -69,12 +69,18 @@ class Engine:
         in_process: bool = True,
         enable_sleep_mode: bool = False,
         lora_rank: int | None = None,
+        quantization: str | None = None,
     ):
         """`lora_rank`: the job trains LoRA adapters of this rank; versions arrive as adapters
         (`load_version` with an `adapter`) and every generate and score call applies the newest."""
         prepare(kv_cache_gib=kv_cache_gib, in_process=in_process)
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        if quantization is not None and current_platform.is_cpu():
+            # checked here, where the device is known (a job spec is validated before any engine exists)
+            raise ValueError(f"quantization {quantization!r} needs a CUDA GPU; this vLLM runs on the CPU: "
+                             "unset generator.quantization (generator.dtype bfloat16 is the CPU's lower precision)")
 
         # vLLM's CPU runner cannot rewind a seeded request's random generator (torch's CPU
         # generators have no offset): a seeded request whose prefill is split across engine steps
@@ -97,6 +103,7 @@ class Engine:
             worker_extension_cls="generator_svc.worker_ext.WeightSyncExtension",
             # co-located on a GPU: sleep (weights to host, KV cache freed) while the trainer steps
             enable_sleep_mode=enable_sleep_mode,
+            quantization=quantization,
             **({"distributed_executor_backend": "uni"} if in_process else {}),
             **cpu,
             **({"enable_lora": True, "max_loras": 1,

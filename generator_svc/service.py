@@ -378,6 +378,15 @@ def samples_of(msg) -> int:
     return msg.n * len(msg.items) if isinstance(msg, EvalRound) else msg.n
 
 
+def probe_atol(setting: float, dtype: str, quantization: str | None) -> float:
+    """The post-swap probe tolerance: the generator's setting, at least 0.1 for an engine in lower
+    precision than the trainer's float32 (bfloat16 logprobs differ by ~1e-2 on tiny models), at
+    least 0.5 with fp8 weights (not measured here: CUDA only)."""
+    if quantization is not None:
+        return max(setting, 0.5)
+    return setting if dtype == "float32" else max(setting, 0.1)
+
+
 def run(settings: GeneratorSettings) -> None:
     # vLLM's import needs no job: done first, it overlaps the API's start and the job's submission
     log.info("engine: vllm imported in %.2fs", prepare_engine(kv_cache_gib=settings.kv_cache_gib,
@@ -388,10 +397,13 @@ def run(settings: GeneratorSettings) -> None:
     consumer = Consumer(PROMPTS, GROUP_GENERATORS, settings.generator_id, KINDS)
     ctx.streams.ensure_group(consumer.stream, consumer.group)  # before the engine's slow start
     turns = takes_turns(ctx.spec.placement, Engine.device_type())
+    gen = ctx.spec.generator
+    dtype = gen.engine_dtype(settings.dtype)
     engine = Engine(
         ctx.spec.model_path,
         seed=ctx.spec.seed,
-        dtype=settings.dtype,
+        dtype=dtype,
+        quantization=gen.quantization,
         max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_gib=settings.kv_cache_gib,
@@ -402,7 +414,8 @@ def run(settings: GeneratorSettings) -> None:
     )
     relay = start_relay(settings, ctx.streams)
     try:
-        policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id, settings.verify_atol,
+        policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id,
+                                probe_atol(settings.verify_atol, dtype, gen.quantization),
                                 settings.load_retries, metrics, relay, settings.relay_wait_s)
         handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service

@@ -151,6 +151,12 @@ class AlgorithmSpec(_Strict):
         False, description="Memory: activation checkpointing of the policy's decoder layers (HF "
                            "gradient_checkpointing_enable, non-reentrant): the backward recomputes each layer's "
                            "forward instead of keeping its activations. Same loss and gradients; slower.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The trainer's compute precision. float32: everything in float32. bfloat16: mixed "
+                               "precision: float32 master weights, gradients and AdamW state, the forward (policy "
+                               "and reference) under torch.autocast to bfloat16 (CPU or CUDA autocast; FSDP2 on "
+                               "CUDA also all-gathers bfloat16 parameters), logprobs and the loss in float32 from "
+                               "the bfloat16 logits. The cost shows as the step metric mismatch_kl.")
     cpu_offload: bool = Field(
         False, description="Memory, with several trainer ranks (FSDP2, torchrun): keep the sharded parameters, "
                            "gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy), the optimizer step "
@@ -186,6 +192,23 @@ class LoraSpec(_Strict):
     def adapter(self) -> LoraAdapter:
         """The adapter's description on the wire (PolicyAnnouncement.lora)."""
         return LoraAdapter(rank=self.rank, alpha=self.alpha, target_modules=list(self.target_modules))
+
+
+class GeneratorSpec(_Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="vLLM's dtype for this job's engines (auto: vLLM's choice for the checkpoint); "
+                          "unset: the generator's GEN_DTYPE setting (float32 by default, which keeps behaviour "
+                          "logprobs equal to the trainer's on CPU). Lower precision is faster on a GPU and shows as "
+                          "the trainer's mismatch_kl; the post-swap probe check is loosened to at least 0.1 (0.5 with fp8).")
+    quantization: Literal["fp8"] | None = Field(
+        None, description="vLLM's online quantization of the weights (fp8, as LlamaRL does for generation): CUDA "
+                          "only (the CPU build refuses it when the engine starts); the trainer's weights stay "
+                          "unquantized, and each swap hands them to vLLM's reload_weights, which quantizes them "
+                          "as it loads.")
+
+    def engine_dtype(self, default: str) -> str:
+        """The dtype the engine is built with: this spec's, else the generator's setting `default`."""
+        return self.dtype or default
 
 
 class AdaptiveStalenessSpec(_Strict):
@@ -329,6 +352,7 @@ class JobSpec(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
     lora: LoraSpec | None = Field(
         None, description="Train LoRA adapters instead of every weight; unset: full fine-tuning.")
+    generator: GeneratorSpec = Field(default_factory=GeneratorSpec, description="The generators' engine precision.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."

@@ -319,6 +319,27 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     return torch.exp(d) - d - 1.0
 
 
+def mismatch_k3(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi), mu the generator's (behaviour) policy and pi the
+    trainer's, from tokens sampled by mu (Schulman 2020): with r = pi/mu,
+    k3 = (r - 1) - log r >= 0, 0 where the two agree. Summed over model tokens and divided by
+    their count it is the step metric `mismatch_kl`: on samples of the trainer's current version
+    (sync mode, staleness 0) the cost of the engines' numerics (precision, kernels); on stale
+    samples it also holds the policy's drift since.
+
+    Args:
+        logprobs: (B, T) log pi (no grad needed).
+        behaviour_logprobs: (B, T) log mu.
+        mask: (B, T) float; padding gets log r = 0, hence k3 = 0.
+    Returns:
+        (B, T) in the dtype of `logprobs`, 0 at padding. Computed as expm1(x) - x in float64: k3 is
+        ~x^2/2, so at float32's logprob gaps (~1e-7) float32's exp(x) - 1 - x rounds it to 0 or to
+        noise of the size of x itself.
+    """
+    log_ratio = ((logprobs - behaviour_logprobs) * mask).double()
+    return ((torch.expm1(log_ratio) - log_ratio) * mask).to(logprobs.dtype)
+
+
 # --- aggregation over the global batch ----------------------------------------------------------
 
 
@@ -408,8 +429,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, norm: BatchNorm) -> LossOutput
         stats["is/sum"] = ratio.sum()
         stats["is/sq_sum"] = (ratio * ratio).sum()
         stats["is/max"] = ratio.max() if ratio.numel() else ratio.new_zeros(())
-        # k3 estimator of KL(mu || pi) per token (Schulman 2020): (r - 1) - log r, r = pi/mu.
-        stats["mismatch_kl/sum"] = ((ratio - 1.0 - log_ratio) * mask).sum()
+        stats["mismatch_kl/sum"] = mismatch_k3(inp.logprobs, inp.behaviour_logprobs, mask).sum()
         if inp.entropy is not None:
             stats["entropy/sum"] = (inp.entropy * mask).sum()
     # one device->host copy for all metrics instead of one per metric

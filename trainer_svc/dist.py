@@ -191,11 +191,13 @@ class Ranks:
 
     # --- the model -----------------------------------------------------------------------------
 
-    def wrap(self, model: torch.nn.Module, cpu_offload: bool = False) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, cpu_offload: bool = False, mp_policy: Any | None = None) -> torch.nn.Module:
         """Shard `model` in place with FSDP2, one unit per decoder layer (HF `_no_split_modules`)
         plus the root, then give every rank rank 0's weights (it may hold a resumed checkpoint the
         others never read). `cpu_offload`: FSDP2's CPUOffloadPolicy (sharded parameters, gradients
-        and optimizer state in CPU memory). At world size 1: `model` as it is."""
+        and optimizer state in CPU memory). `mp_policy`: FSDP2's MixedPrecisionPolicy
+        (trainer_svc/precision.py; None: parameters in their own dtype). At world size 1: `model`
+        as it is."""
         if not self.sharded:
             return model
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -210,9 +212,10 @@ class Ranks:
         if not layers:
             raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
                              "FSDP2 needs one unit per layer")
+        mp = {} if mp_policy is None else {"mp_policy": mp_policy}
         for layer in layers:
-            fully_shard(layer, offload_policy=policy)
-        fully_shard(model, offload_policy=policy)
+            fully_shard(layer, offload_policy=policy, **mp)
+        fully_shard(model, offload_policy=policy, **mp)
         self.load_model_state(model, full)
         return model
 

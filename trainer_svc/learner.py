@@ -28,6 +28,7 @@ from trainer_svc.batch import TrainBatch
 from trainer_svc.dist import Ranks, full_value
 from trainer_svc.logprobs import token_logprobs, token_logprobs_and_entropy
 from trainer_svc.packing import check_packing
+from trainer_svc.precision import autocast, mixed_precision_policy
 from trainer_svc.shaping import overlong_penalty
 from trainer_svc.weights import probe
 
@@ -103,7 +104,8 @@ class Learner:
         # holding parameters FSDP2 does not know (KeyError in get_optimizer_state_dict).
         if a.packing:
             check_packing(model)
-        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload)
+        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload, mp_policy=mixed_precision_policy(device, a.dtype))
+        self.autocast = autocast(device, a.dtype)  # the forward's precision; weights stay float32
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # LoRA: the adapters only (the frozen base has no optimizer state at all)
         self.optimizer = torch.optim.AdamW([p for _, p in lora.trainable(self.model)], lr=a.lr, betas=a.betas, eps=a.eps,
@@ -172,12 +174,14 @@ class Learner:
             adv, unpack = advantages[lo:hi].to(self.device), _same
         # each sample's own sampling temperature: the behaviour policy it was drawn from
         chunk = self.spec.algorithm.logprob_chunk_tokens
-        logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp, entropy_grad=self.cfg.entropy_coef > 0,
-                                                       chunk_tokens=chunk, position_ids=pos)
+        with self.autocast():
+            logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
+                                                           entropy_grad=self.cfg.entropy_coef > 0,
+                                                           chunk_tokens=chunk, position_ids=pos)
         logprobs, entropy = unpack(logprobs), unpack(entropy)  # packed: back to one row per sample
         ref = None
         if self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self.autocast():
                 ref = unpack(token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk, position_ids=pos))
         out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
         if part is None:
