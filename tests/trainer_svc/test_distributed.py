@@ -219,9 +219,10 @@ def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
         spec = _spec(tiny_model, c)
         # bfloat16: the 2 ranks' micro-batches hold other rows than the 1 rank's, so the matmuls round
         # differently (loss ~1e-5 apart, measured); AdamW's first steps move a weight by ~lr (1e-3) whatever
-        # the gradient's size, so a near-zero gradient's rounding shows in the weights at up to ~2 lr
+        # the gradient's size, so a near-zero gradient's rounding shows in the weights at up to ~2 lr; a
+        # max-type metric (is/max) takes one token's rounding whole (1.8e-3 relative measured with LoRA)
         loss_tol, rel, param_tol, opt_atol, opt_rtol = ((1e-6, 1e-5, 1e-5, 1e-6, 1e-5) if c.dtype == "float32"
-                                                        else (1e-4, 1e-3, 5e-3, 1e-4, 1e-2))
+                                                        else (1e-4, 1e-2, 5e-3, 1e-4, 1e-2))
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
         metrics, seconds = _timed_steps(one, samples, rewards)
