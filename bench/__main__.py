@@ -26,7 +26,8 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama)."
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); redis-cluster: a job on a "
+        "local Redis Cluster, and one through a primary's failover (the loss measured, and what verify finds)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -42,6 +43,11 @@ def main(
     logging.basicConfig(level=logging.WARNING)
     from bench.claims import bench_async, bench_parity, bench_swap
 
+    if which == "redis-cluster":
+        from bench.redis_cluster import bench_redis_cluster
+
+        typer.echo(json.dumps(bench_redis_cluster(out_dir=out), indent=2))
+        return
     if which == "suite":
         from bench.suite import run_suite
 

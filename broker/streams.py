@@ -267,9 +267,9 @@ class OutageCluster(RedisCluster):
     """
 
     def __init__(self, *, outage: OutageRetry, **kwargs: Any):
-        super().__init__(retry=Retry(NoBackoff(), _CLUSTER_TRIES), **kwargs)
-        self.outage = outage
+        self.outage = outage  # first: the constructor already runs commands (COMMAND, CLUSTER SLOTS)
         self.outage.update_supported_errors([ClusterDownError, SlotNotCoveredError, TryAgainError])
+        super().__init__(retry=Retry(NoBackoff(), _CLUSTER_TRIES), **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         call = super().execute_command
