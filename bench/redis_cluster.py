@@ -16,7 +16,7 @@ from it, the primary is killed, and once the replica serves the slot the same id
 from it. Entries on the first list and not the second are lost; XINFO STREAM's entries-added on
 both sides counts the same loss independently.
 
-Where each loss ends (docs/redis.md has the reasoning): a lost prompt group (the trainer's XADD)
+Where each loss ends (ARCHITECTURE.md, "Redis Cluster"): a lost prompt group (the trainer's XADD)
 is never generated, so the ledger never hears of it; a lost rollout or scored entry was written by
 publish_if_owned together with the XACK of its input, so the input is pending again, reclaimed
 after CLAIM_IDLE_MS and redone under the same sample ids (the ledger's rows are upserts).
@@ -84,14 +84,15 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
     old, new = cl.node(primary), cl.node(replica)
     prefix = key.rsplit(":", 1)[0]
     keys = {s: f"{prefix}:{s}" for s in STREAMS}
-    # Entries from here on are the candidates: a millisecond earlier than the cut.
-    first = f"{int(time.time() * 1000) - 1}-0"
+    # The whole streams on both sides (what the trainer trimmed is gone from both): small here.
+    first = "-"
     new.client_kill_filter(_type="master")
     time.sleep(gap_s)
     old.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")  # nothing written between the reads and the kill
     before = {s: _entries(old, k, first) for s, k in keys.items()}
     added_before = {s: _added(old, k) for s, k in keys.items()}
     offsets = old.info("replication")
+    replica_offset = int(new.info("replication").get("slave_repl_offset", 0))
     t_kill = time.monotonic()
     cl.kill(primary)
     while cl.master_of(key) != replica or not cl.ok():
@@ -107,10 +108,10 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
             kind, ids = _who(before[s][eid])
             lost.setdefault(s, {}).setdefault(kind, []).extend(ids)
     lost_counts = {s: sum(len(v) for v in lost.get(s, {}).values()) for s in STREAMS}
-    lost_added = {s: added_before[s] - added_after[s] for s in STREAMS}
+    # entries-added on the new primary, less what services added there since the promotion
+    lost_added = {s: added_before[s] - (added_after[s] - len(set(after[s]) - set(before[s]))) for s in STREAMS}
     return {"primary_port": primary, "replica_port": replica, "gap_s": gap_s, "promoted_after_s": round(promoted_s, 2),
-            "primary_repl_offset": int(offsets.get("master_repl_offset", 0)),
-            "entries_written_in_gap": {s: len(before[s]) for s in STREAMS},
+            "replication_bytes_behind": int(offsets.get("master_repl_offset", 0)) - replica_offset,
             "entries_lost": lost_counts, "entries_lost_by_entries_added": lost_added, "lost": lost}
 
 
@@ -198,9 +199,10 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
                                         + sum(1 for s in fo["lost_samples_final_status"].values()
                                               if s not in USED_STATUSES))
     res = verify(ledger, job_id)
-    out["verify"] = {"violations": {c: n for c, n in res.checks.items() if n},
+    out["verify"] = {"ok": res.ok, "violations": {c: n for c, n in res.checks.items() if n},
+                     "in_flight": res.in_flight, "counts": res.counts,
                      "findings": [{"check": f.check, "level": f.level, "count": f.count, "message": f.message}
-                                  for f in res.findings]}
+                                  for f in (*res.violations, *res.info)]}
     return out
 
 
@@ -214,7 +216,7 @@ def bench_redis_cluster(out_dir: str = "results") -> dict[str, Any]:
     model = build_tiny_model(wd / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
     plain = cluster_job(wd / "plain", model, fail_over=False)
     failed = cluster_job(wd / "failover", model, fail_over=True)
-    in_flight = next((f["count"] for f in failed["verify"]["findings"] if f["check"] == "in_flight"), 0)
+    in_flight = failed["verify"]["in_flight"]
     res = {
         "what": "a real async job (vLLM generator, reward, trainer as processes, tiny model) on a local Redis "
                 "Cluster of 3 primaries + 3 replicas; then the same job with the job's primary SIGKILLed after "

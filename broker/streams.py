@@ -27,6 +27,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     ClusterDownError,
+    RedisClusterException,
     NoPermissionError,
     ResponseError,
     SlotNotCoveredError,
@@ -268,12 +269,21 @@ class OutageCluster(RedisCluster):
 
     def __init__(self, *, outage: OutageRetry, **kwargs: Any):
         self.outage = outage  # first: the constructor already runs commands (COMMAND, CLUSTER SLOTS)
-        self.outage.update_supported_errors([ClusterDownError, SlotNotCoveredError, TryAgainError])
+        self.outage.update_supported_errors([ClusterDownError, SlotNotCoveredError, TryAgainError, RedisClusterException])
         super().__init__(retry=Retry(NoBackoff(), _CLUSTER_TRIES), **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         call = super().execute_command
-        return self.outage.call_with_retry(lambda: call(*args, **kwargs), lambda _error: None)
+        return self.outage.call_with_retry(lambda: call(*args, **kwargs), lambda _error: None, _transient)
+
+
+def _transient(error: Exception) -> bool:
+    """Whether a cluster command's error may pass with time: a connection or cluster-state error,
+    or redis-py's topology refresh finding no node to ask (it raises RedisClusterException then,
+    which otherwise means a misuse, such as keys of two slots in one command)."""
+    if isinstance(error, RedisClusterException) and not isinstance(error, (ClusterDownError, SlotNotCoveredError)):
+        return "cannot be connected" in str(error)
+    return True
 
 
 def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> Any:

@@ -136,3 +136,43 @@ def test_a_job_from_before_hash_tags_is_adopted_once(single):
 
 def test_adoption_is_a_no_op_on_a_cluster(cluster):
     assert JobStreams(connect(cluster.url), "x").adopt_legacy_keys() == []
+
+
+def test_a_writer_rides_out_a_failover_and_the_loss_is_measured(tmp_path):
+    """A feeder-like writer keeps publishing while the job's primary is killed (its replica's link
+    cut 0.3 s before): every publish returns (OutageCluster waits out the promotion), and what the
+    promoted replica lacks is counted twice, by entry ids and by XINFO's entries-added, alike."""
+    import threading
+    import time
+
+    from bench.redis_cluster import failover
+
+    with LocalCluster(3, 1, node_timeout_ms=1000, workdir=str(tmp_path / "cl")) as cl:
+        job = f"w-{uuid.uuid4().hex[:8]}"
+        s = JobStreams(connect(cl.url), job, prefix="t:")
+        s.ensure_group(PROMPTS, GROUP_GENERATORS)
+        published: list[str] = []
+        stop = threading.Event()
+
+        def feed() -> None:
+            i = 0
+            while not stop.is_set():
+                published.extend(s.publish_many(PROMPTS, [_group(job, i)]))
+                i += 1
+                time.sleep(0.01)
+
+        writer = threading.Thread(target=feed, daemon=True)
+        writer.start()
+        time.sleep(0.5)
+        fo = failover(cl, s.key(PROMPTS), gap_s=0.3)
+        n_at_promotion = len(published)
+        time.sleep(0.5)
+        stop.set()
+        writer.join(30)
+        assert not writer.is_alive()
+        assert len(published) > n_at_promotion  # publishing went on on the promoted replica
+        assert fo["entries_lost"] == fo["entries_lost_by_entries_added"]
+        lost = fo["entries_lost"][PROMPTS]
+        assert lost > 0 and fo["replication_bytes_behind"] > 0  # the gap's writes, replication never carried
+        # the stream on the new primary: everything published, less exactly what was lost
+        assert s.length(PROMPTS) == len(published) - lost
