@@ -27,8 +27,8 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     ClusterDownError,
-    RedisClusterException,
     NoPermissionError,
+    RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
