@@ -8,12 +8,12 @@ its replica promoted.
 
 What a failover loses is what replication had not carried when the primary died. On loopback a
 replica is a fraction of a millisecond behind, so to lose anything at all the scenario opens a
-gap first, as a brief network fault would: the replica's link to its primary is cut (CLIENT KILL
-TYPE master on the replica; it reconnects at its next replication cron, within a second) and the
-primary is killed `gap_s` later. The loss is then measured, not assumed: the primary's writes are
-paused (CLIENT PAUSE WRITE), every entry of the job's streams written since the gap opened is read
-from it, the primary is killed, and once the replica serves the slot the same id range is read
-from it. Entries on the first list and not the second are lost; XINFO STREAM's entries-added on
+gap first, as a flapping network would: the replica's link to its primary is cut (CLIENT KILL
+TYPE master on the replica) and cut again every 50 ms for `gap_s`; a replica reconnects and
+catches up at most once a second, so what the primary took since the last catch-up is what it
+alone holds. The loss is then measured, not assumed: the primary's writes are paused (CLIENT
+PAUSE WRITE), every entry of the job's streams is read from it, the primary is killed, and once
+the replica serves the slot the streams are read from it again. Entries on the first list and not the second are lost; XINFO STREAM's entries-added on
 both sides counts the same loss independently.
 
 Where each loss ends (ARCHITECTURE.md, "Redis Cluster"): a lost prompt group (the trainer's XADD)
@@ -24,6 +24,7 @@ after CLAIM_IDLE_MS and redone under the same sample ids (the ledger's rows are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -86,8 +87,15 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
     keys = {s: f"{prefix}:{s}" for s in STREAMS}
     # The whole streams on both sides (what the trainer trimmed is gone from both): small here.
     first = "-"
-    new.client_kill_filter(_type="master")
-    time.sleep(gap_s)
+    # The link is cut, and cut again every 50 ms: a replica reconnects (and catches up) at most
+    # once a second, so what the primary takes after its last catch-up is what it alone holds.
+    deadline = time.monotonic() + gap_s
+    while True:
+        with contextlib.suppress(redis.ResponseError):  # no link at the moment: nothing to cut
+            new.client_kill_filter(_type="master")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
     old.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")  # nothing written between the reads and the kill
     before = {s: _entries(old, k, first) for s, k in keys.items()}
     added_before = {s: _added(old, k) for s, k in keys.items()}
@@ -115,7 +123,7 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
             "entries_lost": lost_counts, "entries_lost_by_entries_added": lost_added, "lost": lost}
 
 
-def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 0.3,
+def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 1.0,
                 timeout_s: float = 400.0) -> dict[str, Any]:
     """One async job on a fresh local cluster, all services as processes; with `fail_over`, the
     job's primary is killed once the trainer has taken 2 steps (`failover`). Returns the figures:

@@ -140,7 +140,7 @@ def test_adoption_is_a_no_op_on_a_cluster(cluster):
 
 def test_a_writer_rides_out_a_failover_and_the_loss_is_measured(tmp_path):
     """A feeder-like writer keeps publishing while the job's primary is killed (its replica's link
-    cut 0.3 s before): every publish returns (OutageCluster waits out the promotion), and what the
+    cut over the 0.3 s before): every publish returns (OutageCluster waits out the promotion), and what the
     promoted replica lacks is counted twice, by entry ids and by XINFO's entries-added, alike."""
     import threading
     import time
