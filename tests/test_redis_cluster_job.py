@@ -32,6 +32,9 @@ def test_a_job_on_a_cluster_rides_out_its_primary_s_failover(tmp_path, tiny_mode
     res = cluster_job(tmp_path, tiny_model, steps=6, fail_over=True, gap_s=1.0)
     assert res["state"] == "finished" and res["steps"] == 6, res
     fo = res["failover"]
+    print(f"failover after step {fo['steps_before']}: promoted in {fo['promoted_after_s']} s, "
+          f"{fo['replication_bytes_behind']} replication bytes behind, entries lost {fo['entries_lost']}, "
+          f"samples lost for good {res['failover_samples_lost']}, verify in flight {res['verify']['in_flight']}")
     assert fo["replica_port"] != fo["primary_port"] and fo["steps_before"] >= 2
     # the two measures of the loss agree, stream by stream
     assert fo["entries_lost"] == fo["entries_lost_by_entries_added"], fo
