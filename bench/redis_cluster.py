@@ -77,26 +77,39 @@ def _who(raw: bytes) -> tuple[str, list[str]]:
 
 
 def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Kill the primary serving `key`'s slot, `gap_s` after cutting its replica's link, and measure
-    what the promoted replica lacks (see the module docstring). `key` is any key of the job: all
-    share one slot."""
+    """Kill the primary serving `key`'s slot once it holds stream entries its replica lacks (its
+    link cut meanwhile; at most `gap_s` of waiting for the job to write), and measure what the
+    promoted replica lacks (see the module docstring). `key` is any key of the job: all share one
+    slot."""
     primary = cl.master_of(key)
     replica = cl.replica_of(primary)
-    old, new = cl.node(primary), cl.node(replica)
+    old = cl.node(primary)
+    # one connection in READONLY mode: a cluster replica answers reads of its slots only then
+    new = redis.Redis(host="127.0.0.1", port=replica, socket_timeout=2, single_connection_client=True)
+    new.execute_command("READONLY")
     prefix = key.rsplit(":", 1)[0]
     keys = {s: f"{prefix}:{s}" for s in STREAMS}
     # The whole streams on both sides (what the trainer trimmed is gone from both): small here.
     first = "-"
-    # The link is cut, and cut again every 50 ms: a replica reconnects (and catches up) at most
-    # once a second, so what the primary takes after its last catch-up is what it alone holds.
-    deadline = time.monotonic() + gap_s
-    while True:
+
+    def cut() -> None:
         with contextlib.suppress(redis.ResponseError):  # no link at the moment: nothing to cut
             new.client_kill_filter(_type="master")
-        if time.monotonic() >= deadline:
+
+    # The link is cut, and cut again every 50 ms: a replica reconnects (and catches up) at most
+    # once a second, so what the primary takes after its last catch-up is what it alone holds.
+    # A job writes in bursts: wait (up to gap_s) for an entry the replica has not got.
+    deadline = time.monotonic() + gap_s
+    cut()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        cut()
+        if sum(_added(old, k) for k in keys.values()) > sum(_added(new, k) for k in keys.values()):
+            time.sleep(0.05)  # a little more of the burst
             break
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    waited = gap_s - max(0.0, deadline - time.monotonic())
     old.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")  # nothing written between the reads and the kill
+    cut()
     before = {s: _entries(old, k, first) for s, k in keys.items()}
     added_before = {s: _added(old, k) for s, k in keys.items()}
     offsets = old.info("replication")
@@ -118,12 +131,12 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
     lost_counts = {s: sum(len(v) for v in lost.get(s, {}).values()) for s in STREAMS}
     # entries-added on the new primary, less what services added there since the promotion
     lost_added = {s: added_before[s] - (added_after[s] - len(set(after[s]) - set(before[s]))) for s in STREAMS}
-    return {"primary_port": primary, "replica_port": replica, "gap_s": gap_s, "promoted_after_s": round(promoted_s, 2),
+    return {"primary_port": primary, "replica_port": replica, "gap_s": round(waited, 2), "promoted_after_s": round(promoted_s, 2),
             "replication_bytes_behind": int(offsets.get("master_repl_offset", 0)) - replica_offset,
             "entries_lost": lost_counts, "entries_lost_by_entries_added": lost_added, "lost": lost}
 
 
-def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 1.0,
+def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 20.0,
                 timeout_s: float = 400.0) -> dict[str, Any]:
     """One async job on a fresh local cluster, all services as processes; with `fail_over`, the
     job's primary is killed once the trainer has taken 2 steps (`failover`). Returns the figures:

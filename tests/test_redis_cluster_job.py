@@ -29,7 +29,7 @@ def tiny_model(tmp_path_factory):
 
 
 def test_a_job_on_a_cluster_rides_out_its_primary_s_failover(tmp_path, tiny_model):
-    res = cluster_job(tmp_path, tiny_model, steps=6, fail_over=True, gap_s=1.0)
+    res = cluster_job(tmp_path, tiny_model, steps=6, fail_over=True, gap_s=20.0)
     assert res["state"] == "finished" and res["steps"] == 6, res
     fo = res["failover"]
     print(f"failover after step {fo['steps_before']}: promoted in {fo['promoted_after_s']} s, "
