@@ -33,7 +33,8 @@ def main(
         "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency); packing: one "
         "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
-        "mismatch KL (a 13M-parameter Llama)."
+        "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
+        "primary's failover (the loss measured, and what verify finds)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -49,6 +50,11 @@ def main(
     logging.basicConfig(level=logging.WARNING)
     from bench.claims import bench_async, bench_parity, bench_swap
 
+    if which == "redis-cluster":
+        from bench.redis_cluster import bench_redis_cluster
+
+        typer.echo(json.dumps(bench_redis_cluster(out_dir=out), indent=2))
+        return
     if which == "suite":
         from bench.suite import run_suite
 
@@ -133,7 +139,7 @@ def main(
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
                                 "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-                                "lora, packing, precision")
+                                "lora, packing, precision, redis-cluster")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ _CHUNK = 4 << 20
 def make_celery(settings: AdminSettings) -> Celery:
     """A Celery app for the admin queue (the worker's and the API's, which only sends)."""
     broker_url = settings.celery_broker_url or resolve_redis_url(settings.redis_url)[0]
+    if "+cluster://" in broker_url.lower():
+        raise ValueError("Celery cannot use a Redis Cluster as its broker: set ADMIN_CELERY_BROKER_URL to a single "
+                         "Redis server for the admin queue (the job streams stay on the cluster)")
     # No result backend: a task's state and result live in the ledger (`admin_tasks`), the source
     # of truth the API reads, so there is nothing for Celery to store or expire.
     app = Celery("asyncrl-admin", broker=broker_url)

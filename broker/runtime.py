@@ -102,6 +102,7 @@ def open_job(settings: CommonSettings) -> JobContext:
         claim_idle_ms=settings.claim_idle_ms,
         max_deliveries=settings.max_deliveries,
     )
+    streams.adopt_legacy_keys()  # a job started before keys had hash tags
     log.info("serving job %s (%s), redis %s, ledger %s", job["id"], escape_control(spec.name), redact_url(url),
              redact_url(settings.database_url))
     return JobContext(job["id"], spec, ledger, streams)

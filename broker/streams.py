@@ -23,10 +23,19 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    NoPermissionError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 from broker.redis_retry import OutageRetry
 from shared.ids import dead_letter_id
@@ -83,6 +92,16 @@ end
 -- pcall: a user without PUBLISH rights (no @pubsub in its ACL) still publishes; readers poll
 if added then redis.pcall('PUBLISH', ARGV[4], '') end
 return out
+"""
+
+
+# publish_many on a cluster (whose client refuses PUBLISH inside MULTI/EXEC): KEYS = (stream,);
+# ARGV = field name, wake-up channel ('' for none), encoded messages. XADDs them all, then wakes.
+_PUBLISH_MANY = """
+local ids = {}
+for i = 3, #ARGV do ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[1], ARGV[i]) end
+if ARGV[2] ~= '' then redis.pcall('PUBLISH', ARGV[2], '') end
+return ids
 """
 
 
@@ -217,7 +236,57 @@ _IDLE_POLL = ExponentialBackoff(cap=0.05, base=0.002)
 # subscription itself is racing the first entry) costs at most this.
 _WAKE_POLL_S = 0.1
 
-def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> redis.Redis:
+# A Redis Cluster is named by its URL's scheme: `redis+cluster://host:port` (`rediss+cluster://`
+# for TLS), any one node as the seed; the rest of the URL is as for a single server.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.lower().startswith(CLUSTER_SCHEMES)
+
+
+def plain_url(url: str) -> str:
+    """`url` with the `+cluster` of its scheme removed: what redis-py parses."""
+    if not is_cluster_url(url):
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme[: -len('+cluster')]}://{rest}"
+
+
+# A cluster client's own retries (each refreshes the slot map) before OutageCluster backs off.
+_CLUSTER_TRIES = 3
+
+
+class OutageCluster(RedisCluster):
+    """redis-py's cluster client riding out outages like `connect`'s single-server client.
+
+    redis-py retries a cluster command a fixed number of times, refreshing its slot map in
+    between but without waiting, so a primary that died takes the command down with it before
+    its replica is promoted (cluster-node-timeout plus an election, seconds). Here each command is
+    wrapped in the same time-bounded OutageRetry: it waits out the failover and goes to the new
+    primary. Pipelines are not wrapped (JobStreams issues none to a cluster, see `JobStreams.cluster`).
+    """
+
+    def __init__(self, *, outage: OutageRetry, **kwargs: Any):
+        self.outage = outage  # first: the constructor already runs commands (COMMAND, CLUSTER SLOTS)
+        self.outage.update_supported_errors([ClusterDownError, SlotNotCoveredError, TryAgainError, RedisClusterException])
+        super().__init__(retry=Retry(NoBackoff(), _CLUSTER_TRIES), **kwargs)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().execute_command
+        return self.outage.call_with_retry(lambda: call(*args, **kwargs), lambda _error: None, _transient)
+
+
+def _transient(error: Exception) -> bool:
+    """Whether a cluster command's error may pass with time: a connection or cluster-state error,
+    or redis-py's topology refresh finding no node to ask (it raises RedisClusterException then,
+    which otherwise means a misuse, such as keys of two slots in one command)."""
+    if isinstance(error, RedisClusterException) and not isinstance(error, (ClusterDownError, SlotNotCoveredError)):
+        return "cannot be connected" in str(error)
+    return True
+
+
+def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float | None = None) -> Any:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
     with back-off for up to `outage_s` seconds (default: the REDIS_OUTAGE_S setting, 600;
     broker.redis_retry).
@@ -230,12 +299,21 @@ def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float 
     (`ssl_cert_reqs=none` turns verification off; `ssl_check_hostname=false` skips the name
     check only). Wrong credentials raise redis.exceptions.AuthenticationError on the first
     command, without retries.
+
+    `redis+cluster://host:port` (or `rediss+cluster://`) selects a Redis Cluster: redis-py's
+    RedisCluster (`OutageCluster`), seeded by that node, db 0 only. Every key of a job shares one
+    hash slot (`JobStreams.key`), so the job's scripts and transactions run on one shard; jobs
+    spread over the shards by their ids.
     """
     timeouts = {} if socket_timeout_s is None else {"socket_timeout": socket_timeout_s,
                                                        "socket_connect_timeout": socket_timeout_s}
+    outage = OutageRetry(CommonSettings().redis_outage_s if outage_s is None else outage_s)
+    if is_cluster_url(url):
+        return OutageCluster(url=plain_url(url), outage=outage, health_check_interval=30, socket_keepalive=True,
+                             **timeouts)
     return redis.Redis.from_url(
         url,
-        retry=OutageRetry(CommonSettings().redis_outage_s if outage_s is None else outage_s),
+        retry=outage,
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
         socket_keepalive=True,
@@ -319,8 +397,13 @@ def _entry(row: list) -> _Entry:
     return _Entry(_s(eid), None, status, int(payload), int(n), bytes(prefix or b""))
 
 
+# Every key of a job, by its name after the job id: what `adopt_legacy_keys` renames.
+JOB_KEYS = (PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD, "generators")
+
+
 class JobStreams:
-    """All streams of one job: `{prefix}{job_id}:{name}`.
+    """All streams of one job: `{prefix}{{job_id}}:{name}` (the braces are Redis Cluster's hash
+    tag: every key of a job in one slot, see `key`).
 
     Memory: every read is sized before anything crosses the wire (the `_READ` script): a reply
     holds at most `max_read_bytes + max_message_bytes` of entry payload (default 3 x 8 MiB), and an
@@ -332,7 +415,7 @@ class JobStreams:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | RedisCluster,
         job_id: str,
         *,
         prefix: str = "rl:",
@@ -344,6 +427,8 @@ class JobStreams:
         # redis-py's annotations mix its sync and async return types; responses are handled
         # dynamically here, byte keys and all.
         self.r: Any = client
+        # A cluster client: no MULTI/EXEC with PUBLISH, no pipelines (see OutageCluster).
+        self.cluster = isinstance(client, RedisCluster)
         self.job_id = job_id
         self.prefix = prefix
         self.max_message_bytes = max_message_bytes
@@ -359,12 +444,50 @@ class JobStreams:
         self._publish_script: Any = None
         self._read_script: Any = None
         self._touch_script: Any = None
+        self._publish_many_script: Any = None
         self._scripted = True  # False once the server refused EVALSHA (no @scripting): plain reads
         self._wakeups: dict[str, Any] = {}  # stream -> its subscribed wake-up channel (redis PubSub)
         self._no_wakeups = False  # True once subscribing failed (no @pubsub in the ACL): plain polling
 
     def key(self, stream: str) -> str:
+        """`{prefix}{{job_id}}:{stream}`: the job id in braces is the key's hash tag, so a Redis
+        Cluster puts every key of the job in one slot (the slot of the job id) and the scripts
+        and transactions that touch several of them run there; different jobs land in different
+        slots, hence on different shards."""
+        return f"{self.prefix}{{{self.job_id}}}:{stream}"
+
+    def legacy_key(self, stream: str) -> str:
+        """The key's name before hash tags (`{prefix}{job_id}:{stream}`): see `adopt_legacy_keys`."""
         return f"{self.prefix}{self.job_id}:{stream}"
+
+    def adopt_legacy_keys(self) -> list[str]:
+        """Rename the keys of a job started before keys had hash tags to their current names;
+        returns the key names renamed. Every service calls it when it opens its job
+        (broker.runtime.open_job), so a job that was running goes on where it was after an
+        upgrade (stop its services, upgrade, start them again).
+
+        RENAMENX per key: a key already present under its new name is left alone, as is its old
+        twin (logged: a service of the old version is still writing to the job). Idempotent and
+        safe when several services start at once. Nothing on a cluster: untagged keys of one job
+        lie in different slots, and a cluster deployment starts with tagged keys.
+        """
+        if self.cluster:
+            return []
+        renamed = []
+        for name in JOB_KEYS:
+            old, new = self.legacy_key(name), self.key(name)
+            try:
+                if self.r.renamenx(old, new):
+                    renamed.append(old)
+                else:
+                    log.warning("both %s and %s exist: left as they are (a service of an older version "
+                                "still serves job %s?)", old, new, self.job_id)
+            except ResponseError as exc:
+                if "no such key" not in str(exc).lower():
+                    raise
+        if renamed:
+            log.warning("job %s: renamed its keys from before hash tags: %s", self.job_id, ", ".join(renamed))
+        return renamed
 
     def _wake_channel(self, stream: str) -> str:
         """The pub/sub channel a producer of `stream` publishes on after adding entries: a reader
@@ -424,10 +547,13 @@ class JobStreams:
         stream's waiting readers; returns the entry ids. Atomic on purpose: without it a reader
         blocked on the stream is woken by the first XADD and takes one entry of a batch the feeder
         published together (a generate call of 1 group, then one of the other 7), and small
-        generate calls cost generator throughput."""
-        pipe = self.r.pipeline(transaction=True)
+        generate calls cost generator throughput. On a cluster the same is one script (redis-py's
+        cluster client refuses PUBLISH inside MULTI/EXEC)."""
         key = self.key(stream)
         msgs = list(msgs)
+        if self.cluster and msgs:
+            return self._publish_many_cluster(stream, msgs)
+        pipe = self.r.pipeline(transaction=True)
         for m in msgs:
             pipe.xadd(key, {FIELD: encode(m)})
         n = len(msgs)
@@ -446,6 +572,27 @@ class JobStreams:
             self._no_wakeups = True
             return self.publish_many(stream, msgs)
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    def _publish_many_cluster(self, stream: str, msgs: list[Message]) -> list[str]:
+        key = self.key(stream)
+        wake = "" if self._no_wakeups else self._wake_channel(stream)
+        if self._scripted:
+            if self._publish_many_script is None:
+                self._publish_many_script = self.r.register_script(_PUBLISH_MANY)
+            try:
+                ids = self._publish_many_script(keys=[key], args=[FIELD, wake, *(encode(m) for m in msgs)])
+                return [_s(i) for i in ids]
+            except NoPermissionError as exc:
+                self._no_scripts(exc)
+        # No scripts: the XADDs in MULTI/EXEC (one slot), the wake-up after it.
+        pipe = self.r.pipeline(transaction=True)
+        for m in msgs:
+            pipe.xadd(key, {FIELD: encode(m)})
+        ids = pipe.execute()
+        if wake:
+            with suppress(redis.RedisError):
+                self.r.publish(wake, b"")
+        return [_s(i) for i in ids]
 
     def publish_raw(self, stream: str, fields: dict) -> str:
         """XADD arbitrary fields (tests use it to inject malformed entries)."""
@@ -547,8 +694,12 @@ class JobStreams:
                 for m in msgs:
                     pipe.xadd(self.key(stream), {FIELD: encode(m)})
                 pipe.xack(self.key(c.stream), c.group, entry_id)
-                pipe.publish(self._wake_channel(stream), b"")
+                if not self.cluster:  # a cluster's MULTI/EXEC refuses PUBLISH: woken after it
+                    pipe.publish(self._wake_channel(stream), b"")
                 pipe.execute()
+                if self.cluster:
+                    with suppress(redis.RedisError):
+                        self.r.publish(self._wake_channel(stream), b"")
         return owned
 
     def touch(self, c: Consumer, entry_ids: list[str]) -> list[bool]:
@@ -783,11 +934,10 @@ class JobStreams:
         """`trim_acked` of each (stream, group) in two round trips (what to keep, then the trims);
         returns the entries trimmed. A stream or group that does not exist is left alone."""
         keys = [(self.key(stream), group) for stream, group in pairs]
-        pipe = self.r.pipeline(transaction=False)
+        calls: list[tuple[str, tuple, dict]] = []
         for key, group in keys:
-            pipe.xpending(key, group)
-            pipe.xinfo_groups(key)
-        answers = pipe.execute(raise_on_error=False)
+            calls += [("xpending", (key, group), {}), ("xinfo_groups", (key,), {})]
+        answers = self._batch(calls)
         trims = []
         for (key, group), pend, groups in zip(keys, answers[::2], answers[1::2], strict=True):
             if isinstance(pend, ResponseError) or isinstance(groups, ResponseError):
@@ -804,10 +954,27 @@ class JobStreams:
                 trims.append((key, min_id))
         if not trims:
             return 0
-        pipe = self.r.pipeline(transaction=False)
-        for key, min_id in trims:
-            pipe.xtrim(key, minid=min_id, approximate=False)
-        return sum(int(n) for n in pipe.execute())
+        return sum(int(n) for n in self._batch([("xtrim", (key,), {"minid": min_id, "approximate": False})
+                                                 for key, min_id in trims], raise_on_error=True))
+
+    def _batch(self, calls: list[tuple[str, tuple, dict]], *, raise_on_error: bool = False) -> list[Any]:
+        """Run (client method name, args, kwargs) calls in one pipelined round trip on a single
+        server; one by one on a cluster, where each command rides out a failover (OutageCluster)
+        and a pipeline would not. Errors come back in place unless `raise_on_error`."""
+        if not self.cluster:
+            pipe = self.r.pipeline(transaction=False)
+            for name, args, kwargs in calls:
+                getattr(pipe, name)(*args, **kwargs)
+            return pipe.execute(raise_on_error=raise_on_error)
+        out: list[Any] = []
+        for name, args, kwargs in calls:
+            try:
+                out.append(getattr(self.r, name)(*args, **kwargs))
+            except ResponseError as exc:
+                if raise_on_error:
+                    raise
+                out.append(exc)
+        return out
 
     def trim_broadcast(self, stream: str, keep: int) -> int:
         """Keep the newest `keep` entries of a broadcast stream (no group, so nothing is pending;

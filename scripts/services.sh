@@ -13,8 +13,11 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 [ -x /usr/bin/chromium ] || apt_install chromium
 command -v systemd-analyze >/dev/null || apt_install systemd  # tests/test_deploy.py verifies the units
 
+# The binaries even when a Redis already answers: the Redis Cluster tests start their own nodes
+# (redis-server --cluster-enabled yes) and join them (redis-cli --cluster create).
+command -v redis-server >/dev/null || apt_install redis-server
+command -v redis-cli >/dev/null || apt_install redis-tools
 if ! port_open 6379; then
-  command -v redis-server >/dev/null || apt_install redis-server
   mkdir -p /var/lib/redis /var/log/redis 2>/dev/null || true
   redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
     --dir /var/lib/redis --logfile /var/log/redis/ci.log

@@ -29,7 +29,8 @@ class CommonSettings(BaseSettings):
     redis_url: str | None = Field(
         None,
         validation_alias=AliasChoices("REDIS_URL", "redis_url"),
-        description="Redis URL; unset: a reachable local Redis on 6379, else a private embedded server.",
+        description="Redis URL; unset: a reachable local Redis on 6379, else a private embedded server. "
+        "redis+cluster://host:port (or rediss+cluster://): a Redis Cluster, any node as the seed.",
     )
     database_url: str = Field(
         "sqlite:///runs/ledger.db",

@@ -14,12 +14,13 @@ import redis
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from broker.api.auth import TokenChecker, check_access
 from broker.api.observe import HealthProbe, RequestMetrics
 from broker.ledger import Ledger
-from broker.streams import JobStreams
+from broker.streams import JobStreams, is_cluster_url, plain_url
 from shared.settings import AdminSettings, BrokerSettings
 
 # Request-path Redis calls: fail fast (503) rather than hold a request thread through an outage.
@@ -32,10 +33,13 @@ bearer = HTTPBearer(
 )
 
 
-def request_redis(url: str) -> redis.Redis:
+def request_redis(url: str) -> redis.Redis | RedisCluster:
     """A Redis client for request paths: short socket timeouts and no retries, so an outage is
     a quick 503 rather than a request thread held for seconds (services use broker.streams.connect,
-    which rides outages out)."""
+    which rides outages out). A cluster URL (`redis+cluster://`) gives redis-py's cluster client."""
+    if is_cluster_url(url):
+        return RedisCluster.from_url(plain_url(url), socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+                                     socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
     return redis.Redis.from_url(
         url,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,
@@ -52,7 +56,7 @@ class ApiContext:
     settings: BrokerSettings
     admin: AdminSettings
     ledger: Ledger
-    redis: redis.Redis
+    redis: redis.Redis | RedisCluster
     checker: TokenChecker
     metrics: RequestMetrics
     health: HealthProbe = field(default_factory=HealthProbe)
