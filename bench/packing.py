@@ -17,6 +17,7 @@ memory. Padded and packed alternate, ROUNDS times each; figures are medians.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
     from bench.claims import machine
 
     lay = layout()
+    load_before = os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {"padded": [], "packed": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
@@ -188,6 +190,7 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
                   "completion_sigma": COMPLETION_SIGMA, "prompt_range": list(PROMPT_RANGE),
                   "micro_batch_size": MICRO_BATCH_SIZE, "micro_batch_tokens": MICRO_BATCH_TOKENS},
         "threads": threads, "rounds": rounds,
+        "load_average_1m": [load_before, os.getloadavg()[0]],  # the machine's load at the start and the end
         "method": "fresh subprocess per measurement, padded and packed alternating; each: Learner.step (lr 0) on one "
                   "group as warm-up, then peak RSS reset (clear_refs 5) and one timed Learner.step on the whole batch; "
                   "peak memory = VmHWM - RSS at the step's start; medians over the rounds; tokens/s = real "
@@ -257,8 +260,10 @@ def _markdown(res: dict[str, Any]) -> str:
         f"Loss padded {pad['loss']:.6f}, packed {pack['loss']:.6f} (|diff| {res['loss_abs_diff']:.1e}). Step times "
         f"padded {', '.join(f'{s:.2f}' for s in pad['step_s_all'])} s, packed "
         f"{', '.join(f'{s:.2f}' for s in pack['step_s_all'])} s; packed speed-up per round (padded s / packed s, "
-        f"run back to back) {', '.join(f'{x:.2f}x' for x in res['speedup_per_round'])}: 2 cores shared with "
-        "other work (load average ~25-30 during this run), timings vary by 2x, the memory and padding figures do not.",
+        f"run back to back) {', '.join(f'{x:.2f}x' for x in res['speedup_per_round'])}. The machine's 1-minute load "
+        f"average was {res['load_average_1m'][0]:.1f} at the start and {res['load_average_1m'][1]:.1f} at the end "
+        f"({res['threads']} threads): other work on shared cores moves the timings, not the memory and padding "
+        "figures.",
         "",
     ]
     return "\n".join(lines)
