@@ -42,6 +42,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "SQLite's PRAGMA statements take no bound parameters; the only value interpolated is the "
         "module constant _SQLITE_BUSY_TIMEOUT_MS (an int)"
     ),
+    ("bench/capacity.py", "fresh_database", "sql built at run time: execute"): (
+        "CREATE / DROP DATABASE take no bound parameters; the statement is composed with psycopg.sql "
+        "(SQL + Identifier, which quotes), and the name is the bench's own capacity_<uuid hex>"
+    ),
 }
 
 
