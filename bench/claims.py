@@ -34,6 +34,16 @@ from broker.ledger.rows import TrainStepRow
 console = Console()
 
 
+def update_trainer_results(out: Path, res: dict[str, Any], keys: tuple[str, ...], unit_key: str, unit: str) -> None:
+    """results/trainer.json is shared by the trainer's benches (memory, packing, precision, LoRA):
+    update `keys` of `res` (plus machine and date) and this bench's unit note only."""
+    shared = out / "trainer.json"
+    merged = json.loads(shared.read_text()) if shared.exists() else {}
+    merged.update({k: res[k] for k in (*keys, "machine", "date")})
+    merged[unit_key] = unit
+    shared.write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     try:

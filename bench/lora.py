@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.demo import prepare_model, run_job
-from bench.claims import machine
+from bench.claims import machine, update_trainer_results
 from bench.suite import ours_curve
 from broker.ledger import Ledger
 
@@ -103,12 +103,8 @@ def bench_lora(out_dir: str = "results", steps: int = 30, seeds: int = 3) -> dic
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora.json").write_text(json.dumps(res, indent=2) + "\n")
-    # results/trainer.json is shared with the trainer's other figures: update this item's keys only.
-    shared = out / "trainer.json"
-    merged = json.loads(shared.read_text()) if shared.exists() else {}
-    merged.update({k: res[k] for k in ("lora_update_bytes", "full_update_bytes", "machine", "date")})
-    merged["update_bytes_unit"] = "bytes each generator pulls per weight update, median over versions (bench/lora.py)"
-    shared.write_text(json.dumps(merged, indent=2) + "\n")
+    update_trainer_results(out, res, ("lora_update_bytes", "full_update_bytes"), "update_bytes_unit",
+                           "bytes each generator pulls per weight update, median over versions (bench/lora.py)")
     write_report(res, out)
     return res
 

@@ -155,7 +155,7 @@ def one(mode: str, model: str, threads: int) -> dict[str, Any]:
 def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUNDS) -> dict[str, Any]:
     """Padded and packed steps alternating in fresh subprocesses; results/packing.{json,md} and this
     item's keys of results/trainer.json."""
-    from bench.claims import machine
+    from bench.claims import machine, update_trainer_results
 
     lay = layout()
     load_before = os.getloadavg()[0]
@@ -210,13 +210,9 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "packing.json").write_text(json.dumps(res, indent=2) + "\n")
-    # results/trainer.json is shared with the trainer's other figures: update this item's keys only.
-    shared = out / "trainer.json"
-    merged = json.loads(shared.read_text()) if shared.exists() else {}
-    merged.update({k: res[k] for k in ("padding_fraction_padded", "padding_fraction_packed", "tokens_per_s_padded",
-                                       "tokens_per_s_packed", "machine", "date")})
-    merged["tokens_per_s_unit"] = "real (prompt + completion) tokens per second of Learner.step (bench/packing.py)"
-    shared.write_text(json.dumps(merged, indent=2) + "\n")
+    update_trainer_results(out, res, ("padding_fraction_padded", "padding_fraction_packed", "tokens_per_s_padded",
+                                      "tokens_per_s_packed"), "tokens_per_s_unit",
+                           "real (prompt + completion) tokens per second of Learner.step (bench/packing.py)")
     (out / "packing.md").write_text(_markdown(res))
     return res
 

@@ -172,7 +172,7 @@ def bench_precision(out_dir: str = "results", threads: int = 2) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.claims import machine
+    from bench.claims import machine, update_trainer_results
     from trainer_svc.tiny_model import build_tiny_model
     from trainer_svc.warmstart import warm_start
 
@@ -226,12 +226,8 @@ def bench_precision(out_dir: str = "results", threads: int = 2) -> dict[str, Any
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "precision.json").write_text(json.dumps(res, indent=2) + "\n")
-    # results/trainer.json is shared with the trainer's other figures: update this item's keys only.
-    shared = out / "trainer.json"
-    merged = json.loads(shared.read_text()) if shared.exists() else {}
-    merged.update({k: res[k] for k in ("bf16_mismatch_kl", "fp32_mismatch_kl", "machine", "date")})
-    merged["mismatch_kl_unit"] = ("nats per token, k3 of KL(vLLM float32 engine || trainer), bench/precision.py")
-    shared.write_text(json.dumps(merged, indent=2) + "\n")
+    update_trainer_results(out, res, ("bf16_mismatch_kl", "fp32_mismatch_kl"), "mismatch_kl_unit",
+                           "nats per token, k3 of KL(vLLM float32 engine || trainer), bench/precision.py")
     (out / "precision.md").write_text(_markdown(res))
     return res
 

@@ -126,7 +126,7 @@ def demo_speed(threads: int = 2, reps: int = 20) -> dict[str, Any]:
 
 def bench_trainer_mem(out_dir: str = "results", threads: int = 2) -> dict[str, Any]:
     """Every configuration in its own subprocess; results/trainer_mem.json and .md."""
-    from bench.claims import machine
+    from bench.claims import machine, update_trainer_results
 
     rows = []
     for name in CONFIGS:
@@ -155,12 +155,8 @@ def bench_trainer_mem(out_dir: str = "results", threads: int = 2) -> dict[str, A
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "trainer_mem.json").write_text(json.dumps(res, indent=2) + "\n")
-    # results/trainer.json is shared with the trainer's other figures: update this item's keys only.
-    shared = out / "trainer.json"
-    merged = json.loads(shared.read_text()) if shared.exists() else {}
-    merged.update({k: res[k] for k in ("peak_mem_per_token_before", "peak_mem_per_token_after", "machine", "date")})
-    merged["peak_mem_per_token_unit"] = "bytes of peak RSS growth per sample-token (bench/trainer_mem.py)"
-    shared.write_text(json.dumps(merged, indent=2) + "\n")
+    update_trainer_results(out, res, ("peak_mem_per_token_before", "peak_mem_per_token_after"), "peak_mem_per_token_unit",
+                           "bytes of peak RSS growth per sample-token (bench/trainer_mem.py)")
     base = by["baseline"]
     lines = [
         f"# Trainer memory per sample-token ({rows[0]['params'] / 1e6:.1f}M-param Llama, vocab "

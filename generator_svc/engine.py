@@ -55,6 +55,13 @@ def prepare(*, kv_cache_gib: int = 1, in_process: bool = True) -> float:
     return time.perf_counter() - t0
 
 
+def check_quantization(quantization: str | None, *, cpu: bool) -> None:
+    """Refuse an online quantization the device cannot run: fp8 needs a CUDA GPU."""
+    if quantization is not None and cpu:
+        raise ValueError(f"quantization {quantization!r} needs a CUDA GPU; this vLLM runs on the CPU: "
+                         "unset generator.quantization (generator.dtype bfloat16 is the CPU's lower precision)")
+
+
 class Engine:
     def __init__(
         self,
@@ -77,10 +84,8 @@ class Engine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        if quantization is not None and current_platform.is_cpu():
-            # checked here, where the device is known (a job spec is validated before any engine exists)
-            raise ValueError(f"quantization {quantization!r} needs a CUDA GPU; this vLLM runs on the CPU: "
-                             "unset generator.quantization (generator.dtype bfloat16 is the CPU's lower precision)")
+        # checked here, where the device is known (a job spec is validated before any engine exists)
+        check_quantization(quantization, cpu=current_platform.is_cpu())
 
         # vLLM's CPU runner cannot rewind a seeded request's random generator (torch's CPU
         # generators have no offset): a seeded request whose prefill is split across engine steps

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -92,6 +93,19 @@ def _quiet_derived_only_layers(model: torch.nn.Module) -> None:
         logger.addFilter(_derived_only)
 
 
+def _fetch(transport: str, address: str, m: Manifest) -> Any:
+    """The version's bytes, verified; or {"ok": False, ...} saying why not (any transfer failure is
+    reported, never raised: an exception would take the engine process down, and the old weights
+    keep serving)."""
+    client = make_client(transport)
+    try:
+        return client.fetch(address, m)
+    except Exception as exc:  # noqa: BLE001 - see above
+        return {"ok": False, "version": m.version, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        client.close()
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; methods are called by name through `LLM.collective_rpc`."""
 
@@ -101,13 +115,9 @@ class WeightSyncExtension:
         exception here would take the engine process down with it)."""
         m = Manifest.model_validate(manifest)
         t0 = time.perf_counter()
-        client = make_client(transport)
-        try:
-            buf = client.fetch(address, m)
-        except Exception as exc:  # noqa: BLE001 - any transfer failure: report, keep serving old weights
-            return {"ok": False, "version": m.version, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            client.close()
+        buf = _fetch(transport, address, m)
+        if isinstance(buf, dict):
+            return buf
         t1 = time.perf_counter()
         _quiet_derived_only_layers(self.model_runner.get_model())
         self.reload_weights(weights_iterator=iter(tensors_from_buffer(buf, m)))
@@ -122,13 +132,9 @@ class WeightSyncExtension:
         m = Manifest.model_validate(manifest)
         a = LoraAdapter.model_validate(adapter)
         t0 = time.perf_counter()
-        client = make_client(transport)
-        try:
-            buf = client.fetch(address, m)
-        except Exception as exc:  # noqa: BLE001 - any transfer failure: report, keep serving old weights
-            return {"ok": False, "version": m.version, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            client.close()
+        buf = _fetch(transport, address, m)
+        if isinstance(buf, dict):
+            return buf
         t1 = time.perf_counter()
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
