@@ -7,29 +7,31 @@ its replica promoted.
 `tests/test_redis_cluster_job.py` runs `cluster_job` too (without writing results).
 
 What a failover loses is what replication had not carried when the primary died. On loopback a
-replica is a fraction of a millisecond behind, so to lose anything at all the scenario opens a
-gap first, as a flapping network would: the replica's link to its primary is cut (CLIENT KILL
-TYPE master on the replica) and cut again every 50 ms for `gap_s`; a replica reconnects and
-catches up at most once a second, so what the primary took since the last catch-up is what it
-alone holds. The loss is then measured, not assumed: the primary's writes are paused (CLIENT
-PAUSE WRITE), every entry of the job's streams is read from it, the primary is killed, and once
-the replica serves the slot the streams are read from it again. Entries on the first list and not the second are lost; XINFO STREAM's entries-added on
-both sides counts the same loss independently.
+replica is a fraction of a millisecond behind, so the scenario partitions it first, as a network
+split or a stalled host would: the replica is frozen (SIGSTOP) and its link closed from the
+primary's side (CLIENT KILL TYPE replica), so every write the primary takes from then on is its
+alone. Once the job has added prompt, rollout and scored entries there, the primary's writes are
+paused (CLIENT PAUSE WRITE), every entry of the job's streams is read from it, it is SIGKILLed,
+the replica thawed (SIGCONT) and, writes paused there too until it is read, promoted. Entries on
+the first list and not the second are lost; XINFO STREAM's entries-added on both sides counts the
+XADDs lost (also those added and trimmed while partitioned).
 
-Where each loss ends (ARCHITECTURE.md, "Redis Cluster"): a lost prompt group (the trainer's XADD)
-is never generated, so the ledger never hears of it; a lost rollout or scored entry was written by
-publish_if_owned together with the XACK of its input, so the input is pending again, reclaimed
-after CLAIM_IDLE_MS and redone under the same sample ids (the ledger's rows are upserts).
+Where each loss ends (ARCHITECTURE.md, "Redis Cluster"): a lost entry whose input is still pending
+somewhere (its XACK was lost with it) is reclaimed after CLAIM_IDLE_MS and redone under the same
+sample ids; a group of which no stream holds anything any more (its prompt lost, or its prompt and
+its outputs) is settled `lost` in the ledger by the trainer (trainer_svc/sink.py `settle_lost`).
+`failover_samples_lost` counts the samples of the lost entries' groups that ended lost (or with no
+row at all); `verify_found` is what `broker.verify` reports as lost: they must agree.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import socket
 import time
 import uuid
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,11 +40,12 @@ import httpx
 import redis
 
 from asyncrl.launch import Supervisor
-from broker.ledger import USED_STATUSES, Ledger
+from broker.ledger import Ledger
 from broker.redis_server import LocalCluster
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from broker.verify import verify
-from shared.schema import DecodeError, PromptGroup, Rollout, Scored, decode
+from shared.ids import eval_round, sample_ids
+from shared.schema import DecodeError, EvalRound, PromptGroup, Rollout, Scored, decode
 
 STREAMS = (PROMPTS, ROLLOUTS, SCORED, DEAD)
 
@@ -65,79 +68,74 @@ def _added(node: redis.Redis, key: str) -> int:
         return 0
 
 
-def _who(raw: bytes) -> tuple[str, list[str]]:
-    """(kind, ids): the group id of a prompt group, the sample ids of a rollout or scored entry."""
+def _who(raw: bytes) -> tuple[str, str]:
+    """(group id, sample id) of a stream entry's message: a prompt group or evaluation round has
+    no sample id (""), nor has what is not a message of ours (group id "")."""
     try:
-        msg = decode(raw, (PromptGroup, Rollout, Scored))
+        msg = decode(raw, (PromptGroup, EvalRound, Rollout, Scored))
     except DecodeError:
-        return "other", []
-    if isinstance(msg, PromptGroup):
-        return "prompt_group", [msg.group_id]
-    return type(msg).__name__.lower(), [msg.msg_id]
+        return "", ""
+    return msg.group_id, "" if isinstance(msg, (PromptGroup, EvalRound)) else msg.msg_id
 
 
 def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Kill the primary serving `key`'s slot once it holds stream entries its replica lacks (its
-    link cut meanwhile; at most `gap_s` of waiting for the job to write), and measure what the
-    promoted replica lacks (see the module docstring). `key` is any key of the job: all share one
-    slot."""
+    """Partition the replica of the primary serving `key`'s slot, let the job write to the primary
+    alone (until it has added prompt, rollout and scored entries, at most `gap_s`), kill the
+    primary, and measure what the promoted replica lacks (see the module docstring). `key` is any
+    key of the job: all share one slot."""
     primary = cl.master_of(key)
     replica = cl.replica_of(primary)
     old = cl.node(primary)
-    # one connection in READONLY mode: a cluster replica answers reads of its slots only then
-    new = redis.Redis(host="127.0.0.1", port=replica, socket_timeout=2, single_connection_client=True)
-    new.execute_command("READONLY")
     prefix = key.rsplit(":", 1)[0]
     keys = {s: f"{prefix}:{s}" for s in STREAMS}
-    # The whole streams on both sides (what the trainer trimmed is gone from both): small here.
-    first = "-"
-
-    def cut() -> None:
-        with contextlib.suppress(redis.ResponseError):  # no link at the moment: nothing to cut
-            new.client_kill_filter(_type="master")
-
-    # The link is cut, and cut again every 50 ms: a replica reconnects (and catches up) at most
-    # once a second, so what the primary takes after its last catch-up is what it alone holds.
-    # A job writes in bursts: wait (up to gap_s) for an entry the replica has not got.
-    deadline = time.monotonic() + gap_s
-    cut()
-    while time.monotonic() < deadline:
+    cl.freeze(replica)
+    old.client_kill_filter(_type="replica")  # the primary's end of the link: nothing more reaches the replica
+    base = {s: _added(old, k) for s, k in keys.items()}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < gap_s:
         time.sleep(0.05)
-        cut()
-        if sum(_added(old, k) for k in keys.values()) > sum(_added(new, k) for k in keys.values()):
-            time.sleep(0.05)  # a little more of the burst
+        if all(_added(old, keys[s]) > base[s] for s in (PROMPTS, ROLLOUTS, SCORED)):
             break
-    waited = gap_s - max(0.0, deadline - time.monotonic())
+    waited = time.monotonic() - t0
     old.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")  # nothing written between the reads and the kill
-    cut()
-    before = {s: _entries(old, k, first) for s, k in keys.items()}
+    # The whole streams (what the trainer trimmed is gone from both sides): small here.
+    before = {s: _entries(old, k, "-") for s, k in keys.items()}
     added_before = {s: _added(old, k) for s, k in keys.items()}
-    offsets = old.info("replication")
-    replica_offset = int(new.info("replication").get("slave_repl_offset", 0))
     t_kill = time.monotonic()
     cl.kill(primary)
-    while cl.master_of(key) != replica or not cl.ok():
-        if time.monotonic() - t_kill > timeout_s:
-            raise RuntimeError(f"replica {replica} was not promoted within {timeout_s:.0f} s")
-        time.sleep(0.05)
-    promoted_s = time.monotonic() - t_kill
-    after = {s: _entries(new, k, first) for s, k in keys.items()}
-    added_after = {s: _added(new, k) for s, k in keys.items()}
-    lost: dict[str, dict[str, list[str]]] = {}
+    cl.thaw(replica)
+    new = redis.Redis(host="127.0.0.1", port=replica, socket_timeout=2)
+    # no service writes to it until it is read (paused as a replica, it stays paused once promoted)
+    new.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")
+    try:
+        while cl.master_of(key) != replica or not cl.ok():
+            if time.monotonic() - t_kill > timeout_s:
+                raise RuntimeError(f"replica {replica} was not promoted within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        promoted_s = time.monotonic() - t_kill
+        after = {s: _entries(new, k, "-") for s, k in keys.items()}
+        added_after = {s: _added(new, k) for s, k in keys.items()}
+    finally:
+        new.execute_command("CLIENT", "UNPAUSE")
+    groups: dict[str, list[str]] = {}  # stream -> group ids of its lost entries
+    samples: dict[str, list[str]] = {}  # stream -> sample ids of its lost rollout and scored entries
     for s in STREAMS:
         for eid in sorted(set(before[s]) - set(after[s])):
-            kind, ids = _who(before[s][eid])
-            lost.setdefault(s, {}).setdefault(kind, []).extend(ids)
-    lost_counts = {s: sum(len(v) for v in lost.get(s, {}).values()) for s in STREAMS}
-    # entries-added on the new primary, less what services added there since the promotion
-    lost_added = {s: added_before[s] - (added_after[s] - len(set(after[s]) - set(before[s]))) for s in STREAMS}
-    return {"primary_port": primary, "replica_port": replica, "gap_s": round(waited, 2), "promoted_after_s": round(promoted_s, 2),
-            "replication_bytes_behind": int(offsets.get("master_repl_offset", 0)) - replica_offset,
-            "entries_lost": lost_counts, "entries_lost_by_entries_added": lost_added, "lost": lost}
+            gid, msg_id = _who(before[s][eid])
+            groups.setdefault(s, []).append(gid)
+            if msg_id:
+                samples.setdefault(s, []).append(msg_id)
+    return {"primary_port": primary, "replica_port": replica, "partitioned_s": round(waited, 2),
+            "promoted_after_s": round(promoted_s, 2),
+            # entries the primary held and the promoted replica lacks, and XADDs it counted and the
+            # replica did not (entries-added: also those added and trimmed while partitioned)
+            "entries_lost": {s: len(set(before[s]) - set(after[s])) for s in STREAMS},
+            "xadds_lost": {s: added_before[s] - added_after[s] for s in STREAMS},
+            "lost_groups": groups, "lost_samples": samples}
 
 
 def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 20.0,
-                timeout_s: float = 400.0) -> dict[str, Any]:
+                group_size: int = 4, timeout_s: float = 400.0) -> dict[str, Any]:
     """One async job on a fresh local cluster, all services as processes; with `fail_over`, the
     job's primary is killed once the trainer has taken 2 steps (`failover`). Returns the figures:
     the job's end state, the failover's measured loss, where each lost item ended, and verify."""
@@ -168,7 +166,7 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
                 if sup.failed() or time.monotonic() > deadline:
                     raise RuntimeError(f"broker did not come up:\n{sup.tail('broker')}")
                 time.sleep(0.2)
-            spec = {"name": "cluster", "model_path": str(model), "mode": "async", "steps": steps, "group_size": 4,
+            spec = {"name": "cluster", "model_path": str(model), "mode": "async", "steps": steps, "group_size": group_size,
                     "prompts_per_step": 4, "eval_every": 0, "task": {"n_train": 64, "n_test": 8},
                     "sampling": {"max_tokens": 8}}
             resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
@@ -203,25 +201,23 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
     rows = {s["msg_id"]: s for s in ledger.samples(job_id, limit=100_000)}
     if fo is not None:
         fo["steps_before"] = done_before
-        lost = fo.pop("lost")
-        groups = lost.get(PROMPTS, {}).get("prompt_group", [])
-        samples = sorted(set(lost.get(ROLLOUTS, {}).get("rollout", []) + lost.get(SCORED, {}).get("scored", [])))
-        # A lost prompt group: its samples never reach the ledger. A lost rollout or scored entry:
-        # redone, so its sample ends used like any other (or in flight when the job stopped).
-        group_rows = {g: [r for r in rows.values() if r["group_id"] == g] for g in groups}
-        fo["lost_prompt_groups"] = groups
-        fo["lost_prompt_groups_never_generated"] = [g for g, rs in group_rows.items() if not rs]
-        fo["lost_samples"] = samples
-        fo["lost_samples_final_status"] = {m: rows[m]["status"] if m in rows else "absent" for m in samples}
+        # Where each lost group ended: its samples' final ledger statuses ("absent": no row). A
+        # group Redis lost with nothing left anywhere is settled `lost` by the trainer; one with an
+        # input still pending somewhere is redone under the same sample ids and used.
+        lost_groups = sorted({g for gs in fo["lost_groups"].values() for g in gs if g})
+        final: dict[str, dict[str, str]] = {}
+        for g in lost_groups:
+            mine = {m: r["status"] for m, r in rows.items() if g in (r["group_id"], eval_round(r["group_id"]))}
+            if g.rsplit("/", 1)[-1].startswith("g"):  # a training group: group_size samples, rows or not
+                mine.update({m: "absent" for m in sample_ids(g, group_size) if m not in mine})
+            final[g] = mine or {g: "absent"}
+        fo["lost_group_final_status"] = {g: dict(Counter(st.values())) for g, st in final.items()}
         out["failover"] = fo
-        # Samples a failover took for good: the group_size samples of each lost prompt group
-        # (never generated) and any lost rollout or scored sample not used by the end.
-        out["failover_samples_lost"] = (4 * len(fo["lost_prompt_groups_never_generated"])
-                                        + sum(1 for s in fo["lost_samples_final_status"].values()
-                                              if s not in USED_STATUSES))
+        # Samples the failover took for good: those of its lost groups that were never redone.
+        out["failover_samples_lost"] = sum(1 for st in final.values() for x in st.values() if x in ("lost", "absent"))
     res = verify(ledger, job_id)
     out["verify"] = {"ok": res.ok, "violations": {c: n for c, n in res.checks.items() if n},
-                     "in_flight": res.in_flight, "counts": res.counts,
+                     "in_flight": res.in_flight, "lost": res.lost, "counts": res.counts,
                      "findings": [{"check": f.check, "level": f.level, "count": f.count, "message": f.message}
                                   for f in (*res.violations, *res.info)]}
     return out
@@ -237,16 +233,20 @@ def bench_redis_cluster(out_dir: str = "results") -> dict[str, Any]:
     model = build_tiny_model(wd / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
     plain = cluster_job(wd / "plain", model, fail_over=False)
     failed = cluster_job(wd / "failover", model, fail_over=True)
-    in_flight = failed["verify"]["in_flight"]
     res = {
         "what": "a real async job (vLLM generator, reward, trainer as processes, tiny model) on a local Redis "
                 "Cluster of 3 primaries + 3 replicas; then the same job with the job's primary SIGKILLed after "
-                "step 2, its replica's link cut gap_s before (the replication lag a failover loses)",
+                "step 2 while its replica was partitioned (frozen, link closed), so the primary alone held the "
+                "job's last writes; the replica promoted",
         "end_to_end": plain,
         "failover_run": failed,
-        "failover_entries_lost": failed.get("failover", {}).get("entries_lost"),
-        "failover_samples_lost": failed.get("failover_samples_lost"),
-        "verify_found": {"violations": failed["verify"]["violations"], "in_flight_samples": in_flight},
+        "failover_entries_lost": failed["failover"]["entries_lost"],
+        "failover_xadds_lost": failed["failover"]["xadds_lost"],
+        "failover_samples_lost": failed["failover_samples_lost"],
+        # what broker.verify reported: the samples it found lost, and that nothing else is wrong
+        "verify_found": {"lost_samples": failed["verify"]["lost"], "violations": failed["verify"]["violations"],
+                         "in_flight_samples": failed["verify"]["in_flight"]},
+        "verify_found_exactly_the_loss": failed["verify"]["lost"] == failed["failover_samples_lost"],
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

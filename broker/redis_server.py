@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -250,6 +251,14 @@ class LocalCluster:
         """SIGKILL node `port`: no goodbye, the others notice only by its silence."""
         self.procs[port].kill()
         self.procs[port].wait(10)
+
+    def freeze(self, port: int) -> None:
+        """SIGSTOP node `port`: it neither reads nor answers (a stalled or partitioned node) until `thaw`."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def thaw(self, port: int) -> None:
+        """SIGCONT node `port` after `freeze`."""
+        self.procs[port].send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         for proc in self.procs.values():

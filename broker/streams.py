@@ -44,6 +44,7 @@ from shared.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DeadLetter,
     DecodeError,
+    EvalRound,
     Message,
     PromptGroup,
     Rollout,
@@ -1026,6 +1027,22 @@ class JobStreams:
 
     def length(self, stream: str) -> int:
         return int(self.r.xlen(self.key(stream)))
+
+    def group_ids(self, stream: str, page: int = 256) -> set[str]:
+        """The group ids of every message entry `stream` holds (read in bounded pages, undelivered,
+        pending and acked-not-yet-trimmed alike); entries that are not this job's messages are
+        skipped (their consumers dead-letter them)."""
+        out: set[str] = set()
+        start = "-"
+        while True:
+            start, rows = self._read(stream, "range", count=page, start=start)
+            for e in rows:
+                try:
+                    out.add(self._decode(stream, e, (PromptGroup, EvalRound, Rollout, Scored)).group_id)
+                except DecodeError:
+                    continue
+            if not rows:  # a page may end early at the read's byte budget: only an empty one is the end
+                return out
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The oldest `count` dead letters (read in bounded pages); entries on the dead stream that

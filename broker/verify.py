@@ -26,7 +26,9 @@ Invariants (names as in `VerifyResult.checks`):
 Samples still `generated` or `scored` are in flight, not violations: a finished job keeps those it
 generated beyond its last step (at most (k + 1) * prompts_per_step groups per trainer run, plus an
 unfinished evaluation). They are reported as info, as is anything that a running job's step in
-progress may still change.
+progress may still change. So are `lost` samples (`VerifyResult.lost`): those Redis lost in a
+failover before they were used (the trainer records them when no stream holds anything of their
+group any more, trainer_svc/sink.py `settle_lost`): an accounted loss, not a broken invariant.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ _IN_FLIGHT = ("generated", "scored")
 
 @dataclass(frozen=True)
 class Finding:
-    check: str  # one of CHECKS, or "in_flight" for info
+    check: str  # one of CHECKS, or "in_flight" / "lost" for info
     level: Literal["violation", "info"]
     count: int  # offending rows (samples, groups or steps, as the message says)
     message: str
@@ -82,6 +84,7 @@ class VerifyResult:
     job_state: str
     counts: dict[str, int]  # samples per status
     in_flight: int  # samples still generated or scored
+    lost: int  # samples Redis lost before they were used (status "lost")
     steps: int  # train steps recorded
     checks: dict[str, int] = field(default_factory=dict)  # check -> violating rows (0: holds)
     violations: list[Finding] = field(default_factory=list)
@@ -204,6 +207,7 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
             job_state=job["state"],
             counts=counts,
             in_flight=sum(counts.get(s, 0) for s in _IN_FLIGHT),
+            lost=counts.get("lost", 0),
             steps=len(steps),
             checks=dict.fromkeys(CHECKS, 0),
         )
@@ -220,6 +224,9 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
         if bound is not None:
             msg += f"; nominal bound per trainer run {bound}"
         res.add(Finding("in_flight", "info", res.in_flight, msg))
+    if res.lost:
+        res.add(Finding("lost", "info", res.lost, "samples Redis lost before they were used (a failover to a replica "
+                        "that had not received them), recorded by the trainer; never trained"))
     return res
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
 from shared.evalmetrics import episode_means, round_metrics
-from shared.ids import eval_round
+from shared.ids import eval_group_id, eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
 from shared.prompts import Rendered
 from shared.schema import EvalItem, SamplingParams, pack_i32
@@ -107,6 +107,18 @@ class Evaluator:
         rnd = self.rounds.get(eval_round(g.group_id))
         if rnd is not None:
             rnd.expected -= 1
+
+    def lost(self, rid: str) -> list[tuple[str, str, int, int, int]]:
+        """Round `rid` is gone from Redis before anyone generated it (TrainSink.settle_lost): it
+        is dropped, and its samples returned for the ledger as (group id, eval set, prompt index,
+        prompt tokens, n) per problem."""
+        rnd = self.rounds.pop(rid)
+        self.feeder.eval_done(rid)
+        es = self.sets[rnd.name]
+        log.warning("eval %s (%s) after step %d: lost by Redis before it was generated; not measured",
+                    rid, rnd.name, rnd.step)
+        return [(eval_group_id(rid, it.prompt_index), rnd.name, it.prompt_index, len(it.prompt_ids) // 4,
+                 es.spec.sampling.n) for it in es.items]
 
     def record_complete(self, version: int) -> None:
         """Record every round whose problems have all arrived: its samples `evaluated` in the

@@ -67,6 +67,9 @@ class Feeder:
         self.cursor = 0  # position in `order`; a new shuffled epoch starts when it runs out
         self.seq = 0  # groups fed so far: the group id's counter
         self.in_flight: set[str] = set()
+        # training groups in flight -> [prompt index, version fed at, prompt tokens]: what the
+        # ledger records of a group Redis lost before anyone generated it (sink.TrainSink.settle_lost)
+        self.fed: dict[str, list[int]] = {}
         self.eval_rounds = 0
         self.open_evals: dict[str, list[Any]] = {}  # eval round id -> [step it evaluates, eval set], until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
@@ -77,6 +80,7 @@ class Feeder:
         return {
             "seq": self.seq, "epochs": self.epochs, "cursor": self.cursor, "eval_rounds": self.eval_rounds,
             "in_flight": sorted(self.in_flight, key=group_seq), "open_evals": dict(self.open_evals),
+            "fed": {g: self.fed[g] for g in sorted(self.in_flight & self.fed.keys(), key=group_seq)},
             "temperature": self.temperature, "top_p": self.top_p,
         }
 
@@ -92,6 +96,7 @@ class Feeder:
         self.seq = int(state["seq"])
         self.eval_rounds = int(state["eval_rounds"])
         self.in_flight = set(state["in_flight"])
+        self.fed = {str(g): [int(x) for x in v] for g, v in state.get("fed", {}).items()}  # journals before it: none
         # [step, eval set]; a bare step is a round of the default set (journals before named sets)
         self.open_evals = {str(k): [int(v), "held_out"] if isinstance(v, int) else [int(v[0]), str(v[1])]
                            for k, v in state["open_evals"].items()}
@@ -145,12 +150,14 @@ class Feeder:
             )
         self.streams.publish_many(PROMPTS, msgs)
         self.in_flight.update(m.group_id for m in msgs)
+        self.fed.update((m.group_id, [m.prompt_index, version, len(m.prompt_array())]) for m in msgs)
         if msgs and self.journal is not None:  # after the XADD: a journaled group was really fed
             self.journal(self.state())
         return len(msgs)
 
     def done(self, group_id: str) -> None:
         self.in_flight.discard(group_id)
+        self.fed.pop(group_id, None)
 
     def feed_order(self) -> list[str]:
         """The training groups in flight in the order they were fed: the order the sink trains

@@ -176,7 +176,8 @@ class Parts:
             got = self.scored_in.consume(self.reader, count=512, block_ms=block_ms)
         with self.prom.phases.span("assemble"):
             n = self.sink.add(got, self.state.version)
-        if self.sink.poll_dead(self.state.version) and self.state.step < self.spec.steps and not self.control.done:
+        freed = self.sink.poll_dead(self.state.version) + self.sink.settle_lost(self.state.version)
+        if freed and self.state.step < self.spec.steps and not self.control.done:
             self.feed()  # refill the freed slots
         return n
 
@@ -260,9 +261,12 @@ class Parts:
             self.checkpoint()
         # final evaluation of every set, then wait for every outstanding round
         self.evaluator.start_due(st.step, st.version, final=True)
+        # what Redis lost is recorded (not waited for), now and while the evaluation runs
+        self.sink.settle_lost(st.version, every=True, min_interval_s=0)
         deadline = time.monotonic() + self.settings.job_wait_s
         while self.evaluator.pending and time.monotonic() < deadline:
             self.take_scored(self.settings.block_ms)
+            self.sink.settle_lost(st.version, every=True)
         ledger.set_job_state(job_id, "finished" if st.step >= self.spec.steps else "stopped")
         # The job is over for every service of it: generators and rewarders exit on this.
         self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("end", str(st.step)), policy_version=st.version,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -35,8 +36,8 @@ import numpy as np
 import torch
 
 from broker.ledger import write_isolating
-from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
-from shared.ids import group_seq
+from broker.streams import GROUP_TRAINERS, PROMPTS, ROLLOUTS, SCORED, JobStreams
+from shared.ids import eval_round, group_seq, sample_ids
 from shared.jobspec import JobSpec
 from shared.schema import Scored
 from trainer_svc.algorithms import is_fresh, staleness
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 # The least a step waits for a missing group's turn while later groups are ready (see the module
 # docstring): above a healthy run's out-of-order lag (one generate call and its scoring).
 ORDER_WAIT_MIN_S = 2.0
+# How often a step looks whether Redis lost the groups it waits for (TrainSink.settle_lost): once
+# it has waited this long, or a later group overtook a missing one; then at most this often.
+LOST_LOOK_S = 30.0
 
 
 def record_used(ledger, items: list[dict]) -> int:
@@ -131,6 +135,8 @@ class TrainSink:
         self.taken_at: deque[float] = deque(maxlen=9)  # when the recent batches were complete
         self.clock = time.monotonic
         self.dead_streak: list[str] = []  # why each training group dead-lettered since one last completed
+        self.lost_checked_at = -math.inf  # when settle_lost last read the streams
+        self.begun_at = 0.0  # when the batch pending was begun
 
     # --- in ------------------------------------------------------------------------------------
 
@@ -216,6 +222,81 @@ class TrainSink:
         raise RuntimeError(f"the last {len(self.dead_streak)} training groups were all dead-lettered and none "
                            f"completed, so the job cannot make progress: {reasons}"[:2000])
 
+    # --- what Redis lost -----------------------------------------------------------------------
+
+    def settle_lost(self, version: int, *, every: bool = False, min_interval_s: float | None = None) -> int:
+        """Settle the training groups and evaluation rounds this run fed of which no stream holds
+        anything any more: Redis lost them (a failover to a replica that had not yet received
+        the prompt, or the outputs made from it; ARCHITECTURE.md, "Redis Cluster"). Nobody will
+        generate them again, so waiting would be forever: their samples are recorded `lost` in
+        the ledger (rows written for those never generated) and their slots freed. Returns how
+        many groups and rounds were settled.
+
+        Looked for once a step went past a missing group (`trained_around`) or has waited
+        LOST_LOOK_S for its groups, among those in flight and not ready and the open rounds; with
+        `every`, always (the job's end). The streams are read at most once per `min_interval_s`
+        (default LOST_LOOK_S).
+
+        Exact, not a timeout: the streams are read in pipeline order (prompts, rollouts, scored),
+        every hand-off is one atomic XADD of the output with the XACK of its input
+        (publish_if_owned), and an entry is trimmed only once acked; so a group on its way is seen
+        at the stage it has reached when that stage is read. Dead letters are polled after the
+        reads (a dead-lettered prompt is acked out of the prompts stream): those groups settle as
+        dead, not lost. A sample redone after its scored entry was lost is refused by the reward
+        as a duplicate (the ledger has it scored; reward_svc/service.py): no trace is left of it
+        either, so its group is lost too."""
+        now = self.clock()
+        interval = LOST_LOOK_S if min_interval_s is None else min_interval_s
+        stuck = bool(self.trained_around) or (self.pending is not None and now - self.begun_at >= LOST_LOOK_S)
+        if not (every or stuck) or now - self.lost_checked_at < interval:
+            return 0
+        wanted = self.feeder.in_flight - self.ready.keys() - {g for ids in self.replay.values() for g in ids}
+        rounds = set(self.evaluator.rounds)
+        if not (wanted or rounds):
+            return 0
+        self.lost_checked_at = now
+        traces: set[str] = set()
+        for stream in (PROMPTS, ROLLOUTS, SCORED):
+            traces |= self.streams.group_ids(stream)
+        traces |= {eval_round(g) for g in traces}  # an evaluation problem's group: a trace of its round
+        traces |= self.ready.keys() | self.assembler.open.keys()
+        if self.pending is not None:
+            traces |= {g.group_id for g in self.pending.groups}
+        self.poll_dead(version)
+        groups = sorted((g for g in wanted if g not in traces and g in self.feeder.in_flight), key=group_seq)
+        gone = [r for r in sorted(rounds) if r not in traces and r in self.evaluator.rounds
+                and not self.evaluator.rounds[r].groups]
+        lost: list[tuple[str, str | None, int, int, int, int]] = []  # (group id, eval set, prompt index, prompt tokens, n, fed at)
+        for g in groups:
+            index, fed_at, tokens = self.feeder.fed.get(g, [-1, version, 0])  # unknown: fed by a journal before `fed`
+            lost.append((g, None, index, tokens, self.spec.group_size, fed_at))
+            self.feeder.done(g)
+            self.trained_around.discard(g)
+            self.overtaken_since.pop(g, None)
+        for r in gone:
+            lost += [(*problem, version) for problem in self.evaluator.lost(r)]
+        if lost:
+            self._record_lost(lost, version)
+            log.warning("Redis lost %d training groups (%s) and %d evaluation rounds (%s) before they were generated: "
+                        "recorded lost in the ledger, their slots freed", len(groups), ", ".join(groups[:5]),
+                        len(gone), ", ".join(gone[:5]))
+        return len(groups) + len(gone)
+
+    def _record_lost(self, lost: list[tuple], version: int) -> None:
+        """Ledger rows of lost samples: written for those never generated, moved to `lost` from
+        generated or scored for the rest (used ones stay as they are)."""
+        why = ("lost by Redis: no stream held its prompt, rollouts or scored samples any more (a failover to a "
+               "replica that had not received them); never used")
+        rows = [{"msg_id": m, "job_id": self.streams.job_id, "group_id": g, "sample_index": i,
+                 "kind": "train" if eval_set is None else "eval", "eval_set": eval_set, "prompt_index": index,
+                 "generator_id": "", "gen_version_min": fed_at, "num_prompt_tokens": tokens,
+                 "num_completion_tokens": 0, "completion": "", "status": "lost", "drop_reason": why,
+                 "trainer_version": version, "staleness": staleness(version, fed_at)}
+                for g, eval_set, index, tokens, n, fed_at in lost for i, m in enumerate(sample_ids(g, n))]
+        self.ledger.record_generated(rows)
+        record_used(self.ledger, [{"msg_id": r["msg_id"], "status": "lost", "trainer_version": version,
+                                   "drop_reason": why} for r in rows])
+
     # --- a resume's replayed steps -------------------------------------------------------------
 
     def expect_replay(self, replay: dict[int, list[str]]) -> None:
@@ -244,6 +325,7 @@ class TrainSink:
         A step a predecessor trained after the checkpoint takes exactly its groups again."""
         redo = self.replay.pop(step, None)
         b = self.pending = Batch(step, version, bound, redo)
+        self.begun_at = self.clock()
         if redo is not None:
             b.groups = [self.ready.pop(g) for g in redo if g in self.ready]
 

@@ -41,9 +41,11 @@ __all__ = [
 
 JOB_STATES = ("submitted", "running", "paused", "stopping", "stopped", "finished", "failed", "cancelled")
 SAMPLE_KINDS = ("train", "eval")
-SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated")
-# Terminal sample statuses: the trainer (or evaluator) used the sample; it is never used twice.
-USED_STATUSES = ("trained", "dropped", "evaluated")
+SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated", "lost")
+# Terminal sample statuses: the trainer (or evaluator) used the sample, or settled it as lost (no
+# stream held anything of its group any more: Redis lost it in a failover, trainer_svc/sink.py
+# `settle_lost`); it is never used twice.
+USED_STATUSES = ("trained", "dropped", "evaluated", "lost")
 # The statuses a sample can still leave.
 UNUSED_STATUSES = ("generated", "scored")
 REWARD_STATUSES = ("ok", "timeout", "error")

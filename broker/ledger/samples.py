@@ -1,6 +1,6 @@
 """Samples: one row per completion, from generation through scoring to its use by the trainer.
 
-A sample moves from generated (through scored) to trained, dropped or evaluated, each move at
+A sample moves from generated (through scored) to trained, dropped, evaluated or lost, each move at
 most once: every write is keyed by msg_id and only moves samples still in an earlier status, so a
 redelivered message has no second effect.
 """
@@ -114,7 +114,7 @@ class SampleRepository(Repository):
         """Mark samples used by the trainer or evaluator; each sample is used at most once.
 
         Args:
-            items: dicts with msg_id, status ('trained' | 'dropped' | 'evaluated'),
+            items: dicts with msg_id, status ('trained' | 'dropped' | 'evaluated' | 'lost'),
                 trainer_version, and optionally staleness (default: trainer_version -
                 gen_version_min, computed in SQL), drop_reason, reward (kept if absent).
 
@@ -187,7 +187,7 @@ class SampleRepository(Repository):
             return {int(k): int(n) for k, n in s.execute(stmt)}
 
     def used_msg_ids(self, job_id: str, msg_ids: Iterable[str]) -> set[str]:
-        """The subset of `msg_ids` already trained, dropped or evaluated."""
+        """The subset of `msg_ids` already used (USED_STATUSES)."""
         ids = sorted(set(msg_ids))
         found: set[str] = set()
         with self._db.read() as s:

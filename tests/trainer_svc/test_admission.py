@@ -30,7 +30,7 @@ from shared.tasks import Problem
 from trainer_svc.evaluation import Evaluator
 from trainer_svc.feeder import Feeder, Group
 from trainer_svc.guard import CollapseGuard
-from trainer_svc.sink import ORDER_WAIT_MIN_S, TrainSink, dead_streak_limit
+from trainer_svc.sink import LOST_LOOK_S, ORDER_WAIT_MIN_S, TrainSink, dead_streak_limit
 from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())
@@ -117,10 +117,15 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
     assert feeder.top_up(3, 0) == 1 and _fed(streams)[-1].train_version == 3
     # the journal's keys are unchanged: a feeder from before restores
     st = feeder.state()
-    assert set(st) == {"seq", "epochs", "cursor", "eval_rounds", "in_flight", "open_evals", "temperature", "top_p"}
+    assert set(st) == {"seq", "epochs", "cursor", "eval_rounds", "in_flight", "open_evals", "temperature", "top_p",
+                       "fed"}
+    assert st["fed"] == {g: feeder.fed[g] for g in feeder.feed_order()}  # [prompt index, version fed at, tokens]
     again = Feeder(streams, _spec(max_staleness=1), _problems(20), RENDER)
     again.restore(st)
-    assert again.feed_order() == feeder.feed_order()
+    assert again.feed_order() == feeder.feed_order() and again.fed == feeder.fed
+    del st["fed"]  # a journal from before the key restores, knowing no more than it says
+    again.restore(st)
+    assert again.feed_order() == feeder.feed_order() and again.fed == {}
 
 
 # --- the sink: feed order, never arrival order -----------------------------------------------
@@ -324,3 +329,99 @@ def test_the_generator_admits_by_the_newest_announced_bound(streams):
     assert follower.admission_version([group(3, 5)]) == 5
     assert follower.admission_version([group(3, 7), group(1, None)]) == 5
     assert follower.admission_version([group(5, None)]) == 5
+
+
+def _drop_entries(streams, stream: str, gids: set[str]) -> None:
+    """What a failover to a replica that never received them does: the entries of `gids` are gone."""
+    key = streams.key(stream)
+    for eid, fields in streams.r.xrange(key):
+        if decode(fields[b"d"], (PromptGroup, Rollout, Scored)).group_id in gids:
+            streams.r.xdel(key, eid)
+
+
+def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_path):
+    """A failover lost g0's prompt before anyone read it (no ledger row), and g1's prompt and
+    rollouts after a generator had written its rows; g2's prompt is still in the stream (being
+    generated), g3 is on its way as rollouts. Only g0 and g1 are lost: their samples end `lost` in
+    the ledger (g0's rows written, g1's moved), their slots are freed, and g2 and g3 stay in flight."""
+    from broker.ledger import Ledger
+    from broker.streams import ROLLOUTS
+
+    job = _Job(streams, _spec(max_staleness=1))
+    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    now = [100.0]
+    job.sink.clock = lambda: now[0]
+    job.feeder.top_up(0, job.k)
+    g0, g1, g2, g3 = job.feeder.feed_order()
+    index0, fed_at0, tokens0 = job.feeder.fed[g0]
+    ledger.record_generated([{"msg_id": f"{g}/{i}", "job_id": "job1", "group_id": g, "sample_index": i,
+                              "prompt_index": 0, "generator_id": "gen-a", "gen_version_min": 0,
+                              "num_prompt_tokens": 2, "num_completion_tokens": 1, "completion": "2"}
+                             for g in (g1, g3) for i in range(2)])
+    streams.publish_many(ROLLOUTS, [_scored(g3, i, 0, 0.0).rollout for i in range(2)])
+    _drop_entries(streams, PROMPTS, {g0, g1, g3})  # g3's prompt was acked and trimmed: it is a rollout now
+
+    # nothing was trained around yet: a running job does not look
+    assert job.step() is None and job.sink.settle_lost(0) == 0
+    assert job.sink.settle_lost(0, every=True, min_interval_s=0) == 2
+    rows = {r["msg_id"]: r for r in ledger.samples("job1", limit=100)}
+    assert {m: r["status"] for m, r in rows.items()} == {
+        f"{g0}/0": "lost", f"{g0}/1": "lost", f"{g1}/0": "lost", f"{g1}/1": "lost",
+        f"{g3}/0": "generated", f"{g3}/1": "generated"}
+    assert rows[f"{g0}/0"]["generator_id"] == "" and rows[f"{g1}/0"]["generator_id"] == "gen-a"
+    r0 = rows[f"{g0}/1"]
+    assert (r0["prompt_index"], r0["gen_version_min"], r0["num_prompt_tokens"]) == (index0, fed_at0, tokens0) and tokens0 > 0
+    assert all(r["trainer_version"] == 0 and "lost by Redis" in r["drop_reason"] for m, r in rows.items() if m[:-2] in (g0, g1))
+    assert job.feeder.feed_order() == [g2, g3]
+    assert job.feeder.top_up(0, job.k) == 2  # the freed slots are fed again
+    # at most once per interval; a later look finds nothing new
+    assert job.sink.settle_lost(0, every=True) == 0
+    now[0] += 60
+    assert job.sink.settle_lost(0, every=True) == 0
+
+
+def test_a_missing_group_is_looked_for_once_trained_around(streams, tmp_path):
+    """In a running job the streams are read only for groups a step went past: g0 is missing while
+    g1 and g2 are ready; once the step trained around it, the next look finds it lost."""
+    from broker.ledger import Ledger
+
+    job = _Job(streams, _spec(max_staleness=1))
+    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    now = [100.0]
+    job.sink.clock = lambda: now[0]
+    job.feeder.top_up(0, job.k)
+    g0, g1, g2, _ = job.feeder.feed_order()
+    _drop_entries(streams, PROMPTS, {g0})
+    for gid in (g1, g2):
+        job.arrive(gid, 0)
+    assert job.step() is None and job.sink.settle_lost(0) == 0  # not trained around yet
+    now[0] += ORDER_WAIT_MIN_S + 0.1
+    b1 = job.take()
+    assert [g.group_id for g in b1.groups] == [g1, g2] and g0 in job.sink.trained_around
+    assert job.sink.settle_lost(1) == 1
+    assert ledger.status_counts("job1") == {"lost": 2}
+    assert g0 not in job.feeder.in_flight and g0 not in job.sink.trained_around and g0 not in job.sink.overtaken_since
+
+
+def test_a_step_that_waits_long_looks_whether_its_groups_were_lost(streams, tmp_path):
+    """Every group of the step was lost (nothing later completes, so none is trained around): after
+    LOST_LOOK_S of waiting the step looks, settles both, and the refill lets the job go on."""
+    from broker.ledger import Ledger
+
+    job = _Job(streams, _spec(max_staleness=0))
+    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    now = [100.0]
+    job.sink.clock = lambda: now[0]
+    job.feeder.top_up(0, job.k)
+    g0, g1 = job.feeder.feed_order()
+    _drop_entries(streams, PROMPTS, {g0, g1})
+    assert job.step() is None
+    now[0] += LOST_LOOK_S - 1
+    assert job.sink.settle_lost(0) == 0 and job.take() is None
+    now[0] += 1
+    assert job.sink.settle_lost(0) == 2 and ledger.status_counts("job1") == {"lost": 4}
+    assert job.feeder.top_up(0, job.k) == 2
+    g2, g3 = job.feeder.feed_order()
+    job.arrive(g2, 0)
+    job.arrive(g3, 0)
+    assert [g.group_id for g in job.take().groups] == [g2, g3]
