@@ -309,7 +309,7 @@ def set_knobs(
 @app.command()
 def samples(
     job_id: str,
-    status: str | None = typer.Option(None, help="generated, scored, trained, dropped or evaluated."),
+    status: str | None = typer.Option(None, help="generated, scored, trained, dropped, evaluated or lost."),
     kind: str | None = typer.Option(None, help="train or eval."),
     min_step: int | None = typer.Option(None, help="Lowest step (trainer_version) that used the sample."),
     max_step: int | None = typer.Option(None, help="Highest step (trainer_version) that used the sample."),

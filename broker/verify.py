@@ -9,7 +9,7 @@ SQL so a job of millions of samples is checked without loading its rows.
 Invariants (names as in `VerifyResult.checks`):
 
 - `status_known`: every sample's status is one of SAMPLE_STATUSES.
-- `used_has_version`: a trained/dropped/evaluated sample records the trainer version at use.
+- `used_has_version`: a used sample (trained/dropped/evaluated/lost) records the trainer version at use.
 - `staleness`: staleness = trainer_version - gen_version_min for every used sample.
 - `gen_version_order`: gen_version_min <= gen_version_max.
 - `msg_id_unique`: one row per msg_id (a UNIQUE constraint; checked in case it was lost).

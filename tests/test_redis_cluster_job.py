@@ -42,7 +42,7 @@ def test_a_job_on_a_cluster_rides_out_its_primary_s_failover(tmp_path, tiny_mode
     # verify finds exactly what the failover took for good, and nothing else wrong
     assert res["verify"]["lost"] == res["failover_samples_lost"], res
     assert res["verify"]["ok"] and res["verify"]["violations"] == {}, res["verify"]
-    # every lost group's samples ended used (redone) or lost: none left behind as if in flight
-    assert all(set(st) <= {"trained", "dropped", "evaluated", "lost"} for st in fo["lost_group_final_status"].values()), fo
+    # every lost group's samples have a row: used (redone), lost, or in flight when the job ended
+    assert all("absent" not in st for st in fo["lost_group_final_status"].values()), fo
     counts = res["status_counts"]
     assert res["verify"]["in_flight"] == counts.get("generated", 0) + counts.get("scored", 0), (counts, res["verify"])

@@ -343,7 +343,7 @@ def test_queries(ledger: Ledger) -> None:
     assert [s["msg_id"] for s in page] == ["m10", "m11"]
     assert len(ledger.samples("job")) == 12
     with pytest.raises(ValueError):
-        ledger.samples("job", status="lost")
+        ledger.samples("job", status="vanished")
 
     asked = [f"m{i:02d}" for i in range(12)] + ["other", "missing"]
     assert ledger.used_msg_ids("job", asked) == {f"m{i:02d}" for i in range(7)}

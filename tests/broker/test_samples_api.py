@@ -164,7 +164,7 @@ def test_unknown_job_is_404_and_bad_parameters_are_422_with_a_message(client, jo
         ({"offset": -1}, "offset"),
         ({"min_step": "abc"}, "min_step"),
         ({"min_reward": "nan"}, "min_reward"),
-        ({"status": "lost"}, "generated, scored, trained, dropped, evaluated"),
+        ({"status": "vanished"}, "generated, scored, trained, dropped, evaluated, lost"),
         ({"kind": "test"}, "train, eval"),
     ):
         r = c.get(f"/jobs/{job}/samples", params=params)

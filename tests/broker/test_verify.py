@@ -96,6 +96,22 @@ def test_clean_ledger_passes(ledger: Ledger) -> None:
     assert note.count == 2 and "nominal bound per trainer run 10" in note.message  # (1+1)*2*2 + 2
 
 
+def test_samples_redis_lost_are_reported_not_violations(ledger: Ledger) -> None:
+    """The in-flight group g4 was lost by Redis (the trainer settled it `lost`, as
+    trainer_svc/sink.py does), and g5 never generated (its rows written lost by the trainer): an
+    accounted loss, counted, with every invariant holding."""
+    build(ledger)
+    never = [dict(row(gid(5), i, 2), generator_id="", num_completion_tokens=0, completion="", status="lost",
+                  drop_reason="lost by Redis", trainer_version=2, staleness=0) for i in range(2)]
+    ledger.record_generated(never)
+    train(ledger, [row(gid(4), i, 2) for i in range(2)], 2, "lost")
+    res = verify(ledger, JOB)
+    assert res.ok, res.violations
+    assert res.lost == 4 and res.in_flight == 0 and res.counts["lost"] == 4
+    (note,) = [f for f in res.info if f.check == "lost"]
+    assert note.count == 4 and "Redis lost" in note.message
+
+
 def _wrong_staleness(ledger: Ledger) -> None:
     sql(ledger, update(samples_t).where(samples_t.c.msg_id == f"{gid(0)}/0").values(staleness=5))
 
@@ -109,7 +125,7 @@ def _used_without_version(ledger: Ledger) -> None:
 
 
 def _unknown_status(ledger: Ledger) -> None:
-    sql(ledger, update(samples_t).where(samples_t.c.msg_id == f"{gid(4)}/0").values(status="lost"))
+    sql(ledger, update(samples_t).where(samples_t.c.msg_id == f"{gid(4)}/0").values(status="vanished"))
 
 
 def _trained_twice(ledger: Ledger) -> None:
