@@ -1028,12 +1028,21 @@ class JobStreams:
     def length(self, stream: str) -> int:
         return int(self.r.xlen(self.key(stream)))
 
-    def group_ids(self, stream: str, page: int = 256) -> set[str]:
-        """The group ids of every message entry `stream` holds (read in bounded pages, undelivered,
-        pending and acked-not-yet-trimmed alike); entries that are not this job's messages are
-        skipped (their consumers dead-letter them)."""
+    def group_ids(self, stream: str, *, undelivered_to: str | None = None, page: int = 256) -> set[str]:
+        """The group ids of the message entries `stream` holds (read in bounded pages, undelivered,
+        pending and acked-not-yet-trimmed alike), or with `undelivered_to`, only those consumer
+        group `undelivered_to` has not been delivered yet; entries that are not this job's
+        messages are skipped (their consumers dead-letter them)."""
         out: set[str] = set()
         start = "-"
+        if undelivered_to is not None:
+            try:
+                groups = self.r.xinfo_groups(self.key(stream))
+            except ResponseError:  # no such stream: nothing in it
+                return out
+            g = next((g for g in groups if g["name"] in (undelivered_to, undelivered_to.encode())), None)
+            if g is not None:
+                start = "(" + _s(g["last-delivered-id"])
         while True:
             start, rows = self._read(stream, "range", count=page, start=start)
             for e in rows:

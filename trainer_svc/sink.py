@@ -255,9 +255,10 @@ class TrainSink:
         if not (wanted or rounds):
             return 0
         self.lost_checked_at = now
-        traces: set[str] = set()
-        for stream in (PROMPTS, ROLLOUTS, SCORED):
-            traces |= self.streams.group_ids(stream)
+        # scored entries already delivered to this trainer are here (assembler, ready, the batch):
+        # of that stream only the rest is read (it also holds trained entries until a checkpoint)
+        traces = self.streams.group_ids(PROMPTS) | self.streams.group_ids(ROLLOUTS)
+        traces |= self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
         traces |= {eval_round(g) for g in traces}  # an evaluation problem's group: a trace of its round
         traces |= self.ready.keys() | self.assembler.open.keys()
         if self.pending is not None:

@@ -124,6 +124,24 @@ def consume(s: JobStreams, consumer: str = "c1", *, count: int = 100) -> list:
     return s.consume(reader(consumer), count=count, block_ms=None)
 
 
+def test_group_ids_of_a_stream_and_of_its_undelivered_entries(js: JobStreams) -> None:
+    """What TrainSink.settle_lost reads: the group ids a stream still holds (pending, acked and not
+    yet trimmed, undelivered), or only those a consumer group has not been delivered; entries that
+    are not this job's messages are skipped. Pages end early at the read's byte budget."""
+    assert js.group_ids(PROMPTS) == set() and js.group_ids(PROMPTS, undelivered_to=G) == set()  # no stream
+    js.ensure_group(PROMPTS, G)
+    js.publish_many(PROMPTS, [prompt(i) for i in range(5)])
+    js.publish_raw(PROMPTS, {FIELD: b"not a message"})
+    js.publish(PROMPTS, prompt(9, job_id="another-job"))
+    assert js.group_ids(PROMPTS, undelivered_to=G) == {f"g-{i}" for i in range(5)}
+    got = consume(js, count=2)
+    js.ack(PROMPTS, G, [got[0].entry_id])  # acked, not trimmed: still held
+    assert js.group_ids(PROMPTS, page=2) == {f"g-{i}" for i in range(5)}
+    assert js.group_ids(PROMPTS, undelivered_to=G) == {"g-2", "g-3", "g-4"}
+    js.trim_acked(PROMPTS, G)
+    assert js.group_ids(PROMPTS) == {f"g-{i}" for i in range(1, 5)}
+
+
 # -- consumer groups -------------------------------------------------------------------------------
 
 
