@@ -295,6 +295,9 @@ class Accounting:
     trained_twice_ledger: int
     trained_twice_metric: int
     statuses: dict[str, int]
+    # groups the trainer settled `lost` (no stream held anything of them: Redis lost them, e.g. the
+    # last second of writes a SIGKILL takes from an everysec AOF): accounted, not silently gone
+    redis_lost: int = 0
 
 
 def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, checkpoint_dir: Path,
@@ -327,12 +330,14 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
         dead.update(m.group_id for m in dead_members(dl))
     journal = json.loads((checkpoint_dir / job_id / "feed-journal.json").read_text())
     in_flight = set(journal["in_flight"]) | {g for g in witness.fed if any(g.startswith(r + "/") for r in journal["open_evals"])}
-    terminal, flying, lost = 0, 0, []
+    terminal, flying, redis_lost, lost = 0, 0, 0, []
     for gid, (n, _purpose, _t) in witness.fed.items():
         mine = rows.get(gid, [])
         used = {r["sample_index"] for r in mine if r["status"] in USED_STATUSES}
         unused = [r for r in mine if r["status"] not in USED_STATUSES]
-        if len(used) == n or (gid in dead and not unused):
+        if mine and all(r["status"] == "lost" for r in mine):
+            redis_lost += 1
+        elif len(used) == n or (gid in dead and not unused):
             terminal += 1
         elif gid in in_flight:
             flying += 1
@@ -346,7 +351,7 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
     twice_ledger = sum(1 for c in pairs.values() if c > 1)
     twice_metric = int(sum(s["metrics"].get("ledger/trained_twice", 0) or 0 for s in ledger.train_steps(job_id)))
     return Accounting(len(witness.fed), terminal, flying, in_flight_bound, sorted(lost), len(dead & set(witness.fed)),
-                      twice_ledger, twice_metric, ledger.status_counts(job_id))
+                      twice_ledger, twice_metric, ledger.status_counts(job_id), redis_lost)
 
 
 def new_prefix(tag: str) -> str:

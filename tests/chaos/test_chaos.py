@@ -367,6 +367,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
     lines += ["",
               f"Totals: {acc.fed} prompt groups fed ({acc.fed * N} samples at most), {acc.terminal} terminal, "
               f"{acc.in_flight_end} in flight at the stop (bound {acc.in_flight_bound}), **{len(acc.lost)} lost**, "
+              f"{acc.redis_lost} settled lost by the trainer (Redis lost them), "
               f"{acc.dead_groups} dead-lettered groups; samples by status {acc.statuses}; trained twice: ledger "
               f"{acc.trained_twice_ledger}, `ledger/trained_twice` metric {acc.trained_twice_metric}; "
               f"dead letters by code {dict(sorted(dead_by_code.items()))}; the prompt-stream witness read "
@@ -389,7 +390,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
 
     duty_rate = figures["duty"][0]
     summary = {
-        "lost": len(acc.lost) * N, "lost_groups": len(acc.lost),
+        "lost": len(acc.lost) * N, "lost_groups": len(acc.lost), "redis_lost_groups": acc.redis_lost,
         "trained_twice": acc.trained_twice_ledger, "trained_twice_metric": acc.trained_twice_metric,
         "effective_training_time": duty_rate / base if base else None, "duty_outage_share": duty_share,
         "kills_per_role": {r: sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == r)

@@ -200,7 +200,7 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
         dead_codes[d.code] = dead_codes.get(d.code, 0) + 1
     lines = [f"multi-turn chaos: {STEPS} steps, wall {t_end - t_start:.0f} s; {acc.fed} groups fed "
              f"({len(samples)} samples generated), {acc.terminal} terminal, {acc.in_flight_end} in flight at the end, "
-             f"{len(acc.lost)} lost; samples by status {acc.statuses}; trained twice: ledger "
+             f"{len(acc.lost)} lost, {acc.redis_lost} settled lost (Redis lost them); samples by status {acc.statuses}; trained twice: ledger "
              f"{acc.trained_twice_ledger}, metric {acc.trained_twice_metric}; dead letters {dead_codes}; "
              f"reclaims {reclaims}, batches taken over from a live generator {taken_over}; "
              f"verify {'ok' if res.ok else [v.message for v in res.violations]}; asyncrl verify exit {cli.returncode}"]
