@@ -19,7 +19,7 @@ from shared.evalmetrics import episode_means, round_metrics
 from shared.ids import eval_group_id, eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
 from shared.prompts import Rendered
-from shared.schema import EvalItem, SamplingParams, pack_i32
+from shared.schema import EvalItem, SamplingParams, pack_i32, unpack_i32
 from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
 from trainer_svc.feeder import Feeder, Group
@@ -39,8 +39,9 @@ class EvalSet:
 class Round:
     name: str  # the evaluation set
     step: int  # the policy after this step is evaluated
-    expected: int  # problems still to complete (dead-lettered ones are taken off)
+    expected: int  # problems still to complete (dead-lettered or lost ones are taken off)
     groups: list[Group] = field(default_factory=list)
+    settled: set[str] = field(default_factory=set)  # problem group ids dead-lettered or lost
 
 
 def build_sets(spec: JobSpec, problems: dict[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
@@ -105,20 +106,30 @@ class Evaluator:
     def dead(self, g: Group) -> None:
         """A problem that can never complete (dead-lettered): its round expects one fewer."""
         rnd = self.rounds.get(eval_round(g.group_id))
-        if rnd is not None:
+        if rnd is not None and g.group_id not in rnd.settled:
+            rnd.settled.add(g.group_id)
             rnd.expected -= 1
 
-    def lost(self, rid: str) -> list[tuple[str, str, int, int, int]]:
-        """Round `rid` is gone from Redis before anyone generated it (TrainSink.settle_lost): it
-        is dropped, and its samples returned for the ledger as (group id, eval set, prompt index,
-        prompt tokens, n) per problem."""
-        rnd = self.rounds.pop(rid)
-        self.feeder.eval_done(rid)
+    def lost(self, rid: str, alive: set[str]) -> list[tuple[str, str, int, int, int]]:
+        """The problems of round `rid` (its entry gone from the prompts stream) of which no stream
+        holds anything and nothing arrived (TrainSink.settle_lost; `alive`: the group ids that
+        left a trace): Redis lost them. The round expects them no more (`record_complete` records
+        it with what arrived; a round of which nothing arrived is dropped here); they are returned
+        for the ledger as (group id, eval set, prompt index, prompt tokens, n)."""
+        rnd = self.rounds[rid]
         es = self.sets[rnd.name]
-        log.warning("eval %s (%s) after step %d: lost by Redis before it was generated; not measured",
-                    rid, rnd.name, rnd.step)
-        return [(eval_group_id(rid, it.prompt_index), rnd.name, it.prompt_index, len(it.prompt_ids) // 4,
-                 es.spec.sampling.n) for it in es.items]
+        arrived = {g.group_id for g in rnd.groups}
+        out = [(gid, rnd.name, it.prompt_index, len(unpack_i32(it.prompt_ids)), es.spec.sampling.n)
+               for it in es.items
+               if (gid := eval_group_id(rid, it.prompt_index)) not in alive | arrived | rnd.settled]
+        rnd.settled.update(o[0] for o in out)
+        rnd.expected -= len(out)
+        if out and not rnd.groups and rnd.expected <= 0:
+            del self.rounds[rid]
+            self.feeder.eval_done(rid)
+            log.warning("eval %s (%s) after step %d: lost by Redis before it was generated; not measured",
+                        rid, rnd.name, rnd.step)
+        return out
 
     def record_complete(self, version: int) -> None:
         """Record every round whose problems have all arrived: its samples `evaluated` in the

@@ -37,7 +37,7 @@ import torch
 
 from broker.ledger import write_isolating
 from broker.streams import GROUP_TRAINERS, PROMPTS, ROLLOUTS, SCORED, JobStreams
-from shared.ids import eval_round, group_seq, sample_ids
+from shared.ids import group_seq, sample_ids
 from shared.jobspec import JobSpec
 from shared.schema import Scored
 from trainer_svc.algorithms import is_fresh, staleness
@@ -230,7 +230,7 @@ class TrainSink:
         the prompt, or the outputs made from it; ARCHITECTURE.md, "Redis Cluster"). Nobody will
         generate them again, so waiting would be forever: their samples are recorded `lost` in
         the ledger (rows written for those never generated) and their slots freed. Returns how
-        many groups and rounds were settled.
+        many training groups and evaluation problems were settled.
 
         Looked for once a step went past a missing group (`trained_around`) or has waited
         LOST_LOOK_S for its groups, among those in flight and not ready and the open rounds; with
@@ -255,18 +255,16 @@ class TrainSink:
         if not (wanted or rounds):
             return 0
         self.lost_checked_at = now
-        # scored entries already delivered to this trainer are here (assembler, ready, the batch):
-        # of that stream only the rest is read (it also holds trained entries until a checkpoint)
-        traces = self.streams.group_ids(PROMPTS) | self.streams.group_ids(ROLLOUTS)
-        traces |= self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
-        traces |= {eval_round(g) for g in traces}  # an evaluation problem's group: a trace of its round
-        traces |= self.ready.keys() | self.assembler.open.keys()
+        # scored entries already delivered to this trainer are here (assembler, the batch; ready
+        # groups are not looked for): of that stream only the rest is read (it also holds trained
+        # entries until a checkpoint)
+        prompts = self.streams.group_ids(PROMPTS)  # a round's entry there: none of its problems is lost
+        traces = prompts | self.streams.group_ids(ROLLOUTS) | self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
+        traces |= self.assembler.open.keys()
         if self.pending is not None:
             traces |= {g.group_id for g in self.pending.groups}
         self.poll_dead(version)
         groups = sorted((g for g in wanted if g not in traces and g in self.feeder.in_flight), key=group_seq)
-        gone = [r for r in sorted(rounds) if r not in traces and r in self.evaluator.rounds
-                and not self.evaluator.rounds[r].groups]
         lost: list[tuple[str, str | None, int, int, int, int]] = []  # (group id, eval set, prompt index, prompt tokens, n, fed at)
         for g in groups:
             index, fed_at, tokens = self.feeder.fed.get(g, [-1, version, 0])  # unknown: fed by a journal before `fed`
@@ -274,14 +272,18 @@ class TrainSink:
             self.feeder.done(g)
             self.trained_around.discard(g)
             self.overtaken_since.pop(g, None)
-        for r in gone:
-            lost += [(*problem, version) for problem in self.evaluator.lost(r)]
+        problems = 0
+        for r in sorted(rounds - prompts):
+            if r in self.evaluator.rounds:
+                gone = self.evaluator.lost(r, traces)
+                problems += len(gone)
+                lost += [(*problem, version) for problem in gone]
+        self.evaluator.record_complete(version)  # rounds whose missing problems were all lost
         if lost:
             self._record_lost(lost, version)
-            log.warning("Redis lost %d training groups (%s) and %d evaluation rounds (%s) before they were generated: "
-                        "recorded lost in the ledger, their slots freed", len(groups), ", ".join(groups[:5]),
-                        len(gone), ", ".join(gone[:5]))
-        return len(groups) + len(gone)
+            log.warning("Redis lost %d training groups %s and %d evaluation problems before they were used: recorded "
+                        "lost in the ledger, their slots freed", len(groups), groups[:5], problems)
+        return len(groups) + problems
 
     def _record_lost(self, lost: list[tuple], version: int) -> None:
         """Ledger rows of lost samples: written for those never generated, moved to `lost` from

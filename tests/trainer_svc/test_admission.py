@@ -13,6 +13,7 @@ from generator_svc.service import PolicyFollower
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
 from shared.schema import (
+    EvalRound,
     Manifest,
     PolicyAnnouncement,
     PromptGroup,
@@ -335,8 +336,20 @@ def _drop_entries(streams, stream: str, gids: set[str]) -> None:
     """What a failover to a replica that never received them does: the entries of `gids` are gone."""
     key = streams.key(stream)
     for eid, fields in streams.r.xrange(key):
-        if decode(fields[b"d"], (PromptGroup, Rollout, Scored)).group_id in gids:
+        if decode(fields[b"d"], (PromptGroup, EvalRound, Rollout, Scored)).group_id in gids:
             streams.r.xdel(key, eid)
+
+
+def _lost_job(streams, tmp_path, k: int):
+    """A job with a real ledger and a hand-moved clock, its first slots fed: (job, ledger, now)."""
+    from broker.ledger import Ledger
+
+    job = _Job(streams, _spec(max_staleness=k))
+    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    now = [100.0]
+    job.sink.clock = lambda: now[0]
+    job.feeder.top_up(0, job.k)
+    return job, ledger, now
 
 
 def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_path):
@@ -344,14 +357,9 @@ def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_
     rollouts after a generator had written its rows; g2's prompt is still in the stream (being
     generated), g3 is on its way as rollouts. Only g0 and g1 are lost: their samples end `lost` in
     the ledger (g0's rows written, g1's moved), their slots are freed, and g2 and g3 stay in flight."""
-    from broker.ledger import Ledger
     from broker.streams import ROLLOUTS
 
-    job = _Job(streams, _spec(max_staleness=1))
-    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    now = [100.0]
-    job.sink.clock = lambda: now[0]
-    job.feeder.top_up(0, job.k)
+    job, ledger, now = _lost_job(streams, tmp_path, 1)
     g0, g1, g2, g3 = job.feeder.feed_order()
     index0, fed_at0, tokens0 = job.feeder.fed[g0]
     ledger.record_generated([{"msg_id": f"{g}/{i}", "job_id": "job1", "group_id": g, "sample_index": i,
@@ -383,13 +391,7 @@ def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_
 def test_a_missing_group_is_looked_for_once_trained_around(streams, tmp_path):
     """In a running job the streams are read only for groups a step went past: g0 is missing while
     g1 and g2 are ready; once the step trained around it, the next look finds it lost."""
-    from broker.ledger import Ledger
-
-    job = _Job(streams, _spec(max_staleness=1))
-    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    now = [100.0]
-    job.sink.clock = lambda: now[0]
-    job.feeder.top_up(0, job.k)
+    job, ledger, now = _lost_job(streams, tmp_path, 1)
     g0, g1, g2, _ = job.feeder.feed_order()
     _drop_entries(streams, PROMPTS, {g0})
     for gid in (g1, g2):
@@ -406,13 +408,7 @@ def test_a_missing_group_is_looked_for_once_trained_around(streams, tmp_path):
 def test_a_step_that_waits_long_looks_whether_its_groups_were_lost(streams, tmp_path):
     """Every group of the step was lost (nothing later completes, so none is trained around): after
     LOST_LOOK_S of waiting the step looks, settles both, and the refill lets the job go on."""
-    from broker.ledger import Ledger
-
-    job = _Job(streams, _spec(max_staleness=0))
-    job.sink.ledger = ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    now = [100.0]
-    job.sink.clock = lambda: now[0]
-    job.feeder.top_up(0, job.k)
+    job, ledger, now = _lost_job(streams, tmp_path, 0)
     g0, g1 = job.feeder.feed_order()
     _drop_entries(streams, PROMPTS, {g0, g1})
     assert job.step() is None
@@ -425,3 +421,38 @@ def test_a_step_that_waits_long_looks_whether_its_groups_were_lost(streams, tmp_
     job.arrive(g2, 0)
     job.arrive(g3, 0)
     assert [g.group_id for g in job.take().groups] == [g2, g3]
+
+
+def test_an_evaluation_round_waits_only_for_problems_redis_did_not_lose(streams, tmp_path):
+    """The final round of 3 problems: its entry is gone from the prompts stream (generated from),
+    problem 0 arrived, problem 1 is on its way as rollouts, problem 2's outputs were lost. The look
+    settles problem 2 `lost` and the round waits only for problem 1, then is recorded."""
+    from broker.streams import ROLLOUTS
+    from shared.ids import eval_group_id
+    from trainer_svc.evaluation import build_sets
+
+    job, ledger, now = _lost_job(streams, tmp_path, 1)
+    ledger.create_job("job1", "t", {"model_path": "m"})
+    evaluator = job.sink.evaluator
+    evaluator.ledger = ledger
+    evaluator.sets = build_sets(job.spec, {"held_out": _problems(3)}, RENDER)
+    evaluator.start_due(0, 0, final=True)
+    (rid,) = evaluator.rounds
+    n = evaluator.sets["held_out"].spec.sampling.n
+    p0, p1, p2 = (eval_group_id(rid, i) for i in range(3))
+
+    def sample(gid: str, i: int) -> Scored:
+        r = _scored(gid, i, 0, 1.0).rollout.model_copy(update={"group_size": n, "purpose": "eval", "eval_set": "held_out"})
+        return Scored(job_id="job1", msg_id=r.msg_id, group_id=gid, policy_version=0, rollout=r, reward=1.0)
+
+    job.sink.add([Delivery(f"9-{i}", sample(p0, i)) for i in range(n)], 0)
+    streams.publish_many(ROLLOUTS, [sample(p1, i).rollout for i in range(n)])
+    _drop_entries(streams, PROMPTS, {rid})
+    assert job.sink.settle_lost(0, every=True, min_interval_s=0) == 1
+    assert ledger.status_counts("job1") == {"lost": n}
+    assert evaluator.rounds[rid].expected == 2 and rid in job.feeder.open_evals  # still waiting for p1
+    job.sink.add([Delivery(f"8-{i}", sample(p1, i)) for i in range(n)], 0)
+    assert not evaluator.pending and rid not in job.feeder.open_evals
+    assert ledger.status_counts("job1") == {"lost": n}  # p0 and p1 have no generated rows here: nothing moved
+    (ev,) = ledger.evals("job1")
+    assert ev["n"] == 2 * n and ev["name"] == "held_out"  # the two problems that arrived
