@@ -1,4 +1,5 @@
-"""Start-up shared by every service: find Redis, open the ledger, wait for the job, open its streams."""
+"""What every service shares about its job: the job as a value (JobContext), why a stored spec cannot run,
+the control stream's state, a sample's ledger row. The fleet's loop over jobs is broker/fleet.py."""
 
 from __future__ import annotations
 
@@ -10,20 +11,13 @@ from pydantic import ValidationError
 
 from broker.ledger import Ledger
 from broker.ledger.rows import JobRow, SampleIn
-from broker.redis_server import redact_url, resolve_redis_url
-from broker.streams import CONTROL, JobStreams, connect
-from shared.entry import JobOver, accept_drain, drain_requested
+from broker.streams import CONTROL, JobStreams
+from shared.entry import accept_drain, drain_requested
 from shared.jobspec import JobSpec, format_validation_error
-from shared.logs import escape_control, set_context
+from shared.logs import escape_control
 from shared.schema import Control, Rollout
-from shared.settings import CommonSettings
 
 log = logging.getLogger(__name__)
-
-# States a service without JOB_ID picks a job from, and how many of the newest it looks at.
-PICKABLE_STATES = ("submitted", "running")
-PICK_SCAN = 100
-
 
 @dataclass
 class JobContext:
@@ -52,60 +46,15 @@ def fail_job(ledger: Ledger, job: JobRow, reason: str) -> None:
     ledger.set_job_state(job["id"], "failed", error=reason)
 
 
-def pick_job(ledger: Ledger) -> JobRow | None:
-    """The newest submitted or running job whose spec validates. Newer jobs whose spec does not
-    are marked failed on the way (each with a log line), so no service picks them again."""
-    for job in ledger.list_jobs(limit=PICK_SCAN, states=PICKABLE_STATES):
-        reason = spec_problem(job)
-        if reason is None:
-            return job
-        fail_job(ledger, job, reason)
-    return None
-
-
-def wait_for_job(ledger: Ledger, job_id: str | None, timeout_s: float) -> JobRow:
-    """The named job, or the newest submitted/running one that can run (`pick_job`); waits up to
-    `timeout_s` for it to appear."""
+def wait_for_job(ledger: Ledger, job_id: str, timeout_s: float) -> JobRow:
+    """The named job; waits up to `timeout_s` for it to appear (a launcher starts the services,
+    each told its JOB_ID, before it submits their job)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        job = ledger.get_job(job_id) if job_id else pick_job(ledger)
-        if job is not None:
-            return job
+    while (job := ledger.get_job(job_id)) is None:
         if time.monotonic() > deadline:
-            what = f"job {job_id!r}" if job_id else "submitted or running job"
-            raise TimeoutError(f"no {what} in the ledger after {timeout_s:.0f} s")
-        time.sleep(0.2)  # a launcher starts the services before it submits their job
-
-
-def open_job(settings: CommonSettings) -> JobContext:
-    """Find the job (JOB_ID, else `pick_job`) and open its streams.
-
-    Raises:
-        JobOver: the job's stored spec no longer validates; the job is marked failed with the
-            reason first, and the service exits 0 (restarting would not help).
-        TimeoutError: no such job appeared within `job_wait_s`.
-    """
-    url, _ = resolve_redis_url(settings.redis_url)
-    ledger = Ledger(settings.database_url)
-    job = wait_for_job(ledger, settings.job_id, settings.job_wait_s)
-    reason = spec_problem(job)
-    if reason is not None:
-        fail_job(ledger, job, reason)
-        raise JobOver(f"job {job['id']} failed: {reason}")
-    spec = JobSpec.model_validate(job["spec"])
-    set_context(job_id=job["id"])
-    streams = JobStreams(
-        connect(url),
-        job["id"],
-        prefix=settings.stream_prefix,
-        max_message_bytes=settings.max_message_bytes,
-        claim_idle_ms=settings.claim_idle_ms,
-        max_deliveries=settings.max_deliveries,
-    )
-    streams.adopt_legacy_keys()  # a job started before keys had hash tags
-    log.info("serving job %s (%s), redis %s, ledger %s", job["id"], escape_control(spec.name), redact_url(url),
-             redact_url(settings.database_url))
-    return JobContext(job["id"], spec, ledger, streams)
+            raise TimeoutError(f"no job {job_id!r} in the ledger after {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return job
 
 
 class ControlWatcher:

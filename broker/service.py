@@ -21,7 +21,7 @@ from typing import Protocol
 
 from broker.runtime import ControlWatcher
 from broker.streams import Consumer, Delivery, JobStreams
-from shared.entry import Drained
+from shared.entry import Drained, JobEnded
 from shared.metrics import Phases
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,16 @@ class ServiceLoop:
                 except Drained as exc:  # SIGTERM during a wait: leave them pending, exit drained
                     log.info("drained mid-batch (%s); %d entries left pending", exc, len(deliveries))
                     return "terminating"
+                except JobEnded as exc:  # the job ended during a wait: its entries no longer matter
+                    log.info("left the job mid-batch (%s)", exc)
+                    return self.control.state
             else:
                 self.handler.idle()
+
+    def ended(self) -> bool:
+        """Whether the job's control stream (or SIGTERM) says this service is done with it now:
+        for a wait inside the handler (a generator waiting for a policy version)."""
+        return self.control.poll() in ("stopping", "cancelled")
 
     def read(self) -> list[Delivery]:
         """The next batch: a predecessor's pending entry alone while there are any, else up to

@@ -40,8 +40,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from pydantic import ValidationError
 
+from broker.fleet import Fleet
 from broker.ledger import write_isolating
-from broker.runtime import ControlWatcher, JobContext, open_job, sample_row
+from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import (
     GROUP_GENERATORS,
@@ -57,12 +58,12 @@ from generator_svc.engine import Engine, TransferError
 from generator_svc.engine import prepare as prepare_engine
 from generator_svc.episodes import run_groups
 from generator_svc.relay import RelayConfig, RelayFollower, WeightRelay
-from shared.entry import Drained, drain_requested
+from shared.entry import Drained, JobEnded, drain_requested
 from shared.environments.episode import Codec, codec_for
 from shared.environments.registry import load_environment
 from shared.ids import sample_id
 from shared.logs import set_context
-from shared.metrics import GeneratorMetrics, serve_metrics
+from shared.metrics import GeneratorMetrics, job_registry, serve_metrics
 from shared.placement import takes_turns
 from shared.prompts import ChatMode
 from shared.schema import (
@@ -102,6 +103,8 @@ class PolicyFollower:
         self.loaded_at: float | None = None
         self._last_beat = 0.0
         self.newest: PolicyAnnouncement | None = None
+        # set by the service loop: whether the job ended (a wait for a version then gives up)
+        self.ended: Callable[[], bool] = lambda: False
         latest = streams.latest(POLICY, PolicyAnnouncement)
         self.last_id = "0"
         if latest is not None:  # a late joiner starts from the newest version, not the first
@@ -166,6 +169,8 @@ class PolicyFollower:
         """Half a second's wait for the next announcement, unless SIGTERM came (`Drained`)."""
         if drain_requested():
             raise Drained(f"SIGTERM while waiting for policy version {min_version}")
+        if self.ended():
+            raise JobEnded(f"the job ended while waiting for policy version {min_version}")
         self.poll(block_ms=500)
 
     def beat(self, every_s: float = 5.0, force: bool = False) -> None:
@@ -387,47 +392,157 @@ def probe_atol(setting: float, dtype: str, quantization: str | None) -> float:
     return setting if dtype == "float32" else max(setting, 0.1)
 
 
+# config.json keys that do not change what the engine computes (names, bookkeeping); the rest
+# (architecture, sizes, vocabulary, special token ids, rope) must match for the engine to be kept.
+_CONFIG_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                             "initializer_range", "name_or_path"})
+# Files the engine's tokenizer, chat template and generation defaults come from.
+_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*",
+                    "added_tokens.json", "generation_config.json")
+
+
+def engine_key(model_path: str, *, dtype: str, quantization: str | None, lora_rank: int | None,
+               sleep_mode: bool) -> str:
+    """What an engine built for a job must share with the next job's for the generator to keep it:
+    the model's architecture (config.json, less the keys in _CONFIG_IGNORED), its tokenizer, chat
+    template and generation defaults (those files' bytes), the engine's dtype, quantization and
+    sleep mode, and the LoRA rank. The weights are not compared: a kept engine loads the next
+    job's initial weights through the verified in-place swap (its trainer's version 0). A LoRA job
+    also keeps the same base weights (the files' names, sizes and times): its versions are
+    adapters over the engine's base, which no LoRA job changes. The context length and the rest
+    of the engine's options are this process's settings, the same for every job."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    root = Path(model_path)
+    h = hashlib.sha256()
+    config = json.loads((root / "config.json").read_text())
+    h.update(json.dumps({k: v for k, v in config.items() if k not in _CONFIG_IGNORED}, sort_keys=True).encode())
+    for pattern in _TOKENIZER_GLOBS:
+        for f in sorted(root.glob(pattern)):
+            if f.is_file():
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+    if lora_rank is not None:
+        for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(json.dumps([dtype, quantization, lora_rank, sleep_mode]).encode())
+    return h.hexdigest()[:16]
+
+
+class Engines:
+    """The generator's one engine, kept from job to job while `engine_key` matches; another
+    model is built in this same process (the old engine closed first)."""
+
+    def __init__(self, settings: GeneratorSettings):
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.key: str | None = None
+        self.builds = 0
+
+    def for_job(self, ctx: JobContext, turns: bool) -> Engine:
+        s, spec = self.settings, ctx.spec
+        dtype = spec.generator.engine_dtype(s.dtype)
+        lora_rank = None if spec.lora is None else spec.lora.rank
+        key = engine_key(spec.model_path, dtype=dtype, quantization=spec.generator.quantization,
+                         lora_rank=lora_rank, sleep_mode=turns)
+        if self.engine is not None and key == self.key:
+            log.info("keeping the engine (%s): job %s's model is compatible; its weights come by the swap",
+                     key, ctx.job_id)
+            return self.engine
+        self.close()
+        t0 = time.perf_counter()
+        self.engine = Engine(
+            spec.model_path,
+            seed=spec.seed,
+            dtype=dtype,
+            quantization=spec.generator.quantization,
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_gib=s.kv_cache_gib,
+            enforce_eager=s.enforce_eager,
+            in_process=s.engine_in_process,
+            enable_sleep_mode=turns,
+            lora_rank=lora_rank,
+        )
+        self.key, self.builds = key, self.builds + 1
+        log.info("engine %s built for job %s in %.2fs", key, ctx.job_id, time.perf_counter() - t0)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.key = None, None
+
+
+class ModelUnusable(RuntimeError):
+    """The job's model cannot be served by this generator (config, tokenizer or engine build): the job's own fault."""
+
+
 def run(settings: GeneratorSettings) -> None:
+    """Serve jobs (broker.fleet: JOB_ID's one job, else the fleet's queue) with one kept engine."""
     # vLLM's import needs no job: done first, it overlaps the API's start and the job's submission
     log.info("engine: vllm imported in %.2fs", prepare_engine(kv_cache_gib=settings.kv_cache_gib,
                                                                in_process=settings.engine_in_process))
-    ctx = open_job(settings)
-    metrics = GeneratorMetrics(serve_metrics(settings.metrics_port, "generator"), ctx.job_id)
+    registry = serve_metrics(settings.metrics_port, "generator")
     set_context(generator_id=settings.generator_id)
-    consumer = Consumer(PROMPTS, GROUP_GENERATORS, settings.generator_id, KINDS)
-    ctx.streams.ensure_group(consumer.stream, consumer.group)  # before the engine's slow start
-    turns = takes_turns(ctx.spec.placement, Engine.device_type())
-    gen = ctx.spec.generator
-    dtype = gen.engine_dtype(settings.dtype)
-    engine = Engine(
-        ctx.spec.model_path,
-        seed=ctx.spec.seed,
-        dtype=dtype,
-        quantization=gen.quantization,
-        max_model_len=settings.max_model_len,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_cache_gib=settings.kv_cache_gib,
-        enforce_eager=settings.enforce_eager,
-        in_process=settings.engine_in_process,
-        enable_sleep_mode=turns,
-        lora_rank=None if ctx.spec.lora is None else ctx.spec.lora.rank,
-    )
-    relay = start_relay(settings, ctx.streams)
+    fleet = Fleet(settings, "generator", settings.generator_id)
+    engines = Engines(settings)
     try:
-        policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id,
-                                probe_atol(settings.verify_atol, dtype, gen.quantization),
-                                settings.load_retries, metrics, relay, settings.relay_wait_s)
-        handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
-        # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
-        loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
-                           on_dead_letter=metrics.dead_letter, phases=metrics.phases)
-        log.info("generator %s ready", consumer.name)
-        state = loop.run()
-        log.info("generator %s stopping (%s)", consumer.name, state)
+        for ctx in fleet.jobs():
+            try:
+                state = serve_job(settings, ctx, engines, registry)
+            except (ModelUnusable, WeightVerificationError) as exc:
+                if settings.job_id:
+                    raise
+                fleet.failed(ctx, exc, the_jobs_fault=True)
+                engines.close()  # whatever it holds now is not a model anyone verified
+                continue
+            except Exception as exc:
+                if settings.job_id:
+                    raise
+                log.exception("generator: job %s", ctx.job_id)
+                fleet.failed(ctx, exc, the_jobs_fault=False)
+                continue
+            if state == "terminating":
+                return
+            fleet.served(ctx.job_id)
     finally:
-        if relay is not None:
-            relay.close()
-        engine.close()
+        engines.close()
+        fleet.close()
+
+
+def serve_job(settings: GeneratorSettings, ctx: JobContext, engines: Engines, registry) -> str:
+    """Generate for one job until it ends; returns the final control state (ServiceLoop.run)."""
+    with job_registry(registry) as reg:
+        metrics = GeneratorMetrics(reg, ctx.job_id)
+        consumer = Consumer(PROMPTS, GROUP_GENERATORS, settings.generator_id, KINDS)
+        ctx.streams.ensure_group(consumer.stream, consumer.group)  # before the engine's slow start
+        turns = takes_turns(ctx.spec.placement, Engine.device_type())
+        gen = ctx.spec.generator
+        dtype = gen.engine_dtype(settings.dtype)
+        try:
+            engine = engines.for_job(ctx, turns)
+        except Exception as exc:
+            raise ModelUnusable(f"the engine cannot serve model {ctx.spec.model_path!r}: {exc}") from exc
+        relay = start_relay(settings, ctx.streams)
+        try:
+            policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id,
+                                    probe_atol(settings.verify_atol, dtype, gen.quantization),
+                                    settings.load_retries, metrics, relay, settings.relay_wait_s)
+            handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
+            # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
+            loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
+                               on_dead_letter=metrics.dead_letter, phases=metrics.phases)
+            policy.ended = loop.ended
+            log.info("generator %s ready", consumer.name)
+            state = loop.run()
+            log.info("generator %s stopping (%s)", consumer.name, state)
+            return state
+        finally:
+            if relay is not None:
+                relay.close()
 
 
 def start_relay(settings: GeneratorSettings, streams: JobStreams) -> RelayFollower | None:

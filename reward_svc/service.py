@@ -13,7 +13,7 @@ reward's `on_failure`: "zero" publishes reward 0.0 with reward_status and reward
 dead-letters it (code reward_timeout / reward_error), which makes the trainer drop its group. A
 rollout with no completion tokens, or whose reward is not a finite number, goes to the dead-letter
 stream with the reason; every dead letter is counted by reason in the metrics. A plug-in that does
-not import fails the service at start-up (shared.entry marks it in the logs and exits non-zero).
+not import fails its job with the reason (broker.fleet); with JOB_ID, the service (it exits non-zero).
 
 One bad entry never costs good work. The stream boundary (broker.streams, shared.schema) refuses
 what does not validate; a rollout that validates but that the ledger refuses (a value some column
@@ -37,34 +37,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
+from broker.fleet import Fleet
 from broker.ledger import Ledger, write_isolating
-from broker.runtime import ControlWatcher, open_job, sample_row
+from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
 from shared.jobspec import JobSpec
-from shared.metrics import RewardMetrics, serve_metrics
+from shared.metrics import RewardMetrics, job_registry, serve_metrics
 from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
 from shared.rewards.base import MAX_REASON
 from shared.schema import Rollout, Scored, clean_text
 from shared.settings import RewardSettings
 
 log = logging.getLogger(__name__)
-
-
-def build_scorers(spec: JobSpec, workers: int) -> dict[str, RewardScorer]:
-    """The job's reward under "", and under its name each evaluation set's own where it sets one
-    (each with its own `workers` processes). Raises what build_scorer raises (a plug-in that does
-    not import): the service fails at start-up."""
-    scorers = {"": build_scorer(spec.reward, workers=workers)}
-    try:
-        for es in spec.eval_sets:
-            if es.reward is not None:
-                scorers[es.name] = build_scorer(es.reward, workers=workers)
-    except BaseException:
-        for s in scorers.values():
-            s.close()
-        raise
-    return scorers
 
 
 async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -> list[tuple[RewardScorer, RewardResult]]:
@@ -126,26 +111,111 @@ def record_scored(streams: JobStreams, ledger: Ledger, batch: list[tuple[Deliver
     return out
 
 
+def scorer_key(reward: object) -> str:
+    """What a kept scorer (its worker processes) must share with the next job's reward: the reward
+    spec as JSON, and the bytes of any Python file it names (an edited file is another plug-in)."""
+    import hashlib
+    import re
+    from pathlib import Path
+
+    from pydantic import TypeAdapter
+
+    from shared.rewards import RewardSpec
+
+    text = TypeAdapter(RewardSpec).dump_json(reward).decode()  # type: ignore[arg-type]
+    h = hashlib.sha256(text.encode())
+    for path in sorted(set(re.findall(r'"([^":]+\.py):[^"]*"', text))):
+        f = Path(path)
+        h.update(f.read_bytes() if f.is_file() else b"missing")
+    return h.hexdigest()[:16]
+
+
+class Scorers:
+    """The reward service's scorers (their worker pools), kept from job to job: a job whose reward
+    (or an evaluation set's) is the same plug-in as one held reuses its workers; the others are
+    built for it, and the ones no longer used are closed."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.held: dict[str, RewardScorer] = {}
+
+    def for_job(self, spec: JobSpec) -> dict[str, RewardScorer]:
+        """The job's reward under "", and under its name each evaluation set's own where it sets one.
+        Raises what build_scorer raises (a plug-in that does not import): the job's own fault."""
+        wanted = {"": spec.reward, **{es.name: es.reward for es in spec.eval_sets if es.reward is not None}}
+        keys = {name: scorer_key(r) for name, r in wanted.items()}
+        keep = {k: self.held.pop(k) for k in set(keys.values()) if k in self.held}
+        for k in list(self.held):  # plug-ins the new job does not use: their workers go
+            self.held.pop(k).close()
+        try:
+            for name, r in wanted.items():
+                if keys[name] not in keep:
+                    keep[keys[name]] = build_scorer(r, workers=self.workers)
+        finally:
+            self.held = keep
+        return {name: keep[keys[name]] for name in wanted}
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        for s in self.held.values():
+            loop.run_until_complete(s.aclose())
+        self.held.clear()
+
+
+class RewardUnusable(RuntimeError):
+    """The job's reward cannot be built (its plug-in does not import): the job's own fault."""
+
+
 def run(settings: RewardSettings) -> None:
-    ctx = open_job(settings)
-    metrics = RewardMetrics(serve_metrics(settings.metrics_port, "reward"), ctx.job_id)
-    scorers = build_scorers(ctx.spec, settings.workers)
+    """Score jobs (broker.fleet: JOB_ID's one job, else the fleet's queue) with kept worker pools."""
+    registry = serve_metrics(settings.metrics_port, "reward")
+    fleet = Fleet(settings, "reward", settings.consumer_id)
+    scorers = Scorers(settings.workers)
     loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
+        for ctx in fleet.jobs():
+            try:
+                state = serve_job(settings, ctx, scorers, loop, registry)
+            except RewardUnusable as exc:
+                if settings.job_id:
+                    raise
+                fleet.failed(ctx, exc, the_jobs_fault=True)
+                continue
+            except Exception as exc:
+                if settings.job_id:
+                    raise
+                log.exception("reward: job %s", ctx.job_id)
+                fleet.failed(ctx, exc, the_jobs_fault=False)
+                continue
+            if state == "terminating":
+                return
+            fleet.served(ctx.job_id)
+    finally:
+        scorers.close(loop)
+        loop.close()
+        fleet.close()
+
+
+def serve_job(settings: RewardSettings, ctx: JobContext, scorers: Scorers, loop: asyncio.AbstractEventLoop,
+              registry) -> str:
+    """Score one job's rollouts until it ends; returns the final control state (ServiceLoop.run)."""
+    with job_registry(registry) as reg:
+        metrics = RewardMetrics(reg, ctx.job_id)
+        try:
+            job_scorers = scorers.for_job(ctx.spec)
+        except Exception as exc:
+            raise RewardUnusable(f"the job's reward cannot be built: {exc}") from exc
         consumer = Consumer(ROLLOUTS, GROUP_REWARDERS, settings.consumer_id, Rollout)
-        handler = Scoring(ctx.streams, ctx.ledger, consumer, scorers, loop, metrics, settings.batch)
+        handler = Scoring(ctx.streams, ctx.ledger, consumer, job_scorers, loop, metrics, settings.batch)
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
         service = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
                               on_dead_letter=metrics.dead_letter, phases=metrics.phases)  # malformed, oversized, too often delivered
-        log.info("reward %s ready (%s, on_failure %s, %d workers%s)", consumer.name, scorers[""].description,
-                 scorers[""].on_failure, settings.workers,
-                 "".join(f"; eval set {k}: {s.description}" for k, s in scorers.items() if k))
+        main = job_scorers[""]
+        log.info("reward %s ready (%s, on_failure %s, %d workers%s)", consumer.name, main.description,
+                 main.on_failure, settings.workers,
+                 "".join(f"; eval set {k}: {s.description}" for k, s in job_scorers.items() if k))
         state = service.run()
         log.info("reward %s stopping (%s)", consumer.name, state)
-    finally:
-        for s in scorers.values():
-            loop.run_until_complete(s.aclose())
-        loop.close()
+        return state
 
 
 class Scoring:

@@ -46,6 +46,11 @@ class Drained(Exception):
     drained (broker/service.py ServiceLoop)."""
 
 
+class JobEnded(Exception):
+    """Raised by a wait inside a job's work when the job ended meanwhile (its trainer failed,
+    it was cancelled): the service leaves the job, and a service of the fleet takes the next."""
+
+
 def accept_drain() -> None:
     """Called by a service whose loop checks `drain_requested()`: from now on SIGTERM drains."""
     _accepting.set()

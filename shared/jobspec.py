@@ -386,6 +386,9 @@ class JobSpec(_Strict):
         default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
+    priority: int = Field(
+        0, ge=-100, le=100, description="Place in the fleet's queue: a higher priority runs first; first in, first "
+                                       "out among equal priorities. Never preempts a running job.")
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, MLflow, W&B (none by default).")
 

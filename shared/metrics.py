@@ -142,6 +142,22 @@ def _bucket_quantile(cumulative: list[tuple[float, float]], q: float) -> float:
     return lo
 
 
+@contextmanager
+def job_registry(parent: CollectorRegistry | None) -> Iterator[CollectorRegistry | None]:
+    """A registry for one job's metrics, served through `parent` (serve_metrics' registry) while
+    the job runs and dropped with it: a long-lived service builds its metrics per job without
+    registering a name twice or keeping finished jobs' series."""
+    if parent is None:
+        yield None
+        return
+    child = CollectorRegistry()
+    parent.register(child)  # type: ignore[arg-type]  # a registry collects like any collector
+    try:
+        yield child
+    finally:
+        parent.unregister(child)  # type: ignore[arg-type]
+
+
 def serve_metrics(port: int, service: str, host: str | None = None) -> CollectorRegistry | None:
     """Serve a fresh registry on `host:port`, in a daemon thread of this process.
 

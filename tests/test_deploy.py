@@ -400,7 +400,7 @@ def test_compose_init_builds_the_demo_model_and_submits_the_job(tmp_path):
         jobs = httpx.get(f"{api}/jobs", headers=headers, timeout=10).json()
         assert [j["name"] for j in jobs] == ["demo-async"], jobs
         job = httpx.get(f"{api}/jobs/{jobs[0]['id']}", headers=headers, timeout=10).json()
-        assert job["state"] == "submitted" and job["spec"]["model_path"] == str(models / "tiny-warm")
+        assert job["state"] == "queued" and job["spec"]["model_path"] == str(models / "tiny-warm")
         assert f"status page http://127.0.0.1:8000/status?job={jobs[0]['id']}" in first.stdout, first.stdout
         # a second `docker compose up`: the model is cached and the job not submitted again
         t0 = time.monotonic()

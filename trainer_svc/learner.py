@@ -236,17 +236,20 @@ FOLLOW = {
 
 def follow(settings: TrainerSettings, ranks: Ranks) -> None:
     """A rank other than 0: no Redis, no ledger, no weight server; rank 0's collective Learner
-    calls, in the order it announces them, until it announces `exit`."""
+    calls, in the order it announces them, until it announces `exit`; each `init` starts a job."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     # torchrun passes a SIGTERM to every rank: rank 0 drains (finishes its step, checkpoints, then
     # announces exit), and that needs this rank in the collectives until then.
     accept_drain()
-    first = ranks.receive()
-    if first["op"] != "init":
-        raise RuntimeError(f"rank {ranks.rank}: expected the init announcement, got {first['op']!r}")
-    spec = JobSpec.model_validate(first["spec"])
-    torch.manual_seed(spec.seed)
-    learner = Learner(spec, settings.device, ranks=ranks)
+    learner: Learner | None = None
     while (m := ranks.receive())["op"] != "exit":
+        if m["op"] == "init":  # a job begins (rank 0 serves the fleet's jobs one after another)
+            spec = JobSpec.model_validate(m["spec"])
+            torch.manual_seed(spec.seed)
+            learner = None
+            learner = Learner(spec, settings.device, ranks=ranks)
+            continue
+        if learner is None:
+            raise RuntimeError(f"rank {ranks.rank}: expected the init announcement, got {m['op']!r}")
         lookup(FOLLOW, m["op"], "announcement")(learner, m)

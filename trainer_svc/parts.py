@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from broker.fleet import LIVE_STATES
 from broker.guard_report import GUARD_ACTOR
 from broker.runtime import ControlWatcher
 from broker.streams import (
@@ -253,7 +254,7 @@ class Parts:
             self.server.close()
             return
         if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
-            ledger.set_job_state(job_id, "cancelled")
+            ledger.move_job(job_id, LIVE_STATES, "cancelled")  # a job failed by another service stays failed
             log.info("trainer cancelled at step %d (version %d)", st.step, st.version)
             self.server.close()
             return
@@ -267,7 +268,7 @@ class Parts:
         while self.evaluator.pending and time.monotonic() < deadline:
             self.take_scored(self.settings.block_ms)
             self.sink.settle_lost(st.version, every=True)
-        ledger.set_job_state(job_id, "finished" if st.step >= self.spec.steps else "stopped")
+        ledger.move_job(job_id, LIVE_STATES, "finished" if st.step >= self.spec.steps else "stopped")
         # The job is over for every service of it: generators and rewarders exit on this.
         self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("end", str(st.step)), policy_version=st.version,
                                            command="drain", reason=f"trainer finished at step {st.step}"))

@@ -13,12 +13,14 @@ what is sharded, who does what); at world size 1 the loop is all there is.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
 import numpy as np
 
-from broker.runtime import open_job
+from broker.fleet import LIVE_STATES, Fleet, fail_everywhere
+from broker.runtime import JobContext
 from broker.streams import (
     GROUP_GENERATORS,
     GROUP_REWARDERS,
@@ -27,7 +29,7 @@ from broker.streams import (
     ROLLOUTS,
     SCORED,
 )
-from shared.entry import Terminated
+from shared.entry import Terminated, drain_requested
 from shared.evalmetrics import episode_means
 from shared.logs import set_context
 from shared.settings import TrainerSettings
@@ -43,12 +45,30 @@ log = logging.getLogger(__name__)
 
 
 def run(settings: TrainerSettings) -> None:
+    """Train jobs (broker.fleet: JOB_ID's one job, else the fleet's queue, one after another, in
+    this one process: torch and the model code stay loaded)."""
     ranks = Ranks.from_env(settings.device)  # torchrun: join the process group; else world size 1
     if not ranks.is_main:
         follow(settings, ranks)
         ranks.close()
         return
-    ctx = open_job(settings)
+    fleet = Fleet(settings, "trainer", settings.consumer_id)
+    try:
+        for ctx in fleet.jobs():
+            train_job(settings, ctx, ranks)
+            fleet.served(ctx.job_id)
+            if drain_requested():
+                break  # SIGTERM: the job (checkpointed) goes on with this process's successor
+    finally:
+        fleet.close()
+    ranks.announce("exit")
+    ranks.close()
+
+
+def train_job(settings: TrainerSettings, ctx: JobContext, ranks: Ranks) -> None:
+    """One job, from its parts' build to its end state. A job that fails (its model, data or
+    reward cannot load; its loss went non-finite) is marked failed with the reason and every
+    service of it leaves it; with JOB_ID the failure also ends this process (exit 1)."""
     job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
     try:
         parts = Parts.build(settings, job_id, spec, ledger, streams, ranks)
@@ -58,11 +78,16 @@ def run(settings: TrainerSettings) -> None:
         # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
         if isinstance(exc, Terminated):
             raise  # SIGTERM: this process restarts, the job goes on (shared/entry.py)
-        state = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
-        ledger.set_job_state(job_id, state, error=None if state == "stopped" else repr(exc)[:2000])
-        raise
-    ranks.announce("exit")
-    ranks.close()
+        if isinstance(exc, KeyboardInterrupt):
+            ledger.move_job(job_id, LIVE_STATES, "stopped")
+            raise
+        log.exception("trainer: job %s failed", job_id)
+        fail_everywhere(ledger, streams, job_id, repr(exc))
+        if settings.job_id or not isinstance(exc, Exception):
+            raise
+    finally:
+        parts = None  # noqa: F841 - the job's model, optimizer and buffers go before the next job's
+        gc.collect()
 
 
 def _train(p: Parts) -> None:
@@ -70,7 +95,7 @@ def _train(p: Parts) -> None:
     taken = p.take_over()
     set_context(policy_version=st.version)
     ledger.mark_job_started(job_id)
-    ledger.set_job_state(job_id, "running")
+    ledger.move_job(job_id, LIVE_STATES, "running")
     p.publish()
     # co-located on a GPU: the trainer's state sits in host memory while generators generate
     offload = Offload.for_job(p.learner.model, p.learner.optimizer, p.learner.device, spec.placement,

@@ -35,7 +35,8 @@ class JobSummary(BaseModel):
 
     id: str
     name: str
-    state: str = Field(..., description="submitted, running, paused, stopping, stopped, finished, failed or cancelled.")
+    state: str = Field(..., description="queued, running, paused, stopping, stopped, finished, failed or cancelled.")
+    priority: int = Field(0, description="The queue's order: higher first, then first in, first out.")
     step: int = Field(..., description="Last completed trainer step; 0 before the first.")
     created_at: datetime
     updated_at: datetime
@@ -43,8 +44,61 @@ class JobSummary(BaseModel):
 
 class SubmittedJob(BaseModel):
     id: str
-    state: Literal["submitted"]
+    state: Literal["queued"]
+    position: int = Field(..., description="Its place in the queue when submitted (1: next to run).")
     spec: StoredSpec
+
+
+class QueuedJob(BaseModel):
+    """A job waiting in the fleet's queue."""
+
+    id: str
+    name: str
+    position: int = Field(..., description="1: the next job a trainer takes.")
+    priority: int
+    submitted_at: datetime
+    waiting_for: str = Field(..., description="What it waits for: the running job to end, the jobs ahead of it, "
+                                              "or a trainer (none is up).")
+
+
+class RunningJob(BaseModel):
+    """A job a trainer of the fleet runs."""
+
+    id: str
+    name: str
+    state: str = Field(..., description="running, paused or stopping.")
+    step: int
+    steps: int
+    priority: int
+    started_at: datetime | None
+
+
+class QueueView(BaseModel):
+    """The fleet's queue (GET /queue)."""
+
+    running: list[RunningJob]
+    queued: list[QueuedJob]
+    trainers: int = Field(..., description="Trainers of the fleet that are up.")
+
+
+class FleetService(BaseModel):
+    """One live service of the fleet, as its beacon says."""
+
+    role: str = Field(..., description="trainer, generator or reward.")
+    id: str
+    host: str
+    pid: int
+    job: str | None = Field(..., description="The job it serves; null: idle.")
+    state: str = Field(..., description="starting, idle or serving.")
+    since: float = Field(..., description="Unix seconds since it is in this state.")
+    jobs_served: int
+    ts: float = Field(..., description="Unix seconds of its last beat.")
+
+
+class FleetView(BaseModel):
+    """The fleet's live services (GET /fleet)."""
+
+    services: list[FleetService]
 
 
 class EvalRecord(BaseModel):

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # /metrics: per-job gauges for at most BrokerSettings.metrics_max_jobs unfinished jobs, those a
 # service works on first, then the newest submitted ones: a scrape stays small and fast however
 # many jobs are submitted.
-METRICS_JOB_STATES = (("running", "paused", "stopping"), ("submitted",))
+METRICS_JOB_STATES = (("running", "paused", "stopping"), ("queued",))
 # /health answers within this long, whatever Redis and the ledger do.
 HEALTH_TIMEOUT_S = 0.8
 

@@ -17,9 +17,10 @@ __all__ = ["JobRepository", "job_started_at"]
 
 class JobRepository(Repository):
     def create_job(
-        self, job_id: str, name: str, spec: dict[str, Any], state: str = "submitted"
+        self, job_id: str, name: str, spec: dict[str, Any], state: str = "queued", priority: int | None = None
     ) -> bool:
-        """Insert a job; returns False (and changes nothing) if `job_id` already exists."""
+        """Insert a job (its `priority`: the spec's, unless given); returns False (and changes
+        nothing) if `job_id` already exists."""
         check_one_of(state, JOB_STATES, "job state")
         now = utcnow()
         stmt = (
@@ -29,6 +30,7 @@ class JobRepository(Repository):
                 name=name,
                 spec=spec,
                 state=state,
+                priority=int(spec.get("priority", 0)) if priority is None else priority,
                 step=0,
                 created_at=now,
                 updated_at=now,
@@ -57,7 +59,41 @@ class JobRepository(Repository):
         with self._db.read() as s:
             return [cast(JobRow, dict(r)) for r in s.execute(stmt).mappings()]
 
-    def latest_job(self, states: Iterable[str] = ("submitted", "running")) -> JobRow | None:
+    def queue(self) -> list[JobRow]:
+        """The queued jobs in the order a trainer takes them: higher priority first, then first
+        in, first out."""
+        stmt = (select(jobs_t).where(jobs_t.c.state == "queued")
+                .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id))
+        with self._db.read() as s:
+            return [cast(JobRow, dict(r)) for r in s.execute(stmt).mappings()]
+
+    def claim_next(self) -> JobRow | None:
+        """Move the head of the queue to `running` and return it (None: the queue is empty).
+
+        The move is conditional (`WHERE state = 'queued'`): of two trainers claiming at once, or a
+        claim racing a cancel, exactly one wins; a loser tries the next head."""
+        while True:
+            with self._db.read() as s:
+                head = s.execute(select(jobs_t.c.id).where(jobs_t.c.state == "queued")
+                                 .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id)
+                                 .limit(1)).scalar()
+            if head is None:
+                return None
+            if self.move_job(head, ("queued",), "running"):
+                return self.get_job(head)
+
+    def move_job(self, job_id: str, from_states: Iterable[str], state: str, error: str | None = None) -> bool:
+        """Set the job's state to `state` (and its error) only if it is in one of `from_states`;
+        returns whether it was."""
+        from_states = tuple(from_states)
+        for st in (*from_states, state):
+            check_one_of(st, JOB_STATES, "job state")
+        stmt = (update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.state.in_(from_states))
+                .values(state=state, error=error, updated_at=utcnow()))
+        with self._db.write() as s:
+            return bool(s.connection().execute(stmt).rowcount)
+
+    def latest_job(self, states: Iterable[str] = ("queued", "running")) -> JobRow | None:
         """The newest job in one of `states`, or None."""
         states = tuple(states)
         for state in states:

@@ -95,11 +95,12 @@ class Base(DeclarativeBase):
 
 class Job(Base):
     __tablename__ = "jobs"
+    __table_args__ = (Index(None, "state", "priority", "created_at"),)  # the queue's head (0008)
 
     id: Mapped[str] = mapped_column(String, primary_key=True)
     name: Mapped[str] = mapped_column(String)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    state: Mapped[str] = mapped_column(String, default="submitted")
+    state: Mapped[str] = mapped_column(String, default="queued")
     # Last completed trainer step; 0 until the first one completes.
     step: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)
@@ -107,6 +108,8 @@ class Job(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # When a trainer first started the job: wall-clock curves (evaluations) count from here.
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The queue's order (JobRepository.queue): higher first, then first in, first out.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class PolicyVersion(Base):

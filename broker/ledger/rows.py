@@ -39,7 +39,8 @@ __all__ = [
     "check_one_of",
 ]
 
-JOB_STATES = ("submitted", "running", "paused", "stopping", "stopped", "finished", "failed", "cancelled")
+# A job waits `queued` until a trainer of the fleet takes it (broker/runtime.py, JobRepository.claim_next).
+JOB_STATES = ("queued", "running", "paused", "stopping", "stopped", "finished", "failed", "cancelled")
 SAMPLE_KINDS = ("train", "eval")
 SAMPLE_STATUSES = ("generated", "scored", "trained", "dropped", "evaluated", "lost")
 # Terminal sample statuses: the trainer (or evaluator) used the sample, or settled it as lost (no
@@ -79,6 +80,7 @@ class JobRow(TypedDict):
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None  # when a trainer first started the job
+    priority: int  # the queue's order: higher first, then created_at (first in, first out)
 
 
 class JobChangeRow(TypedDict):

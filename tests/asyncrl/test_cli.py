@@ -90,7 +90,7 @@ def test_submit_list_and_control_a_job(api, tmp_path):
     result = api.cli("list")
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if job in line)
-    assert "tiny" in row and "submitted" in row
+    assert "tiny" in row and "queued" in row
 
     for command, state in (("pause", "paused"), ("resume", "running")):
         result = api.cli(command, job)

@@ -57,21 +57,21 @@ def api(tmp_path) -> Iterator[Api]:
 def test_health(api: Api) -> None:
     resp = api.client.get("/health")
     assert resp.status_code == 200
-    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0007"}
+    assert resp.json() == {"ok": True, "redis": True, "ledger_revision": "0008"}
 
 
 def test_submit_valid_job(api: Api) -> None:
     resp = api.client.post("/jobs", json=SPEC)
     assert resp.status_code == 201
     body = resp.json()
-    assert set(body) == {"id", "state", "spec"}
-    assert body["state"] == "submitted"
+    assert set(body) == {"id", "state", "position", "spec"}
+    assert body["state"] == "queued" and body["position"] >= 1
     assert isinstance(body["id"], str) and len(body["id"]) >= 8
     assert body["spec"]["group_size"] == 4
     assert body["spec"]["algorithm"]["loss"] == "aipo"  # defaults filled in
     job = api.ledger.get_job(body["id"])
     assert job is not None
-    assert (job["name"], job["state"], job["spec"]) == ("tiny", "submitted", body["spec"])
+    assert (job["name"], job["state"], job["spec"]) == ("tiny", "queued", body["spec"])
 
 
 def test_each_submission_gets_its_own_id(api: Api) -> None:
@@ -142,8 +142,8 @@ def test_list_jobs(api: Api) -> None:
     jobs = api.client.get("/jobs").json()
     assert {j["id"] for j in jobs} == {first, second}
     assert [j["id"] for j in jobs] == [second, first]  # newest first
-    assert set(jobs[0]) == {"id", "name", "state", "step", "created_at", "updated_at"}
-    assert jobs[0]["name"] == "second" and jobs[0]["state"] == "submitted" and jobs[0]["step"] == 0
+    assert set(jobs[0]) == {"id", "name", "state", "priority", "step", "created_at", "updated_at"}
+    assert jobs[0]["name"] == "second" and jobs[0]["state"] == "queued" and jobs[0]["step"] == 0
     assert [j["id"] for j in api.client.get("/jobs", params={"limit": 1}).json()] == [second]
 
 
@@ -155,7 +155,7 @@ def test_job_status(api: Api) -> None:
     assert body == {
         "id": job_id,
         "name": "tiny",
-        "state": "submitted",
+        "state": "queued",
         "step": 0,
         "error": None,
         "created_at": body["created_at"],
@@ -200,6 +200,7 @@ def test_unknown_job_is_404_json(api: Api, method: str, path: str) -> None:
 def test_stop_publishes_a_control_message(api: Api) -> None:
     job_id = api.submit()
     other = api.submit()
+    api.ledger.set_job_state(job_id, "running")  # a trainer took it
     resp = api.client.post(f"/jobs/{job_id}/stop")
     assert resp.status_code == 202
     assert resp.json() == {"id": job_id, "state": "stopping"}
@@ -208,7 +209,31 @@ def test_stop_publishes_a_control_message(api: Api) -> None:
     assert (msg.command, msg.job_id, msg.policy_version) == ("stop", job_id, 0)
     assert api.controls(other) == []  # only the stopped job's stream
     assert api.client.get(f"/jobs/{job_id}").json()["state"] == "stopping"
-    assert api.ledger.get_job(other)["state"] == "submitted"
+    assert api.ledger.get_job(other)["state"] == "queued"
+
+
+def test_a_queued_job_stopped_or_cancelled_never_starts_and_cannot_be_paused(api: Api) -> None:
+    stopped, cancelled, kept = api.submit(), api.submit(), api.submit()
+    assert api.client.post(f"/jobs/{stopped}/stop").json() == {"id": stopped, "state": "stopped"}
+    assert api.controls(stopped) == []  # nothing serves it: nothing to tell
+    assert api.client.post(f"/jobs/{cancelled}/cancel").json() == {"id": cancelled, "state": "cancelled"}
+    resp = api.client.post(f"/jobs/{kept}/pause")
+    assert resp.status_code == 409 and "queued" in resp.json()["error"]
+    assert [j["id"] for j in api.ledger.queue()] == [kept]
+    assert api.ledger.claim_next()["id"] == kept  # type: ignore[index]
+    assert api.ledger.claim_next() is None
+
+
+def test_queue_shows_each_jobs_place_and_what_it_waits_for(api: Api) -> None:
+    first = api.submit()
+    urgent = api.client.post("/jobs", json={**SPEC, "priority": 10}).json()["id"]
+    last = api.submit()
+    body = api.client.get("/queue").json()
+    assert [(q["id"], q["position"]) for q in body["queued"]] == [(urgent, 1), (first, 2), (last, 3)]
+    # no trainer is up (no beacon in the fleet's hash): every queued job says so
+    assert body["trainers"] == 0 and body["running"] == []
+    assert all("no trainer is up" in q["waiting_for"] for q in body["queued"])
+    assert api.client.get("/fleet").json() == {"services": []}
 
 
 @pytest.mark.parametrize("state", ["finished", "stopped", "failed", "cancelled"])

@@ -129,7 +129,7 @@ def test_read_only_token_can_read_but_not_write(api: Api) -> None:
     listed = api.client.get("/jobs", headers=bearer(RO))
     assert listed.status_code == 200 and [j["id"] for j in listed.json()] == [job_id]
     shown = api.client.get(f"/jobs/{job_id}", headers=bearer(RO))
-    assert shown.status_code == 200 and shown.json()["state"] == "submitted"
+    assert shown.status_code == 200 and shown.json()["state"] == "queued"
 
     resp = api.client.post("/jobs", json=SPEC, headers=bearer(RO))
     assert resp.status_code == 403
@@ -138,7 +138,7 @@ def test_read_only_token_can_read_but_not_write(api: Api) -> None:
     assert resp.status_code == 403
     assert "read-only" in resp.json()["error"]
     assert [j["id"] for j in api.ledger.list_jobs()] == [job_id]
-    assert api.ledger.get_job(job_id)["state"] == "submitted"  # type: ignore[index]
+    assert api.ledger.get_job(job_id)["state"] == "queued"  # type: ignore[index]
 
 
 @pytest.mark.parametrize("token", [RW, "rw-secret-2"])
@@ -146,6 +146,7 @@ def test_read_write_token_can_do_everything(api: Api, token: str) -> None:
     job_id = api.submit(token)
     assert api.client.get("/jobs", headers=bearer(token)).status_code == 200
     assert api.client.get(f"/jobs/{job_id}", headers=bearer(token)).status_code == 200
+    api.ledger.set_job_state(job_id, "running")  # a trainer took it
     resp = api.client.post(f"/jobs/{job_id}/stop", headers=bearer(token))
     assert resp.status_code == 202 and resp.json() == {"id": job_id, "state": "stopping"}
 
@@ -167,7 +168,7 @@ def test_openapi_declares_bearer_on_job_routes_only(api: Api) -> None:
     assert spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     for path, ops in spec["paths"].items():
         for op in ops.values():
-            protected = path.startswith(("/jobs", "/tasks/"))
+            protected = path.startswith(("/jobs", "/tasks/", "/queue", "/fleet"))
             expected = [{"HTTPBearer": []}] if protected else None
             assert op.get("security") == expected, (path, op)
 

@@ -41,8 +41,10 @@ def _controls(streams: JobStreams, job_id: str) -> list[Control]:
 
 
 def _job(c: TestClient) -> str:
+    """A submitted job that a trainer of the fleet took (running): the one live commands are for."""
     r = c.post("/jobs", json=SPEC)
     assert r.status_code == 201, r.text
+    c.app.state.api.ledger.set_job_state(r.json()["id"], "running")  # type: ignore[attr-defined]
     return r.json()["id"]
 
 

@@ -34,12 +34,12 @@ import pytest
 from hostile_results import record_hostile
 from sqlalchemy.engine import make_url
 
+from broker.fleet import Fleet
 from broker.ledger import Ledger
-from broker.runtime import open_job, wait_for_job
 from broker.streams import connect
 from shared.entry import JobOver, run_service
 from shared.metrics import serve_metrics
-from shared.settings import RewardSettings
+from shared.settings import RewardSettings, TrainerSettings
 
 pytestmark = [pytest.mark.hostile, pytest.mark.integration]
 
@@ -264,20 +264,27 @@ def _poisoned_spec() -> dict[str, Any]:
     return {**SPEC, "algorithm": {"lr": None}}
 
 
-def test_a_service_without_job_id_skips_an_unrunnable_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fleet_service_skips_an_unrunnable_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("STREAM_PREFIX", f"t-{uuid4().hex[:8]}:")
+    monkeypatch.delenv("JOB_ID", raising=False)
     with Ledger(url) as ledger:
-        ledger.create_job("good", "good", SPEC)
-        time.sleep(0.01)  # newest first by created_at
         ledger.create_job("poisoned", "evil\n2026-01-01 00:00:00 INFO FORGED", _poisoned_spec())
+        time.sleep(0.01)  # first in, first out by created_at: the poisoned job is the queue's head
+        ledger.create_job("good", "good", SPEC)
+    fleet = Fleet(TrainerSettings(), "trainer", "t0")
+    try:
         with caplog.at_level(logging.ERROR, logger="broker.runtime"):
-            job = wait_for_job(ledger, None, timeout_s=0)
-        assert job["id"] == "good"
-        bad = ledger.get_job("poisoned")
+            assert fleet._next()["id"] == "good"
+        bad = fleet.ledger.get_job("poisoned")
         assert bad["state"] == "failed"
         assert "algorithm.lr" in bad["error"] and "does not validate" in bad["error"]
-        # A second service start does not look at it again.
-        assert wait_for_job(ledger, None, timeout_s=0)["id"] == "good"
+        assert fleet.ledger.get_job("good")["state"] == "running"  # claimed from the queue
+    finally:
+        fleet.close()
     (record,) = [r for r in caplog.records if "poisoned" in r.getMessage()]
     assert "\n" not in record.getMessage() and "evil\\n2026" in record.getMessage()  # not a forged line
 
@@ -291,13 +298,17 @@ def test_a_service_whose_job_no_longer_validates_fails_it_and_exits_0(
     monkeypatch.setenv("DATABASE_URL", url)
     monkeypatch.setenv("REDIS_URL", REDIS_URL)
     monkeypatch.setenv("JOB_ID", "poisoned")
-    with pytest.raises(JobOver, match="algorithm.lr"):
-        open_job(RewardSettings())
+    fleet = Fleet(RewardSettings(), "reward", "r0")
+    try:
+        with pytest.raises(JobOver, match="algorithm.lr"):
+            next(fleet.jobs())
+    finally:
+        fleet.close()
     # The whole service start, as `python -m reward_svc` runs it: exit 0, so no restart loop.
     monkeypatch.setattr("shared.entry.setup_logging", lambda *a, **k: None)  # keep pytest's log capture
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
-        assert run_service("reward", RewardSettings, "broker.runtime:open_job") == 0
+        assert run_service("reward", RewardSettings, "reward_svc.service:run") == 0
     finally:
         signal.signal(signal.SIGTERM, sigterm)
     with Ledger(url, migrate=False) as ledger:
@@ -542,7 +553,7 @@ def test_health_is_a_fast_503_when_redis_is_down(dead_redis_server: Server) -> N
     assert resp.status_code == 503 and seconds < 3.0, (resp.status_code, seconds)
     body = resp.json()
     assert body["ok"] is False and body["redis"] is False and "redis" in body["error"]
-    assert body["ledger_revision"] == "0007"
+    assert body["ledger_revision"] == "0008"
     SEEN.figures["health_redis_down_s"] = round(seconds, 3)
 
 

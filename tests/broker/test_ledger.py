@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from broker.ledger.jobs import JobRepository
 from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0007"
+HEAD = "0008"
 TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
 
 
@@ -179,7 +180,7 @@ def test_jobs(ledger: Ledger) -> None:
     assert (job["name"], job["spec"], job["state"], job["step"]) == (
         "first",
         {"lr": 1e-6, "tags": ["a"]},
-        "submitted",
+        "queued",
         0,
     )
     assert job["created_at"].tzinfo is not None
@@ -205,12 +206,49 @@ def test_jobs(ledger: Ledger) -> None:
     assert (job["state"], job["step"], job["error"]) == ("running", 3, None)
     assert job["updated_at"] >= job["created_at"]
 
-    with pytest.raises(ValueError, match="submitted"):
+    with pytest.raises(ValueError, match="queued"):
         ledger.set_job_state("j1", "exploded")
     with pytest.raises(LookupError):
         ledger.set_job_state("ghost", "running")
     with pytest.raises(LookupError):
         ledger.set_job_step("ghost", 1)
+
+
+def test_the_queue_is_priority_then_first_in_first_out(ledger: Ledger) -> None:
+    for job_id, priority in (("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -1)):
+        ledger.create_job(job_id, job_id, {"priority": priority})
+        time.sleep(0.002)  # distinct created_at
+    assert [j["id"] for j in ledger.queue()] == ["b", "d", "a", "c", "e"]
+    assert ledger.move_job("a", ("queued",), "cancelled")  # taken out of line: never claimed
+    assert not ledger.move_job("a", ("queued",), "running")  # no second effect
+    claimed = [ledger.claim_next()["id"] for _ in range(4)]  # type: ignore[index]
+    assert claimed == ["b", "d", "c", "e"]
+    assert ledger.claim_next() is None
+    assert {j["id"]: j["state"] for j in ledger.list_jobs()} == {
+        "a": "cancelled", "b": "running", "c": "running", "d": "running", "e": "running"}
+    # an end state is not left by a conditional move from the live states
+    assert ledger.move_job("b", ("queued", "running"), "failed", error="boom")
+    assert not ledger.move_job("b", ("queued", "running"), "cancelled")
+    assert ledger.get_job("b")["error"] == "boom"  # type: ignore[index]
+
+
+def test_two_claims_at_once_take_different_jobs(ledger: Ledger) -> None:
+    for i in range(6):
+        ledger.create_job(f"j{i}", "j", {})
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def claim() -> None:
+        while (job := ledger.claim_next()) is not None:
+            with lock:
+                got.append(job["id"])
+
+    threads = [threading.Thread(target=claim) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == [f"j{i}" for i in range(6)]  # each once
 
 
 # -- samples -------------------------------------------------------------------------------------
@@ -498,8 +536,12 @@ def test_two_ledgers_write_concurrently(ledger_url: str) -> None:
 def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     old = Ledger(ledger_url, migrate=False)
     old.upgrade("0001")  # a database created by the first release
-    old.create_job("j1", "old", {"model_path": "m"})
-    with old.engine.begin() as conn:  # a sample and an evaluation as 0001 stored them
+    with old.engine.begin() as conn:  # a job, a sample and an evaluation as 0001 stored them
+        conn.execute(
+            text("INSERT INTO jobs (id, name, spec, state, step, created_at, updated_at) "
+                 "VALUES ('j1', 'old', '{\"model_path\": \"m\"}', 'submitted', 0, :t, :t)"),
+            {"t": datetime.now(timezone.utc)},
+        )
         conn.execute(
             text("INSERT INTO samples (msg_id, job_id, group_id, sample_index, kind, prompt_index, generator_id, "
                  "gen_version_min, gen_version_max, num_prompt_tokens, num_completion_tokens, completion, status, "
@@ -516,6 +558,9 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     new = Ledger(ledger_url)  # upgrades to head on open
     assert new.current_revision() == HEAD
     assert new.get_job("j1")["name"] == "old" and new.status_counts("j1") == {"generated": 1}
+    # 0008: a job stored as `submitted` waits in the queue, at priority 0
+    assert (new.get_job("j1")["state"], new.get_job("j1")["priority"]) == ("queued", 0)
+    assert [j["id"] for j in new.queue()] == ["j1"]
     # 0004 re-keys evals by (job, step, source): the old row is the pipeline's, and a checkpoint
     # evaluation of the same step is a second row beside it
     (row,) = new.evals("j1")

@@ -123,7 +123,7 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
             while not cond():
                 bad = stack.unexpected_exits()
                 assert not bad, "\n".join(bad)
-                assert ledger.get_job(job_id)["state"] in ("submitted", "running"), f"{what}: {ledger.get_job(job_id)}"
+                assert ledger.get_job(job_id)["state"] in ("queued", "running"), f"{what}: {ledger.get_job(job_id)}"
                 assert time.monotonic() < deadline, (f"timed out: {what}\n{sup.tail(stack.procs['trainer-0'].name, 30)}"
                                                      f"\n{sup.tail(stack.procs['gen-0'].name, 30)}")
                 time.sleep(poll_s)

@@ -23,15 +23,20 @@ router = APIRouter(tags=["control"], responses=error_responses(403, 404, 409, 42
 
 @router.post("/jobs/{job_id}/stop", status_code=202, response_model=StateChange)
 def stop(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
-    """Drain: the trainer finishes its current step, then every service of the job exits."""
+    """Drain: the trainer finishes its current step and the final evaluation, then every service
+    of the job leaves it. A queued job is stopped at once: it never starts."""
     live_job(ledger, job_id, "stop")
+    if ledger.move_job(job_id, ("queued",), "stopped"):
+        ledger.record_change(job_id, actor, {"command": "stop"})
+        return {"id": job_id, "state": "stopped"}
     send_control(ledger, streams, job_id, actor, "stop", "stopping")
     return {"id": job_id, "state": "stopping"}
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=StateChange)
 def cancel(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
-    """Immediate: services exit without finishing the step or evaluating."""
+    """Immediate: services leave the job without finishing the step or evaluating; a queued job
+    never starts."""
     live_job(ledger, job_id, "cancel")
     send_control(ledger, streams, job_id, actor, "cancel", "cancelled")
     return {"id": job_id, "state": "cancelled"}
@@ -43,6 +48,9 @@ def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> 
     job = live_job(ledger, job_id, "pause")
     if job["state"] == "paused":
         raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
+    if job["state"] == "queued":
+        raise HTTPException(409, f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel "
+                                 "takes it out of the queue)")
     send_control(ledger, streams, job_id, actor, "pause", "paused")
     return {"id": job_id, "state": "paused"}
 

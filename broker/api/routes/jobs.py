@@ -32,7 +32,8 @@ def submit(
         "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
         "Lets a launcher start the job's services before the API is up, each told its JOB_ID."))] = None,
 ) -> dict[str, Any]:
-    """Submit a job; the services that watch for new jobs pick it up (409 when `job_id` is taken)."""
+    """Queue a job; the fleet's trainer takes it when the jobs ahead of it (higher priority, or
+    submitted earlier) are done (409 when `job_id` is taken). GET /queue shows its place."""
     try:
         stored = storable(spec)
     except ValueError as exc:
@@ -41,7 +42,8 @@ def submit(
     if not ledger.create_job(job_id, spec.name, stored):
         raise HTTPException(409, f"job '{job_id}' already exists; choose another id")
     log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), actor)
-    return {"id": job_id, "state": "submitted", "spec": stored}
+    position = next((i for i, j in enumerate(ledger.queue(), start=1) if j["id"] == job_id), 0)
+    return {"id": job_id, "state": "queued", "position": position, "spec": stored}
 
 
 @router.get("/jobs", response_model=list[JobSummary], responses=error_responses(422))

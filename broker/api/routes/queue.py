@@ -1,0 +1,26 @@
+"""The fleet and its queue: which jobs run, which wait and for what, and which services serve them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from broker.api.deps import ContextDep, LedgerDep
+from broker.api.models import FleetView, QueueView
+from broker.fleet import fleet_members, queue_view
+
+router = APIRouter(tags=["queue"])
+
+
+@router.get("/queue", response_model=QueueView)
+def queue(ledger: LedgerDep, ctx: ContextDep) -> dict[str, Any]:
+    """The running jobs, and every queued job in the order the fleet takes them (priority, then
+    first in, first out) with its position and what it waits for."""
+    return queue_view(ledger, fleet_members(ctx.redis, ctx.settings.stream_prefix))
+
+
+@router.get("/fleet", response_model=FleetView)
+def fleet(ctx: ContextDep) -> dict[str, Any]:
+    """The fleet's live services: role, id, host, the job each serves (null: idle) and since when."""
+    return {"services": fleet_members(ctx.redis, ctx.settings.stream_prefix)}

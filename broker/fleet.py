@@ -1,0 +1,251 @@
+"""The standing fleet: long-lived services that serve the ledger's queue of jobs one after another.
+
+A service started without JOB_ID is one of the fleet (ARCHITECTURE.md, "The fleet and its queue").
+It keeps what is expensive for its whole life (the ledger's engine, the Redis client, and in the
+role's own code the vLLM engine, torch and the model code, the reward pool) and takes its jobs as
+values from `Fleet.jobs()`:
+
+- the trainer takes the job a trainer left unfinished (running, paused or stopping: it died or was
+  restarted; resumed from its checkpoint), else claims the head of the queue (`queued` ->
+  `running`, priority first, then first in, first out: JobRepository.claim_next);
+- generators and reward services follow the oldest job a trainer runs.
+
+A job a service cannot serve for a reason of the job's own (its spec no longer validates, its model
+cannot be loaded by the engine, its reward plug-in does not import) fails alone with that reason
+(`fail_everywhere`: state `failed`, and a `cancel` on its control stream so every service of it
+leaves), and the fleet goes on with the next. Started with JOB_ID, a service serves that one job
+and exits, as before the fleet (the launcher's `--spec`).
+
+Every process of the fleet says what it does in one Redis hash (`<prefix>fleet`, a field per
+service, JSON with a timestamp: `Beacon`), which GET /fleet and GET /queue read: a queue with no
+trainer up says so instead of waiting in silence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from broker.ledger import Ledger
+from broker.ledger.rows import JobRow
+from broker.redis_server import redact_url, resolve_redis_url
+from broker.runtime import JobContext, fail_job, spec_problem, wait_for_job
+from broker.streams import CONTROL, JobStreams, connect
+from shared.entry import JobOver, accept_drain, drain_requested
+from shared.ids import control_id
+from shared.jobspec import JobSpec
+from shared.logs import escape_control, set_context
+from shared.schema import Control
+from shared.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+# A job its generators and reward services serve: a trainer took it and has not ended it.
+SERVED_STATES = ("running", "paused", "stopping")
+LIVE_STATES = ("queued", *SERVED_STATES)
+BEAT_S = 2.0  # how often a service of the fleet refreshes its entry
+STALE_S = 15.0  # an entry older than this is a service that is gone
+POLL_S = 0.2  # how often an idle service looks for its next job
+FLEET_KEY = "fleet"
+
+
+def fail_everywhere(ledger: Ledger, streams: JobStreams, job_id: str, reason: str) -> None:
+    """The job cannot run for a reason of its own: `failed` with `reason` (unless it already
+    ended), and a `cancel` on its control stream, so every service serving it leaves it now."""
+    if ledger.move_job(job_id, LIVE_STATES, "failed", error=reason[:2000]):
+        log.error("job %s failed: %s", job_id, escape_control(reason))
+    streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("cancel", uuid.uuid4().hex[:8]),
+                                     policy_version=0, command="cancel", reason=reason[:500]))
+
+
+class Beacon:
+    """This process's entry in the fleet's hash: role, what it serves, since when; refreshed every
+    BEAT_S by a daemon thread, removed when the process ends well."""
+
+    def __init__(self, redis: Any, prefix: str, role: str, service_id: str):
+        self.redis, self.key, self.field = redis, f"{prefix}{FLEET_KEY}", f"{role}:{service_id}"
+        self.entry: dict[str, Any] = {"role": role, "id": service_id, "host": socket.gethostname(),
+                                      "pid": os.getpid(), "job": None, "state": "starting",
+                                      "since": time.time(), "jobs_served": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleet-beacon", daemon=True)
+        self._thread.start()
+
+    def set(self, state: str, job: str | None) -> None:
+        if (state, job) != (self.entry["state"], self.entry["job"]):
+            self.entry.update(state=state, job=job, since=time.time())
+            self.beat()
+
+    def beat(self) -> None:
+        try:
+            self.redis.hset(self.key, self.field, json.dumps({**self.entry, "ts": time.time()}))
+        except Exception as exc:  # a beacon never takes a service down; the next beat retries
+            log.debug("fleet beacon: %s", exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.redis.hdel(self.key, self.field)
+        except Exception as exc:
+            log.debug("fleet beacon: %s", exc)
+
+
+def fleet_members(redis: Any, prefix: str, now: float | None = None) -> list[dict[str, Any]]:
+    """The fleet's live services (entries refreshed within STALE_S), by role then id; entries of
+    services gone for an hour are removed on the way."""
+    now = time.time() if now is None else now
+    key = f"{prefix}{FLEET_KEY}"
+    out, gone = [], []
+    for field, raw in redis.hgetall(key).items():
+        try:
+            entry = json.loads(raw)
+            age = now - float(entry["ts"])
+        except (ValueError, KeyError, TypeError):
+            gone.append(field)
+            continue
+        if age > 3600:
+            gone.append(field)
+        elif age <= STALE_S:
+            out.append(entry)
+    if gone:
+        redis.hdel(key, *gone)
+    return sorted(out, key=lambda e: (str(e.get("role")), str(e.get("id"))))
+
+
+def queue_view(ledger: Ledger, members: list[dict[str, Any]]) -> dict[str, Any]:
+    """GET /queue: the running jobs, and each queued job's place in line and what it waits for."""
+    running = ledger.list_jobs(limit=1000, states=SERVED_STATES)
+    trainers = [m for m in members if m.get("role") == "trainer"]
+    idle = [m for m in trainers if m.get("job") is None]
+    queued = ledger.queue()
+    out = []
+    for pos, job in enumerate(queued, start=1):
+        if not trainers:
+            why = "no trainer is up: start the fleet (python -m asyncrl.launch) or a trainer (python -m trainer_svc)"
+        elif pos > len(idle):
+            ahead = [j["id"] for j in running][: len(trainers)] if pos == 1 else [q["id"] for q in queued[: pos - 1]]
+            why = (f"job {ahead[0]} to end" if pos == 1 and ahead else f"{pos - 1} job(s) ahead of it")
+        else:
+            why = "a trainer to take it (now)"
+        out.append({"id": job["id"], "name": job["name"], "position": pos, "priority": job["priority"],
+                    "submitted_at": job["created_at"], "waiting_for": why})
+    return {
+        "running": [{"id": j["id"], "name": j["name"], "state": j["state"], "step": j["step"],
+                     "steps": int(j["spec"].get("steps", 0)) if isinstance(j["spec"], dict) else 0,
+                     "priority": j["priority"], "started_at": j["started_at"]} for j in running],
+        "queued": out,
+        "trainers": len(trainers),
+    }
+
+
+class Fleet:
+    """A long-lived service's link to the fleet: the ledger and Redis client it keeps, and the jobs
+    it serves (`jobs`). `role` is trainer, generator or reward; `service_id` names it in the fleet."""
+
+    def __init__(self, settings: CommonSettings, role: str, service_id: str):
+        self.settings, self.role = settings, role
+        self.url, _ = resolve_redis_url(settings.redis_url)
+        self.ledger = Ledger(settings.database_url)
+        self.redis = connect(self.url)
+        self.done: set[str] = set()  # jobs this process served to their end (never taken again)
+        self.attempts: dict[str, int] = {}
+        self.beacon = Beacon(self.redis, settings.stream_prefix, role, service_id)
+
+    def close(self) -> None:
+        self.beacon.close()
+
+    def jobs(self) -> Iterator[JobContext]:
+        """The jobs to serve, one at a time, each as a fresh JobContext: with JOB_ID, that job
+        once (JobOver if its spec no longer validates); else the fleet's, until SIGTERM."""
+        if self.settings.job_id:
+            job = wait_for_job(self.ledger, self.settings.job_id, self.settings.job_wait_s)
+            reason = spec_problem(job)
+            if reason is not None:
+                fail_job(self.ledger, job, reason)
+                raise JobOver(f"job {job['id']} failed: {reason}")
+            self.beacon.set("serving", job["id"])
+            yield self.open(job)
+            return
+        accept_drain()  # SIGTERM between jobs: exit at once, 0
+        log.info("%s serving the fleet's queue (redis %s, ledger %s)", self.role, redact_url(self.url),
+                 redact_url(self.settings.database_url))
+        while (nxt := self._next()) is not None:
+            ctx = self.open(nxt)
+            self.beacon.set("serving", nxt["id"])
+            try:
+                yield ctx
+            finally:
+                self.beacon.set("idle", None)
+                self.beacon.entry["jobs_served"] += 1
+                set_context(job_id=None, policy_version=None)
+
+    def served(self, job_id: str) -> None:
+        """The job is over for this service: never taken again by it."""
+        self.done.add(job_id)
+        self.attempts.pop(job_id, None)
+
+    def failed(self, ctx: JobContext, exc: BaseException, *, the_jobs_fault: bool) -> None:
+        """Serving `ctx`'s job raised `exc`. The job's own fault (its model, data or plug-in): the
+        job fails with the reason. Otherwise it is retried (this service takes it again after a
+        pause), and failed after 3 attempts in a row."""
+        n = self.attempts[ctx.job_id] = self.attempts.get(ctx.job_id, 0) + 1
+        reason = f"{self.role}: {type(exc).__name__}: {exc}"
+        if the_jobs_fault or n >= 3:
+            fail_everywhere(self.ledger, ctx.streams, ctx.job_id, reason)
+            self.served(ctx.job_id)
+        else:
+            log.error("job %s: %s (attempt %d of 3; taking it again)", ctx.job_id, escape_control(reason), n)
+            time.sleep(min(5.0, 0.5 * 2**n))
+
+    def open(self, job: JobRow) -> JobContext:
+        spec = JobSpec.model_validate(job["spec"])
+        set_context(job_id=job["id"])
+        s = self.settings
+        streams = JobStreams(self.redis, job["id"], prefix=s.stream_prefix, max_message_bytes=s.max_message_bytes,
+                             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries)
+        streams.adopt_legacy_keys()
+        log.info("serving job %s (%s)", job["id"], escape_control(spec.name))
+        return JobContext(job["id"], spec, self.ledger, streams)
+
+    def _next(self) -> JobRow | None:
+        """The next job for this role, waiting for one; None once SIGTERM came."""
+        pick: Callable[[], JobRow | None] = self._take if self.role == "trainer" else self._follow
+        self.beacon.set("idle", None)
+        waited = time.monotonic()
+        while not drain_requested():
+            job = pick()
+            if job is not None:
+                reason = spec_problem(job)
+                if reason is None:
+                    return job
+                fail_job(self.ledger, job, reason)
+                self.served(job["id"])
+                continue
+            if time.monotonic() - waited > 300:
+                log.info("%s idle: no job to serve", self.role)
+                waited = time.monotonic()
+            time.sleep(POLL_S)
+        return None
+
+    def _take(self) -> JobRow | None:
+        """Trainer: a job a trainer left unfinished (oldest first), else the head of the queue."""
+        left = [j for j in self.ledger.list_jobs(limit=1000, states=SERVED_STATES) if j["id"] not in self.done]
+        if left:
+            return min(left, key=lambda j: (j["created_at"], j["id"]))
+        return self.ledger.claim_next()
+
+    def _follow(self) -> JobRow | None:
+        """Generator, reward: the oldest job a trainer runs."""
+        live = [j for j in self.ledger.list_jobs(limit=1000, states=SERVED_STATES) if j["id"] not in self.done]
+        return min(live, key=lambda j: (j["created_at"], j["id"])) if live else None
