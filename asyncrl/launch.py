@@ -4,8 +4,10 @@ Processes only talk through Redis and the ledger; this module just starts them w
 environment, watches them, and stops them (SIGTERM, then SIGKILL after a grace period).
 
 `python -m asyncrl.launch --generators 2` starts the broker API, two generators, the reward
-service and the trainer (`--admin` adds the Celery admin worker); `--roles` picks a subset for
-one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`, the
+service and the trainer (`--admin` adds the Celery admin worker) as a standing fleet: they serve
+the queue of jobs submitted to the API, one after another, until stopped (`--exit-when-idle`:
+until nothing is queued or running, for scripts). `--spec FILE` runs that one job and exits;
+`--roles` picks a subset for one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`, the
 default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
 back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
@@ -29,7 +31,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -184,7 +186,8 @@ def _killpg(pgid: int) -> None:
 
 ROLES = ("broker", "generator", "reward", "trainer", "admin")
 DEFAULT_ROLES = ("broker", "generator", "reward", "trainer")
-# Processes that serve until they are stopped; the others exit when their job ends.
+# Processes that serve until they are stopped; with one job (--spec, --job-id) the others exit
+# when their job ends, and in a fleet every process is long-lived.
 LONG_LIVED = ("broker", "admin")
 
 
@@ -245,22 +248,26 @@ def plan(
 
 
 def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5,
-              policy: RestartPolicy = RestartPolicy()) -> int:
+              policy: RestartPolicy = RestartPolicy(), long_lived: Sequence[str] = LONG_LIVED,
+              idle: Callable[[], bool] | None = None) -> int:
     """Watch `sup`'s processes until the job's services are all done, one fails past `policy`,
-    or `stop` is set. A failed process (non-zero exit, or a long-lived one exiting at all) is
-    restarted when `policy` allows, with the reason logged.
+    `idle()` says the fleet has nothing left to do, or `stop` is set. A failed process (non-zero
+    exit, or one of `long_lived` exiting at all) is restarted when `policy` allows, with the
+    reason logged.
 
     Returns:
         1 when a process failed and was not restarted, 0 when every job service (generator,
-        reward, trainer) exited 0, 130 when `stop` was set. Stops nothing: the caller calls
-        `sup.stop_all()`.
+        reward, trainer) exited 0 or `idle()` answered True, 130 when `stop` was set. Stops
+        nothing: the caller calls `sup.stop_all()`.
     """
+    long_lived = tuple(long_lived)
+    last_idle_check = 0.0
     due: dict[str, float] = {}  # name -> monotonic time of its pending restart
     while not stop.wait(poll_s):
         now = time.monotonic()
         for p in list(sup.procs):
             code = p.popen.poll()
-            if code is None or (code == 0 and p.name not in LONG_LIVED):
+            if code is None or (code == 0 and not any(p.name.startswith(n) for n in long_lived)):
                 continue
             if p.name in due:
                 if now >= due[p.name]:
@@ -278,11 +285,38 @@ def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5,
             log.warning("%s exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
                         p.name, code, delay, p.log_path, sup.tail(p.name, 10))
             due[p.name] = now + delay
-        job_procs = [p for p in sup.procs if p.name not in LONG_LIVED]
+        job_procs = [p for p in sup.procs if not any(p.name.startswith(n) for n in long_lived)]
         if job_procs and not due and all(p.popen.poll() == 0 for p in job_procs):
             log.info("every job service exited 0: the job is over")
             return 0
+        if idle is not None and now - last_idle_check >= 2.0:
+            last_idle_check = now
+            if idle():
+                log.info("no job is queued or running: the fleet exits (--exit-when-idle)")
+                return 0
     return 130
+
+
+class QueueEmpty:
+    """`--exit-when-idle`: True once the API's queue shows nothing queued or running, after the
+    fleet ran a job or `grace_s` passed since the start (a script submits after the launch)."""
+
+    def __init__(self, api: str, grace_s: float = 60.0):
+        self.api, self.deadline, self.seen = api, time.monotonic() + grace_s, False
+
+    def __call__(self) -> bool:
+        import httpx
+
+        try:
+            resp = httpx.get(f"{self.api}/queue", headers=_auth_headers(), timeout=5)
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return False
+        if not isinstance(body, dict):
+            return False
+        busy = bool(body.get("running") or body.get("queued"))
+        self.seen |= busy
+        return not busy and (self.seen or time.monotonic() > self.deadline)
 
 
 def wait_healthy(
@@ -311,16 +345,20 @@ def wait_healthy(
     raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s; see {sup.logdir / name}.log")
 
 
-def _submit(api: str, spec_path: Path, job_id: str | None = None) -> str:
-    """Submit a job spec file to the API (as `job_id`, when given); returns the job id."""
-    import httpx
-
+def _auth_headers() -> dict[str, str]:
+    """A read-write token of this box's API (BROKER_TOKENS...), if it has any."""
     from broker.api import configured_tokens
     from shared.settings import BrokerSettings
 
     rw = [t for t, role in configured_tokens(BrokerSettings()).items() if role == "rw"]
-    headers = {"Authorization": f"Bearer {rw[0]}"} if rw else {}
-    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=headers, timeout=30,
+    return {"Authorization": f"Bearer {rw[0]}"} if rw else {}
+
+
+def _submit(api: str, spec_path: Path, job_id: str | None = None) -> str:
+    """Submit a job spec file to the API (as `job_id`, when given); returns the job id."""
+    import httpx
+
+    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=_auth_headers(), timeout=30,
                       params={"job_id": job_id} if job_id else None)
     if resp.status_code != 201:
         raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
@@ -358,8 +396,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--roles", default=",".join(DEFAULT_ROLES),
                     help=f"comma-separated subset of {','.join(ROLES)} (default %(default)s)")
     ap.add_argument("--admin", action="store_true", help="also start the Celery admin worker")
-    ap.add_argument("--job-id", help="serve this job (sets JOB_ID); default: JOB_ID, else the newest submitted job")
-    ap.add_argument("--spec", type=Path, help="submit this job spec once the API is up and serve it")
+    ap.add_argument("--job-id", help="serve this one job (sets JOB_ID), then exit; default: JOB_ID, else serve the "
+                    "fleet's queue until stopped")
+    ap.add_argument("--spec", type=Path, help="submit this job spec once the API is up, serve it, then exit")
+    ap.add_argument("--exit-when-idle", action="store_true",
+                    help="serving the queue: exit 0 once no job is queued or running (after a first job, or 60 s)")
     ap.add_argument("--logdir", type=Path, help="default runs/launch/<timestamp>")
     ap.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
     ap.add_argument("--start-timeout", type=float, default=120.0,
@@ -381,6 +422,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ap.error("--generators must be 0 or more")
     if args.spec and args.job_id:
         ap.error("give --spec or --job-id, not both")
+    if args.exit_when_idle and (args.spec or args.job_id or "broker" not in args.roles):
+        ap.error("--exit-when-idle is for a fleet serving the queue with its broker: not with --spec or --job-id")
     if args.spec and "broker" not in args.roles:
         ap.error("--spec submits through this box's API: keep 'broker' in --roles")
     if "admin" in args.roles and importlib.util.find_spec("broker.admin") is None:
@@ -415,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Resolved once here: services left to find Redis themselves could each start a private one.
     redis_url, private = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=args.private_redis)
     env = {"REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"}
+    fleet = not (args.job_id or args.spec or os.environ.get("JOB_ID"))
     if args.job_id:
         env["JOB_ID"] = args.job_id
     elif args.spec:
@@ -467,7 +511,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _submit(api, args.spec, sup.env["JOB_ID"])
                 log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
         policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
-        code = 130 if stop.is_set() else supervise(sup, stop, policy=policy)
+        idle = QueueEmpty(api) if args.exit_when_idle else None
+        if fleet:
+            log.info("serving the queue of jobs submitted to the API until stopped%s",
+                     " or idle" if idle else "")
+        code = 130 if stop.is_set() else supervise(sup, stop, policy=policy, idle=idle,
+                                                   long_lived=ROLES if fleet else LONG_LIVED)
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
     finally:

@@ -376,4 +376,4 @@ def test_cli_sends_the_token(api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path
     stopped = runner.invoke(
         cli.app, ["stop", job_id, *base, "--token", RW], env={"ASYNCRL_TOKEN": RO}
     )
-    assert stopped.exit_code == 0 and json.loads(stopped.output)["state"] == "stopping"
+    assert stopped.exit_code == 0 and json.loads(stopped.output)["state"] == "stopped"  # queued: stopped at once
