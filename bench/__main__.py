@@ -34,7 +34,8 @@ def main(
         "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
         "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
-        "primary's failover (the loss measured, and what verify finds)."
+        "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
+        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs)."
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -54,6 +55,13 @@ def main(
         from bench.redis_cluster import bench_redis_cluster
 
         typer.echo(json.dumps(bench_redis_cluster(out_dir=out), indent=2))
+        return
+    if which == "fleet":
+        from bench.fleet import bench_fleet
+
+        res = bench_fleet(out_dir=out, steps=steps or 150)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k not in ("curves", "rss_mib_per_job")}, indent=2,
+                              default=str))
         return
     if which == "suite":
         from bench.suite import run_suite
@@ -139,7 +147,7 @@ def main(
     else:
         raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
                                 "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-                                "lora, packing, precision, redis-cluster")
+                                "lora, packing, precision, redis-cluster, fleet")
 
 
 if __name__ == "__main__":

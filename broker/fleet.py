@@ -56,6 +56,15 @@ POLL_S = 0.2  # how often an idle service looks for its next job
 FLEET_KEY = "fleet"
 
 
+def wake_fleet(redis: Any, prefix: str) -> None:
+    """Tell the fleet's idle services to look for their next job now (a job was queued or
+    claimed) rather than at their next poll. Best effort: a lost wake-up costs one poll."""
+    try:
+        redis.publish(f"{prefix}{FLEET_KEY}:wake", b"1")
+    except Exception as exc:
+        log.debug("fleet wake-up: %s", exc)
+
+
 def fail_everywhere(ledger: Ledger, streams: JobStreams, job_id: str, reason: str) -> None:
     """The job cannot run for a reason of its own: `failed` with `reason` (unless it already
     ended), and a `cancel` on its control stream, so every service serving it leaves it now."""
@@ -161,9 +170,12 @@ class Fleet:
         self.done: set[str] = set()  # jobs this process served to their end (never taken again)
         self.attempts: dict[str, int] = {}
         self.beacon = Beacon(self.redis, settings.stream_prefix, role, service_id)
+        self._wakeups: Any = None
 
     def close(self) -> None:
         self.beacon.close()
+        if self._wakeups is not None:
+            self._wakeups.close()
 
     def jobs(self) -> Iterator[JobContext]:
         """The jobs to serve, one at a time, each as a fresh JobContext: with JOB_ID, that job
@@ -235,15 +247,30 @@ class Fleet:
             if time.monotonic() - waited > 300:
                 log.info("%s idle: no job to serve", self.role)
                 waited = time.monotonic()
-            time.sleep(POLL_S)
+            self._wait(POLL_S)
         return None
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until a wake-up (wake_fleet) or `timeout_s`."""
+        try:
+            if self._wakeups is None:
+                self._wakeups = self.redis.pubsub(ignore_subscribe_messages=True)
+                self._wakeups.subscribe(f"{self.settings.stream_prefix}{FLEET_KEY}:wake")
+            self._wakeups.get_message(timeout=timeout_s)
+        except Exception as exc:  # no pub/sub (an outage): polling alone
+            log.debug("fleet wake-ups: %s", exc)
+            self._wakeups = None
+            time.sleep(timeout_s)
 
     def _take(self) -> JobRow | None:
         """Trainer: a job a trainer left unfinished (oldest first), else the head of the queue."""
         left = [j for j in self.ledger.list_jobs(limit=1000, states=SERVED_STATES) if j["id"] not in self.done]
         if left:
             return min(left, key=lambda j: (j["created_at"], j["id"]))
-        return self.ledger.claim_next()
+        job = self.ledger.claim_next()
+        if job is not None:
+            wake_fleet(self.redis, self.settings.stream_prefix)  # its generators and rewarders
+        return job
 
     def _follow(self) -> JobRow | None:
         """Generator, reward: the oldest job a trainer runs."""

@@ -9,9 +9,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query
 
 from broker.api.crud import job_or_404, storable
-from broker.api.deps import Actor, LedgerDep, StreamsDep
+from broker.api.deps import Actor, ContextDep, LedgerDep, StreamsDep
 from broker.api.errors import error_responses
 from broker.api.models import JobStatus, JobSummary, SubmittedJob
+from broker.fleet import wake_fleet
 from broker.ledger.rows import JobRow
 from shared.jobspec import JobSpec
 from shared.logs import escape_control
@@ -27,7 +28,7 @@ JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 
 @router.post("/jobs", status_code=201, response_model=SubmittedJob, responses=error_responses(403, 409, 422))
 def submit(
-    spec: JobSpec, ledger: LedgerDep, actor: Actor,
+    spec: JobSpec, ledger: LedgerDep, ctx: ContextDep, actor: Actor,
     job_id: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description=(
         "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
         "Lets a launcher start the job's services before the API is up, each told its JOB_ID."))] = None,
@@ -42,6 +43,7 @@ def submit(
     if not ledger.create_job(job_id, spec.name, stored):
         raise HTTPException(409, f"job '{job_id}' already exists; choose another id")
     log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), actor)
+    wake_fleet(ctx.redis, ctx.settings.stream_prefix)
     position = next((i for i, j in enumerate(ledger.queue(), start=1) if j["id"] == job_id), 0)
     return {"id": job_id, "state": "queued", "position": position, "spec": stored}
 
