@@ -197,7 +197,8 @@ def bench_fleet(*, workdir: str = "runs/bench-fleet", out_dir: str = "results", 
             time.sleep(0.05)
         t_cancel = time.time()
         httpx.post(f"{fleet.api}/jobs/{long_id}/cancel", timeout=30)
-        started = fleet.wait(nxt, ("running", "finished"))["started_at"]
+        while (started := fleet.ledger.get_job(nxt)["started_at"]) is None:  # type: ignore[index]
+            time.sleep(0.05)
         cancel_to_next = started.timestamp() - t_cancel
         fleet.wait(nxt)
         rss = []
