@@ -253,20 +253,25 @@ def spec_for(model: Path, dtype: str, max_tokens: int, **algorithm: Any):
                    sampling={"max_tokens": max_tokens}, algorithm={"dtype": dtype, "lr": 1e-6, **algorithm})
 
 
-def measure_step(learner: Any, batch: Any, warm: Any, device: str) -> dict[str, Any]:
-    """A warm-up step on `warm` (lr 0), then one timed step on `batch` (lr 0: the weights stay);
-    its seconds, tokens/s and (CUDA) peak memory over the memory held before it."""
+def measure_step(learner: Any, batch: Any, warm: Any, device: str, reps: int = 3) -> dict[str, Any]:
+    """A warm-up step on `warm` and one on the whole `batch` (its time kept: the first full-size
+    step pays one-time costs), then `reps` timed steps on `batch` (all lr 0: the weights stay);
+    their median seconds, tokens/s and (CUDA) the peak memory over the memory held before them."""
     import torch
 
     learner.step(warm, lr=0.0)
+    first, _ = _timed(device, lambda: learner.step(batch, lr=0.0))
     if device == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         held = torch.cuda.memory_allocated()
-    s, metrics = _timed(device, lambda: learner.step(batch, lr=0.0))
+    times = []
+    for _ in range(reps):
+        s, metrics = _timed(device, lambda: learner.step(batch, lr=0.0))
+        times.append(s)
+    step = statistics.median(times)
     tokens = sum(batch.sample_lengths())
-    out = {"step_s": s, "tokens": tokens, "tokens_per_s": tokens / s, "loss": metrics["loss"],
-           "grad_norm": metrics["grad_norm"]}
+    out = {"step_s": step, "times_s": times, "first_full_step_s": first, "tokens": tokens, "tokens_per_s": tokens / step,
+           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device == "cuda":
         out.update(held_gib=held / 2**30, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                    peak_over_held_gib=(torch.cuda.max_memory_allocated() - held) / 2**30,
@@ -284,24 +289,34 @@ def logprob_gap(model: Any, batch: Any, device: str, dtype_a: str, dtype_b: str 
     from trainer_svc.logprobs import token_logprobs
     from trainer_svc.precision import autocast
 
-    diffs = []
+    diffs, spent = [], {dtype_a: 0.0, dtype_b: 0.0}
     with torch.no_grad():
+        if not against_behaviour:  # one untimed pass of each precision first: the timings compare warm passes
+            ids, attn, _, _, temp = batch.micro_batch(0, min(rows, len(batch)), pad_id)
+            for d in (dtype_a, dtype_b):
+                with autocast(device, d)():
+                    token_logprobs(model, ids.to(device), attn.to(device), temp)
         for lo in range(0, len(batch), rows):
             hi = min(lo + rows, len(batch))
             ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, pad_id)
             ids, attn = ids.to(device), attn.to(device)
             with autocast(device, dtype_a)():
-                a = token_logprobs(model, ids, attn, temp)
+                s, a = _timed(device, lambda i=ids, m=attn, t=temp: token_logprobs(model, i, m, t))
+            spent[dtype_a] += s
             if not against_behaviour:
                 with autocast(device, dtype_b)():
-                    b = token_logprobs(model, ids, attn, temp)
+                    s, b = _timed(device, lambda i=ids, m=attn, t=temp: token_logprobs(model, i, m, t))
+                spent[dtype_b] += s
             else:
                 b = behaviour.to(device)
             keep = mask.to(device).bool()
             diffs.append((a.float() - b.float())[keep].abs().double().cpu())
     d = torch.cat(diffs)
-    return {"tokens": int(d.numel()), "mean_abs": float(d.mean()), "max_abs": float(d.max()),
-            "p99_abs": float(torch.quantile(d.float(), 0.99))}
+    out = {"tokens": int(d.numel()), "mean_abs": float(d.mean()), "max_abs": float(d.max()),
+           "p99_abs": float(torch.quantile(d.float(), 0.99))}
+    if not against_behaviour:  # forward-only seconds of each precision over the batch (first pass warms up)
+        out.update({f"forward_{k}_s": v for k, v in spent.items()})
+    return out
 
 
 # --- phases -------------------------------------------------------------------------------------
@@ -312,7 +327,9 @@ def phase_machine(ctx: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-                           "cores": len(os.sched_getaffinity(0))}
+                           "cores": len(os.sched_getaffinity(0)),
+                           "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                           "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
     smi = shutil.which("nvidia-smi")
     if smi:
         q = _run([smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id,compute_cap", "--format=csv,noheader"], 60)
@@ -506,22 +523,24 @@ def phase_offload(ctx: dict[str, Any]) -> dict[str, Any]:
     off = Offload(learner.model, learner.optimizer, "cuda", on=True)
     p0 = next(learner.model.parameters())
     before = p0.detach().double().sum().item()
-    free0 = torch.cuda.mem_get_info()[0]
     moved = sum(t.numel() * t.element_size() for h, k in off._tensors()
                 for t in [h[k] if isinstance(h, dict) else getattr(h, k)])
-    off.to_host()
-    freed = torch.cuda.mem_get_info()[0] - free0
-    host_s = off.to_host_s
-    off.to_device()
+    rounds = []
+    for _ in range(2):  # the first to_host pins fresh host memory; the second may reuse it (torch's host cache)
+        free0 = torch.cuda.mem_get_info()[0]
+        off.to_host()
+        freed = torch.cuda.mem_get_info()[0] - free0
+        host_s = off.to_host_s
+        off.to_device()
+        rounds.append({"to_host_s": host_s, "to_device_s": off.to_device_s, "to_host_gbps": moved / host_s / 1e9,
+                       "to_device_gbps": moved / off.to_device_s / 1e9, "device_freed_gib": freed / 2**30})
     same = p0.detach().double().sum().item() == before
-    step = measure_step(learner, ctx["batch"], ctx["warm"], "cuda")
-    return {"trainer_dtype": ctx.get("learner_dtype", "bfloat16"), "bytes_moved": moved, "to_host_s": host_s,
-            "to_device_s": off.to_device_s, "to_host_gbps": moved / host_s / 1e9,
-            "to_device_gbps": moved / off.to_device_s / 1e9, "device_freed_gib": freed / 2**30,
-            "params_unchanged": same, "step_after_round_trip_s": step["step_s"]}
+    step = measure_step(learner, ctx["batch"], ctx["warm"], "cuda", reps=1)
+    return {"trainer_dtype": ctx.get("learner_dtype", "bfloat16"), "bytes_moved": moved, "rounds": rounds,
+            "params_unchanged": same, "step_after_round_trips_s": step["step_s"]}
 
 
-def _receiver(jobs: list[dict[str, Any]], manifest_json: str, reps: int, cuda: bool, q: Any) -> None:
+def _receiver(jobs: list[dict[str, Any]], reps: int, cuda: bool, q: Any) -> None:
     """Spawned receiver: each job fetches the version `reps` + 1 times (the first not timed)."""
     import numpy as np
 
@@ -534,10 +553,10 @@ def _receiver(jobs: list[dict[str, Any]], manifest_json: str, reps: int, cuda: b
 
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # a context before the UCX worker starts (its thread binds to it)
-    m = Manifest.model_validate_json(manifest_json)
     results: dict[str, Any] = {}
     for job in jobs:
         name, mode = job["name"], job["mode"]
+        m = Manifest.model_validate_json(job["manifest"])
         try:
             if mode == "tcp":
                 from shared.transport import TcpWeightClient
@@ -568,7 +587,8 @@ def _receiver(jobs: list[dict[str, Any]], manifest_json: str, reps: int, cuda: b
                         dev.copy_(torch.from_numpy(host))
                         torch.cuda.synchronize()
                         h2d.append(time.perf_counter() - t)
-            results[name] = {"times_s": times[1:], "bad_chunks": bad, "h2d_s": h2d[1:]}
+            results[name] = {"bytes": m.total_bytes, "times_s": times[1:], "bad_chunks": bad, "h2d_s": h2d[1:]}
+            del host, dev
         except Exception as exc:  # noqa: BLE001 - reported per transport
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[-2000:]}
     q.put(results)
@@ -603,24 +623,52 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
     manifest = build_manifest(0, [("weights", [n], "uint8", n)], host)
     out["manifest_s"] = time.perf_counter() - t  # the sender's xxh3 of every chunk
     servers: list[Any] = []
+    mj = manifest.model_dump_json()
     jobs = []
     tcp = TcpWeightServer(keep=1)
     tcp.serve(manifest, host)
     servers.append(tcp)
-    jobs.append({"name": "tcp", "mode": "tcp", "address": tcp.address})
+    jobs.append({"name": "tcp", "mode": "tcp", "address": tcp.address, "manifest": mj})
+    if cuda:  # which UCX transports carry the data: printed by UCX into the log (server and receiver)
+        os.environ.setdefault("UCX_PROTO_INFO", "y")
     try:
         from shared.transport.ucx import UcxWeightServer
 
-        ucx = UcxWeightServer(keep=1)
+        ucx = UcxWeightServer(keep=2)
         ucx.serve(manifest, src)  # device memory when on CUDA: no host bounce
         servers.append(ucx)
-        jobs.append({"name": "ucx_to_host", "mode": "ucx", "address": ucx.address})
+        jobs.append({"name": "ucx_to_host", "mode": "ucx", "address": ucx.address, "manifest": mj})
         if cuda:
-            jobs.append({"name": "ucx_to_device", "mode": "ucx_device", "address": ucx.address})
+            jobs.append({"name": "ucx_to_device", "mode": "ucx_device", "address": ucx.address, "manifest": mj})
+        learner = ctx.get("learner")
+        if learner is not None:
+            # the trainer's own publish path (trainer_svc/weights.py publish_weights): the model's
+            # weights flattened on the device, checksummed on host bytes, served from device memory
+            from trainer_svc.weights import flatten_weights
+
+            state = learner.model.state_dict()
+            flat_s, (entries, wbuf) = _timed(device, lambda: flatten_weights(state, keep_device=cuda))
+            pub: dict[str, Any] = {"tensors": len(entries), "flatten_s": flat_s}
+            hostw = wbuf
+            if cuda:  # publish_weights checksums host bytes: `buf.cpu().numpy()`, a fresh pageable copy
+                pub["d2h_pageable_s"], hostw = _timed(device, lambda: wbuf.cpu().numpy())
+                pub["d2h_pageable_again_s"], _ = _timed(device, lambda: wbuf.cpu().numpy())
+                # the alternative: one pinned staging buffer, reused for every version
+                pub["pinned_staging_first_s"], staging = _timed(
+                    device, lambda: torch.empty(wbuf.numel(), dtype=torch.uint8, pin_memory=True).copy_(wbuf))
+                pub["pinned_staging_reused_s"], _ = _timed(device, lambda: staging.copy_(wbuf))
+                del staging
+            t = time.perf_counter()
+            wman = build_manifest(1, entries, hostw)
+            pub.update(bytes=wman.total_bytes, xxh3_s=time.perf_counter() - t)
+            out["weights_publish"] = pub
+            ucx.serve(wman, wbuf)
+            jobs.append({"name": "ucx_weights", "mode": "ucx_device" if cuda else "ucx", "address": ucx.address,
+                         "manifest": wman.model_dump_json()})
     except Exception as exc:  # noqa: BLE001 - UCX absent or broken here: tcp still measured
         out["ucx_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
     q = mp.get_context("spawn").Queue()
-    p = mp.get_context("spawn").Process(target=_receiver, args=(jobs, manifest.model_dump_json(), reps, cuda, q))
+    p = mp.get_context("spawn").Process(target=_receiver, args=(jobs, reps, cuda, q))
     p.start()
     try:
         res = q.get(timeout=max(30.0, ctx["left"]()))
@@ -633,15 +681,15 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
     for name, r in res.items():
         if "times_s" in r:
             s = statistics.median(r["times_s"])
-            r.update(median_s=s, gbps=n / s / 1e9, verified=r["bad_chunks"] == 0)
+            r.update(median_s=s, gbps=r["bytes"] / s / 1e9, verified=r["bad_chunks"] == 0)
             if r.get("h2d_s"):
-                r["h2d_gbps"] = n / statistics.median(r["h2d_s"]) / 1e9
+                r["h2d_gbps"] = r["bytes"] / statistics.median(r["h2d_s"]) / 1e9
         out[name] = r
     if cuda and "times_s" in res.get("tcp", {}):
         # the whole host path: device -> pinned host, tcp loopback (verified), host -> device
         total = out["d2h_pinned_s"] + res["tcp"]["median_s"] + statistics.median(res["tcp"]["h2d_s"])
         out["d2h_tcp_h2d_s"], out["d2h_tcp_h2d_gbps"] = total, n / total / 1e9
-    bad = [f"{k}: {out[k]['bad_chunks']} chunks differ from the manifest" for k in ("tcp", "ucx_to_host", "ucx_to_device")
+    bad = [f"{k}: {out[k]['bad_chunks']} chunks differ from the manifest" for k in ("tcp", "ucx_to_host", "ucx_to_device", "ucx_weights")
            if k in out and out[k].get("verified") is False]
     if bad:
         raise PartFailed("; ".join(bad), out)
