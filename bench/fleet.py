@@ -11,7 +11,8 @@ file, reward plug-in and stop string; its tiny warm model):
   service (bench.startup's marks), and its curve from the command's start;
 - warm: `python -m asyncrl.launch` (a fleet serving the queue) that ran one job on the model
   before: `warm_submit_to_first_step_s`, the median over `jobs` jobs submitted one after another
-  (each once the one before finished) of submit -> first trained step; the task's job submitted to
+  (each once every service left the one before: GET /fleet all idle) of submit -> first trained
+  step; the task's job submitted to
   it (its curve from the submit); a running job cancelled -> the next job's start
   (`cancel_to_next_start_s`); then `rss_jobs` more short jobs with every service's resident
   memory (its process tree) after each: `rss_growth_mib_over_20_jobs` per service (last minus
@@ -116,6 +117,16 @@ class WarmFleet:
                 raise RuntimeError(f"the fleet did not come up; see {self.run}")
             time.sleep(0.2)
 
+    def idle(self, timeout: float = 60) -> None:
+        """Until every service of the fleet says it is idle (the last job left by all of them)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            services = httpx.get(f"{self.api}/fleet", timeout=5).json()["services"]
+            if services and all(s["state"] == "idle" for s in services if s["role"] != "broker"):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the fleet did not go idle; see {self.run}")
+
     def submit(self, spec: dict[str, Any]) -> tuple[str, float]:
         t = time.time()
         r = httpx.post(f"{self.api}/jobs", json=spec, timeout=30)
@@ -184,13 +195,16 @@ def bench_fleet(*, workdir: str = "runs/bench-fleet", out_dir: str = "results", 
         fleet.wait(fleet.submit(short)[0])  # the fleet has run a job on this model before
         warm_s = []
         for _ in range(jobs):
+            fleet.idle()
             job_id, t = fleet.submit(short)
             warm_s.append(fleet.first_step_at(job_id) - t)
             fleet.wait(job_id)
+        fleet.idle()
         job_id, t_submit = fleet.submit(task)
         fleet.wait(job_id)
         warm_curve, _, _ = ours_curve(fleet.ledger, job_id, t_submit)
         # a running job cancelled: how soon the next one starts
+        fleet.idle()
         long_id, _ = fleet.submit({**short, "steps": 1000, "name": "long"})
         nxt, _ = fleet.submit(short)
         while not fleet.ledger.train_steps(long_id):

@@ -23,6 +23,7 @@ trainer up says so instead of waiting in silence.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -234,9 +235,15 @@ class Fleet:
         """The next job for this role, waiting for one; None once SIGTERM came."""
         pick: Callable[[], JobRow | None] = self._take if self.role == "trainer" else self._follow
         self.beacon.set("idle", None)
-        waited = time.monotonic()
+        waited, collected = time.monotonic(), False
         while not drain_requested():
             job = pick()
+            if job is None and not collected:
+                # What the last job left in reference cycles (a model, its optimizer) goes now,
+                # while idle, rather than before a job that is already waiting.
+                gc.collect()
+                collected = True
+                continue
             if job is not None:
                 reason = spec_problem(job)
                 if reason is None:

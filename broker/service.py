@@ -26,6 +26,10 @@ from shared.metrics import Phases
 
 log = logging.getLogger(__name__)
 
+# The longest one idle read waits before the loop looks at the control stream again: how soon a
+# service of the fleet leaves a job that ended (the trainer's drain) for the next one.
+CONTROL_POLL_MS = 200
+
 
 class Handler(Protocol):
     """A role's work on batches of one consumer's deliveries (generation, scoring)."""
@@ -112,7 +116,7 @@ class ServiceLoop:
             if pending:
                 return pending  # suspect: alone in its batch
         deliveries = self.streams.consume(self.consumer, count=self.handler.batch_size(self.control),
-                                          block_ms=self.block_ms)
+                                          block_ms=min(self.block_ms, CONTROL_POLL_MS))
         while deliveries and (n := self.handler.more(deliveries)) > 0:
             got = self.streams.consume(self.consumer, count=n, block_ms=None)
             if not got:

@@ -13,7 +13,6 @@ what is sharded, who does what); at world size 1 the loop is all there is.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -85,9 +84,6 @@ def train_job(settings: TrainerSettings, ctx: JobContext, ranks: Ranks) -> None:
         fail_everywhere(ledger, streams, job_id, repr(exc))
         if settings.job_id or not isinstance(exc, Exception):
             raise
-    finally:
-        parts = None  # noqa: F841 - the job's model, optimizer and buffers go before the next job's
-        gc.collect()
 
 
 def _train(p: Parts) -> None:
