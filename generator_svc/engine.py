@@ -53,7 +53,28 @@ def prepare(*, kv_cache_gib: int = 1, in_process: bool = True) -> float:
     import vllm  # noqa: F401 - heavy; imported once, here
     from vllm import LLM  # noqa: F401 - as heavy again (the engine's modules): before a job, not after
 
+    _eager_token_ranks()
     return time.perf_counter() - t0
+
+
+def _eager_token_ranks() -> None:
+    """On the CPU, vLLM's rank of each sampled or prompt token (`batched_count_greater_than`, part
+    of every request with logprobs, which every request of ours is) is a torch.compile'd function:
+    its first call compiles with inductor, 2-3.5 s measured on this project's 2-core box, paid by
+    a generator's first verified swap, inside every cold start. Eager, it is the same expression at
+    the cost of one boolean copy of the logits. CUDA builds keep vLLM's compiled kernel."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.sampler as sampler
+
+    def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:  # (N, V), (N, 1) -> (N,)
+        return (x >= values).sum(-1)
+
+    if hasattr(sampler, "batched_count_greater_than"):
+        sampler.batched_count_greater_than = count_at_least
 
 
 def check_quantization(quantization: str | None, *, cpu: bool) -> None:
