@@ -476,8 +476,9 @@ class Engines:
         self.engine, self.key = None, None
 
 
-class ModelUnusable(RuntimeError):
-    """The job's model cannot be served by this generator (config, tokenizer or engine build): the job's own fault."""
+class JobUnusable(RuntimeError):
+    """The job's model or environment cannot be served by this generator (config, tokenizer,
+    engine build, an environment plug-in that does not import): the job's own fault."""
 
 
 def run(settings: GeneratorSettings) -> None:
@@ -493,7 +494,7 @@ def run(settings: GeneratorSettings) -> None:
         for ctx in fleet.jobs():
             try:
                 state = serve_job(settings, ctx, engines, registry)
-            except (ModelUnusable, WeightVerificationError) as exc:
+            except (JobUnusable, WeightVerificationError) as exc:
                 if settings.job_id:
                     raise
                 fleet.failed(ctx, exc, the_jobs_fault=True)
@@ -525,13 +526,16 @@ def serve_job(settings: GeneratorSettings, ctx: JobContext, engines: Engines, re
         try:
             engine = engines.for_job(ctx, turns)
         except Exception as exc:
-            raise ModelUnusable(f"the engine cannot serve model {ctx.spec.model_path!r}: {exc}") from exc
+            raise JobUnusable(f"the engine cannot serve model {ctx.spec.model_path!r}: {exc}") from exc
         relay = start_relay(settings, ctx.streams)
         try:
             policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id,
                                     probe_atol(settings.verify_atol, dtype, gen.quantization),
                                     settings.load_retries, metrics, relay, settings.relay_wait_s)
-            handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
+            try:
+                handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
+            except Exception as exc:
+                raise JobUnusable(f"the job's tokenizer or environment cannot be loaded: {exc}") from exc
             # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
             loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
                                on_dead_letter=metrics.dead_letter, phases=metrics.phases)
