@@ -27,6 +27,12 @@ error and why) or `skipped` (past the time budget).
   memory into device memory (raw, then every chunk checked) and into host memory (verified as it
   lands), and device-to-host plus the tcp transport over loopback plus host-to-device; GB/s, with
   a device-to-device copy as the ceiling. Every transfer is checked against the manifest's xxh3.
+- `publish`: `publish_weights`, what the trainer calls for every version, on the model's float32
+  weights for 5 consecutive versions over each transport (ucx, tcp; 3 versions kept): seconds per
+  version and per part, the staging buffers it allocated; with `--before FILE` (an earlier
+  trainer_svc/weights.py, `git show REV:trainer_svc/weights.py > FILE`) that one too, on the same
+  weights, and each version's checksum must be the same from both. Then a receiver process fetches
+  every version each server still keeps, verified chunk by chunk.
 - `packing`: whether each attention implementation confines packed samples (check_packing:
   sdpa, flex_attention, flash_attention_2 if the package is there), and one packed Learner step
   (micro_batch_tokens 8192) against the padded one of the trainer phase.
@@ -52,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("machine", "model", "engine", "trainer", "offload", "transfer", "packing", "gpu_tests", "job")
+PHASES = ("machine", "model", "engine", "trainer", "offload", "transfer", "publish", "packing", "gpu_tests", "job")
 # gpu_bench's model: ~0.5B parameters with the 104-token character vocabulary, context 256
 FULL = {"layers": 24, "hidden": 1280, "heads": 20, "intermediate": 3584}
 TINY = {"layers": 2, "hidden": 64, "heads": 2, "intermediate": 128}
@@ -696,6 +702,104 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PUBLISH_VERSIONS, PUBLISH_KEEP = 5, 3
+
+
+class _Announcements:
+    """Stands in for the job's streams and the ledger (no Redis here): keeps each announcement."""
+
+    def __init__(self) -> None:
+        self.manifests: dict[int, Any] = {}
+
+    def record_policy_version(self, *args: Any) -> None:
+        pass
+
+    def publish(self, stream: str, msg: Any) -> None:
+        self.manifests[msg.policy_version] = msg.manifest
+
+    def trim_broadcast(self, stream: str, keep: int) -> None:
+        pass
+
+
+def phase_publish(ctx: dict[str, Any]) -> dict[str, Any]:
+    import importlib.util
+    import multiprocessing as mp
+
+    import torch
+    from prometheus_client import CollectorRegistry
+    from transformers import AutoModelForCausalLM
+
+    import trainer_svc.weights as current
+    from shared.metrics import Phases
+    from shared.transport import make_server
+
+    device = ctx["device"]
+    impls: dict[str, Any] = {"after": current}
+    if ctx.get("before"):
+        spec = importlib.util.spec_from_file_location("weights_before", ctx["before"])
+        assert spec is not None and spec.loader is not None
+        impls["before"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(impls["before"])
+    model = AutoModelForCausalLM.from_pretrained(ctx["model"], dtype=torch.float32).to(device)
+    out: dict[str, Any] = {"versions": PUBLISH_VERSIONS, "keep": PUBLISH_KEEP,
+                           "bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+    jobs, servers, problems = [], [], []
+    for transport in ("ucx", "tcp"):
+        try:
+            srv = {name: make_server(transport, keep=PUBLISH_KEEP) for name in impls}
+        except Exception as exc:  # noqa: BLE001 - ucxx absent here: tcp still measured
+            out[transport] = {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
+            continue
+        servers += srv.values()
+        rec = {name: _Announcements() for name in impls}
+        res: dict[str, Any] = {name: {"s": [], "parts": {}, "checksums": []} for name in impls}
+        for v in range(1, PUBLISH_VERSIONS + 1):
+            with torch.no_grad():  # the next version's weights
+                torch.manual_seed(v)
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p), alpha=1e-3)
+            _sync(device)
+            # alternate who goes first, so neither always finds the host's memory as the other left it
+            for name in (list(impls) if v % 2 else list(impls)[::-1]):
+                phases = Phases("trainer", registry=CollectorRegistry())
+                s, checksum = impls[name].publish_weights(model, v, srv[name], rec[name], rec[name], "gpu-run",
+                                                          PUBLISH_KEEP, "gpu-run", phases=phases)
+                res[name]["s"].append(s)
+                res[name]["checksums"].append(checksum)
+                for part, x in phases.take_last().items():
+                    res[name]["parts"].setdefault(part, []).append(x)
+        for name, r in res.items():
+            r["first_s"], r["steady_median_s"] = r["s"][0], statistics.median(r["s"][1:])
+            pool = getattr(impls[name], "_staging", {}).get(srv[name])
+            r["staging_buffers"] = None if pool is None else pool.buffers
+            for v in srv[name].store.versions():
+                jobs.append({"name": f"{transport}.{name}.v{v}", "mode": "ucx" if transport == "ucx" else "tcp",
+                             "address": srv[name].address, "manifest": rec[name].manifests[v].model_dump_json()})
+        if "before" in res:
+            res["checksums_equal"] = res["before"]["checksums"] == res["after"]["checksums"]
+            res["speedup_steady"] = res["before"]["steady_median_s"] / res["after"]["steady_median_s"]
+            if not res["checksums_equal"]:
+                problems.append(f"{transport}: the checksums of before and after differ")
+        out[transport] = res
+    # every version each server still keeps, fetched by another process and verified
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=_receiver, args=(jobs, 0, device == "cuda", q))
+    p.start()
+    try:
+        fetched = q.get(timeout=max(30.0, ctx["left"]()))
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+        for s in servers:
+            s.close()
+    out["fetched"] = {k: ("verified" if r.get("bad_chunks") == 0 else r) for k, r in fetched.items()}
+    problems += [f"{k}: {r}" for k, r in out["fetched"].items() if r != "verified"]
+    if problems:
+        raise PartFailed("; ".join(problems)[-3000:], out)
+    return out
+
+
 def phase_packing(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -780,7 +884,7 @@ def phase_job(ctx: dict[str, Any]) -> dict[str, Any]:
 
 PHASE_FNS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
     "machine": phase_machine, "model": phase_model, "engine": phase_engine, "trainer": phase_trainer,
-    "offload": phase_offload, "transfer": phase_transfer, "packing": phase_packing, "gpu_tests": phase_gpu_tests,
+    "offload": phase_offload, "transfer": phase_transfer, "publish": phase_publish, "packing": phase_packing, "gpu_tests": phase_gpu_tests,
     "job": phase_job,
 }
 
@@ -795,6 +899,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--transfer-gb", type=float, default=None, help="transfer size (default 1, --tiny 0.01)")
     ap.add_argument("--max-tokens", type=int, default=192, help="completion cap (the model's context is 256)")
     ap.add_argument("--phases", default=",".join(PHASES), help="which phases, in order")
+    ap.add_argument("--before", default=None,
+                    help="an earlier trainer_svc/weights.py that the publish phase times beside the current one")
     a = ap.parse_args(argv)
     unknown = set(a.phases.split(",")) - set(PHASES)
     if unknown:
@@ -812,6 +918,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wd.mkdir(parents=True, exist_ok=True)
     shape = TINY if a.tiny else FULL
     ctx: dict[str, Any] = {"device": a.device, "workdir": wd, "shape": shape, "max_tokens": a.max_tokens,
+                           "before": a.before,
                            "groups": 2 if a.tiny else GROUPS,
                            "transfer_gb": a.transfer_gb if a.transfer_gb is not None else (0.01 if a.tiny else 1.0)}
     runner = Runner(Path(a.out), a.timeout, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": a.device,

@@ -65,16 +65,17 @@ def test_runner_records_each_outcome_and_rewrites_the_results_after_every_phase(
         assert text in md
 
 
-def test_the_trainer_and_transfer_paths_run_on_cpu(tmp_path):
+def test_the_trainer_transfer_and_publish_paths_run_on_cpu(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "deploy" / "gpu_run.py"), "--device", "cpu", "--tiny",
-                           "--max-tokens", "16", "--transfer-gb", "0.004", "--phases", "model,trainer,offload,transfer",
-                           "--workdir", str(tmp_path / "wd"), "--out", str(out)],
+                           "--max-tokens", "16", "--transfer-gb", "0.004", "--phases", "model,trainer,offload,transfer,publish",
+                           "--before", str(ROOT / "trainer_svc" / "weights.py"), "--workdir", str(tmp_path / "wd"), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((out / "gpu.json").read_text())
     status = {n: r["status"] for n, r in res["phases"].items()}
-    assert status == {"model": "done", "trainer": "done", "offload": "not_run", "transfer": "done"}, res["phases"]
+    assert status == {"model": "done", "trainer": "done", "offload": "not_run", "transfer": "done",
+                      "publish": "done"}, res["phases"]
     tr = res["figures"]["trainer"]
     for dtype in ("bfloat16", "float32"):
         # timed after a full-size warm-up step (first-use costs made the GPU's first bf16 step look 2x
@@ -86,4 +87,8 @@ def test_the_trainer_and_transfer_paths_run_on_cpu(tmp_path):
     assert gap["tokens"] == tr["completion_tokens"] and 0 < gap["mean_abs"] <= gap["max_abs"] < 0.1
     tcp = res["figures"]["transfer"]["tcp"]
     assert tcp["verified"] and tcp["gbps"] > 0 and len(tcp["times_s"]) == 3
+    pub = res["figures"]["publish"]
+    for transport in ("ucx", "tcp"):  # the same weights.py as "before": the same checksums, version by version
+        assert pub[transport]["checksums_equal"] and len(pub[transport]["after"]["s"]) == pub["versions"]
+    assert len(pub["fetched"]) == 2 * 2 * pub["keep"] and set(pub["fetched"].values()) == {"verified"}
     assert (out / "gpu.md").read_text().startswith("# The CUDA path on one GPU")
