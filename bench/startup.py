@@ -103,7 +103,7 @@ def ledger_marks(db_url: str) -> tuple[str, dict[str, float], list[float]]:
     """(job id, first-row times (epoch s) of the ledger's start-up facts, every step's end time)."""
     from sqlalchemy import func, select
 
-    ledger = Ledger(db_url, migrate=False)
+    ledger = Ledger(db_url)  # upgraded to this code's schema: a run of older code wrote it
     try:
         job = ledger.list_jobs(limit=1)[0]
         steps = [s["created_at"].timestamp() for s in ledger.train_steps(job["id"])]
