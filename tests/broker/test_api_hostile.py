@@ -559,6 +559,8 @@ def test_health_is_a_fast_503_when_redis_is_down(dead_redis_server: Server) -> N
 
 def test_requests_stay_fast_while_redis_is_down(dead_redis_server: Server) -> None:
     job_id = dead_redis_server.submit()  # the ledger alone: fine
+    with Ledger(dead_redis_server.ledger_url, migrate=False) as ledger:
+        ledger.set_job_state(job_id, "running")  # a trainer took it: pause is a Redis command now
     stop = threading.Event()
     statuses: list[int] = []
 
