@@ -246,8 +246,9 @@ def test_an_eval_set_with_its_own_reward_is_scored_with_it(tmp_path) -> None:
 def test_a_plugin_that_does_not_import_stops_the_service_at_start_up(tmp_path) -> None:
     job, ledger, streams, settings = open_setup(tmp_path, f"{tmp_path}/missing_rewards.py:score")
     try:
-        with pytest.raises(RewardLoadError, match="missing_rewards.py' does not exist"):
-            service.run(settings)
+        with pytest.raises(service.RewardUnusable, match="missing_rewards.py' does not exist") as exc:
+            service.run(settings)  # JOB_ID's one job: the service fails (a fleet fails the job alone)
+        assert isinstance(exc.value.__cause__, RewardLoadError)
     finally:
         streams.delete_all()
         ledger.close()
