@@ -77,7 +77,7 @@ class UnitCosts:
     per sample for its four writes (server CPU over the server's cores: the row holds the
     completion text); link_bytes_per_s: one weight link's bytes/s;
     redis_idle_cpu_per_consumer: Redis CPU seconds per second that one consumer waiting on an
-    empty stream costs (its reads every wake-poll interval, broker.streams._WAKE_POLL_S).
+    empty stream costs (its reads every wake-poll interval, broker.streams.wakeups._WAKE_POLL_S).
     """
 
     redis_cpu_s_per_sample_base: float
