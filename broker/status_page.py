@@ -14,11 +14,11 @@ land in browser history and proxy logs; use a read-only token for the page.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from broker.guard_report import describe, guard_trips
+from broker.job_summary import finite
 from broker.ledger import Ledger
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -37,13 +37,6 @@ STEP_METRICS = (
 )
 
 
-def _number(value: Any) -> float | None:
-    """A finite float, or None for a missing, non-numeric or non-finite metric."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
     """A job's plotted series: one row per train step (STEP_METRICS, null where absent), evals,
     and the collapse guard's trips (`guard_trips`: step, kind, one-line `text`) from the change log."""
@@ -51,20 +44,20 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
         {
             "step": row["step"],
             "policy_version": row["policy_version"],
-            **{k: _number((row["metrics"] or {}).get(k)) for k in STEP_METRICS},
+            **{k: finite((row["metrics"] or {}).get(k)) for k in STEP_METRICS},
         }
         for row in ledger.train_steps(job_id)
     ]
     evals = [
         {
             "step": e["step"],
-            "reward_mean": _number(e["reward_mean"]),
+            "reward_mean": finite(e["reward_mean"]),
             "n": e["n"],
             "policy_version_min": e["policy_version_min"],
             "policy_version_max": e["policy_version_max"],
             "source": e["source"],  # pipeline (the trainer's rounds) or checkpoint (admin worker)
             "name": e["name"],  # the evaluation set
-            "wall_s": _number(e["wall_s"]) if e["wall_s"] is not None else None,
+            "wall_s": finite(e["wall_s"]) if e["wall_s"] is not None else None,
             "metrics": e["metrics"],
         }
         for e in ledger.evals(job_id)
