@@ -2,8 +2,10 @@
 (routes in broker.api.routes.status); this module holds its files and builds its data.
 
 The page (`broker/static/`, no external assets: the machines are offline) polls the JSON API
-every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series and the
-collapse guard's trips, which the page shows above the charts).
+every 2 s: `GET /queue` and `GET /fleet` (the running jobs, each queued job's place and what it
+waits for, the fleet's services and what each serves: broker.fleet), `GET /jobs`, `GET /jobs/{id}`
+and `GET /status/data/{id}` (the per-step series and the collapse guard's trips, which the page
+shows above the charts).
 
 Auth: the page and its assets are always open (they hold no data); every data request carries
 the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
