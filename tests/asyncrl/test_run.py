@@ -65,13 +65,18 @@ def _answers(api: str) -> bool:
 def box(tmp_path, monkeypatch) -> Any:
     """Runs `asyncrl ...` as a user of this box would, with no ASYNCRL_API: the fleet's API goes on
     a free BROKER_PORT (the command's default address), its logs and plot under tmp_path."""
-    with socket.socket() as s:
+    socks = [socket.socket() for _ in range(4)]
+    for s in socks:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, trainer_metrics, reward_metrics, gen_metrics = (s.getsockname()[1] for s in socks)
+    for s in socks:
+        s.close()
     prefix = f"run-{uuid.uuid4().hex[:8]}:"
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    # metrics ports set as every deployment sets them: a service serves them across its jobs
     env = {"BROKER_PORT": str(port), "STREAM_PREFIX": prefix, "DATABASE_URL": db_url, "REDIS_URL": REDIS_URL,
-           "COLUMNS": "200"}
+           "COLUMNS": "200", "TRAINER_METRICS_PORT": str(trainer_metrics),
+           "REWARD_METRICS_PORT": str(reward_metrics), "GEN_METRICS_PORT": str(gen_metrics)}
     monkeypatch.delenv("ASYNCRL_API", raising=False)
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -83,6 +88,7 @@ def box(tmp_path, monkeypatch) -> Any:
         return result
 
     cli.api, cli.db_url = f"http://127.0.0.1:{port}", db_url  # type: ignore[attr-defined]
+    cli.trainer_metrics = f"http://127.0.0.1:{trainer_metrics}/metrics"  # type: ignore[attr-defined]
     try:
         yield cli
     finally:
@@ -129,6 +135,10 @@ def test_run_keep_leaves_the_fleet_up_for_the_next_jobs(box, tiny_model, tmp_pat
     assert good.exit_code == 0, good.stdout + good.stderr
     assert "starting one" not in good.stdout and "stopping the fleet" not in good.stdout
     assert re.search(r"job \w+ finished at step 2", good.stdout)
+    # one metrics server for the trainer's life (a second bind of its port failed the next job);
+    # a job's series go with the job
+    page = httpx.get(box.trainer_metrics, timeout=5).text
+    assert 'asyncrl_service_info{service="trainer"} 1.0' in page and "asyncrl_trainer_step{" not in page
     assert f"export ASYNCRL_API={box.api}" in bad.stdout  # not the CLI's default address
     shown = box("status", "--api", box.api)
     assert shown.exit_code == 0, shown.output
