@@ -303,7 +303,7 @@ def run(
         except (RuntimeError, TimeoutError) as exc:
             _fail(str(exc))
         url = local.api
-        console.print(f"fleet up (launcher pid {local.pid}): API {url}, logs {local.logdir.resolve()}", soft_wrap=True)
+        console.print(f"fleet up (launcher pid {local.pid}): API {url}, logs {local.logdir}", soft_wrap=True)
     try:
         submitted = _call("POST", url, "/jobs", token, json=spec)
         job_id = submitted["id"]
@@ -331,7 +331,7 @@ def run(
     finally:
         if local is not None and keep:
             # soft_wrap: addresses and paths stay whole, to be copied
-            console.print(f"the fleet stays up: API {url} (status page {url}/status), logs {local.logdir.resolve()}",
+            console.print(f"the fleet stays up: API {url} (status page {url}/status), logs {local.logdir}",
                           soft_wrap=True)
             if url != DEFAULT_API:
                 console.print(f"the other asyncrl commands find it with: export ASYNCRL_API={url}", soft_wrap=True)

@@ -88,7 +88,7 @@ def start_local_fleet(*, generators: int = 1, placement: str | None = None, logd
     env = {"BROKER_HOST": "127.0.0.1", "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     if placement is not None:
         env["NODE_PLACEMENT"] = placement
-    logdir = logdir or Path("runs/launch") / time.strftime("%Y%m%d-%H%M%S")
+    logdir = (logdir or Path("runs/launch") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     sup = Supervisor(logdir, env)
     sup.start("launch", "asyncrl.launch", args=("--generators", str(generators), "--private-redis",
                                                 "--logdir", str(logdir)))

@@ -271,6 +271,15 @@ def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     result = api.cli("list", "--api", closed)
     assert result.exit_code == 1 and "cannot reach the job API" in result.stderr
+    # run: a fleet named (--api or ASYNCRL_API) that does not answer is an error, not a cue to start one
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    for args, env in ((("--api", closed), {}), ((), {"ASYNCRL_API": closed})):
+        result = api.cli("run", str(spec), *args, **env)
+        assert result.exit_code == 1 and f"no job API answers at {closed}" in result.stderr, result.output
+        assert "starting one" not in result.stdout
+    result = api.cli("run", str(bad))
+    assert result.exit_code == 1 and "cannot read the job spec" in result.stderr
 
 
 def test_eval_and_export_pick_the_newest_checkpoint_and_report_the_task(api, tmp_path):

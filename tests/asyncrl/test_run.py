@@ -9,6 +9,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -38,11 +40,11 @@ def tiny_model(tmp_path_factory) -> Path:
                             intermediate=128, seed=0)
 
 
-def _spec(tmp_path: Path, model: Path | str, name: str) -> str:
+def _spec(tmp_path: Path, model: Path | str, name: str, steps: int = STEPS) -> str:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps({
-        "name": name, "model_path": str(model), "steps": STEPS, "group_size": 4, "prompts_per_step": 4,
-        "eval_every": STEPS, "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}))
+        "name": name, "model_path": str(model), "steps": steps, "group_size": 4, "prompts_per_step": 4,
+        "eval_every": steps, "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}))
     return str(path)
 
 
@@ -87,12 +89,21 @@ def box(tmp_path, monkeypatch) -> Any:
         launchers.extend(int(p) for p in re.findall(r"launcher pid (\d+)", result.stdout))
         return result
 
-    cli.api, cli.db_url = f"http://127.0.0.1:{port}", db_url  # type: ignore[attr-defined]
+    cli.api, cli.db_url, cli.env = f"http://127.0.0.1:{port}", db_url, env  # type: ignore[attr-defined]
     cli.trainer_metrics = f"http://127.0.0.1:{trainer_metrics}/metrics"  # type: ignore[attr-defined]
     try:
         yield cli
     finally:
-        for pid in launchers:  # a failed test must not leave a fleet behind
+        # a failed test must not leave a fleet behind: the launchers it named, and any other
+        # started in this test's folder (its --logdir is under tmp_path)
+        for proc in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = proc.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"asyncrl.launch" in argv and any(str(tmp_path).encode() in a for a in argv):
+                launchers.append(int(proc.parent.name))
+        for pid in launchers:
             if _alive(pid):
                 os.kill(pid, signal.SIGTERM)
         for pid in launchers:
@@ -152,6 +163,39 @@ def test_run_keep_leaves_the_fleet_up_for_the_next_jobs(box, tiny_model, tmp_pat
         assert time.monotonic() < deadline, "the launcher did not stop on SIGTERM"
         time.sleep(0.2)
     assert not _answers(box.api)
+
+
+def test_ctrl_c_cancels_the_job_on_the_fleet_run_started_and_stops_it(box, tiny_model, tmp_path):
+    """Ctrl-C (SIGINT to the command, as a terminal sends it) while the job trains: the job is
+    cancelled, not left running for the next fleet on this ledger, and the fleet stops."""
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_API"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", _spec(tmp_path, tiny_model, "long", 500)],
+                            cwd=tmp_path, env={**env, **box.env, "PYTHONUNBUFFERED": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # until its job trains
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)
+            try:
+                jobs = httpx.get(f"{box.api}/jobs", timeout=2).json()
+            except (httpx.TransportError, ValueError):
+                jobs = []
+            if jobs and jobs[0]["step"] >= 1:
+                break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    job_id = jobs[0]["id"]
+    assert f"interrupted: job {job_id} cancelled" in err
+    (pid,) = (int(p) for p in re.findall(r"launcher pid (\d+)", out))
+    assert not _alive(pid) and not _answers(box.api)
+    ledger = Ledger(box.db_url)
+    assert ledger.get_job(job_id)["state"] == "cancelled"
+    ledger.close()
 
 
 def test_the_demo_job_runs_on_a_fleet_ahead_of_what_an_earlier_run_left(tiny_model, tmp_path, monkeypatch):
