@@ -156,7 +156,7 @@ class JobReport(BaseModel):
     per_step: list[dict[str, int | float | None]] = Field(
         ..., description="Per step: `step`, reward/mean, off_policy/mean|max|dropped (null: missing or not finite).")
     reward_per_step: list[float | None]
-    held_out: list[tuple[int, float]] = Field(..., description="[step, reward] of the first evaluation set.")
+    held_out: list[list[int | float]] = Field(..., description="[step, reward] of the first evaluation set.")
     eval_sets: dict[str, list[dict[str, Any]]] = Field(
         ..., description="Per evaluation set: each round's step, reward, wall_s and metrics (pass@k, ...).")
     staleness_histogram: dict[int, int] = Field(..., description="Trained samples by staleness.")
