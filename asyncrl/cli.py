@@ -1,11 +1,13 @@
-"""`asyncrl` command line (typer): the demo and thin clients of the job API.
+"""`asyncrl` command line (typer): the demo, `asyncrl run`, and thin clients of the job API.
 
 The job commands only speak HTTP to the API (`--api`, default `$ASYNCRL_API`); an error answer
-prints the API's `error` message on stderr and exits 1.
+prints the API's `error` message on stderr and exits 1. `asyncrl run` also starts a fleet on this
+box (asyncrl/local.py) when no API answers and none was named.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,27 +20,22 @@ import httpx
 import typer
 from httpx import TransportError
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Column, Table
 from rich.text import Text
 
+from asyncrl.report import TERMINAL_STATES, TIMEOUT_S, follow
 from broker.guard_report import describe, guard_trips
 
 app = typer.Typer(help="Asynchronous RL post-training: demo and job control.", no_args_is_help=True)
 
-API = typer.Option(
-    "http://127.0.0.1:8000", "--api", envvar="ASYNCRL_API", help="Job API base URL."
-)
+DEFAULT_API = "http://127.0.0.1:8000"
+API = typer.Option(DEFAULT_API, "--api", envvar="ASYNCRL_API", help="Job API base URL.")
 TOKEN = typer.Option(
     None,
     envvar="ASYNCRL_TOKEN",
     help="Bearer token for the job API (read-write for submit, stop and the other changes).",
 )
-# Mirrors broker.api.TERMINAL_STATES (a test checks it); importing the API here would load
-# FastAPI, Redis and SQLAlchemy for a thin HTTP client.
-TERMINAL_STATES = frozenset({"finished", "stopped", "failed", "cancelled"})
-TIMEOUT_S = 30.0
+__all__ = ["TERMINAL_STATES", "app"]
 
 
 def _auth(token: str | None) -> dict[str, str]:
@@ -53,15 +50,12 @@ def _fail(message: str) -> NoReturn:
 def _poll(api: str, path: str, token: str | None) -> Any:
     """A watcher's GET: rides out an outage of the API (or of Redis and the ledger behind it) for
     up to asyncrl.http_retry.DEFAULT_OUTAGE_S; exits 1 on a 4xx or when the outage lasts longer."""
-    from asyncrl.http_retry import ApiUnavailable, get_json
+    from asyncrl.report import api_get
 
     try:
-        body = get_json(httpx.get, api.rstrip("/") + path, headers=_auth(token), timeout=TIMEOUT_S)
-    except ApiUnavailable as exc:
+        return api_get(api, path, _auth(token))
+    except RuntimeError as exc:  # ApiError, ApiUnavailable
         _fail(str(exc))
-    if isinstance(body, dict) and "status_code" in body:
-        _fail(str(body.get("error") or body))
-    return body
 
 
 def _call(method: str, api: str, path: str, token: str | None, **kwargs: Any) -> Any:
@@ -129,14 +123,36 @@ def bench(ctx: typer.Context) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "bench", *ctx.args])
 
 
-@app.command()
-def submit(spec_file: Path, api: str = API, token: str | None = TOKEN) -> None:
-    """Submit a job spec (JSON file)."""
+def _read_spec(spec_file: Path) -> Any:
     try:
-        spec = json.loads(spec_file.read_text())
+        return json.loads(spec_file.read_text())
     except (OSError, ValueError) as exc:
         _fail(f"cannot read the job spec {spec_file}: {exc}")
-    _echo_json(_call("POST", api, "/jobs", token, json=spec))
+
+
+def _place(position: int) -> str:
+    return f"position {position} in the queue" if position else "taken by a trainer already"
+
+
+@app.command()
+def submit(
+    spec_file: Path,
+    as_json: bool = typer.Option(False, "--json", help="Print the API's answer (id, state, position and the "
+                                 "stored spec with every default) as JSON, for scripts."),
+    api: str = API,
+    token: str | None = TOKEN,
+) -> None:
+    """Queue a job spec (JSON file) on the fleet: prints its id, state and place in the queue."""
+    job = _call("POST", api, "/jobs", token, json=_read_spec(spec_file))
+    if as_json:
+        _echo_json(job)
+    else:
+        typer.echo(f"job {job['id']} {job['state']}, {_place(job['position'])}")
+
+
+def _positions(api: str, token: str | None) -> dict[str, int]:
+    """Queued job id -> its place in the queue (GET /queue)."""
+    return {q["id"]: q["position"] for q in _call("GET", api, "/queue", token)["queued"]}
 
 
 @app.command("list")
@@ -145,53 +161,70 @@ def list_jobs(
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """The newest jobs: id, name, state, step, created and updated times."""
+    """The newest jobs: id, name, state, place in the queue (queued jobs), priority, step, created
+    and updated times."""
     jobs = _call("GET", api, "/jobs", token, params={"limit": limit})
-    table = Table("id", "name", "state", "step", "created", "updated")
+    positions = _positions(api, token)
+    table = Table("id", "name", "state", Column("queue", justify="right"), Column("priority", justify="right"),
+                  Column("step", justify="right"), "created", "updated")
     for job in jobs:
-        table.add_row(*(_cell(job[k]) for k in ("id", "name", "state", "step", "created_at", "updated_at")))
+        table.add_row(_cell(job["id"]), _cell(job["name"]), _cell(job["state"]),
+                      _cell(f"#{positions[job['id']]}" if job["id"] in positions else None),
+                      *(_cell(job[k]) for k in ("priority", "step", "created_at", "updated_at")))
     Console().print(table)
 
 
-def _watch(job_id: str, api: str, token: str | None, interval: float) -> dict[str, Any]:
-    """Redraw the job's progress every `interval` seconds until it reaches a terminal state."""
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        TextColumn("{task.fields[state]}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]}"),
-        TextColumn("held-out {task.fields[held_out]}"),
-        TextColumn("staleness {task.fields[staleness]}"),
-        TextColumn("{task.fields[guard]}", style="bold red"),
-    )
-    job = _call("GET", api, f"/jobs/{job_id}", token)  # an unknown job fails before drawing
-    with progress:
-        task = progress.add_task(job_id, total=None, state="", reward="-", held_out="-", staleness="-", guard="")
-        while True:
-            metrics = job.get("last_metrics") or {}
-            evals = [e for e in job.get("evals") or [] if e.get("source") == "pipeline"]
-            evals = [e for e in evals if e.get("name", "held_out") == evals[0].get("name", "held_out")]  # first set
-            progress.update(
-                task,
-                description=escape(f"{job['name']} {job_id}"),
-                completed=job["step"],
-                total=(job.get("spec") or {}).get("steps"),
-                state=job["state"],
-                reward=_cell(metrics.get("reward/mean")).plain,
-                held_out=_cell(evals[-1]["reward_mean"] if evals else None).plain,
-                staleness=_cell(metrics.get("off_policy/mean"), digits=2).plain,
-                guard=f"guard trips {int(metrics['guard/trips'])}" if metrics.get("guard/trips") else "",
-            )
-            if job["state"] in TERMINAL_STATES:
-                return job
-            time.sleep(interval)
-            job = _poll(api, f"/jobs/{job_id}", token)
+def _ago(ts: float) -> str:
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def _show_queue(api: str, token: str | None) -> None:
+    """The running jobs, the queue with each job's place and what it waits for, and the fleet's
+    services (GET /queue, GET /fleet); a line instead of an empty table."""
+    queue = _call("GET", api, "/queue", token)
+    services = _call("GET", api, "/fleet", token)["services"]
+    console = Console()
+    if queue["running"]:
+        running = Table("id", "name", "state", Column("step", justify="right"), Column("priority", justify="right"),
+                        "started", title="running", title_justify="left")
+        for j in queue["running"]:
+            running.add_row(_cell(j["id"]), _cell(j["name"]), _cell(j["state"]), _cell(f"{j['step']}/{j['steps']}"),
+                            _cell(j["priority"]), _cell(j["started_at"]))
+        console.print(running)
+    else:
+        console.print("running: no job")
+    if queue["queued"]:
+        queued = Table(Column("#", justify="right"), "id", "name", Column("priority", justify="right"), "submitted",
+                       "waiting for", title="queued", title_justify="left")
+        for q in queue["queued"]:
+            queued.add_row(_cell(q["position"]), _cell(q["id"]), _cell(q["name"]), _cell(q["priority"]),
+                           _cell(q["submitted_at"]), _cell(q["waiting_for"]))
+        console.print(queued)
+    else:
+        console.print("queued: no job")
+    if services:
+        fleet = Table("role", "id", "host", Column("pid", justify="right"), "state", "job", "since",
+                      Column("jobs served", justify="right"), title="fleet", title_justify="left")
+        for m in services:
+            fleet.add_row(_cell(m["role"]), _cell(m["id"]), _cell(m["host"]), _cell(m["pid"]), _cell(m["state"]),
+                          _cell(m["job"]), _cell(_ago(m["since"])), _cell(m["jobs_served"]))
+        console.print(fleet)
+    else:
+        console.print("fleet: no service is up (python -m asyncrl.launch starts one)")
+
+
+def _follow(job_id: str, api: str, token: str | None, interval: float, **kwargs: Any) -> dict[str, Any]:
+    """report.follow, its errors as the CLI's (message on stderr, exit 1)."""
+    try:
+        return follow(api, job_id, headers=_auth(token), interval=interval, **kwargs)
+    except RuntimeError as exc:  # ApiError, ApiUnavailable, a local fleet that stopped
+        _fail(str(exc))
 
 
 @app.command()
 def status(
-    job_id: str,
+    job_id: str | None = typer.Argument(None, help="A job; none: the queue and the fleet."),
     watch: bool = typer.Option(
         False, "--watch", help="Live progress until the job ends; exits 1 if it failed."
     ),
@@ -200,16 +233,112 @@ def status(
     token: str | None = TOKEN,
 ) -> None:
     """Show a job's state, step and last metrics (JSON), or watch it live; either way, every
-    collapse-guard trip (what it did to the policy) follows on stderr."""
+    collapse-guard trip (what it did to the policy) follows on stderr. Without a job: the running
+    jobs, the queue (each job's place and what it waits for) and the fleet's services."""
+    if job_id is None:
+        if watch:
+            _fail("--watch follows one job: give its id")
+        _show_queue(api, token)
+        return
     if not watch:
         _echo_json(_call("GET", api, f"/jobs/{job_id}", token))
         _echo_guard_trips(job_id, api, token)
         return
-    job = _watch(job_id, api, token, interval)
+    job = _follow(job_id, api, token, interval)
     typer.echo(f"job {job_id} {job['state']} at step {job['step']}")
     _echo_guard_trips(job_id, api, token)
     if job["state"] == "failed":
         _fail(job.get("error") or "the job failed")
+
+
+@app.command()
+def queue(api: str = API, token: str | None = TOKEN) -> None:
+    """The running jobs, the queue (each job's place and what it waits for) and the fleet's
+    services: `asyncrl status` without a job."""
+    _show_queue(api, token)
+
+
+def _answers(api: str) -> bool:
+    """Whether anything answers HTTP at `api` (a degraded API's 503 too: it is there)."""
+    try:
+        httpx.get(api.rstrip("/") + "/health", timeout=3.0)
+    except TransportError:
+        return False
+    return True
+
+
+@app.command()
+def run(
+    spec_file: Path,
+    api: str | None = typer.Option(
+        None, "--api", envvar="ASYNCRL_API", show_default=False,
+        help="Job API of the fleet to run on. Unset: the one at 127.0.0.1:$BROKER_PORT (8000), else a fleet "
+        "started on this box for the job (python -m asyncrl.launch: Redis found or private, the SQLite ledger "
+        "runs/ledger.db unless DATABASE_URL is set), its API on that port."),
+    token: str | None = TOKEN,
+    keep: bool = typer.Option(False, "--keep", help="Leave the fleet this command started up after the job: the "
+                              "next `asyncrl run` finds it, its engines warm."),
+    generators: int = typer.Option(1, min=1, help="Generator processes of a fleet started here."),
+    interval: float = typer.Option(1.0, min=0.1, help="Seconds between progress refreshes."),
+    plot_file: str | None = typer.Option(None, "--plot", help="Also write reward and staleness per step to this PNG."),
+) -> None:
+    """Run a job to its end: submit it to the fleet, show its place in the queue and its progress,
+    print its summary, and exit 0 when it finished (1 with its error otherwise). Ctrl-C cancels
+    the job on a fleet started here, and only stops following on any other."""
+    from asyncrl.local import default_api, start_local_fleet
+    from asyncrl.report import plot, show_summary
+
+    t0 = time.monotonic()
+    spec = _read_spec(spec_file)
+    console = Console()
+    url, local = api or default_api(), None
+    if not _answers(url):
+        if api is not None:
+            _fail(f"no job API answers at {api}; unset --api and ASYNCRL_API to start a fleet on this box")
+
+        console.print(f"no fleet answers at {url}: starting one on this box (python -m asyncrl.launch)")
+        placement = spec.get("placement") if isinstance(spec, dict) else None
+        try:
+            local = start_local_fleet(generators=generators, placement=placement if placement == "colocated" else None)
+        except (RuntimeError, TimeoutError) as exc:
+            _fail(str(exc))
+        url = local.api
+        console.print(f"fleet up (launcher pid {local.pid}): API {url}, logs {local.logdir}", soft_wrap=True)
+    try:
+        submitted = _call("POST", url, "/jobs", token, json=spec)
+        job_id = submitted["id"]
+        console.print(f"job {job_id} {submitted['state']}, {_place(submitted['position'])}; "
+                      f"status page {url}/status?job={job_id}", soft_wrap=True)
+        try:
+            job = _follow(job_id, url, token, interval, check=local.check if local else None, console=console)
+        except KeyboardInterrupt:
+            if local is not None and not keep:
+                with contextlib.suppress(httpx.HTTPError):  # else the fleet's stop would leave it running
+                    httpx.post(f"{url}/jobs/{job_id}/cancel", headers=_auth(token), timeout=5)
+                typer.echo(f"interrupted: job {job_id} cancelled", err=True)
+            else:
+                typer.echo(f"stopped following: job {job_id} goes on at {url} (asyncrl cancel {job_id} ends it)",
+                           err=True)
+            raise typer.Exit(130) from None
+        summary = _call("GET", url, f"/jobs/{job_id}/summary", token)
+        if summary["steps"]:
+            show_summary(summary, time.monotonic() - t0, console)
+        if plot_file is not None:
+            console.print(f"plot: {plot(summary, Path(plot_file))}")
+        if job["state"] != "finished":
+            _fail(f"job {job_id} {job['state']} at step {job['step']}" + (f": {job['error']}" if job.get("error") else ""))
+        console.print(f"job {job_id} finished at step {job['step']}")
+    finally:
+        if local is not None and keep:
+            # soft_wrap: addresses and paths stay whole, to be copied
+            console.print(f"the fleet stays up: API {url} (status page {url}/status), logs {local.logdir}",
+                          soft_wrap=True)
+            if url != DEFAULT_API:
+                console.print(f"the other asyncrl commands find it with: export ASYNCRL_API={url}", soft_wrap=True)
+            console.print(f"stop it with: kill {local.pid}")
+        elif local is not None:
+            console.print("stopping the fleet started for this job")
+            local.stop()
 
 
 PAGES = typer.Argument(..., help="The services' Prometheus pages, e.g. http://127.0.0.1:9101/metrics (each "
@@ -258,7 +387,7 @@ def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:
 
 @app.command()
 def stop(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
-    """Ask a running job to stop after its current step."""
+    """Ask a running job to stop after its current step (a queued one: at once, never started)."""
     _echo_json(_call("POST", api, f"/jobs/{job_id}/stop", token))
 
 
@@ -276,7 +405,8 @@ def resume(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
 
 @app.command()
 def cancel(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
-    """Cancel a job now, without finishing the step or evaluating."""
+    """Cancel a job: a queued one never starts; a running one ends now, without finishing its step
+    or evaluating, and the fleet takes the next."""
     _echo_json(_call("POST", api, f"/jobs/{job_id}/cancel", token))
 
 

@@ -1,36 +1,34 @@
-"""The demo job: build a tiny model, warm-start it, run an RL job with every service as a process.
+"""The demo job: build a tiny model, warm-start it, and run an RL job on a fleet of services
+started for it, every service a process (broker/fleet.py), the job submitted through the API.
 
 Needs no set-up: Redis is REDIS_URL, else a local Redis on 6379, else a private redis-server this
 process starts; the ledger is SQLite in the work directory unless DATABASE_URL is set. Shows a
-progress bar while the job runs, then prints a summary and writes a PNG of reward and staleness.
+progress bar while the job runs, then prints a summary and writes a PNG of reward and staleness
+(asyncrl/report.py: what `asyncrl run` shows of any job).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from asyncrl.http_retry import get_json
-from asyncrl.launch import Supervisor
-from broker.guard_report import describe, guard_trips
+from asyncrl.launch import Supervisor, wait_healthy
+from asyncrl.report import follow, plot, show_summary
+from broker.fleet import LIVE_STATES
+from broker.job_summary import job_summary
 from broker.ledger import Ledger
-from broker.ledger.rows import EvalRow, TrainStepRow
 from broker.redis_server import resolve_redis_url
 from shared.placement import plan_placement
 
@@ -59,20 +57,6 @@ def prepare_model(workdir: Path, seed: int) -> Path:
     return warm
 
 
-def wait_http(url: str, timeout_s: float, sup: Supervisor) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if sup.failed():
-            raise RuntimeError(f"{sup.failed()[0].name} exited early:\n{sup.tail(sup.failed()[0].name)}")
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
-
-
 @dataclass
 class JobRun:
     job_id: str
@@ -82,6 +66,17 @@ class JobRun:
     wall_s: float
 
 
+def cancel_leftovers(ledger: Ledger) -> list[str]:
+    """Cancel the jobs an earlier run left live in this run's own ledger (a run stopped by Ctrl-C
+    leaves its job running for a successor, as SIGTERM does; a killed one leaves it in any live
+    state), so that the new job is the only one its fleet serves. Returns their ids."""
+    left = [j["id"] for j in ledger.list_jobs(limit=1000, states=LIVE_STATES)]
+    for job_id in left:
+        ledger.move_job(job_id, LIVE_STATES, "cancelled",
+                        error="left live by an earlier run of this work directory; cancelled when the next run started")
+    return left
+
+
 def run_job(
     wd: Path,
     spec: dict[str, Any],
@@ -89,42 +84,69 @@ def run_job(
     generators: int = 1,
     progress: bool = True,
 ) -> JobRun:
-    """Run one job end to end on this box: Redis (found or private), broker API, N generators,
-    reward and trainer as processes (generators pinned to the first core, the trainer to the last;
-    a `placement: colocated` spec: both on every core, by shared.placement).
-    Returns when the job has ended and every process has stopped."""
+    """Run one job end to end on a fleet started on this box for it: Redis (found or private),
+    the broker API, N generators, reward and trainer as processes serving the ledger's queue
+    (broker/fleet.py: no JOB_ID; generators pinned to the first core, the trainer to the last; a
+    `placement: colocated` spec: both on every core, by shared.placement). The job is submitted
+    through the API and followed there, as `asyncrl run` does with any fleet.
+
+    The ledger is SQLite in `wd` unless DATABASE_URL is set. Jobs an earlier run left live in the
+    work directory's own ledger are cancelled first (`cancel_leftovers`): the ledger keeps every
+    earlier run's record (benches read them all), but nothing of theirs runs ahead of this job.
+    A DATABASE_URL is the user's ledger: its queue is left alone, and the job takes its turn.
+
+    Returns when the job has ended and every process has stopped.
+    """
     t0 = time.monotonic()
     redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
     db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
     port = _free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
            "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    if not os.environ.get("DATABASE_URL"):
+        ledger = Ledger(db_url)
+        left = cancel_leftovers(ledger)
+        ledger.close()
+        if left and progress:
+            console.print(f"cancelled {len(left)} job(s) an earlier run left live in {db_url}: {', '.join(left)}")
     if progress:
         console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
     sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
     api = f"http://127.0.0.1:{port}"
-    # The job's id is chosen here, so every process starts at once (asyncrl.launch does the same):
-    # the services import, build their engine and model and wait for the job while the API starts.
-    job_id = uuid.uuid4().hex[:12]
+    job_id = ""
     try:
+        # Every process starts at once: the services import, build their engine and model and wait
+        # for a job while the API starts.
         sup.start("broker", "broker")
-        job_env = {"JOB_ID": job_id, "NODE_PLACEMENT": "off"}  # placed here: no service re-places itself
         for name, module, extra, cpus in _placed(spec, generators, {**os.environ, **env}):
-            sup.start(name, module, {**job_env, **extra}, cpus=cpus)
-        wait_http(f"{api}/health", 60, sup)
-        resp = httpx.post(f"{api}/jobs", json=spec, params={"job_id": job_id}, timeout=30)
+            # placed here: no service re-places itself
+            sup.start(name, module, {"NODE_PLACEMENT": "off", **extra}, cpus=cpus)
+        wait_healthy(f"{api}/health", sup, "broker", 60)
+        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         if resp.status_code != 201:
             raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
+        job_id = resp.json()["id"]
         if progress:
-            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps)")
-        final = _watch(api, job_id, spec["steps"], sup, progress)
-        # The trainer's end-of-job stop makes generators and rewarders exit by themselves.
-        sup.wait_all(30, exclude=("broker",))
+            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps); "
+                          f"status page {api}/status?job={job_id}")
+        final = follow(api, job_id, show=progress, check=lambda: _check_processes(sup), console=console)
+    except KeyboardInterrupt:
+        if job_id:  # else the stop below would leave it running for a successor
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{api}/jobs/{job_id}/cancel", timeout=5)
+        raise
     finally:
         sup.stop_all()
         if embedded:
             embedded.close()
     return JobRun(job_id, db_url, final["state"], final.get("error"), time.monotonic() - t0)
+
+
+def _check_processes(sup: Supervisor) -> None:
+    """Raises RuntimeError when a process of the run's fleet exited (none is restarted here)."""
+    bad = sup.failed()
+    if bad:
+        raise RuntimeError(f"{bad[0].name} exited with {bad[0].popen.returncode}:\n{sup.tail(bad[0].name)}")
 
 
 def _placed(spec: dict[str, Any], generators: int, env: dict[str, str]) -> list[tuple[str, str, dict[str, str],
@@ -181,126 +203,11 @@ def run_demo(
     return summary
 
 
-def _watch(api: str, job_id: str, steps: int, sup: Supervisor, show: bool = True) -> dict[str, Any]:
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, disable=not show,
-    ) as progress:
-        task = progress.add_task("training", total=steps, info="starting services...")
-        while True:
-            job = get_json(httpx.get, f"{api}/jobs/{job_id}", timeout=30)  # rides out an outage
-            if "status_code" in job:
-                raise RuntimeError(f"GET /jobs/{job_id}: {job}")
-            m = job.get("last_metrics") or {}
-            ev = job.get("evals") or []
-            info = (
-                f"reward {m.get('reward/mean', float('nan')):.2f} "
-                f"held-out {ev[-1]['reward_mean'] if ev else float('nan'):.2f} "
-                f"stale {m.get('off_policy/mean', float('nan')):.2f}"
-            )
-            if m.get("guard/trips"):
-                info += f" [bold red]guard trips {int(m['guard/trips'])}[/]"
-            progress.update(task, completed=job["step"], info=info)
-            if job["state"] in ("finished", "failed", "stopped", "cancelled"):
-                return job
-            bad = [p for p in sup.failed()]
-            if bad:
-                raise RuntimeError(f"{bad[0].name} exited with {bad[0].popen.returncode}:\n{sup.tail(bad[0].name)}")
-            time.sleep(1.0)
-
-
 def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str, Any]:
-    steps = ledger.train_steps(job_id)
-    evals = ledger.evals(job_id, source="pipeline")
-    hist = ledger.staleness_histogram(job_id)
-    counts = ledger.status_counts(job_id)
-    # Steady state: the first step also waits for the engines to start.
-    steady = steps[1:] or steps
-    step_s = sum(s["metrics"]["time/step_s"] for s in steady)
-    swaps = [dt for v, dt in ledger.swap_latencies(job_id).items() if v > 0]
-    summary: dict[str, Any] = {
-        "job_id": job_id,
-        "generators": len({r["generator_id"] for r in ledger.generator_loads(job_id)}),
-        "swap_latency_s_median": statistics.median(swaps) if swaps else None,
-        "wall_s": wall_s,
-        "steps": len(steps),
-        "reward_per_step": [round(s["metrics"]["reward/mean"], 3) for s in steps],
-        # the first evaluation set's curve (the task's held-out split unless eval_sets say otherwise)
-        "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals if e["name"] == evals[0]["name"]],
-        "eval_sets": {name: [{"step": e["step"], "reward": round(e["reward_mean"], 3), "wall_s": e["wall_s"],
-                              **(e["metrics"] or {})} for e in evals if e["name"] == name]
-                      for name in dict.fromkeys(e["name"] for e in evals)},
-        "staleness_histogram": hist,
-        "sample_status": counts,
-        "samples_per_s": sum(s["metrics"]["samples"] for s in steady) / step_s if step_s else 0.0,
-        "tokens_per_s": sum(s["metrics"]["tokens"] for s in steady) / step_s if step_s else 0.0,
-        "mean_step_s": step_s / len(steady) if steady else 0.0,
-    }
-    held = dict(summary["held_out"])
-    table = Table(title=f"job {job_id}: reward and staleness per block of steps")
-    for col in ("steps", "train reward", "held-out reward (at end)", "staleness mean / max", "dropped"):
-        table.add_column(col, justify="right")
-    block = max(1, len(steps) // 10)
-    for lo in range(0, len(steps), block):
-        chunk = steps[lo : lo + block]
-        last = chunk[-1]["step"]
-        table.add_row(
-            f"{chunk[0]['step']}-{last}",
-            f"{sum(s['metrics']['reward/mean'] for s in chunk) / len(chunk):.3f}",
-            f"{held[last]:.3f}" if last in held else "",
-            f"{sum(s['metrics']['off_policy/mean'] for s in chunk) / len(chunk):.2f} / "
-            f"{max(int(s['metrics']['off_policy/max']) for s in chunk)}",
-            f"{sum(int(s['metrics']['off_policy/dropped']) for s in chunk)}",
-        )
-    console.print(table)
-    if evals:
-        console.print("held-out reward: " + " -> ".join(f"{r:.2f} (step {s})" for s, r in summary["held_out"]))
-    console.print(f"staleness of trained samples (versions: count): {hist}")
-    console.print(f"samples by status: {counts}")
-    # every collapse-guard trip, from the trainer's records in the change log (a roll-back, a
-    # kept policy or a restart changes what the curves above mean)
-    trips = guard_trips(ledger.job_changes(job_id))
-    summary["guard_trips"] = [describe(t) for t in trips]
-    if trips:
-        console.print(f"[bold red]collapse guard tripped {len(trips)} time(s):[/]")
-        for line in summary["guard_trips"]:
-            console.print(f"  [red]{escape(line)}[/]")
-    else:
-        console.print("collapse guard: no trips")
-    if swaps:
-        console.print(f"weight swap, publish -> every generator ({summary['generators']}) serving it: "
-                      f"median {statistics.median(swaps):.3f} s, max {max(swaps):.3f} s")
-    console.print(
-        f"throughput (steady state): {summary['samples_per_s']:.1f} samples/s, "
-        f"{summary['tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step; wall time {wall_s:.0f} s"
-    )
-    summary["plot"] = str(plot(steps, evals, wd / "demo.png"))
+    """The job's summary (broker.job_summary) printed as `asyncrl run` prints it, with `wall_s`
+    and the plot written to `wd/demo.png`."""
+    summary = {**job_summary(ledger, job_id), "wall_s": wall_s}
+    show_summary(summary, wall_s, console)
+    summary["plot"] = str(plot(summary, wd / "demo.png"))
     console.print(f"plot: {summary['plot']}")
     return summary
-
-
-def plot(steps: list[TrainStepRow], evals: list[EvalRow], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    xs = [s["step"] for s in steps]
-    ax1.plot(xs, [s["metrics"]["reward/mean"] for s in steps], label="train reward (sampled)", alpha=0.6)
-    if evals:
-        ax1.plot([e["step"] for e in evals], [e["reward_mean"] for e in evals], "o-", label="held-out reward (greedy)")
-    ax1.set_ylabel("reward")
-    ax1.set_ylim(-0.02, 1.02)
-    ax1.legend(loc="lower right")
-    ax2.plot(xs, [s["metrics"]["off_policy/mean"] for s in steps], label="staleness mean")
-    ax2.plot(xs, [s["metrics"]["off_policy/max"] for s in steps], label="staleness max", linestyle="--")
-    ax2.set_ylabel("policy versions")
-    top = max([s["metrics"]["off_policy/max"] for s in steps] + [1.0])
-    ax2.set_ylim(-0.05, top * 1.6)  # room for the legend above the curves
-    ax2.set_xlabel("trainer step")
-    ax2.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

@@ -2,8 +2,10 @@
 (routes in broker.api.routes.status); this module holds its files and builds its data.
 
 The page (`broker/static/`, no external assets: the machines are offline) polls the JSON API
-every 2 s: `GET /jobs`, `GET /jobs/{id}` and `GET /status/data/{id}` (the per-step series and the
-collapse guard's trips, which the page shows above the charts).
+every 2 s: `GET /queue` and `GET /fleet` (the running jobs, each queued job's place and what it
+waits for, the fleet's services and what each serves: broker.fleet), `GET /jobs`, `GET /jobs/{id}`
+and `GET /status/data/{id}` (the per-step series and the collapse guard's trips, which the page
+shows above the charts).
 
 Auth: the page and its assets are always open (they hold no data); every data request carries
 the API's bearer token. Open `/status?token=<token>` once: the page keeps the token in the tab's
@@ -14,11 +16,11 @@ land in browser history and proxy logs; use a read-only token for the page.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from broker.guard_report import describe, guard_trips
+from broker.job_summary import finite
 from broker.ledger import Ledger
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -37,13 +39,6 @@ STEP_METRICS = (
 )
 
 
-def _number(value: Any) -> float | None:
-    """A finite float, or None for a missing, non-numeric or non-finite metric."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
     """A job's plotted series: one row per train step (STEP_METRICS, null where absent), evals,
     and the collapse guard's trips (`guard_trips`: step, kind, one-line `text`) from the change log."""
@@ -51,20 +46,20 @@ def step_series(ledger: Ledger, job_id: str) -> dict[str, Any]:
         {
             "step": row["step"],
             "policy_version": row["policy_version"],
-            **{k: _number((row["metrics"] or {}).get(k)) for k in STEP_METRICS},
+            **{k: finite((row["metrics"] or {}).get(k)) for k in STEP_METRICS},
         }
         for row in ledger.train_steps(job_id)
     ]
     evals = [
         {
             "step": e["step"],
-            "reward_mean": _number(e["reward_mean"]),
+            "reward_mean": finite(e["reward_mean"]),
             "n": e["n"],
             "policy_version_min": e["policy_version_min"],
             "policy_version_max": e["policy_version_max"],
             "source": e["source"],  # pipeline (the trainer's rounds) or checkpoint (admin worker)
             "name": e["name"],  # the evaluation set
-            "wall_s": _number(e["wall_s"]) if e["wall_s"] is not None else None,
+            "wall_s": finite(e["wall_s"]) if e["wall_s"] is not None else None,
             "metrics": e["metrics"],
         }
         for e in ledger.evals(job_id)

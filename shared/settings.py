@@ -40,7 +40,8 @@ class CommonSettings(BaseSettings):
     job_id: str | None = Field(
         None,
         validation_alias=AliasChoices("JOB_ID", "job_id"),
-        description="Job to serve; unset: the newest submitted or running job in the ledger.",
+        description="Serve this one job, then exit; unset: serve the fleet's queue, one job after another, until "
+        "stopped (broker/fleet.py).",
     )
     stream_prefix: str = Field(
         "rl:", validation_alias=AliasChoices("STREAM_PREFIX", "stream_prefix"), description="Key prefix for streams."

@@ -563,7 +563,7 @@ def test_k8s_probes_and_ports_are_what_the_services_serve():
                     ping = shlex.split(probe["exec"]["command"][-1])
                     assert module == "broker.admin" and ping[:5] == ["celery", "-A", "broker.admin", "inspect", "ping"]
                     assert _arg(ping, "-d") == "celery@$HOSTNAME" and probe["timeoutSeconds"] > int(_arg(ping, "--timeout"))
-            # an idle job service has no metrics server yet: a liveness probe would kill it
+            # readiness only: the services of the fleet are restarted when they fail, not probed
             if module in ("generator_svc", "reward_svc", "trainer_svc"):
                 assert "livenessProbe" not in c, w["metadata"]["name"]
             # every port the container declares is one a setting binds (or torchrun's rendezvous)
@@ -586,7 +586,7 @@ def test_k8s_probes_and_ports_are_what_the_services_serve():
 
 def test_k8s_gpus_volumes_and_scaling():
     gen = k8s("Deployment", "asyncrl-generator")
-    trainer = k8s("Job", "asyncrl-trainer")
+    trainer = k8s("StatefulSet", "asyncrl-trainer")
     admin = k8s("Deployment", "asyncrl-admin")
     for w in (gen, trainer, admin):
         (c,) = pod_spec(w)["containers"]
@@ -616,30 +616,28 @@ def test_k8s_gpus_volumes_and_scaling():
     assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis
 
 
-def test_k8s_trainer_is_a_multi_node_torchrun_job():
-    job = k8s("Job", "asyncrl-trainer")
-    spec, pod = job["spec"], pod_spec(job)
+def test_k8s_trainer_is_a_multi_node_torchrun_statefulset():
+    sts = k8s("StatefulSet", "asyncrl-trainer")
+    spec, pod = sts["spec"], pod_spec(sts)
     (c,) = pod["containers"]
     argv, env = c["command"], container_env(c)
     assert Path(argv[0]).name == "torchrun" and entry_module(argv) == "trainer_svc"
-    # one pod per node: an Indexed Job whose completion index is torchrun's node rank
+    # one pod per node, started together; its ordinal is torchrun's node rank
     nodes = int(_arg(argv, "--nnodes"))
-    assert nodes >= 2 and spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == nodes
-    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert nodes >= 2 and spec["replicas"] == nodes and spec["podManagementPolicy"] == "Parallel"
+    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     assert "--node-rank" not in argv
     # one rank per GPU of the pod
     assert int(_arg(argv, "--nproc-per-node")) == int(c["resources"]["limits"]["nvidia.com/gpu"])
-    # everyone meets at pod 0, by its stable name under the headless Service (the pods' subdomain)
-    headless = k8s("Service", pod["subdomain"])
+    # everyone meets at pod 0, by its stable name under the headless Service (the StatefulSet's)
+    headless = k8s("Service", spec["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    assert headless["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
-    assert _arg(argv, "--master-addr") == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    assert _arg(argv, "--master-addr") == f"{sts['metadata']['name']}-0.{spec['serviceName']}"
     # rank 0 serves the weights at its own pod IP, on the port it binds; training on the GPU
     assert env["TRAINER_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     vals = env_values(c)
     assert vals["TRAINER_BIND_HOST"] == "0.0.0.0" and vals["TRAINER_DEVICE"] == "cuda"
-    assert pod["restartPolicy"] in ("OnFailure", "Never")
 
 
 # --- Slurm (deploy/slurm) ----------------------------------------------------------------------
@@ -989,3 +987,50 @@ def test_systemd_units_place_themselves_by_the_one_rule():
             assert not pinned[a] & pinned[b], f"{a} and {b} share cores"
     assert set().union(*pinned.values()) == set(range(16))  # nothing left idle
     assert example["NODE_PLACEMENT"] in ("split", "colocated", "off")
+
+
+# --- the fleet: long-lived services everywhere ----------------------------------------------------
+
+# Descriptions of the behaviour before the fleet: a service exited when its job ended and was
+# restarted (or re-applied) to take the next.
+ONE_JOB_PER_PROCESS = re.compile(r"job ended exits|exits and (compose )?(is )?restart|re-apply it for the next|"
+                                 r"newest submitted|completes with it|restart asyncrl\.target before", re.I)
+
+
+def test_every_deployment_runs_the_services_as_a_standing_fleet():
+    """Compose, Kubernetes and systemd run generator, reward and trainer without JOB_ID (each
+    serves the queue, broker/fleet.py), restarted when they fail and never between jobs."""
+    # compose: no JOB_ID; restarted unless stopped on purpose (a fleet service exits only when it
+    # fails or is stopped: never between jobs)
+    services = compose("docker-compose.yml")["services"]
+    for name in JOB_SERVICES:
+        assert "JOB_ID" not in service_env(services[name]), name
+        assert services[name]["restart"] == "unless-stopped", name
+    # Kubernetes: Deployments and the trainer's StatefulSet (restartPolicy Always: pods that run
+    # until they fail); a Job only to submit a training job
+    seen = set()
+    for w in workloads():
+        for c in pod_spec(w)["containers"]:
+            if c["image"] not in OUR_IMAGES:
+                continue
+            module = entry_module(c["command"])
+            assert "JOB_ID" not in container_env(c), w["metadata"]["name"]
+            if module in ("generator_svc", "reward_svc", "trainer_svc"):
+                seen.add(module)
+                assert w["kind"] in ("Deployment", "StatefulSet"), w["metadata"]["name"]
+                assert pod_spec(w).get("restartPolicy", "Always") == "Always", w["metadata"]["name"]
+            if w["kind"] == "Job":
+                assert module == "asyncrl" and c["command"][1] == "submit", w["metadata"]["name"]
+    assert seen == {"generator_svc", "reward_svc", "trainer_svc"}
+    # systemd: no JOB_ID in a unit or in the env file's settings (commented there: an option)
+    for unit in ("asyncrl-generator@.service", "asyncrl-reward.service", "asyncrl-trainer.service"):
+        d = unit_directives(UNITS / unit)
+        assert not any(e.startswith("JOB_ID=") for e in d.get("Environment", [])), unit
+        assert d["Restart"] == ["on-failure"], unit
+    assert not re.search(r"^JOB_ID=", (ROOT / "deploy/env.example").read_text(), re.M)
+    # and the files' words say so: nothing describes one job per process any more
+    texts = [ROOT / "docker-compose.yml", ROOT / "deploy/README.md", *sorted(K8S.glob("*.yaml")),
+             *sorted(UNITS.glob("*"))]
+    for path in texts:
+        for line in path.read_text().splitlines():
+            assert not ONE_JOB_PER_PROCESS.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"

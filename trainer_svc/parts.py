@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES
 from broker.guard_report import GUARD_ACTOR
@@ -28,7 +29,7 @@ from broker.streams import (
 from shared.datasets import load_source, load_task
 from shared.ids import control_id
 from shared.jobspec import JobSpec
-from shared.metrics import TrainerMetrics, serve_metrics
+from shared.metrics import TrainerMetrics
 from shared.prompts import renderer
 from shared.schema import Control, Scored
 from shared.settings import TrainerSettings
@@ -78,12 +79,12 @@ class Parts:
 
     @classmethod
     def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams,
-              ranks: Ranks) -> Parts:
+              ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
         t_boot = time.perf_counter()
         if settings.threads:
             torch.set_num_threads(settings.threads)
         torch.manual_seed(spec.seed)
-        prom = TrainerMetrics(serve_metrics(settings.metrics_port, "trainer"), job_id)
+        prom = TrainerMetrics(registry, job_id)  # registry: this job's (train.run serves the process's)
         # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
         resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
         learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)

@@ -17,6 +17,7 @@ import logging
 import time
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES, Fleet, fail_everywhere
 from broker.runtime import JobContext
@@ -31,6 +32,7 @@ from broker.streams import (
 from shared.entry import Terminated, drain_requested
 from shared.evalmetrics import episode_means
 from shared.logs import set_context
+from shared.metrics import job_registry, serve_metrics
 from shared.settings import TrainerSettings
 from trainer_svc.algorithms import staleness
 from trainer_svc.dist import Ranks
@@ -51,10 +53,12 @@ def run(settings: TrainerSettings) -> None:
         follow(settings, ranks)
         ranks.close()
         return
+    # one server for the process's life: each job's metrics come and go with the job (job_registry)
+    registry = serve_metrics(settings.metrics_port, "trainer")
     fleet = Fleet(settings, "trainer", settings.consumer_id)
     try:
         for ctx in fleet.jobs():
-            train_job(settings, ctx, ranks)
+            train_job(settings, ctx, ranks, registry)
             fleet.served(ctx.job_id)
             if drain_requested():
                 break  # SIGTERM: the job (checkpointed) goes on with this process's successor
@@ -64,15 +68,16 @@ def run(settings: TrainerSettings) -> None:
     ranks.close()
 
 
-def train_job(settings: TrainerSettings, ctx: JobContext, ranks: Ranks) -> None:
+def train_job(settings: TrainerSettings, ctx: JobContext, ranks: Ranks, registry: CollectorRegistry | None) -> None:
     """One job, from its parts' build to its end state. A job that fails (its model, data or
     reward cannot load; its loss went non-finite) is marked failed with the reason and every
     service of it leaves it; with JOB_ID the failure also ends this process (exit 1)."""
     job_id, spec, ledger, streams = ctx.job_id, ctx.spec, ctx.ledger, ctx.streams
     try:
-        parts = Parts.build(settings, job_id, spec, ledger, streams, ranks)
-        with parts.tracking:  # the job's TensorBoard / MLflow / W&B run, closed however the loop ends
-            _train(parts)
+        with job_registry(registry) as job_metrics:
+            parts = Parts.build(settings, job_id, spec, ledger, streams, ranks, job_metrics)
+            with parts.tracking:  # the job's TensorBoard / MLflow / W&B run, closed however the loop ends
+                _train(parts)
     except BaseException as exc:
         # No `exit` for the other ranks: one may be inside a collective; torchrun stops them.
         if isinstance(exc, Terminated):

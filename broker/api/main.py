@@ -17,6 +17,7 @@ from broker.api.routes import (
     queue,
     samples,
     status,
+    summary,
     tasks,
     verify,
 )
@@ -24,7 +25,7 @@ from broker.api.routes import (
 # The role a job route needs follows from its HTTP method, so a router added here cannot forget
 # either check.
 job_router = APIRouter(dependencies=[Security(authorize)], responses=error_responses(401, 503))
-for resource in (jobs, queue, control, checkpoints, verify, changes, samples, tasks):
+for resource in (jobs, queue, control, checkpoints, verify, summary, changes, samples, tasks):
     job_router.include_router(resource.router)
 
 api_router = APIRouter()

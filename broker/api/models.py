@@ -146,6 +146,31 @@ class JobStatus(BaseModel):
     generators: dict[str, GeneratorState] = Field(..., description="By generator id.")
 
 
+class JobReport(BaseModel):
+    """What a job did (broker.job_summary): the summary `asyncrl run` and `asyncrl demo` print."""
+
+    job_id: str
+    state: str | None
+    error: str | None
+    steps: int = Field(..., description="Train steps recorded.")
+    per_step: list[dict[str, int | float | None]] = Field(
+        ..., description="Per step: `step`, reward/mean, off_policy/mean|max|dropped (null: missing or not finite).")
+    reward_per_step: list[float | None]
+    held_out: list[list[int | float]] = Field(..., description="[step, reward] of the first evaluation set.")
+    eval_sets: dict[str, list[dict[str, Any]]] = Field(
+        ..., description="Per evaluation set: each round's step, reward, wall_s and metrics (pass@k, ...).")
+    staleness_histogram: dict[int, int] = Field(..., description="Trained samples by staleness.")
+    sample_status: dict[str, int] = Field(..., description="Samples by status.")
+    generators: int = Field(..., description="Generators that loaded a policy version of the job.")
+    swap_latency_s_median: float | None = Field(..., description="Seconds from a version's publication until every "
+                                                                 "generator serves it (versions after the first).")
+    swap_latency_s_max: float | None
+    samples_per_s: float = Field(..., description="Steady state: every step but the first (it waits for the engines).")
+    tokens_per_s: float
+    mean_step_s: float
+    guard_trips: list[str] = Field(..., description="The collapse guard's trips, one line each.")
+
+
 class StateChange(BaseModel):
     """A control command was published; the job is now in `state`."""
 

@@ -1,4 +1,5 @@
-// The status page: polls the job API every 2 s and draws the charts on <canvas>; no libraries.
+// The status page: polls the job API every 2 s (the queue, the fleet, the jobs and the selected
+// job) and draws the charts on <canvas>; no libraries.
 "use strict";
 (() => {
   const POLL_MS = 2000;
@@ -184,13 +185,53 @@
         el("td", {}, j.step));
       row.addEventListener("click", (ev) => {
         ev.preventDefault();
-        selected = j.id;
-        history.pushState(null, "", `?job=${encodeURIComponent(j.id)}`);
-        refresh();
+        select(j.id);
       });
       return row;
     }));
     $("no-jobs").hidden = jobs.length > 0;
+  }
+
+  function jobLink(id, name) {
+    const link = el("a", { href: `?job=${encodeURIComponent(id)}` }, name, " ", el("code", {}, id));
+    link.addEventListener("click", (ev) => {
+      ev.preventDefault();
+      select(id);
+    });
+    return link;
+  }
+
+  function select(id) {
+    selected = id;
+    history.pushState(null, "", `?job=${encodeURIComponent(id)}`);
+    refresh();
+  }
+
+  // GET /queue: the running jobs, then each queued job in the order a trainer takes them, with
+  // what it waits for (the running job, the jobs ahead of it, or a trainer when none is up)
+  function renderQueue(queue) {
+    const badge = (state) => el("span", { className: `state ${state}` }, state);
+    const note = (...parts) => el("div", { className: "why muted" }, parts.filter(Boolean).join(", "));
+    const prio = (p) => (p ? `priority ${p}` : "");
+    const rows = [
+      ...queue.running.map((j) => el("tr", {}, el("td", { className: "muted" }, "▶"), el("td", {}, jobLink(j.id, j.name)),
+        el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority))))),
+      ...queue.queued.map((q) => el("tr", {}, el("td", {}, `#${q.position}`),
+        el("td", {}, jobLink(q.id, q.name), note(`waiting for ${q.waiting_for}`)),
+        el("td", {}, badge("queued"), note(prio(q.priority))))),
+    ];
+    $("queue").tBodies[0].replaceChildren(...rows);
+    $("no-queue").hidden = rows.length > 0;
+  }
+
+  // GET /fleet: each live service of the fleet, as its beacon says
+  function renderFleet(services) {
+    const now = Date.now() / 1000;
+    $("fleet").tBodies[0].replaceChildren(...services.map((m) => el("tr", {},
+      el("td", { title: `${m.host} pid ${m.pid}` }, m.role, " ", el("code", {}, m.id)),
+      el("td", {}, m.state, m.job ? " " : "", m.job ? jobLink(m.job, "") : "",
+        el("div", { className: "why muted" }, `since ${ago(now - m.since)}, ${m.jobs_served} job(s) served`)))));
+    $("no-fleet").hidden = services.length > 0;
   }
 
   function fillDl(dl, entries) {
@@ -254,8 +295,10 @@
     busy = true;
     clearTimeout(timer);
     try {
-      const jobs = await getJSON("/jobs?limit=50");
+      const [jobs, queue, fleet] = await Promise.all([getJSON("/jobs?limit=50"), getJSON("/queue"), getJSON("/fleet")]);
       const id = selected || (jobs.length ? jobs[0].id : null);
+      renderQueue(queue);
+      renderFleet(fleet.services);
       renderJobs(jobs, id);
       if (id) {
         const path = encodeURIComponent(id);

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from asyncrl.cli import TERMINAL_STATES, app
 from broker import api as broker_api
 from broker.api import create_app
+from broker.fleet import Beacon
 from broker.ledger import Ledger
 from broker.streams import connect
 from shared.settings import AdminSettings, BrokerSettings
@@ -29,8 +30,8 @@ RW = "rw-secret-token"
 
 
 class Api:
-    def __init__(self, url: str, ledger: Ledger, runner: CliRunner) -> None:
-        self.url, self.ledger, self.runner = url, ledger, runner
+    def __init__(self, url: str, ledger: Ledger, runner: CliRunner, prefix: str) -> None:
+        self.url, self.ledger, self.runner, self.prefix = url, ledger, runner, prefix
 
     def cli(self, *args: str, **env: str) -> Any:
         # Wide columns so that rich tables keep ids on one line.
@@ -45,7 +46,7 @@ class Api:
     def submit(self, tmp_path: Path) -> str:
         spec_file = tmp_path / f"spec-{uuid4().hex[:6]}.json"
         spec_file.write_text(json.dumps(SPEC))
-        result = self.cli("submit", str(spec_file))
+        result = self.cli("submit", str(spec_file), "--json")
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)["id"]
 
@@ -69,7 +70,7 @@ def api(tmp_path) -> Iterator[Api]:
         assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
         time.sleep(0.02)
     try:
-        yield Api(f"http://127.0.0.1:{port}", ledger, CliRunner())
+        yield Api(f"http://127.0.0.1:{port}", ledger, CliRunner(), prefix)
     finally:
         server.should_exit = True
         thread.join(10)
@@ -85,13 +86,32 @@ def test_terminal_states_match_the_api():
     assert TERMINAL_STATES == broker_api.TERMINAL_STATES
 
 
+def test_submit_prints_the_id_state_and_place_in_the_queue(api, tmp_path):
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(SPEC))
+    first = api.cli("submit", str(spec_file))
+    second = api.cli("submit", str(spec_file))
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    ids = [job["id"] for job in api.get("/jobs")][::-1]  # newest first
+    assert first.stdout == f"job {ids[0]} queued, position 1 in the queue\n"
+    assert second.stdout == f"job {ids[1]} queued, position 2 in the queue\n"
+    # --json: the API's whole answer, the stored spec with every default filled in
+    scripted = api.cli("submit", str(spec_file), "--json")
+    body = json.loads(scripted.stdout)
+    assert body["state"] == "queued" and body["position"] == 3 and body["spec"]["algorithm"]["lr"] > 0
+
+
 def test_submit_list_and_control_a_job(api, tmp_path):
-    job = api.submit(tmp_path)
+    job, behind = api.submit(tmp_path), api.submit(tmp_path)
     result = api.cli("list")
     assert result.exit_code == 0, result.output
     row = next(line for line in result.stdout.splitlines() if job in line)
-    assert "tiny" in row and "queued" in row
+    assert "tiny" in row and "queued" in row and "#1" in row
+    assert "#2" in next(line for line in result.stdout.splitlines() if behind in line)
 
+    result = api.cli("pause", job)  # queued: nothing to pause
+    assert result.exit_code == 1 and "is queued, not running" in result.stderr, result.output
+    assert api.ledger.claim_next()["id"] == job  # as the fleet's trainer takes the head of the queue
     for command, state in (("pause", "paused"), ("resume", "running")):
         result = api.cli(command, job)
         assert result.exit_code == 0, result.output
@@ -107,10 +127,39 @@ def test_submit_list_and_control_a_job(api, tmp_path):
         {"command": "resume"},
         {"command": "set", "settings": {"lr": 1e-5, "generation_batch": 3}},
     ]
+    # a queued job cancelled never starts: it leaves the queue at once
+    result = api.cli("cancel", behind)
+    assert result.exit_code == 0 and json.loads(result.stdout)["state"] == "cancelled", result.output
+    assert api.get("/queue")["queued"] == [] and api.ledger.claim_next() is None
     result = api.cli("cancel", job)
     assert result.exit_code == 0 and json.loads(result.stdout)["state"] == "cancelled", result.output
     result = api.cli("status", job)
     assert result.exit_code == 0 and json.loads(result.stdout)["state"] == "cancelled", result.output
+
+
+def test_status_without_a_job_shows_the_queue_and_the_fleet(api, tmp_path):
+    result = api.cli("status")
+    assert result.exit_code == 0, result.output
+    assert "running: no job" in result.stdout and "queued: no job" in result.stdout
+    assert "fleet: no service is up" in result.stdout
+    running, first, second = api.submit(tmp_path), api.submit(tmp_path), api.submit(tmp_path)
+    api.ledger.claim_next()
+    beacon = Beacon(connect(REDIS_URL), api.prefix, "trainer", "box-trainer")  # as a trainer of the fleet says so
+    try:
+        beacon.set("serving", running)
+        for command in (("status",), ("queue",)):
+            result = api.cli(*command)
+            assert result.exit_code == 0, result.output
+            out = result.stdout.splitlines()
+            assert "running" in out[0]
+            assert all(cell in next(ln for ln in out if running in ln and "tiny" in ln) for cell in ("running", "0/3"))
+            assert f"job {running} to end" in next(ln for ln in out if first in ln)
+            assert "1 job(s) ahead of it" in next(ln for ln in out if second in ln)
+            trainer = next(ln for ln in out if "box-trainer" in ln)
+            assert all(cell in trainer for cell in ("trainer", "serving", running))
+    finally:
+        beacon.close()
+    assert api.cli("status", "--watch").exit_code == 1
 
 
 def test_samples_prints_a_table_of_the_filtered_page(api, tmp_path):
@@ -222,6 +271,15 @@ def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     result = api.cli("list", "--api", closed)
     assert result.exit_code == 1 and "cannot reach the job API" in result.stderr
+    # run: a fleet named (--api or ASYNCRL_API) that does not answer is an error, not a cue to start one
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    for args, env in ((("--api", closed), {}), ((), {"ASYNCRL_API": closed})):
+        result = api.cli("run", str(spec), *args, **env)
+        assert result.exit_code == 1 and f"no job API answers at {closed}" in result.stderr, result.output
+        assert "starting one" not in result.stdout
+    result = api.cli("run", str(bad))
+    assert result.exit_code == 1 and "cannot read the job spec" in result.stderr
 
 
 def test_eval_and_export_pick_the_newest_checkpoint_and_report_the_task(api, tmp_path):

@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from broker.api import create_app
+from broker.fleet import Beacon
 from broker.ledger import Ledger
 from broker.streams import JobStreams, connect
 from shared.settings import BrokerSettings
@@ -100,6 +101,9 @@ def test_page_is_html_with_its_script(make_app, path: str) -> None:
         js = client.get("/status/static/status.js")
         assert js.status_code == 200 and "javascript" in js.headers["content-type"]
         assert "/status/data/" in js.text and "Authorization" in js.text
+        # the queue and the fleet: their tables, fed by GET /queue and GET /fleet
+        assert '<table id="queue">' in resp.text and '<table id="fleet">' in resp.text
+        assert 'getJSON("/queue")' in js.text and 'getJSON("/fleet")' in js.text
         assert client.get("/status/static/status.css").status_code == 200
 
 
@@ -179,6 +183,38 @@ def test_with_tokens_page_is_open_but_data_needs_one(make_app) -> None:
             assert ok.status_code == 200 and len(ok.json()["steps"]) == 5
 
 
+def queue_behind(ledger: Ledger, streams: JobStreams, running: str = "job-abc123") -> Beacon:
+    """Two jobs queued behind the running one (the second at a higher priority: it goes first),
+    and the fleet's trainer serving the running job, as its beacon says. Close the beacon."""
+    ledger.create_job("job-next01", "next-in-line", {"name": "next-in-line", "priority": 5})
+    ledger.create_job("job-last02", "last-in-line", {"name": "last-in-line"})
+    beacon = Beacon(streams.r, streams.prefix, "trainer", "box-trainer")
+    beacon.set("serving", running)
+    return beacon
+
+
+def test_the_page_feeds_show_the_queue_and_the_fleet(make_app) -> None:
+    """What the page's queue and fleet tables show, as the page asks for it (a read-only token)."""
+    app, ledger, streams = make_app(tokens=RW, read_only_tokens=RO)
+    job_id = populate(ledger)
+    beacon = queue_behind(ledger, streams, job_id)
+    auth = {"Authorization": f"Bearer {RO}"}
+    try:
+        with TestClient(app) as client:
+            queue = client.get("/queue", headers=auth).json()
+            fleet = client.get("/fleet", headers=auth).json()
+            assert client.get("/queue").status_code == 401  # data, like /jobs: a token
+    finally:
+        beacon.close()
+    assert [(j["id"], j["state"], j["step"]) for j in queue["running"]] == [(job_id, "running", 5)]
+    assert [(q["position"], q["id"], q["priority"], q["waiting_for"]) for q in queue["queued"]] == [
+        (1, "job-next01", 5, f"job {job_id} to end"), (2, "job-last02", 0, "1 job(s) ahead of it")]
+    assert queue["trainers"] == 1
+    (trainer,) = fleet["services"]
+    assert (trainer["role"], trainer["id"], trainer["state"], trainer["job"]) == ("trainer", "box-trainer", "serving",
+                                                                                  job_id)
+
+
 # -- the real page in a real browser ------------------------------------------------------------
 
 
@@ -188,6 +224,7 @@ def served(make_app) -> Iterator[tuple[str, str]]:
     app, ledger, streams = make_app(tokens=RW, read_only_tokens=RO)
     job_id = populate(ledger)
     streams.heartbeat("gen-0", {"version": 5})
+    beacon = queue_behind(ledger, streams, job_id)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # handed to uvicorn: no race for the port
     port = sock.getsockname()[1]
@@ -204,6 +241,7 @@ def served(make_app) -> Iterator[tuple[str, str]]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+        beacon.close()
 
 
 def chromium(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -242,6 +280,14 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert "gen-0" in dom  # the generators table, heartbeat from Redis
     assert re.search(r"<dt>trained</dt>|<dt>reward/mean</dt>", dom)
     assert "collapse guard tripped 1 time</strong>" in dom and "kept the current policy; lr now 5e-05</li>" in dom
+    # the queue: the running job, then each queued one with its place and what it waits for
+    queue = dom[dom.index('<table id="queue">'):dom.index('id="no-queue"')]
+    assert queue.index(job_id) < queue.index("job-next01") < queue.index("job-last02")
+    assert "<td>#1</td>" in queue and f"waiting for job {job_id} to end" in queue
+    assert "step 5</div>" in queue  # the running job's spec names no steps: no N/0
+    assert "waiting for 1 job(s) ahead of it" in queue and "priority 5" in queue
+    fleet = dom[dom.index('<table id="fleet">'):dom.index('id="no-fleet"')]
+    assert "box-trainer" in fleet and "serving" in fleet and job_id in fleet
 
     shot = tmp_path / "shot.png"
     run = chromium(tmp_path, url, f"--screenshot={shot}")
