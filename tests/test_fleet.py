@@ -165,3 +165,16 @@ def test_cancelled_jobs_queued_never_start_running_free_the_fleet(fleet: Fleet) 
     assert fleet.job(long)["step"] < 200
     _verified(fleet, long, nxt, dropped)
     assert [p.popen.poll() for p in fleet.sup.procs] == [None] * 4  # the fleet is still up
+
+
+def test_an_incompatible_model_rebuilds_the_engine_in_the_same_process(fleet: Fleet) -> None:
+    from trainer_svc.tiny_model import build_tiny_model
+
+    wider = build_tiny_model(fleet.tmp / "wider", layers=2, hidden=128, heads=4, intermediate=256, seed=1)
+    (generator,) = [p for p in fleet.sup.procs if p.name == "generator"]
+    builds = fleet.log("generator").count("built for job")
+    job = fleet.submit("wider", model_path=str(wider))
+    assert fleet.wait(job)["state"] == "finished"
+    _verified(fleet, job)
+    assert fleet.log("generator").count("built for job") == builds + 1  # another engine, same process
+    assert generator.popen.poll() is None and generator in fleet.sup.procs

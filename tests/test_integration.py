@@ -203,7 +203,7 @@ def test_job_control_through_the_cli_and_admin_tasks(tmp_path, tiny_model, db_ur
                 "prompts_per_step": 4, "eval_every": 0, "checkpoint_every": 50, "max_staleness": 1, "task": {"n_train": 64, "n_test": 8},
                 "sampling": {"max_tokens": 8}, "algorithm": {"lr": 1e-4}}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
-        job_id = json.loads(cli("submit", str(tmp_path / "spec.json")))["id"]
+        job_id = json.loads(cli("submit", str(tmp_path / "spec.json"), "--json"))["id"]
         # The live progress view runs for the whole job and must end by itself when the job stops.
         watcher = subprocess.Popen([ASYNCRL, "status", job_id, "--watch", "--interval", "0.5"], env=cli_env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -234,3 +234,35 @@ def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
     assert "no job 'no-such-job" in res.stderr  # the tail of its log
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)  # the API went down with it
+
+
+@pytest.mark.timeout(120)
+def test_a_fleet_with_exit_when_idle_exits_0_once_nothing_is_queued_or_running(tmp_path):
+    env, port = _launcher_env(tmp_path)
+    env.pop("JOB_ID")  # a fleet serving the queue
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker", "--exit-when-idle", "--logdir",
+         str(tmp_path / "logs")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    api = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
+            try:
+                return httpx.get(f"{api}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(up, 60)
+        spec = {"name": "waits", "model_path": str(tmp_path / "no-model")}
+        job_id = httpx.post(f"{api}/jobs", json=spec, timeout=10).json()["id"]
+        time.sleep(3)  # no trainer: the job stays queued, and the fleet stays up
+        assert launcher.poll() is None
+        assert httpx.post(f"{api}/jobs/{job_id}/cancel", timeout=10).json()["state"] == "cancelled"
+        out, _ = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert "no job is queued or running" in out
