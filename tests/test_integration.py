@@ -276,7 +276,7 @@ def test_two_generators_share_one_jobs_prompts(tmp_path, tiny_model):
     produce samples (small generate calls so neither takes every group), both load every version,
     and no prompt group is generated twice."""
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    sup, api, _, _ = _stack(tmp_path, db_url, "g2")
+    sup, api, redis_url, prefix = _stack(tmp_path, db_url, "g2")
     ledger = Ledger(db_url)
     try:
         _start_broker(sup, api)
@@ -287,6 +287,13 @@ def test_two_generators_share_one_jobs_prompts(tmp_path, tiny_model):
         for i in range(2):
             sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
         sup.start("reward", "reward_svc", {"JOB_ID": job_id})
+        # the trainer feeds once both engines are up (each beats once its loop runs): a generator
+        # still building its engine when the work arrives may find none left (a loaded box)
+        streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
+        deadline = time.monotonic() + 300
+        while not {"gen-0", "gen-1"} <= set(streams.heartbeats()):
+            assert not sup.failed() and time.monotonic() < deadline, sup.tail("generator-1")
+            time.sleep(0.2)
         sup.start("trainer", "trainer_svc", {"JOB_ID": job_id})
         _wait_finished(sup, ledger, job_id)
         assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"

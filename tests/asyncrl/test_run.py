@@ -169,7 +169,7 @@ def test_ctrl_c_cancels_the_job_on_the_fleet_run_started_and_stops_it(box, tiny_
     """Ctrl-C (SIGINT to the command, as a terminal sends it) while the job trains: the job is
     cancelled, not left running for the next fleet on this ledger, and the fleet stops."""
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_API"}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", _spec(tmp_path, tiny_model, "long", 500)],
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", _spec(tmp_path, tiny_model, "long", 20_000)],
                             cwd=tmp_path, env={**env, **box.env, "PYTHONUNBUFFERED": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
