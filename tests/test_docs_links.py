@@ -1,7 +1,7 @@
-"""The documents a reader follows: every relative link in README.md, ARCHITECTURE.md and docs/*.md
-points to a file that exists (and a `#anchor` to a heading of that page), the README stays a doorway
-(it starts with the two commands, ~150 lines, ~10k characters), and every results/*.md is linked
-from docs/."""
+"""The documents a reader follows: every relative link in README.md, ARCHITECTURE.md, docs/*.md and
+deploy/README.md (a pointer to docs/deployment.md) points to a file that exists (and a `#anchor` to
+a heading of that page), the README stays a doorway (it starts with the two commands, ~150 lines,
+~10k characters), and every results/*.md is linked from docs/."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", REPO / "deploy/README.md",
+        *sorted((REPO / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.S)
