@@ -13,7 +13,7 @@ back-off, at most `--max-restarts` times within `--restart-window` seconds, each
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
 stops the rest and the launcher exits 1. Each service gets its share of the box's cores and its thread
 counts (shared.placement, the rule a service started on its own applies to itself; with `--spec`,
-the job's `placement`; `--no-placement` turns that off). See `deploy/README.md`.
+the job's `placement`; `--no-placement` turns that off). See docs/deployment.md.
 """
 
 from __future__ import annotations

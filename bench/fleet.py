@@ -6,9 +6,9 @@ file, reward plug-in and stop string; its tiny warm model):
 
 - TRL GRPOTrainer on the task (`trl_startup_s`: imports, model load, first step; its held-out
   curve, counted from its command's start);
-- cold: `python -m asyncrl.launch --spec` (fresh processes, the README's one-job command) on the
-  same task: `cold_start_s` (command -> first trained step) with the start-up breakdown per
-  service (bench.startup's marks), and its curve from the command's start;
+- cold: `python -m asyncrl.launch --spec` (fresh processes, the one-job command of
+  docs/deployment.md) on the same task: `cold_start_s` (command -> first trained step) with the
+  start-up breakdown per service (bench.startup's marks), and its curve from the command's start;
 - warm: `python -m asyncrl.launch` (a fleet serving the queue) that ran one job on the model
   before: `warm_submit_to_first_step_s`, the median over `jobs` jobs submitted one after another
   (each once every service left the one before: GET /fleet all idle) of submit -> first trained

@@ -2,8 +2,8 @@
 
 The task: four-digit addition (`"4821+7390="` -> `"12211"`), far past what the tiny model adds
 reliably, in a JSON Lines file of the user's own, scored by the built-in `exact_match`. The job
-runs in the built-in `tools` environment with the calculator only, the way the README's "Multi-turn
-and tools" starts one: the model may write
+runs in the built-in `tools` environment with the calculator only, the way docs/tasks.md's
+"Multi-turn and tools" starts one: the model may write
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "4821+7390"}}</tool_call>
 

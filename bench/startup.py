@@ -1,15 +1,15 @@
 """Start-up: seconds from the user's command to the first trained step, and where they go.
 
-`python -m bench startup`: runs the README's command, `python -m asyncrl.launch --spec
-deploy/jobs/arithmetic-async.json` (model_path pointed at the tiny warm model of asyncrl.demo,
-a fresh SQLite ledger, a few steps), `reps` times. Start-up is the first trained step's ledger
-timestamp minus the moment the command was started (it includes that step, as TRL's figure of
-imports + model load + first step does). The breakdown per service comes from the first
-timestamp of the log lines and ledger rows each process writes on its way: process start
-(launcher), interpreter and imports, job opened (Redis, ledger), engine or model built, first
-weight publish and load, first generation, first scored sample, first step. Then one longer job
-per code version gives the steady-state seconds per step (median step-to-step interval after the
-tenth step), so that a faster start is not paid for in the steps.
+`python -m bench startup`: runs the one-job command of docs/deployment.md, `python -m asyncrl.launch
+--spec deploy/jobs/arithmetic-async.json` (model_path pointed at the tiny warm model of
+asyncrl.demo, a fresh SQLite ledger, a few steps), `reps` times. Start-up is the first trained
+step's ledger timestamp minus the moment the command was started (it includes that step, as TRL's
+figure of imports + model load + first step does). The breakdown per service comes from the first
+timestamp of the log lines and ledger rows each process writes on its way: process start (launcher),
+interpreter and imports, job opened (Redis, ledger), engine or model built, first weight publish and
+load, first generation, first scored sample, first step. Then one longer job per code version gives
+the steady-state seconds per step (median step-to-step interval after the tenth step), so that a
+faster start is not paid for in the steps.
 
 `--before DIR` runs the same with the code checked out in DIR (its launcher and services, on
 PYTHONPATH) first: "before", this checkout "after". Results: results/startup.json and .md.

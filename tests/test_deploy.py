@@ -1,7 +1,7 @@
 """Static checks of the deployment files (no Docker engine, Kubernetes or Slurm on these machines).
 
 For docker compose (base and GPU overlay), the Kubernetes manifests (deploy/k8s), the Slurm batch
-script (deploy/slurm), the systemd units, the launcher, the env examples and deploy/README.md:
+script (deploy/slurm), the systemd units, the launcher, the env examples and docs/deployment.md:
 every command exists in the package, every environment variable is a real setting of the settings
 class that process reads, ports agree with the settings and with each other, health checks and
 probes hit real endpoints; the Dockerfiles copy real paths, install dependencies in a layer before
@@ -868,14 +868,14 @@ def test_compose_env_example_names_compose_variables():
     assert required <= set(example)
 
 
-def test_deploy_readme_mentions_only_real_variables_and_ports():
-    text = (ROOT / "deploy/README.md").read_text()
+def test_deployment_doc_mentions_only_real_variables_and_ports():
+    text = (ROOT / "docs/deployment.md").read_text()
     names = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
     # Not environment variables: words that merely look like them.
     allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "ASYNCRL_VENV", "POSTGRES_USER",
                                                      "POSTGRES_DB", "SIGTERM", "SIGKILL", "SIGINT"}
     unknown = {n for n in names if n not in allowed and not THIRD_PARTY.match(n)}
-    assert not unknown, f"deploy/README.md names {sorted(unknown)}, which no settings class reads"
+    assert not unknown, f"docs/deployment.md names {sorted(unknown)}, which no settings class reads"
     # `NAME=value` examples parse as that setting
     for name, value in re.findall(r"\b([A-Z][A-Z0-9_]+)=([^\s`|,;)]+)", text):
         if name not in ALL_SETTINGS or "$" in value or "<" in value:
@@ -891,7 +891,7 @@ def test_deploy_readme_mentions_only_real_variables_and_ports():
     compose_env = {k: v for s in compose("docker-compose.yml")["services"].values() for k, v in service_env(s).items()}
     example = _env_file("deploy/env.example")
     rows = re.findall(r"^\|\s*(\d+)[^|]*\|\s*`([A-Z][A-Z0-9_]*)`", text, flags=re.M)
-    assert len(rows) >= 6, "deploy/README.md should keep its table of ports"
+    assert len(rows) >= 6, "docs/deployment.md should keep its table of ports"
     for port, name in rows:
         if THIRD_PARTY.match(name):
             continue
@@ -1029,7 +1029,7 @@ def test_every_deployment_runs_the_services_as_a_standing_fleet():
         assert d["Restart"] == ["on-failure"], unit
     assert not re.search(r"^JOB_ID=", (ROOT / "deploy/env.example").read_text(), re.M)
     # and the files' words say so: nothing describes one job per process any more
-    texts = [ROOT / "docker-compose.yml", ROOT / "deploy/README.md", *sorted(K8S.glob("*.yaml")),
+    texts = [ROOT / "docker-compose.yml", ROOT / "docs/deployment.md", *sorted(K8S.glob("*.yaml")),
              *sorted(UNITS.glob("*"))]
     for path in texts:
         for line in path.read_text().splitlines():
