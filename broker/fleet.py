@@ -203,6 +203,29 @@ class Fleet:
                 self.beacon.entry["jobs_served"] += 1
                 set_context(job_id=None, policy_version=None)
 
+    def serve(self, serve_job: Callable[[JobContext], str], job_faults: tuple[type[BaseException], ...] = (),
+              on_job_fault: Callable[[], None] | None = None) -> None:
+        """Run `serve_job` on each job of `jobs()` until SIGTERM: it returns the job's final control
+        state ("terminating": this process was asked to stop, the job goes on). An exception of
+        `job_faults` is the job's own fault (the job fails, `on_job_fault` runs); any other is
+        retried (`failed`). With JOB_ID every exception propagates: the one job's service fails."""
+        for ctx in self.jobs():
+            try:
+                state = serve_job(ctx)
+            except Exception as exc:
+                if self.settings.job_id:
+                    raise
+                fault = isinstance(exc, job_faults)
+                if not fault:
+                    log.exception("%s: job %s", self.role, ctx.job_id)
+                self.failed(ctx, exc, the_jobs_fault=fault)
+                if fault and on_job_fault is not None:
+                    on_job_fault()
+                continue
+            if state == "terminating":
+                return
+            self.served(ctx.job_id)
+
     def served(self, job_id: str) -> None:
         """The job is over for this service: never taken again by it."""
         self.done.add(job_id)

@@ -491,24 +491,9 @@ def run(settings: GeneratorSettings) -> None:
     fleet = Fleet(settings, "generator", settings.generator_id)
     engines = Engines(settings)
     try:
-        for ctx in fleet.jobs():
-            try:
-                state = serve_job(settings, ctx, engines, registry)
-            except (JobUnusable, WeightVerificationError) as exc:
-                if settings.job_id:
-                    raise
-                fleet.failed(ctx, exc, the_jobs_fault=True)
-                engines.close()  # whatever it holds now is not a model anyone verified
-                continue
-            except Exception as exc:
-                if settings.job_id:
-                    raise
-                log.exception("generator: job %s", ctx.job_id)
-                fleet.failed(ctx, exc, the_jobs_fault=False)
-                continue
-            if state == "terminating":
-                return
-            fleet.served(ctx.job_id)
+        # a model that failed its swap leaves an engine no one verified: the next job builds anew
+        fleet.serve(lambda ctx: serve_job(settings, ctx, engines, registry),
+                    job_faults=(JobUnusable, WeightVerificationError), on_job_fault=engines.close)
     finally:
         engines.close()
         fleet.close()

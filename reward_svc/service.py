@@ -172,23 +172,7 @@ def run(settings: RewardSettings) -> None:
     scorers = Scorers(settings.workers)
     loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
-        for ctx in fleet.jobs():
-            try:
-                state = serve_job(settings, ctx, scorers, loop, registry)
-            except RewardUnusable as exc:
-                if settings.job_id:
-                    raise
-                fleet.failed(ctx, exc, the_jobs_fault=True)
-                continue
-            except Exception as exc:
-                if settings.job_id:
-                    raise
-                log.exception("reward: job %s", ctx.job_id)
-                fleet.failed(ctx, exc, the_jobs_fault=False)
-                continue
-            if state == "terminating":
-                return
-            fleet.served(ctx.job_id)
+        fleet.serve(lambda ctx: serve_job(settings, ctx, scorers, loop, registry), job_faults=(RewardUnusable,))
     finally:
         scorers.close(loop)
         loop.close()
