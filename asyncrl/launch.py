@@ -169,6 +169,15 @@ class Supervisor:
         for p in self.procs:
             _killpg(p.popen.pid)
 
+    def dump_stacks(self, wait_s: float = 1.0) -> None:
+        """Have every running process write its threads' stacks to its log (SIGUSR1, see
+        shared.logs.setup_logging): where a stuck service is stuck."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.send_signal(signal.SIGUSR1)
+        time.sleep(wait_s)
+
     def tail(self, name: str, lines: int = 30) -> str:
         for p in self.procs:
             if p.name == name and p.log_path.exists():

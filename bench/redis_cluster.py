@@ -187,8 +187,9 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
                 if sup.failed():
                     raise RuntimeError("\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed()))
                 if time.monotonic() - t0 > timeout_s:
+                    sup.dump_stacks()
                     raise RuntimeError(f"job not finished after {timeout_s:.0f} s (state {state}):\n"
-                                       + sup.tail("trainer") + sup.tail("generator"))
+                                       + "\n".join(f"--- {n}:\n{sup.tail(n, 120)}" for n in ("trainer", "generator", "reward")))
                 if fail_over and fo is None and len(ledger.train_steps(job_id)) >= 2:
                     done_before = len(ledger.train_steps(job_id))
                     fo = failover(cl, streams.key(PROMPTS), gap_s)

@@ -9,8 +9,10 @@ launcher's tail of a failed service's log).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import re
+import signal
 import sys
 
 # C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
@@ -58,6 +60,9 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # `kill -USR1 <pid>`: every thread's stack to stderr (the service's log), where a stuck service
+    # is stuck; the process goes on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def set_context(**fields: object) -> None:
