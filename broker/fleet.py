@@ -23,6 +23,7 @@ trainer up says so instead of waiting in silence.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -38,7 +39,7 @@ from broker.ledger import Ledger
 from broker.ledger.rows import JobRow
 from broker.redis_server import redact_url, resolve_redis_url
 from broker.runtime import JobContext, fail_job, spec_problem, wait_for_job
-from broker.streams import CONTROL, JobStreams, connect
+from broker.streams import CONTROL, JobStreams, connect, subscriber
 from shared.entry import JobOver, accept_drain, drain_requested
 from shared.ids import control_id
 from shared.jobspec import JobSpec
@@ -284,11 +285,15 @@ class Fleet:
         """Until a wake-up (wake_fleet) or `timeout_s`."""
         try:
             if self._wakeups is None:
-                self._wakeups = self.redis.pubsub(ignore_subscribe_messages=True)
-                self._wakeups.subscribe(f"{self.settings.stream_prefix}{FLEET_KEY}:wake")
+                channel = f"{self.settings.stream_prefix}{FLEET_KEY}:wake"
+                self._wakeups = subscriber(self.redis, channel)
+                self._wakeups.subscribe(channel)
             self._wakeups.get_message(timeout=timeout_s)
         except Exception as exc:  # no pub/sub (an outage): polling alone
             log.debug("fleet wake-ups: %s", exc)
+            if self._wakeups is not None:
+                with contextlib.suppress(Exception):
+                    self._wakeups.close()
             self._wakeups = None
             time.sleep(timeout_s)
 

@@ -26,7 +26,14 @@ Services talk to one job's streams through `JobStreams` (job.py), a facade over 
     broadcast.py     broadcast streams (policy, control) and generator heartbeats
 """
 
-from .connection import CLUSTER_SCHEMES, OutageCluster, connect, is_cluster_url, plain_url
+from .connection import (
+    CLUSTER_SCHEMES,
+    OutageCluster,
+    connect,
+    is_cluster_url,
+    plain_url,
+    subscriber,
+)
 from .entries import Consumer, Delivery, Expected
 from .job import JobStreams
 from .keys import (
@@ -64,4 +71,5 @@ __all__ = [
     "connect",
     "is_cluster_url",
     "plain_url",
+    "subscriber",
 ]

@@ -77,6 +77,17 @@ def _transient(error: Exception) -> bool:
     return True
 
 
+def subscriber(client: Any, channel: str) -> Any:
+    """A pub/sub object of `client` to subscribe `channel` with. On a cluster, a plain one on the
+    node serving the channel's slot: a PUBLISH reaches every node's subscribers, and redis-py's
+    cluster pub/sub (slot-map listeners and reconciliation threads run on every topology refresh)
+    is machinery a wake-up does not need, in the one place a failover exercises it. Made anew
+    after an error, it asks the slot map again, so a promoted replica is found."""
+    if isinstance(client, RedisCluster):
+        client = client.get_redis_connection(client.get_node_from_key(channel))
+    return client.pubsub(ignore_subscribe_messages=True)
+
+
 def connect(url: str, *, outage_s: float | None = None,
             socket_timeout_s: float | None = None) -> Any:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialBackoff
 
+from .connection import subscriber
 from .keys import JobKeys
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Wakeups:
         sub = self._subscribed.get(stream)
         if sub is None and not self.off:
             try:
-                sub = self.r.pubsub(ignore_subscribe_messages=True)
+                sub = subscriber(self.r, self.channel(stream))
                 sub.subscribe(self.channel(stream))
                 self._subscribed[stream] = sub
                 return

@@ -27,6 +27,7 @@ from broker.streams import (
     connect,
     is_cluster_url,
     plain_url,
+    subscriber,
 )
 from shared.schema import Control, PromptGroup, Rollout, SamplingParams, pack_f32, pack_i32
 
@@ -103,6 +104,26 @@ def test_a_job_s_stream_work_on_the_cluster(cluster):
     assert "gen-0" in s.heartbeats()
     s.delete_all()  # one DEL of every key of the job
     assert all(client.exists(s.key(k)) == 0 for k in (PROMPTS, ROLLOUTS, CONTROL, DEAD, POLICY, "generators"))
+
+
+def test_a_wake_up_reaches_a_plain_subscription_on_the_channel_s_node(cluster):
+    # Wake-ups subscribe on the node serving the channel's slot with plain pub/sub (not redis-py's
+    # cluster pub/sub and its topology machinery); a PUBLISH through the cluster client, which may
+    # land on any node, reaches it (the cluster bus forwards it).
+    client = connect(cluster.url)
+    for i in range(4):
+        channel = f"t:{{j-{uuid.uuid4().hex[:8]}}}:prompts:wake"
+        sub = subscriber(client, channel)
+        assert type(sub) is redis.client.PubSub, type(sub)
+        sub.subscribe(channel)
+        assert sub.get_message(timeout=1.0) is None  # the subscribe confirmation is ignored
+        node = client.get_node_from_key(channel)
+        assert sub.connection_pool is client.get_redis_connection(node).connection_pool
+        for other in client.get_primaries():  # a publish on every primary reaches it
+            client.get_redis_connection(other).publish(channel, f"{i}")
+        got = [sub.get_message(timeout=1.0) for _ in client.get_primaries()]
+        assert all(m is not None and m["data"] == f"{i}".encode() for m in got), got
+        sub.close()
 
 
 @pytest.fixture
