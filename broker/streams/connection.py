@@ -88,11 +88,19 @@ def subscriber(client: Any, channel: str) -> Any:
     return client.pubsub(ignore_subscribe_messages=True)
 
 
+# No command of ours blocks on the server (scripts cannot; readers wait on pub/sub with their own
+# timeout), so a reply this late means a server that stopped answering (a frozen host, a
+# half-open connection): the command fails with a timeout and is retried like a lost connection
+# instead of hanging its service for good.
+SOCKET_TIMEOUT_S = 60.0
+
+
 def connect(url: str, *, outage_s: float | None = None,
-            socket_timeout_s: float | None = None) -> Any:
+            socket_timeout_s: float = SOCKET_TIMEOUT_S) -> Any:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
     with back-off for up to `outage_s` seconds (default: the REDIS_OUTAGE_S setting, 600;
-    broker.redis_retry).
+    broker.redis_retry). A reply is waited for at most `socket_timeout_s`, a connection at most
+    10 s of it.
     A request path that must answer fast passes a small `outage_s` and a `socket_timeout_s`.
 
     `url` is any redis-py URL: `redis://[[user]:password@]host:port/db` for AUTH (a user name
@@ -108,8 +116,7 @@ def connect(url: str, *, outage_s: float | None = None,
     hash slot (`JobStreams.key`), so the job's scripts and transactions run on one shard; jobs
     spread over the shards by their ids.
     """
-    timeouts = {} if socket_timeout_s is None else {"socket_timeout": socket_timeout_s,
-                                                       "socket_connect_timeout": socket_timeout_s}
+    timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": min(socket_timeout_s, 10.0)}
     outage = OutageRetry(CommonSettings().redis_outage_s if outage_s is None else outage_s)
     if is_cluster_url(url):
         return OutageCluster(url=plain_url(url), outage=outage, health_check_interval=30,

@@ -65,3 +65,22 @@ def test_a_wrong_password_fails_at_once(aof):
     with pytest.raises(redis.AuthenticationError):
         client.ping()
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_frozen_server_times_a_command_out_and_it_is_retried_once_thawed(aof):
+    # A server that stops answering (SIGSTOP: the kernel still holds the connection) would hang a
+    # reply forever; the socket timeout turns it into a retried timeout, and the command goes
+    # through once the server answers again.
+    client = connect(aof.url, outage_s=30, socket_timeout_s=0.5)
+    client.set("k", "v")
+    assert aof.proc is not None
+    aof.proc.send_signal(signal.SIGSTOP)
+    thaw = threading.Timer(2.0, lambda: aof.proc.send_signal(signal.SIGCONT))
+    outages = OUTAGES._value.get()
+    thaw.start()
+    try:
+        assert client.get("k") == b"v"
+    finally:
+        thaw.join()
+        aof.proc.send_signal(signal.SIGCONT)
+    assert OUTAGES._value.get() == outages + 1  # the frozen spell counted as an outage
