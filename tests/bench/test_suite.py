@@ -71,6 +71,7 @@ def _numbers(d: dict, keys: tuple[str, ...], where: str) -> None:
         assert isinstance(v, (int, float)) and math.isfinite(v), f"{where}.{k} = {v!r}"
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.timeout(1800)  # two regimes beside TRL, co-located, stale drops, scaling: ~16 min on 2 cores
