@@ -141,8 +141,7 @@ class Parts:
             self.learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
             applied = state.restore(checkpoint.load_state(resume.checkpoint))
             self.control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
-            since = {key: v for key, v in self.control.settings.items() if applied.get(key) != v}
-            self.control.changed = False
+            since = {key: v for key, v in self.control.take_changes().items() if applied.get(key) != v}
             if since:
                 self.apply_knobs(since)
         return len(taken)

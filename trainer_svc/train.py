@@ -117,9 +117,8 @@ def _train(p: Parts) -> None:
         if control.state == "paused":
             p.wait_paused()
             continue
-        if control.changed:  # live knobs (PATCH /jobs/{id}), applied from this step on
-            control.changed = False
-            p.apply_knobs(control.settings)
+        if knobs := control.take_changes():  # live knobs (PATCH /jobs/{id}), applied from this step on
+            p.apply_knobs(knobs)
 
         # feed, consume: complete groups within the staleness bound; the rest dropped and counted
         p.feed()
