@@ -164,10 +164,29 @@ class Parts:
         with self.prom.phases.span("feed"):
             self.feeder.top_up(self.state.version, self.state.bound.k)
 
-    def take_batch(self) -> Batch | None:
-        """The sink's batch once whole (TrainSink.take), else None."""
-        with self.prom.phases.span("assemble"):
-            return self.sink.take()
+    def collect(self) -> Batch | None:
+        """The next step's batch: feed the free slots, then read the scored stream into the sink
+        until it holds the step's groups (TrainSink.take: complete, in feed order, within the
+        staleness bound; the rest dropped and counted), refilling the slots drops free on the way.
+        A complete batch waits out a pause (no step advances while paused; nothing is dropped
+        either). None once the job is to stop."""
+        st, control, sink = self.state, self.control, self.sink
+        self.feed()
+        sink.begin(st.step + 1, st.version, st.bound.k)
+        while True:
+            with self.prom.phases.span("assemble"):
+                batch = sink.take()
+            if batch is not None:
+                break
+            if sink.dropped_any():
+                self.feed()  # replace dropped groups so the step can fill
+            self.take_scored(self.settings.block_ms)
+            control.poll()
+            if control.done:
+                return None
+        while control.state == "paused":
+            self.wait_paused()
+        return None if control.done else batch
 
     def take_scored(self, block_ms: int) -> int:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,

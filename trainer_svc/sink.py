@@ -3,8 +3,9 @@
 Everything between the scored stream and a step lives here: group assembly, dead letters (the
 stream's and this trainer's own, for tokens the model cannot embed), evaluation groups handed to
 their round, groups nobody in this trainer's lineage fed, and the batch filter (staleness bound,
-dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume. The loop
-`add`s what it reads and `take`s a batch when one is whole.
+dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume.
+Parts.collect (trainer_svc/parts.py) `begin`s a step's batch, `add`s what it reads and `take`s
+the batch once whole.
 
 Batches are filled in feed order, not arrival order: a step takes the first `prompts_per_step`
 training groups in flight that it does not drop, and waits for them. That is what makes the

@@ -1,8 +1,9 @@
 """Trainer service: scored groups -> advantages -> policy loss -> optimizer step -> publish weights.
 
-`_train` is the loop, top to bottom: feed, consume (trainer_svc/sink.py: a complete, fresh batch
-or nothing yet), train (trainer_svc/learner.py, the collapse guard checking the update before
-anyone sees it), publish weights (trainer_svc/weights.py), ledger + metrics, evaluate, checkpoint.
+`_train` is the loop, top to bottom: take the live knobs changed, collect (Parts.collect: feed,
+then a complete, fresh batch from the sink, trainer_svc/sink.py; None once the job is to stop),
+train (trainer_svc/learner.py, the collapse guard checking the update before anyone sees it),
+publish weights (trainer_svc/weights.py), ledger + metrics, evaluate, checkpoint.
 The parts it calls on are built in trainer_svc/parts.py. Async and sync modes are the same loop;
 sync is max staleness 0 with an in-flight cap of one batch, so the generator can only start the
 next batch after the new weights are published.
@@ -120,19 +121,9 @@ def _train(p: Parts) -> None:
         if knobs := control.take_changes():  # live knobs (PATCH /jobs/{id}), applied from this step on
             p.apply_knobs(knobs)
 
-        # feed, consume: complete groups within the staleness bound; the rest dropped and counted
-        p.feed()
-        p.sink.begin(st.step + 1, st.version, st.bound.k)
-        while (batch := p.take_batch()) is None:
-            if p.sink.dropped_any():
-                p.feed()  # replace dropped groups so the step can fill
-            p.take_scored(p.settings.block_ms)
-            control.poll()
-            if control.done:
-                break
-        while control.state == "paused":  # no step advances while paused; nothing is dropped either
-            p.wait_paused()
-        if control.done or batch is None:
+        # collect: complete groups within the staleness bound; the rest dropped and counted
+        batch = p.collect()
+        if batch is None:
             break
         t_data = time.perf_counter()
         p.prom.phases.observe("wait", t_data - t_start)
