@@ -100,7 +100,7 @@ class Batch:
     """One step's batch, and what filling it dropped."""
 
     step: int  # the step it trains
-    version: int  # the policy it trains
+    version: int  # the policy it trains: its samples' trainer version (and `staleness` from it)
     bound: int  # the staleness bound it was filtered under
     redo: list[str] | None  # a resume's re-done step: exactly these groups
     groups: list[Group] = field(default_factory=list)
@@ -109,6 +109,12 @@ class Batch:
     filtered: int = 0  # groups dropped by dynamic sampling
     samples: list[Scored] = field(default_factory=list)  # in group order, once whole
     data: TrainBatch | None = None  # `samples` as tensors, once whole
+
+    @property
+    def staleness(self) -> list[int]:
+        """Each sample's age when trained: `version` minus the policy version that generated it
+        (the ledger's `staleness`, the off-policy metrics and the staleness-aware lr all read it)."""
+        return [staleness(self.version, s.rollout.policy_version) for s in self.samples]
 
 
 DEAD_STREAK_MIN = 32

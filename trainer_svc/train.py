@@ -35,7 +35,6 @@ from shared.evalmetrics import episode_means
 from shared.logs import set_context
 from shared.metrics import job_registry, serve_metrics
 from shared.settings import TrainerSettings
-from trainer_svc.algorithms import staleness
 from trainer_svc.dist import Ranks
 from trainer_svc.learner import follow
 from trainer_svc.offload import Offload
@@ -129,9 +128,8 @@ def _train(p: Parts) -> None:
         p.prom.phases.observe("wait", t_data - t_start)
 
         # advantages, loss, step; the collapse guard looks at the update before anyone sees it
-        stale = [staleness(st.version, v) for v in batch.data.versions.tolist()]
         offload.to_device()
-        step_metrics, tripped = _train_step(p, batch, float(np.mean(stale)))
+        step_metrics, tripped = _train_step(p, batch)
         st.version += 1
         st.step += 1
         set_context(policy_version=st.version)
@@ -145,7 +143,7 @@ def _train(p: Parts) -> None:
 
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         times = {"time/wait_s": t_data - t_start, "time/train_s": t_train - t_data, "time/publish_s": publish_s}
-        _record(p, batch, stale, step_metrics, times, t_start)
+        _record(p, batch, step_metrics, times, t_start)
         if st.step < spec.steps:
             p.evaluator.start_due(st.step, st.version)
 
@@ -156,12 +154,12 @@ def _train(p: Parts) -> None:
     p.finish()
 
 
-def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, float], bool]:
+def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool]:
     """One optimizer step on `batch`, redone after each guard trip that rolls back; returns its
     metrics and whether the guard tripped."""
     spec, st, data = p.spec, p.state, batch.data
     assert data is not None
-    lr_scale = staleness_lr_scale(mean_stale) if spec.algorithm.staleness_lr else 1.0
+    lr_scale = staleness_lr_scale(float(np.mean(batch.staleness))) if spec.algorithm.staleness_lr else 1.0
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
     tripped = False
     while True:
@@ -179,13 +177,12 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
     return metrics, tripped
 
 
-def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, float], times: dict[str, float],
-            t_start: float) -> None:
+def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[str, float], t_start: float) -> None:
     """The step in the ledger (samples used, metrics), Prometheus, the tracking sinks and the log;
     acks what it may."""
-    spec, st, phases = p.spec, p.state, p.prom.phases
+    spec, st, phases, stale = p.spec, p.state, p.prom.phases, batch.staleness
     t_ledger = time.perf_counter()
-    used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": st.version - 1, "staleness": age,
+    used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": batch.version, "staleness": age,
              "drop_reason": overlong_reason(s, spec)} for s, age in zip(batch.samples, stale, strict=True)]
     with phases.span("ledger"):
         changed = record_used(p.ledger, used + batch.dropped)
