@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from broker.fleet import Fleet
-from broker.ledger import Ledger, write_isolating
+from broker.ledger import RewardLedger, write_isolating
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
@@ -75,7 +75,7 @@ async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -
 DUPLICATE = "duplicate_msg_id"  # trainer_svc.feeder ignores dead letters with this code
 
 
-def record_generated(streams: JobStreams, ledger: Ledger, deliveries: list[Delivery]) -> list[Delivery]:
+def record_generated(streams: JobStreams, ledger: RewardLedger, deliveries: list[Delivery]) -> list[Delivery]:
     """Write the batch's ledger rows (status `generated`, msg_id keyed: a no-op for rows the
     generator wrote). A rollout whose row the database refuses is dead-lettered with the database's
     reason; returns the others."""
@@ -87,7 +87,7 @@ def record_generated(streams: JobStreams, ledger: Ledger, deliveries: list[Deliv
     return [d for i, d in enumerate(deliveries) if i not in refused]
 
 
-def record_scored(streams: JobStreams, ledger: Ledger, batch: list[tuple[Delivery, Scored]]) -> list[tuple[Delivery, Scored]]:
+def record_scored(streams: JobStreams, ledger: RewardLedger, batch: list[tuple[Delivery, Scored]]) -> list[tuple[Delivery, Scored]]:
     """Record the rewards; returns the (entry, message) pairs to publish. Dead-lettered instead: a
     sample the database refuses (its reason), and a second entry of a msg_id already scored."""
     # "entry": the source of the reward, so a retry of this entry (its publish lost to a crash)
@@ -206,7 +206,7 @@ class Scoring:
     """The reward service's handler (broker.service.Handler): scores a batch of rollouts at once,
     a slow or hung sample costing its own time budget, not the others'."""
 
-    def __init__(self, streams: JobStreams, ledger: Ledger, consumer: Consumer, scorers: dict[str, RewardScorer],
+    def __init__(self, streams: JobStreams, ledger: RewardLedger, consumer: Consumer, scorers: dict[str, RewardScorer],
                  loop: asyncio.AbstractEventLoop, metrics: RewardMetrics, batch: int):
         self.streams, self.ledger, self.consumer = streams, ledger, consumer
         self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch

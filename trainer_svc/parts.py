@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES
 from broker.guard_report import GUARD_ACTOR
+from broker.ledger import TrainerLedger
 from broker.runtime import ControlWatcher
 from broker.streams import (
     CONTROL,
@@ -55,7 +56,7 @@ class Parts:
     settings: TrainerSettings
     spec: JobSpec
     job_id: str
-    ledger: Any
+    ledger: TrainerLedger
     streams: JobStreams
     ranks: Ranks
     prom: TrainerMetrics
@@ -78,8 +79,8 @@ class Parts:
         return Consumer(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
 
     @classmethod
-    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams,
-              ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
+    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger: TrainerLedger,
+              streams: JobStreams, ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
         t_boot = time.perf_counter()
         if settings.threads:
             torch.set_num_threads(settings.threads)

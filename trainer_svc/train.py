@@ -21,6 +21,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES, Fleet, fail_everywhere
+from broker.ledger.rows import UsedItem
 from broker.runtime import JobContext
 from broker.streams import (
     GROUP_GENERATORS,
@@ -182,7 +183,7 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
     acks what it may."""
     spec, st, phases, stale = p.spec, p.state, p.prom.phases, batch.staleness
     t_ledger = time.perf_counter()
-    used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": batch.version, "staleness": age,
+    used: list[UsedItem] = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": batch.version, "staleness": age,
              "drop_reason": overlong_reason(s, spec)} for s, age in zip(batch.samples, stale, strict=True)]
     with phases.span("ledger"):
         changed = record_used(p.ledger, used + batch.dropped)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from broker.ledger import TrainerLedger
 from broker.streams import POLICY, JobStreams
 from shared.ids import policy_version_id
 from shared.metrics import Phases
@@ -131,7 +132,8 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 
 
 def publish_weights(
-    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
+    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger: TrainerLedger, job_id: str,
+    keep: int,
     run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
     phases: Phases | None = None,
     max_staleness: int | None = None,
