@@ -148,9 +148,10 @@ class PolicyFollower:
         if poll:
             self.poll()
         while True:
-            if self.stale():
+            newest = self.newest
+            if newest is not None and self.stale():
                 try:
-                    self._load(self.newest)
+                    self._load(newest)
                 except TransferError as exc:
                     log.warning("%s; still serving v%d", exc, self.version)
                     if self.version >= min_version:
