@@ -57,7 +57,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -87,7 +87,9 @@ def step_dir(root: str | Path, job_id: str, step: int) -> Path:
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, JSON scalars) of every generator the trainer may draw from."""
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    # the legacy tuple (the default; numpy's type also allows the dict of legacy=False)
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):

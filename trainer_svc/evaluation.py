@@ -10,7 +10,7 @@ pass@k, maj@n; shared.evalmetrics) to the ledger with the wall-clock seconds sin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ class Round:
     settled: set[str] = field(default_factory=set)  # problem group ids dead-lettered or lost
 
 
-def build_sets(spec: JobSpec, problems: dict[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
+def build_sets(spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
                ) -> dict[str, EvalSet]:
     """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
     items and its sampling (the job's stop rules, the set's temperature, n and length)."""
