@@ -75,7 +75,7 @@ class ControlWatcher:
         self._last_id = "0"
         self.state = "running"
         self.settings: dict[str, float] = {}
-        self.changed = False  # set when `settings` changed since the caller last cleared it
+        self._changes: dict[str, float] = {}  # knobs set since the last take_changes
         accept_drain()
 
     def poll(self, block_ms: int | None = None) -> str:
@@ -97,8 +97,14 @@ class ControlWatcher:
                 self.state = "cancelled"
             elif m.command == "set":
                 self.settings.update(m.settings)
-                self.changed = True
+                self._changes.update(m.settings)
         return self.state
+
+    def take_changes(self) -> dict[str, float]:
+        """The live knobs set since the last call (a later set of a knob wins), handed over once:
+        the caller applies what it takes, and nobody else's flag needs resetting."""
+        changes, self._changes = self._changes, {}
+        return changes
 
     @property
     def done(self) -> bool:

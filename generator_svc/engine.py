@@ -12,8 +12,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from shared.schema import LoraAdapter, Manifest, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 # The ranks vLLM's LoRA slots come in (its LoRAConfig.max_lora_rank accepts only these).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -116,10 +120,17 @@ class Engine:
         # of at least the context fits any prompt whole.
         cpu = ({"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
                if current_platform.is_cpu() else {})
+        # The options that depend on the set-up. With dtype and quantization, which vLLM types as
+        # Literals: our settings carry them as str (quantization checked above, dtype by vLLM).
+        options: dict[str, Any] = {"dtype": dtype, "quantization": quantization, **cpu}
+        if in_process:
+            options["distributed_executor_backend"] = "uni"
+        if lora_rank:
+            options.update(enable_lora=True, max_loras=1,
+                           max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
 
         self._llm = LLM(
             model=model_path,
-            dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -130,13 +141,9 @@ class Engine:
             worker_extension_cls="generator_svc.worker_ext.WeightSyncExtension",
             # co-located on a GPU: sleep (weights to host, KV cache freed) while the trainer steps
             enable_sleep_mode=enable_sleep_mode,
-            quantization=quantization,
-            **({"distributed_executor_backend": "uni"} if in_process else {}),
-            **cpu,
-            **({"enable_lora": True, "max_loras": 1,
-                "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora_rank)} if lora_rank else {}),
+            **options,
         )
-        self._lora = None  # the LoRARequest of the adapter loaded now (None: the plain weights)
+        self._lora: LoRARequest | None = None  # the LoRARequest of the adapter loaded now (None: the plain weights)
         self._lora_ids = 0  # vLLM caches adapters by int id: every load takes a new one
         self._lora_root = Path(tempfile.mkdtemp(prefix="asyncrl-lora-")) if lora_rank else None
 
@@ -160,16 +167,23 @@ class Engine:
             )
             for p, k in zip(params, n, strict=True)
         ]
-        inputs = [{"prompt_token_ids": list(x)} if isinstance(x, list) else x for x in prompts]
+        from vllm.inputs import TokensPrompt
+
+        inputs: list[str | TokensPrompt] = [TokensPrompt(prompt_token_ids=list(x)) if isinstance(x, list) else x
+                                            for x in prompts]
         outs = self._llm.generate(inputs, vparams, use_tqdm=False, lora_request=self._lora)
         result = []
         for out in outs:
             group = []
             for c in out.outputs:
                 ids = list(c.token_ids)
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)]
+                # (a step without its logprobs leaves the count short: refused below)
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)
+                       if step is not None]
                 if len(lps) != len(ids):
                     raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+                if out.prompt_token_ids is None:
+                    raise RuntimeError("vLLM returned no prompt token ids")
                 group.append(Sample(list(out.prompt_token_ids), ids, lps, c.text, c.finish_reason))
             result.append(group)
         return result
@@ -224,14 +238,23 @@ class Engine:
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token[t+1] | token[:t+1]) for t = 0..P-2 under the engine's current weights."""
         from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
 
         out = self._llm.generate(
-            [{"prompt_token_ids": list(token_ids)}],
+            [TokensPrompt(prompt_token_ids=list(token_ids))],
             VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
             use_tqdm=False, lora_request=self._lora,
         )[0]
         # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
-        return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], token_ids[1:], strict=True)]
+        steps = out.prompt_logprobs
+        if steps is None:
+            raise RuntimeError("vLLM returned no prompt logprobs")
+        lps = []
+        for d, tok in zip(steps[1:], token_ids[1:], strict=True):
+            if d is None:
+                raise RuntimeError("vLLM returned no logprobs for a prompt token")
+            lps.append(float(d[tok].logprob))
+        return lps
 
     @staticmethod
     def device_type() -> str:

@@ -20,6 +20,7 @@ import statistics
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from shared.datasets import load_task
 from shared.jobspec import JobSpec
@@ -78,7 +79,8 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
                         metadata=problem.metadata, finish_reason=sample.finish_reason)
             for problem, r, (sample,) in zip(test, rendered, outs, strict=True)
         ])
-    rewards, examples, tokens, statuses = [], [], 0, Counter(res.status for res in results)
+    rewards, tokens, statuses = [], 0, Counter(res.status for res in results)
+    examples: list[dict[str, Any]] = []
     for problem, (sample,), res in zip(test, outs, results, strict=True):
         # A failed reward counts as 0.0 here under either on_failure: offline there is no group to drop.
         r = float(scorer.reward_for(res) or 0.0)

@@ -41,7 +41,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from broker.fleet import Fleet
-from broker.ledger import write_isolating
+from broker.ledger import GeneratorLedger, write_isolating
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import (
@@ -89,7 +89,7 @@ class WeightVerificationError(RuntimeError):
 class PolicyFollower:
     """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
 
-    def __init__(self, streams: JobStreams, engine: Engine, ledger, generator_id: str,
+    def __init__(self, streams: JobStreams, engine: Engine, ledger: GeneratorLedger, generator_id: str,
                  verify_atol: float = 1e-3, load_retries: int = 2, metrics: GeneratorMetrics | None = None,
                  relay: RelayFollower | None = None, relay_wait_s: float = 180.0):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
@@ -148,9 +148,10 @@ class PolicyFollower:
         if poll:
             self.poll()
         while True:
-            if self.stale():
+            newest = self.newest
+            if newest is not None and self.stale():
                 try:
-                    self._load(self.newest)
+                    self._load(newest)
                 except TransferError as exc:
                     log.warning("%s; still serving v%d", exc, self.version)
                     if self.version >= min_version:
@@ -550,7 +551,8 @@ class Generation:
 
     def __init__(self, settings: GeneratorSettings, ctx: JobContext, consumer: Consumer, engine: Engine,
                  policy: PolicyFollower, metrics: GeneratorMetrics, turns: Turns | None = None):
-        self.settings, self.streams, self.ledger, self.consumer = settings, ctx.streams, ctx.ledger, consumer
+        self.settings, self.streams, self.consumer = settings, ctx.streams, consumer
+        self.ledger: GeneratorLedger = ctx.ledger
         self.engine, self.policy, self.metrics = engine, policy, metrics
         self.turns = turns or Turns(engine, False)  # co-located on a GPU: sleep between batches
         self.group_size = ctx.spec.group_size

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import xxhash
@@ -106,8 +107,17 @@ def _fetch(transport: str, address: str, m: Manifest) -> Any:
         client.close()
 
 
+class _ModelRunner(Protocol):
+    def get_model(self) -> torch.nn.Module: ...
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's Worker; methods are called by name through `LLM.collective_rpc`."""
+
+    if TYPE_CHECKING:  # the Worker's, which this class is mixed into (vLLM is not imported here)
+        model_runner: _ModelRunner
+
+        def reload_weights(self, *, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None: ...
 
     def asyncrl_load_version(self, transport: str, address: str, manifest: dict) -> dict:
         """Fetch and verify the whole version first; only then touch the engine's weights. A failed

@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from broker.fleet import Fleet
-from broker.ledger import Ledger, write_isolating
+from broker.ledger import RewardLedger, write_isolating
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
@@ -75,11 +75,11 @@ async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -
 DUPLICATE = "duplicate_msg_id"  # trainer_svc.feeder ignores dead letters with this code
 
 
-def record_generated(streams: JobStreams, ledger: Ledger, deliveries: list[Delivery]) -> list[Delivery]:
+def record_generated(streams: JobStreams, ledger: RewardLedger, deliveries: list[Delivery[Rollout]]) -> list[Delivery[Rollout]]:
     """Write the batch's ledger rows (status `generated`, msg_id keyed: a no-op for rows the
     generator wrote). A rollout whose row the database refuses is dead-lettered with the database's
     reason; returns the others."""
-    _, refused = write_isolating(ledger.record_generated, [sample_row(d.message) for d in deliveries])  # type: ignore[arg-type]
+    _, refused = write_isolating(ledger.record_generated, [sample_row(d.message) for d in deliveries])
     for i, why in refused.items():
         d = deliveries[i]
         streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"the ledger refused the sample: {why}",
@@ -87,7 +87,7 @@ def record_generated(streams: JobStreams, ledger: Ledger, deliveries: list[Deliv
     return [d for i, d in enumerate(deliveries) if i not in refused]
 
 
-def record_scored(streams: JobStreams, ledger: Ledger, batch: list[tuple[Delivery, Scored]]) -> list[tuple[Delivery, Scored]]:
+def record_scored(streams: JobStreams, ledger: RewardLedger, batch: list[tuple[Delivery[Rollout], Scored]]) -> list[tuple[Delivery[Rollout], Scored]]:
     """Record the rewards; returns the (entry, message) pairs to publish. Dead-lettered instead: a
     sample the database refuses (its reason), and a second entry of a msg_id already scored."""
     # "entry": the source of the reward, so a retry of this entry (its publish lost to a crash)
@@ -206,7 +206,7 @@ class Scoring:
     """The reward service's handler (broker.service.Handler): scores a batch of rollouts at once,
     a slow or hung sample costing its own time budget, not the others'."""
 
-    def __init__(self, streams: JobStreams, ledger: Ledger, consumer: Consumer, scorers: dict[str, RewardScorer],
+    def __init__(self, streams: JobStreams, ledger: RewardLedger, consumer: Consumer, scorers: dict[str, RewardScorer],
                  loop: asyncio.AbstractEventLoop, metrics: RewardMetrics, batch: int):
         self.streams, self.ledger, self.consumer = streams, ledger, consumer
         self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch
@@ -214,7 +214,7 @@ class Scoring:
     def batch_size(self, control: ControlWatcher) -> int:
         return self.batch
 
-    def more(self, deliveries: list[Delivery]) -> int:
+    def more(self, deliveries: list[Delivery[Rollout]]) -> int:
         return 0  # score what one read returned
 
     def idle(self) -> None:
@@ -223,7 +223,7 @@ class Scoring:
     def tick(self) -> None:
         pass
 
-    def handle(self, deliveries: list[Delivery]) -> None:
+    def handle(self, deliveries: list[Delivery[Rollout]]) -> None:
         t0, phases = time.perf_counter(), self.metrics.phases
         # Before any dead letter: the trainer settles a group once a member is dead-lettered, and
         # its rows must exist by then (a generator killed after publishing never wrote them).
@@ -231,7 +231,7 @@ class Scoring:
             todo = self._scorable(record_generated(self.streams, self.ledger, deliveries))
         # score: the whole batch at once
         with phases.span("score"):
-            results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))  # type: ignore[misc]
+            results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))
             batch = [(d, s) for d, (scorer, res) in zip(todo, results, strict=True)
                      if (s := self._scored(d, scorer, res)) is not None]
         # ledger + publish + ack: publish and ack as one atomic step, only while this consumer still
@@ -245,12 +245,12 @@ class Scoring:
         self.metrics.statuses(Counter(res.status for _, res in results))
         log.debug("scored %d in %.3fs", len(batch), time.perf_counter() - t0)
 
-    def _scorable(self, deliveries: list[Delivery]) -> list[Delivery]:
+    def _scorable(self, deliveries: list[Delivery[Rollout]]) -> list[Delivery[Rollout]]:
         """The deliveries to score; dead-lettered instead: an empty completion, and a msg_id seen
         twice in one read."""
         todo, seen = [], set()
         for d in deliveries:
-            r: Rollout = d.message  # type: ignore[assignment]
+            r = d.message
             if not r.completion_ids:
                 # No token to carry a gradient, and a zero-length sequence divides by zero in the
                 # per-sequence loss aggregations.
@@ -262,10 +262,10 @@ class Scoring:
                 todo.append(d)
         return todo
 
-    def _scored(self, d: Delivery, scorer: RewardScorer, res: RewardResult) -> Scored | None:
+    def _scored(self, d: Delivery[Rollout], scorer: RewardScorer, res: RewardResult) -> Scored | None:
         """The scored message of one rollout, or None when it is dead-lettered instead: a failed
         reward under on_failure "drop" (the trainer drops the group), or a non-finite one."""
-        r: Rollout = d.message  # type: ignore[assignment]
+        r = d.message
         reward = scorer.reward_for(res)
         if reward is None:
             self._dead(d, f"reward {res.status}: {res.reason}", f"reward_{res.status}")
@@ -283,5 +283,5 @@ class Scoring:
                       rollout=r, reward=reward, details=details, reward_status=res.status,
                       reward_reason=clean_text(res.reason)[:MAX_REASON])
 
-    def _dead(self, d: Delivery, reason: str, code: str) -> None:
+    def _dead(self, d: Delivery[Rollout], reason: str, code: str) -> None:
         self.streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, reason, code=code, message=d.message)

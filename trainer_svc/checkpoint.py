@@ -54,13 +54,16 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from broker.ledger import TrainerLedger
+from broker.ledger.rows import SampleRow
 from broker.streams import Consumer, Delivery, JobStreams
 from shared.ids import group_seq, sample_id
 
@@ -84,7 +87,9 @@ def step_dir(root: str | Path, job_id: str, step: int) -> Path:
 
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, JSON scalars) of every generator the trainer may draw from."""
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    # the legacy tuple (the default; numpy's type also allows the dict of legacy=False)
+    np_state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -259,7 +264,7 @@ class FeedJournal:
 # --- resume plan --------------------------------------------------------------------------------
 
 
-def replay_plan(trained: list[dict[str, Any]], from_version: int) -> dict[int, list[str]]:
+def replay_plan(trained: Sequence[SampleRow], from_version: int) -> dict[int, list[str]]:
     """step -> the group ids it trained (feed order), for every step after `from_version`.
 
     `trained`: ledger rows (group_id, trainer_version) of trained samples; a step that produced
@@ -268,8 +273,9 @@ def replay_plan(trained: list[dict[str, Any]], from_version: int) -> dict[int, l
     """
     by_step: dict[int, set[str]] = {}
     for row in trained:
-        if row["trainer_version"] >= from_version:
-            by_step.setdefault(row["trainer_version"] + 1, set()).add(row["group_id"])
+        v = row["trainer_version"]  # never None for a trained row
+        if v is not None and v >= from_version:
+            by_step.setdefault(v + 1, set()).add(row["group_id"])
     steps = sorted(by_step)
     if steps != list(range(from_version + 1, from_version + 1 + len(steps))):
         raise ValueError(f"ledger steps after version {from_version} are not contiguous: {steps}")
@@ -292,7 +298,7 @@ class Resume:
     eval_steps: set[tuple[str, int]] = field(default_factory=set)  # (eval set, step) rounds fed or recorded
 
 
-def plan_resume(root: str | Path, job_id: str, ledger) -> Resume | None:
+def plan_resume(root: str | Path, job_id: str, ledger: TrainerLedger) -> Resume | None:
     """What the ledger, the checkpoints and the feed journal say about this job; None for a job no
     trainer has worked on yet. Call before loading the model (the checkpoint holds it)."""
     ckpt = latest(root, job_id)

@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import torch
@@ -181,7 +181,7 @@ class Ranks:
         if not self.sharded:
             return dict(sums)
         keys = sorted(sums)
-        out = {}
+        out: dict[str, float] = {}
         for op, names in ((dist.ReduceOp.MAX, [k for k in keys if k.endswith("max")]),
                           (dist.ReduceOp.SUM, [k for k in keys if not k.endswith("max")])):
             t = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self._comm)
@@ -225,7 +225,8 @@ class Ranks:
             return model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast(dict[str, torch.Tensor], state)  # a model's state: tensors only (torch types it any value)
 
     def load_model_state(self, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         """Rank 0's full state dict into every rank's (sharded) model; others pass {}."""
@@ -248,8 +249,9 @@ class Ranks:
             get_optimizer_state_dict,
         )
 
-        by_name = get_optimizer_state_dict(model, optimizer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # one optimizer: its state dict's layout (torch's type allows a list, for several)
+        by_name = cast(dict[str, Any], get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
         if not self.is_main:
             return {}
         # the optimizer's own order: the parameters it updates (LoRA: the adapters only)
@@ -265,7 +267,7 @@ class Ranks:
             optimizer.state.clear()
             return
         if not self.sharded:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(dict(state))  # it copies the top level itself
             return
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

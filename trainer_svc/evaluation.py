@@ -10,10 +10,12 @@ pass@k, maj@n; shared.evalmetrics) to the ledger with the wall-clock seconds sin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from broker.ledger import TrainerLedger
+from broker.ledger.rows import UsedItem
 from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
 from shared.evalmetrics import episode_means, round_metrics
 from shared.ids import eval_group_id, eval_round
@@ -44,7 +46,7 @@ class Round:
     settled: set[str] = field(default_factory=set)  # problem group ids dead-lettered or lost
 
 
-def build_sets(spec: JobSpec, problems: dict[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
+def build_sets(spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
                ) -> dict[str, EvalSet]:
     """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
     items and its sampling (the job's stop rules, the set's temperature, n and length)."""
@@ -67,7 +69,8 @@ class Evaluator:
     `started` holds (set, step) pairs whose round was fed, by this trainer run or a predecessor
     (a resumed trainer must not feed a round twice, nor wait for one that was recorded)."""
 
-    def __init__(self, spec: JobSpec, sets: dict[str, EvalSet], feeder: Feeder, streams: JobStreams, ledger,
+    def __init__(self, spec: JobSpec, sets: dict[str, EvalSet], feeder: Feeder, streams: JobStreams,
+                 ledger: TrainerLedger,
                  job_id: str, tracking: Tracking | None = None):
         self.spec, self.sets, self.feeder, self.streams, self.ledger = spec, sets, feeder, streams, ledger
         self.job_id, self.tracking = job_id, tracking or Tracking()
@@ -143,7 +146,8 @@ class Evaluator:
                 log.warning("eval %s (%s) after step %d: every problem was dead-lettered", rid, rnd.name, rnd.step)
                 continue
             es = self.sets[rnd.name].spec
-            per_problem, versions, used, entries = [], set(), [], []
+            per_problem, versions, entries = [], set(), []
+            used: list[UsedItem] = []
             for g in rnd.groups:
                 samples = sorted(g.samples.values(), key=lambda s: s.rollout.sample_index)
                 per_problem.append(([s.rollout.completion for s in samples], [s.reward for s in samples]))

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from shared.entry import accept_drain
 from shared.jobspec import JobSpec
@@ -39,10 +40,12 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
     are merged: never the base to adapt; `Learner` loads its adapter folder)."""
     path = path or spec.model_path
     tokenizer = AutoTokenizer.from_pretrained(path)
-    use_lora = spec.lora is not None and adapters
-    model = AutoModelForCausalLM.from_pretrained(spec.model_path if use_lora else path, dtype=torch.float32).to(device)
-    if use_lora:
-        model = lora.wrap(model, spec.lora, spec.seed)
+    lora_spec = spec.lora if adapters else None
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(spec.model_path if lora_spec is not None else path,
+                                                                  dtype=torch.float32)
+    model = model.to(device)
+    if lora_spec is not None:
+        model = lora.wrap(model, lora_spec, spec.seed)
     model.train()
     return model, tokenizer
 
@@ -67,7 +70,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> bool:
     whether it was enabled."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         return False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cast(PreTrainedModel, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
 
 
@@ -162,6 +165,7 @@ class Learner:
         packed into one row (trainer_svc/packing.py); None: a padding micro-batch that
         contributes no gradient. Returns its metric sums."""
         pos = None
+        unpack: Callable[[torch.Tensor], torch.Tensor]
         if isinstance(part, list) or (part is None and self.spec.algorithm.packing):
             mb = batch.packed_micro_batch(part or [0]).to(self.device)
             ids, attn, pos, temp, behaviour, mask = (mb.input_ids, None, mb.position_ids, mb.temperatures,

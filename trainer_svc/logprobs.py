@@ -169,7 +169,7 @@ def _compute(model, input_ids, attention_mask, temperature, chunk_tokens: int, e
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     temperature: float | torch.Tensor = 1.0,
     chunk_tokens: int = 0,
     position_ids: torch.Tensor | None = None,
@@ -203,7 +203,7 @@ def token_logprobs(
 def token_logprobs_and_entropy(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     temperature: float | torch.Tensor = 1.0,
     entropy_grad: bool = False,
     chunk_tokens: int = 0,
@@ -220,7 +220,7 @@ def token_logprobs_and_entropy(
     Args:
         model: a causal LM returning ``.logits`` (B, L, V).
         input_ids: (B, L) long, right-padded.
-        attention_mask: (B, L), 1 for real tokens.
+        attention_mask: (B, L), 1 for real tokens; ignored with `position_ids`.
         temperature: > 0, scalar, per row or per position, as in `token_logprobs`.
         entropy_grad: whether the entropy keeps its graph (gradients flow through it).
         chunk_tokens: as in `token_logprobs` (0: unchunked).

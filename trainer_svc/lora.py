@@ -30,7 +30,8 @@ def wrap(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch.nn.Modu
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # A's initialisation: every rank and every restart builds the same one
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+    # peft types lora_alpha int; it takes a float (scaling = lora_alpha / r)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,  # type: ignore[arg-type]
                         target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -77,10 +78,10 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]
                              f"(rank, targets or base model differ)")
     with torch.no_grad():
         for name, p in params:
-            if isinstance(p.data, DTensor):
+            if isinstance(d := p.data, DTensor):
                 full = state[adapter_name(name)] if is_main else torch.empty(p.shape, dtype=p.dtype)
-                src = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=0)
-                p.data.to_local().copy_(src.to_local())
+                src = distribute_tensor(full.to(p.device), d.device_mesh, d.placements, src_data_rank=0)
+                d.to_local().copy_(src.to_local())
             else:
                 p.copy_(state[adapter_name(name)])
 

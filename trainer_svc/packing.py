@@ -24,8 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -111,7 +115,8 @@ def check_packing(model: torch.nn.Module) -> float:
             mix samples.
     """
     device = next(model.parameters()).device
-    vocab = int(model.get_input_embeddings().num_embeddings)
+    embeddings = cast("PreTrainedModel", model).get_input_embeddings()  # an HF model's (typed nn.Module)
+    vocab = int(cast(torch.nn.Embedding, embeddings).num_embeddings)
     a = (torch.arange(5, device=device) * 7 + 3) % vocab
     b = (torch.arange(6, device=device) * 11 + 5) % vocab
     ids = torch.cat([a, b])[None]

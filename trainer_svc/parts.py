@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES
 from broker.guard_report import GUARD_ACTOR
+from broker.ledger import TrainerLedger
 from broker.runtime import ControlWatcher
 from broker.streams import (
     CONTROL,
@@ -55,7 +56,7 @@ class Parts:
     settings: TrainerSettings
     spec: JobSpec
     job_id: str
-    ledger: Any
+    ledger: TrainerLedger
     streams: JobStreams
     ranks: Ranks
     prom: TrainerMetrics
@@ -78,8 +79,8 @@ class Parts:
         return Consumer(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
 
     @classmethod
-    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger, streams: JobStreams,
-              ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
+    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger: TrainerLedger,
+              streams: JobStreams, ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
         t_boot = time.perf_counter()
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -141,8 +142,7 @@ class Parts:
             self.learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
             applied = state.restore(checkpoint.load_state(resume.checkpoint))
             self.control.poll()  # the control stream replays from its start: apply only knobs set since the checkpoint
-            since = {key: v for key, v in self.control.settings.items() if applied.get(key) != v}
-            self.control.changed = False
+            since = {key: v for key, v in self.control.take_changes().items() if applied.get(key) != v}
             if since:
                 self.apply_knobs(since)
         return len(taken)
@@ -165,10 +165,29 @@ class Parts:
         with self.prom.phases.span("feed"):
             self.feeder.top_up(self.state.version, self.state.bound.k)
 
-    def take_batch(self) -> Batch | None:
-        """The sink's batch once whole (TrainSink.take), else None."""
-        with self.prom.phases.span("assemble"):
-            return self.sink.take()
+    def collect(self) -> Batch | None:
+        """The next step's batch: feed the free slots, then read the scored stream into the sink
+        until it holds the step's groups (TrainSink.take: complete, in feed order, within the
+        staleness bound; the rest dropped and counted), refilling the slots drops free on the way.
+        A complete batch waits out a pause (no step advances while paused; nothing is dropped
+        either). None once the job is to stop."""
+        st, control, sink = self.state, self.control, self.sink
+        self.feed()
+        sink.begin(st.step + 1, st.version, st.bound.k)
+        while True:
+            with self.prom.phases.span("assemble"):
+                batch = sink.take()
+            if batch is not None:
+                break
+            if sink.dropped_any():
+                self.feed()  # replace dropped groups so the step can fill
+            self.take_scored(self.settings.block_ms)
+            control.poll()
+            if control.done:
+                return None
+        while control.state == "paused":
+            self.wait_paused()
+        return None if control.done else batch
 
     def take_scored(self, block_ms: int) -> int:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,

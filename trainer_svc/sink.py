@@ -3,8 +3,9 @@
 Everything between the scored stream and a step lives here: group assembly, dead letters (the
 stream's and this trainer's own, for tokens the model cannot embed), evaluation groups handed to
 their round, groups nobody in this trainer's lineage fed, and the batch filter (staleness bound,
-dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume. The loop
-`add`s what it reads and `take`s a batch when one is whole.
+dynamic sampling, versions a roll-back discarded), plus the replayed groups of a resume.
+Parts.collect (trainer_svc/parts.py) `begin`s a step's batch, `add`s what it reads and `take`s
+the batch once whole.
 
 Batches are filled in feed order, not arrival order: a step takes the first `prompts_per_step`
 training groups in flight that it does not drop, and waits for them. That is what makes the
@@ -30,12 +31,14 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from broker.ledger import write_isolating
+from broker.ledger import TrainerLedger, write_isolating
+from broker.ledger.rows import SampleIn, UsedItem
 from broker.streams import GROUP_TRAINERS, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from shared.ids import group_seq, sample_ids
 from shared.jobspec import JobSpec
@@ -57,7 +60,7 @@ ORDER_WAIT_MIN_S = 2.0
 LOST_LOOK_S = 30.0
 
 
-def record_used(ledger, items: list[dict]) -> int:
+def record_used(ledger: TrainerLedger, items: Sequence[UsedItem]) -> int:
     """ledger.record_used; an item the database refuses (see broker.ledger.write_isolating) is
     logged and the rest recorded, so one bad row does not fail a step that trained. Returns how
     many rows changed."""
@@ -99,15 +102,21 @@ class Batch:
     """One step's batch, and what filling it dropped."""
 
     step: int  # the step it trains
-    version: int  # the policy it trains
+    version: int  # the policy it trains: its samples' trainer version (and `staleness` from it)
     bound: int  # the staleness bound it was filtered under
     redo: list[str] | None  # a resume's re-done step: exactly these groups
     groups: list[Group] = field(default_factory=list)
-    dropped: list[dict] = field(default_factory=list)  # ledger rows of dropped samples
+    dropped: list[UsedItem] = field(default_factory=list)  # ledger rows of dropped samples
     drop_entries: list[str] = field(default_factory=list)  # their stream entries
     filtered: int = 0  # groups dropped by dynamic sampling
     samples: list[Scored] = field(default_factory=list)  # in group order, once whole
     data: TrainBatch | None = None  # `samples` as tensors, once whole
+
+    @property
+    def staleness(self) -> list[int]:
+        """Each sample's age when trained: `version` minus the policy version that generated it
+        (the ledger's `staleness`, the off-policy metrics and the staleness-aware lr all read it)."""
+        return [staleness(self.version, s.rollout.policy_version) for s in self.samples]
 
 
 DEAD_STREAK_MIN = 32
@@ -120,7 +129,7 @@ def dead_streak_limit(spec: JobSpec) -> int:
 
 
 class TrainSink:
-    def __init__(self, spec: JobSpec, streams: JobStreams, ledger, feeder: Feeder, evaluator: Evaluator,
+    def __init__(self, spec: JobSpec, streams: JobStreams, ledger: TrainerLedger, feeder: Feeder, evaluator: Evaluator,
                  guard: CollapseGuard, vocab_size: int):
         self.spec, self.streams, self.ledger, self.feeder, self.evaluator = spec, streams, ledger, feeder, evaluator
         self.guard, self.vocab_size = guard, vocab_size
@@ -290,7 +299,7 @@ class TrainSink:
         generated or scored for the rest (used ones stay as they are)."""
         why = ("lost by Redis: no stream held its prompt, rollouts or scored samples any more (a failover to a "
                "replica that had not received them); never used")
-        rows = [{"msg_id": m, "job_id": self.streams.job_id, "group_id": g, "sample_index": i,
+        rows: list[SampleIn] = [{"msg_id": m, "job_id": self.streams.job_id, "group_id": g, "sample_index": i,
                  "kind": "train" if eval_set is None else "eval", "eval_set": eval_set, "prompt_index": index,
                  "generator_id": "", "gen_version_min": fed_at, "num_prompt_tokens": tokens,
                  "num_completion_tokens": 0, "completion": "", "status": "lost", "drop_reason": why,

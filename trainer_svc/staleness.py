@@ -1,8 +1,9 @@
 """The staleness bound k: its one owner, its adaptive policy, and a staleness-aware step size.
 
-`StalenessBound` is the only writer of k while a job runs: the spec's starting value
-(shared/staleness_bound.py), the live knob `max_staleness`, the collapse guard's tightening, a
-resume, and the adaptive controller (its policy, when the job has one). The rest is pure and small.
+`StalenessBound.k` is the one place k lives while a job runs, and the bound its only writer: the
+spec's starting value (shared/staleness_bound.py), the live knob `max_staleness`, the collapse
+guard's tightening, a resume, and the adaptive policy (when the job has one). The rest is pure and
+small.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def staleness_lr_scale(mean_staleness: float) -> float:
 
 @dataclass
 class AdaptiveStaleness:
-    """A bound k in [k_min, k_max] driven by measured drift between behaviour and current policy.
+    """The policy of a bound k in [k_min, k_max] driven by measured drift between behaviour and
+    current policy. It holds only its calm count; k is the caller's (StalenessBound, the one place
+    k lives), handed in and returned.
 
     Drift is either the normalised effective sample size of the importance weights (`ess`, in
     (0, 1]; 1 = on-policy, lower = the generator's policy has drifted from the trainer's) or the k3
@@ -40,7 +43,6 @@ class AdaptiveStaleness:
     metric: str = "ess"
     threshold: float = 0.9
     patience: int = 3
-    k: int | None = None
     calm: int = 0
 
     def __post_init__(self) -> None:
@@ -48,78 +50,60 @@ class AdaptiveStaleness:
             raise ValueError(f"unknown drift metric '{self.metric}'; valid: ['ess', 'mismatch_kl']")
         if not 0 <= self.k_min <= self.k_max:
             raise ValueError(f"need 0 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
-        if self.k is None:
-            self.k = self.k_max
 
     def drifted(self, value: float) -> bool:
         return value < self.threshold if self.metric == "ess" else value > self.threshold
 
-    def update(self, metrics: dict[str, float]) -> int:
-        """Feed one step's metrics (`is/ess` or `mismatch_kl`); returns the bound for the next step."""
+    def update(self, k: int, metrics: dict[str, float]) -> int:
+        """The bound for the next step from bound `k` and one step's metrics (`is/ess` or `mismatch_kl`)."""
         key = "is/ess" if self.metric == "ess" else "mismatch_kl"
-        value = metrics[key]
-        assert self.k is not None
-        if self.drifted(value):
-            self.k = max(self.k_min, self.k - 1)
+        if self.drifted(metrics[key]):
             self.calm = 0
-        else:
-            self.calm += 1
-            if self.calm >= self.patience:
-                self.k = min(self.k_max, self.k + 1)
-                self.calm = 0
-        return self.k
+            return max(self.k_min, k - 1)
+        self.calm += 1
+        if self.calm < self.patience:
+            return k
+        self.calm = 0
+        return min(self.k_max, k + 1)
 
 
 class StalenessBound:
     """The current bound k of one trainer run: samples more than k versions old are dropped, and
     the feeder keeps (k + 1) * prompts_per_step groups in flight.
 
-    Under adaptive staleness (async jobs with `adaptive_staleness`) k is the controller's, and
-    every write goes through it (so it stays in [k_min, k_max]); else k is held here. Sync jobs
-    keep k = 0 whatever is written."""
+    `k` is the one place the bound lives. Under adaptive staleness (async jobs with
+    `adaptive_staleness`) every write keeps it in the policy's [k_min, k_max] and the policy moves
+    it after each step. Sync jobs keep k = 0 whatever is written."""
 
     def __init__(self, spec: JobSpec):
         self.asynchronous = spec.mode == "async"
         a = spec.adaptive_staleness if self.asynchronous else None
         self.policy = None if a is None else AdaptiveStaleness(a.k_min, a.k_max, a.metric, a.threshold, a.patience)
-        self._k = start_bound(spec.mode, spec.max_staleness, None if a is None else a.k_max)
-
-    @property
-    def k(self) -> int:
-        if self.policy is not None:
-            assert self.policy.k is not None
-            return self.policy.k
-        return self._k
+        self.k = start_bound(spec.mode, spec.max_staleness, None if a is None else a.k_max)
 
     def set_knob(self, k: int) -> None:
         """The live knob `max_staleness` (async only; clamped to the adaptive range)."""
-        if not self.asynchronous:
-            return
-        if self.policy is not None:
-            self.policy.k = min(max(int(k), self.policy.k_min), self.policy.k_max)
-        self._k = int(k) if self.policy is None else self.k
+        p = self.policy
+        if self.asynchronous:
+            self.k = int(k) if p is None else min(max(int(k), p.k_min), p.k_max)
 
     def tighten(self) -> None:
         """One version tighter (the collapse guard's answer to blown-up importance weights; async
         only), never below the adaptive k_min nor 0."""
-        if not self.asynchronous:
-            return
-        k = max(self.policy.k_min if self.policy is not None else 0, self.k - 1)
-        if self.policy is not None:
-            self.policy.k = k
-        self._k = k
+        if self.asynchronous:
+            self.k = max(self.policy.k_min if self.policy is not None else 0, self.k - 1)
 
     def after_step(self, metrics: dict[str, float]) -> None:
         """The adaptive policy's bound for the next step, from this step's drift (no policy: k stays)."""
         if self.policy is not None:
-            self._k = self.policy.update(metrics)
+            self.k = self.policy.update(self.k, metrics)
 
     def state(self) -> dict[str, Any]:
         """`k` and `adaptive` (the controller's k and calm count, or None), the checkpoint's keys."""
-        return {"k": self.k, "adaptive": None if self.policy is None else {"k": self.policy.k, "calm": self.policy.calm}}
+        return {"k": self.k, "adaptive": None if self.policy is None else {"k": self.k, "calm": self.policy.calm}}
 
     def restore(self, state: dict[str, Any]) -> None:
         """The inverse of `state`."""
-        self._k = int(state["k"])
+        self.k = int(state["k"])
         if self.policy is not None and state.get("adaptive") is not None:
-            self.policy.k, self.policy.calm = int(state["adaptive"]["k"]), int(state["adaptive"]["calm"])
+            self.policy.calm = int(state["adaptive"]["calm"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.ledger import TrainerLedger
 from trainer_svc import checkpoint
 from trainer_svc.algorithms import LrSchedule, lr_factor
 from trainer_svc.feeder import Feeder
@@ -67,7 +68,7 @@ class LoopState:
         self.guard.restore(saved["guard"])
         return dict(saved["knobs"])
 
-    def checkpoint(self, learner: Learner, root: str, job_id: str, ledger) -> Path:
+    def checkpoint(self, learner: Learner, root: str, job_id: str, ledger: TrainerLedger) -> Path:
         """The policy at this step boundary with this state, one of the guard's trajectory: an
         HF-format directory (model + tokenizer) plus `trainer_state/` (optimizer, RNG, `save()`),
         written atomically; only then recorded in the ledger."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import string
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -89,7 +90,7 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: cast(int, tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # one token: one id
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -105,7 +106,8 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    # transformers types the decorated PreTrainedModel.to as taking the model first
+    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD]
     )

@@ -1,8 +1,9 @@
 """Trainer service: scored groups -> advantages -> policy loss -> optimizer step -> publish weights.
 
-`_train` is the loop, top to bottom: feed, consume (trainer_svc/sink.py: a complete, fresh batch
-or nothing yet), train (trainer_svc/learner.py, the collapse guard checking the update before
-anyone sees it), publish weights (trainer_svc/weights.py), ledger + metrics, evaluate, checkpoint.
+`_train` is the loop, top to bottom: take the live knobs changed, collect (Parts.collect: feed,
+then a complete, fresh batch from the sink, trainer_svc/sink.py; None once the job is to stop),
+train (trainer_svc/learner.py, the collapse guard checking the update before anyone sees it),
+publish weights (trainer_svc/weights.py), ledger + metrics, evaluate, checkpoint.
 The parts it calls on are built in trainer_svc/parts.py. Async and sync modes are the same loop;
 sync is max staleness 0 with an in-flight cap of one batch, so the generator can only start the
 next batch after the new weights are published.
@@ -20,6 +21,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from broker.fleet import LIVE_STATES, Fleet, fail_everywhere
+from broker.ledger.rows import UsedItem
 from broker.runtime import JobContext
 from broker.streams import (
     GROUP_GENERATORS,
@@ -34,7 +36,6 @@ from shared.evalmetrics import episode_means
 from shared.logs import set_context
 from shared.metrics import job_registry, serve_metrics
 from shared.settings import TrainerSettings
-from trainer_svc.algorithms import staleness
 from trainer_svc.dist import Ranks
 from trainer_svc.learner import follow
 from trainer_svc.offload import Offload
@@ -117,31 +118,19 @@ def _train(p: Parts) -> None:
         if control.state == "paused":
             p.wait_paused()
             continue
-        if control.changed:  # live knobs (PATCH /jobs/{id}), applied from this step on
-            control.changed = False
-            p.apply_knobs(control.settings)
+        if knobs := control.take_changes():  # live knobs (PATCH /jobs/{id}), applied from this step on
+            p.apply_knobs(knobs)
 
-        # feed, consume: complete groups within the staleness bound; the rest dropped and counted
-        p.feed()
-        p.sink.begin(st.step + 1, st.version, st.bound.k)
-        while (batch := p.take_batch()) is None:
-            if p.sink.dropped_any():
-                p.feed()  # replace dropped groups so the step can fill
-            p.take_scored(p.settings.block_ms)
-            control.poll()
-            if control.done:
-                break
-        while control.state == "paused":  # no step advances while paused; nothing is dropped either
-            p.wait_paused()
-        if control.done or batch is None:
+        # collect: complete groups within the staleness bound; the rest dropped and counted
+        batch = p.collect()
+        if batch is None:
             break
         t_data = time.perf_counter()
         p.prom.phases.observe("wait", t_data - t_start)
 
         # advantages, loss, step; the collapse guard looks at the update before anyone sees it
-        stale = [staleness(st.version, v) for v in batch.data.versions.tolist()]
         offload.to_device()
-        step_metrics, tripped = _train_step(p, batch, float(np.mean(stale)))
+        step_metrics, tripped = _train_step(p, batch)
         st.version += 1
         st.step += 1
         set_context(policy_version=st.version)
@@ -155,7 +144,7 @@ def _train(p: Parts) -> None:
 
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         times = {"time/wait_s": t_data - t_start, "time/train_s": t_train - t_data, "time/publish_s": publish_s}
-        _record(p, batch, stale, step_metrics, times, t_start)
+        _record(p, batch, step_metrics, times, t_start)
         if st.step < spec.steps:
             p.evaluator.start_due(st.step, st.version)
 
@@ -166,12 +155,12 @@ def _train(p: Parts) -> None:
     p.finish()
 
 
-def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, float], bool]:
+def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool]:
     """One optimizer step on `batch`, redone after each guard trip that rolls back; returns its
     metrics and whether the guard tripped."""
     spec, st, data = p.spec, p.state, batch.data
     assert data is not None
-    lr_scale = staleness_lr_scale(mean_stale) if spec.algorithm.staleness_lr else 1.0
+    lr_scale = staleness_lr_scale(float(np.mean(batch.staleness))) if spec.algorithm.staleness_lr else 1.0
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
     tripped = False
     while True:
@@ -189,13 +178,12 @@ def _train_step(p: Parts, batch: Batch, mean_stale: float) -> tuple[dict[str, fl
     return metrics, tripped
 
 
-def _record(p: Parts, batch: Batch, stale: list[int], step_metrics: dict[str, float], times: dict[str, float],
-            t_start: float) -> None:
+def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[str, float], t_start: float) -> None:
     """The step in the ledger (samples used, metrics), Prometheus, the tracking sinks and the log;
     acks what it may."""
-    spec, st, phases = p.spec, p.state, p.prom.phases
+    spec, st, phases, stale = p.spec, p.state, p.prom.phases, batch.staleness
     t_ledger = time.perf_counter()
-    used = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": st.version - 1, "staleness": age,
+    used: list[UsedItem] = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": batch.version, "staleness": age,
              "drop_reason": overlong_reason(s, spec)} for s, age in zip(batch.samples, stale, strict=True)]
     with phases.span("ledger"):
         changed = record_used(p.ledger, used + batch.dropped)

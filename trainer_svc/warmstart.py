@@ -30,10 +30,17 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from shared.datasets import TaskSpec, load_task
 from shared.prompts import renderer
@@ -77,7 +84,7 @@ def teacher_answer(answer: str, off_by_one: float, rng: random.Random) -> str:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     problems: list[Problem],
     *,
@@ -108,9 +115,12 @@ def evaluate(
         ok = [extract_answer(t) == problems[i // reps].answer for i, t in enumerate(texts)]
         return torch.tensor(ok).view(len(problems), reps)
 
-    greedy = model.generate(**batch, do_sample=False, **common)
+    # a causal LM's (GenerationMixin's; PreTrainedModel does not declare it): the token ids, as
+    # return_dict_in_generate is off
+    generate = cast(Callable[..., torch.Tensor], model.generate)
+    greedy = generate(**batch, do_sample=False, **common)
     torch.manual_seed(seed)
-    sampled = model.generate(
+    sampled = generate(
         **batch,
         do_sample=True,
         temperature=temperature,

@@ -7,17 +7,21 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
+from broker.ledger import TrainerLedger
 from broker.streams import POLICY, JobStreams
 from shared.ids import policy_version_id
 from shared.metrics import Phases
 from shared.schema import LoraAdapter, PolicyAnnouncement, pack_f32, pack_i32
 from shared.transport import WeightServer, build_manifest
 from trainer_svc.logprobs import token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def flatten_weights(
@@ -116,22 +120,24 @@ def staging_for(server: WeightServer) -> HostStaging:
 def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[float]]:
     """A fixed pseudo-random token sequence and its logprobs under `model` (the functional
     fingerprint generators check after a swap). The same sequence for every version of a job."""
-    vocab = model.config.vocab_size
+    hf = cast("PreTrainedModel", model)  # an HF model (or one wrapped, answering for it)
+    vocab = hf.config.vocab_size
     g = torch.Generator().manual_seed(20250530)
     ids = torch.randint(min(4, vocab - 1), vocab, (1, length), generator=g)
-    bos = model.config.bos_token_id
+    bos = hf.config.bos_token_id
     if bos is not None:
         ids[0, 0] = bos
     was_training = model.training
     model.eval()  # no dropout in the fingerprint
     with torch.no_grad():
-        lp = token_logprobs(model, ids.to(model.device), torch.ones_like(ids).to(model.device))
+        lp = token_logprobs(model, ids.to(hf.device), torch.ones_like(ids).to(hf.device))
     model.train(was_training)
     return ids[0].tolist(), lp[0].float().cpu().tolist()
 
 
 def publish_weights(
-    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger, job_id: str, keep: int,
+    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger: TrainerLedger, job_id: str,
+    keep: int,
     run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
     phases: Phases | None = None,
     max_staleness: int | None = None,

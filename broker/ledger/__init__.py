@@ -13,8 +13,9 @@ migrations in `broker/migrations`; the models (`models`) must match them (a test
 The package: `models` (tables), `engine` (engine, SQLite/PostgreSQL set-up, migrations), `rows`
 (row shapes and enumerations), one repository module per family of tables (`jobs`, `changes`,
 `samples`, `versions`, `steps`, `evals`, `admin_tasks`), `audit` (the queries of
-`broker.verify`), `isolation` (`write_isolating`), `core` (`Ledger`, all of them over one
-database) and `cli`. Operators migrate an existing database with::
+`broker.verify`), `isolation` (`write_isolating`), `roles` (`GeneratorLedger`, `RewardLedger`,
+`TrainerLedger`: each service's view of the ledger, as a `Protocol`), `core` (`Ledger`, all of
+them over one database) and `cli`. Operators migrate an existing database with::
 
     python -m broker.ledger upgrade --url postgresql+psycopg://user@host/db
 """
@@ -38,6 +39,7 @@ from broker.ledger.models import (
     TrainStep,
     UTCDateTime,
 )
+from broker.ledger.roles import GeneratorLedger, RewardLedger, TrainerLedger
 from broker.ledger.rows import (
     ADMIN_TASK_KINDS,
     ADMIN_TASK_STATES,
@@ -63,13 +65,16 @@ __all__ = [
     "Base",
     "Checkpoint",
     "Eval",
+    "GeneratorLedger",
     "GeneratorLoad",
     "Job",
     "JobChange",
     "Ledger",
     "PolicyVersion",
+    "RewardLedger",
     "Sample",
     "TrainStep",
+    "TrainerLedger",
     "UTCDateTime",
     "main",
     "row_error",

@@ -17,7 +17,8 @@ Services talk to one job's streams through `JobStreams` (job.py), a facade over 
     keys.py          the key names of a job (stream, group and heartbeat names; hash tags)
     connection.py    `connect`: a single server or a Redis Cluster, riding out outages
     scripts.py       the Lua scripts (atomic hand-offs, sized reads) and their fallback switch
-    entries.py       `Consumer`, `Delivery`, and an entry as a read returns it
+    entries.py       `Consumer`, `Delivery` (generic in the message kind: a `Consumer[Rollout]`
+                     gets `Delivery[Rollout]`s), and an entry as a read returns it
     reads.py         bounded reads, scripted or plain
     dead_letters.py  decoding, and the dead stream
     wakeups.py       waiting for an entry: the producers' wake-up channels, or polling

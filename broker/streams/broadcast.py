@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, TypeVar
+from typing import Any
 
-from shared.schema import DecodeError, Message
+from shared.schema import DecodeError
 
 from .dead_letters import DeadLetters
+from .entries import M
 from .keys import HEARTBEATS, JobKeys
 from .reads import Reads
 from .wakeups import Wakeups
-
-M = TypeVar("M", bound=Message)
 
 
 class Broadcast:
@@ -49,7 +48,7 @@ class Broadcast:
         for e in rows:
             last_id = e.entry_id
             delivered = self.dead.deliver(stream, None, [e], expected)
-            msgs += [d.message for d in delivered]  # type: ignore[misc]
+            msgs += [d.message for d in delivered]
         return last_id, msgs
 
     def latest(self, stream: str, expected: type[M]) -> tuple[str, M] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from shared.ids import dead_letter_id
 from shared.schema import (
@@ -21,7 +21,7 @@ from shared.schema import (
     encode,
 )
 
-from .entries import Delivery, Entry, Expected, dead_payload, message_field
+from .entries import Delivery, Entry, Expected, M, dead_payload, message_field
 from .keys import DEAD, FIELD, JobKeys
 from .reads import Reads
 
@@ -57,10 +57,10 @@ class DeadLetters:
         self.on_dead_letter: Callable[[str, str], None] | None = None
 
     def deliver(self, stream: str, group: str | None, rows: list[Entry],
-                expected: Expected) -> list[Delivery]:
+                expected: type[M] | tuple[type[M], ...]) -> list[Delivery[M]]:
         """Decode what a read returned; dead-letter (and ack, with a `group`) what cannot be
         used."""
-        out = []
+        out: list[Delivery[M]] = []
         for e in rows:
             try:
                 msg = self.decode(stream, e, expected)
@@ -73,7 +73,7 @@ class DeadLetters:
                                  f"delivered {e.deliveries} times (limit {self.max_deliveries})",
                                  dead_payload(e), code="max_deliveries")
                 continue
-            out.append(Delivery(e.entry_id, msg, e.deliveries))
+            out.append(Delivery(e.entry_id, cast(M, msg), e.deliveries))  # decode checked its kind
         return out
 
     def decode(self, stream: str, e: Entry, expected: Expected) -> Message:

@@ -4,7 +4,7 @@ the decoded delivery a consumer gets."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from shared.schema import Message
 
@@ -12,10 +12,12 @@ from .keys import FIELD
 
 # The message kind(s) a consumer accepts on a stream: anything else is dead-lettered.
 Expected = type[Message] | tuple[type[Message], ...]
+# The message type a consumer's deliveries carry (Consumer[Scored] -> Delivery[Scored]).
+M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
-class Consumer:
+class Consumer(Generic[M]):
     """One reader of a consumer group: the stream it reads, its group, its name in the group (a
     restarted process of the same name resumes what its predecessor left pending), and the message
     kind(s) it accepts; anything else on the stream is dead-lettered."""
@@ -23,16 +25,16 @@ class Consumer:
     stream: str
     group: str
     name: str
-    expected: Expected
+    expected: type[M] | tuple[type[M], ...]
 
 
 @dataclass(frozen=True)
-class Delivery:
+class Delivery(Generic[M]):
     """One decoded stream entry handed to a consumer; ack it with
     `JobStreams.ack(consumer.stream, consumer.group, [entry_id])`."""
 
     entry_id: str
-    message: Message
+    message: M
     deliveries: int = 1
 
 

@@ -15,7 +15,7 @@ from shared.schema import DecodeError, EvalRound, PromptGroup, Rollout, Scored
 
 from .connection import batch
 from .dead_letters import DeadLetters
-from .entries import Consumer, Delivery, Entry, text
+from .entries import Consumer, Delivery, Entry, M, text
 from .keys import JobKeys
 from .reads import Reads
 from .scripts import TOUCH, Scripts
@@ -51,8 +51,8 @@ class Groups:
                 raise
 
     # -- consume --------------------------------------------------------------------------------
-    def consume(self, c: Consumer, *, count: int = 64,
-                block_ms: int | None = 1000) -> list[Delivery]:
+    def consume(self, c: Consumer[M], *, count: int = 64,
+                block_ms: int | None = 1000) -> list[Delivery[M]]:
         """Read up to `count` entries for consumer `c`: first reclaim idle ones, then new ones,
         waiting up to `block_ms` for one to arrive (None or 0: no wait).
 
@@ -80,7 +80,7 @@ class Groups:
             self.wakeups.wait(c.stream, waits, deadline - now)
             waits += 1
 
-    def consume_own_pending(self, c: Consumer, *, count: int = 64) -> list[Delivery]:
+    def consume_own_pending(self, c: Consumer[M], *, count: int = 64) -> list[Delivery[M]]:
         """Entries already delivered to consumer `c` and not acked: what a restarted consumer of
         the same name left in flight (XREADGROUP with id 0). Call it at start-up, until it returns
         nothing, before reading new entries; each read counts one delivery. A consumer whose
@@ -93,11 +93,11 @@ class Groups:
                         self.keys.key(c.stream))
         return out
 
-    def claim_all(self, c: Consumer) -> list[Delivery]:
+    def claim_all(self, c: Consumer[M]) -> list[Delivery[M]]:
         """Claim every entry pending in `c`'s group, whoever holds it and however briefly idle
         (each claim counts one delivery), in reads bounded like `consume`'s. Only for a consumer
         that is alone in its group by design, at start-up (trainer_svc.checkpoint.take_over)."""
-        out: list[Delivery] = []
+        out: list[Delivery[M]] = []
         cursor = "0-0"
         while True:
             read = self._group_read(c, "claim", 1024, start=cursor)
@@ -160,7 +160,7 @@ class Groups:
             self.ensure_group(c.stream, c.group)
             return None
 
-    def _reclaim(self, c: Consumer, count: int) -> list[Delivery]:
+    def _reclaim(self, c: Consumer[M], count: int) -> list[Delivery[M]]:
         now = time.monotonic()
         k = (c.stream, c.group)
         cursor = self._claim_cursor.get(k, "0-0")

@@ -10,9 +10,9 @@ from redis.cluster import RedisCluster
 
 from shared.schema import DEFAULT_MAX_MESSAGE_BYTES, DeadLetter, Message
 
-from .broadcast import Broadcast, Heartbeats, M
+from .broadcast import Broadcast, Heartbeats
 from .dead_letters import DeadLetters
-from .entries import Consumer, Delivery
+from .entries import Consumer, Delivery, M
 from .groups import Groups
 from .keys import JOB_KEYS, JobKeys, adopt_legacy_keys
 from .publishing import Batches, Publisher
@@ -148,16 +148,16 @@ class JobStreams:
         """Create the consumer group (and the stream) if missing; idempotent."""
         self._groups.ensure_group(stream, group, start_id)
 
-    def consume(self, c: Consumer, *, count: int = 64,
-                block_ms: int | None = 1000) -> list[Delivery]:
+    def consume(self, c: Consumer[M], *, count: int = 64,
+                block_ms: int | None = 1000) -> list[Delivery[M]]:
         """Up to `count` valid messages for `c`, idle ones reclaimed first (`Groups.consume`)."""
         return self._groups.consume(c, count=count, block_ms=block_ms)
 
-    def consume_own_pending(self, c: Consumer, *, count: int = 64) -> list[Delivery]:
+    def consume_own_pending(self, c: Consumer[M], *, count: int = 64) -> list[Delivery[M]]:
         """What a predecessor of the same name left pending (`Groups.consume_own_pending`)."""
         return self._groups.consume_own_pending(c, count=count)
 
-    def claim_all(self, c: Consumer) -> list[Delivery]:
+    def claim_all(self, c: Consumer[M]) -> list[Delivery[M]]:
         """Claim every entry pending in `c`'s group, at start-up (`Groups.claim_all`)."""
         return self._groups.claim_all(c)
 

@@ -4,7 +4,7 @@ waiting readers; and the hand-off of a consumer's outputs with the ack of its in
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -20,7 +20,7 @@ from .wakeups import Wakeups
 log = logging.getLogger(__name__)
 
 # What publish_if_owned hands over: (entry id of the consumer's stream, its output messages).
-Batches = list[tuple[str, list[Message]]]
+Batches = Sequence[tuple[str, Sequence[Message]]]
 
 
 class Publisher:

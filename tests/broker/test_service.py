@@ -1,5 +1,6 @@
 """The service loop (broker.service.ServiceLoop) against the local Redis, with a recording handler:
-own pending entries first and alone, top-up reads, pause/resume, drain and cancel."""
+own pending entries first and alone, top-up reads, pause/resume, drain and cancel; live knobs
+taken once."""
 
 from __future__ import annotations
 
@@ -161,3 +162,17 @@ def test_a_wait_cut_short_by_sigterm_exits_drained_and_leaves_the_batch_pending(
     # Nothing acked: the entries are this consumer's pending ones, first for its successor.
     again = ServiceLoop(js, C, Recorder(js), block_ms=50)
     assert [d.entry_id for d in again.read()] == ids[:1]
+
+
+def test_live_knobs_are_taken_once(js):
+    """The trainer applies the knobs set since it last took them: two sets merge (the later value
+    wins), and a take hands them over once; `settings` keeps every knob set so far."""
+    w = ControlWatcher(js)
+    for i, knobs in enumerate(({"lr": 1e-4, "temperature": 0.7}, {"lr": 2e-4})):
+        js.publish(CONTROL, Control(job_id=JOB, msg_id=f"set-{i}", policy_version=0, command="set", settings=knobs))
+    w.poll()
+    assert w.take_changes() == {"lr": 2e-4, "temperature": 0.7} and w.take_changes() == {}
+    js.publish(CONTROL, Control(job_id=JOB, msg_id="set-2", policy_version=0, command="set", settings={"top_p": 0.9}))
+    w.poll()
+    assert w.take_changes() == {"top_p": 0.9}
+    assert w.settings == {"lr": 2e-4, "temperature": 0.7, "top_p": 0.9}

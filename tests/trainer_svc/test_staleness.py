@@ -25,29 +25,33 @@ def _ess(weights: torch.Tensor) -> float:
     return float(weights.sum() ** 2 / (weights.numel() * (weights**2).sum()))
 
 
+def _bounds(ctl: AdaptiveStaleness, k: int, steps: list[dict[str, float]]) -> list[int]:
+    """The bound after each step, as StalenessBound.after_step moves it from `k`."""
+    ks = []
+    for metrics in steps:
+        k = ctl.update(k, metrics)
+        ks.append(k)
+    return ks
+
+
 def test_adaptive_bound_tightens_when_drift_is_injected_and_recovers():
     ctl = AdaptiveStaleness(k_min=0, k_max=4, metric="ess", threshold=0.9, patience=2)
-    assert ctl.k == 4
     torch.manual_seed(0)
     calm = torch.exp(torch.randn(512) * 0.05)  # pi ~ mu: importance weights near 1, ESS ~ 0.998
     drift = torch.exp(torch.randn(512) * 1.0)  # injected drift: log-ratios with std 1, ESS ~ 0.37
     assert _ess(calm) > 0.99 and _ess(drift) < 0.5
-    ks = [ctl.update({"is/ess": _ess(calm)}) for _ in range(3)]
+    ks = _bounds(ctl, 4, [{"is/ess": _ess(calm)}] * 3)
     assert ks == [4, 4, 4]  # already at k_max: calm steps keep it there
-    ks = [ctl.update({"is/ess": _ess(drift)}) for _ in range(6)]
-    assert ks == [3, 2, 1, 0, 0, 0]  # one version tighter per drifting step, floored at k_min
-    ks = [ctl.update({"is/ess": _ess(calm)}) for _ in range(6)]
-    assert ks == [0, 1, 1, 2, 2, 3]  # loosens by one every `patience` calm steps
+    ks += _bounds(ctl, ks[-1], [{"is/ess": _ess(drift)}] * 6)
+    assert ks[3:] == [3, 2, 1, 0, 0, 0]  # one version tighter per drifting step, floored at k_min
+    ks += _bounds(ctl, ks[-1], [{"is/ess": _ess(calm)}] * 6)
+    assert ks[9:] == [0, 1, 1, 2, 2, 3]  # loosens by one every `patience` calm steps
 
 
 def test_adaptive_bound_on_mismatch_kl():
     ctl = AdaptiveStaleness(k_min=1, k_max=3, metric="mismatch_kl", threshold=0.05, patience=1)
-    assert ctl.update({"mismatch_kl": 0.2}) == 2
-    assert ctl.update({"mismatch_kl": 0.3}) == 1
-    assert ctl.update({"mismatch_kl": 0.3}) == 1  # floor
-    assert ctl.update({"mismatch_kl": 0.01}) == 2
-    assert ctl.update({"mismatch_kl": 0.01}) == 3
-    assert ctl.update({"mismatch_kl": 0.01}) == 3  # ceiling
+    # floor, then ceiling
+    assert _bounds(ctl, 3, [{"mismatch_kl": x} for x in (0.2, 0.3, 0.3, 0.01, 0.01, 0.01)]) == [2, 1, 1, 2, 3, 3]
 
 
 def test_adaptive_bound_rejects_bad_configuration():

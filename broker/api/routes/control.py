@@ -6,8 +6,6 @@ Each command goes to every service of the job on its control stream and into the
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -22,28 +20,28 @@ router = APIRouter(tags=["control"], responses=error_responses(403, 404, 409, 42
 
 
 @router.post("/jobs/{job_id}/stop", status_code=202, response_model=StateChange)
-def stop(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+def stop(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Drain: the trainer finishes its current step and the final evaluation, then every service
     of the job leaves it. A queued job is stopped at once: it never starts."""
     live_job(ledger, job_id, "stop")
     if ledger.move_job(job_id, ("queued",), "stopped"):
         ledger.record_change(job_id, actor, {"command": "stop"})
-        return {"id": job_id, "state": "stopped"}
+        return StateChange(id=job_id, state="stopped")
     send_control(ledger, streams, job_id, actor, "stop", "stopping")
-    return {"id": job_id, "state": "stopping"}
+    return StateChange(id=job_id, state="stopping")
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=StateChange)
-def cancel(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+def cancel(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Immediate: services leave the job without finishing the step or evaluating; a queued job
     never starts."""
     live_job(ledger, job_id, "cancel")
     send_control(ledger, streams, job_id, actor, "cancel", "cancelled")
-    return {"id": job_id, "state": "cancelled"}
+    return StateChange(id=job_id, state="cancelled")
 
 
 @router.post("/jobs/{job_id}/pause", status_code=202, response_model=StateChange)
-def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Generation, scoring and training stop taking new work; nothing in flight is lost."""
     job = live_job(ledger, job_id, "pause")
     if job["state"] == "paused":
@@ -52,21 +50,22 @@ def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> 
         raise HTTPException(409, f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel "
                                  "takes it out of the queue)")
     send_control(ledger, streams, job_id, actor, "pause", "paused")
-    return {"id": job_id, "state": "paused"}
+    return StateChange(id=job_id, state="paused")
 
 
 @router.post("/jobs/{job_id}/resume", status_code=202, response_model=StateChange)
-def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> dict[str, Any]:
+def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     job = live_job(ledger, job_id, "resume")
     if job["state"] != "paused":
         raise HTTPException(409, f"job '{job_id}' is {job['state']}, not paused; nothing to resume")
     send_control(ledger, streams, job_id, actor, "resume", "running")
-    return {"id": job_id, "state": "running"}
+    return StateChange(id=job_id, state="running")
 
 
 # exclude_unset: `changed` lists only the knobs given.
 @router.patch("/jobs/{job_id}", response_model=PatchedJob, response_model_exclude_unset=True)
-def patch(job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> Any:
+def patch(job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor
+          ) -> PatchedJob | JSONResponse:
     """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
     apply them at their next step. The stored spec is updated so a restarted service keeps them."""
     job = live_job(ledger, job_id, "change")
@@ -86,4 +85,5 @@ def patch(job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep,
         raise HTTPException(422, f"the change makes the spec invalid: {exc}") from None
     ledger.update_spec(job_id, stored)
     send_control(ledger, streams, job_id, actor, "set", None, settings=changes)
-    return {"id": job_id, "changed": changes, "spec": stored}
+    # validated as the JSON was before: `changed` holds only the knobs given (exclude_unset)
+    return PatchedJob.model_validate({"id": job_id, "changed": changes, "spec": stored})

@@ -32,7 +32,7 @@ def submit(
     job_id: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description=(
         "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
         "Lets a launcher start the job's services before the API is up, each told its JOB_ID."))] = None,
-) -> dict[str, Any]:
+) -> SubmittedJob:
     """Queue a job; the fleet's trainer takes it when the jobs ahead of it (higher priority, or
     submitted earlier) are done (409 when `job_id` is taken). GET /queue shows its place."""
     try:
@@ -45,7 +45,7 @@ def submit(
     log.info("job %s (%s) submitted by %s", job_id, escape_control(spec.name), actor)
     wake_fleet(ctx.redis, ctx.settings.stream_prefix)
     position = next((i for i, j in enumerate(ledger.queue(), start=1) if j["id"] == job_id), 0)
-    return {"id": job_id, "state": "queued", "position": position, "spec": stored}
+    return SubmittedJob.model_validate({"id": job_id, "state": "queued", "position": position, "spec": stored})
 
 
 @router.get("/jobs", response_model=list[JobSummary], responses=error_responses(422))
@@ -58,7 +58,7 @@ def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 1
 # exclude_unset: a generator's `last_loaded_at` and `heartbeat` are absent until known.
 @router.get("/jobs/{job_id}", response_model=JobStatus, response_model_exclude_unset=True,
             responses=error_responses(404, 422))
-def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> dict[str, Any]:
+def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus:
     """The job, its last metrics, evaluations, sample counts, staleness and generators."""
     job = job_or_404(ledger, job_id)
     steps = ledger.train_steps(job_id)
@@ -69,11 +69,12 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> dict[str,
         g["last_loaded_at"] = row["loaded_at"]
     for gid, hb in streams.heartbeats().items():
         generators.setdefault(gid, {"versions_loaded": []})["heartbeat"] = hb
-    return {
+    # validated from the dict: a generator's unknown keys stay unset (exclude_unset)
+    return JobStatus.model_validate({
         **{k: job[k] for k in ("id", "name", "state", "step", "error", "created_at", "started_at", "spec")},
         "last_metrics": steps[-1]["metrics"] if steps else None,
         "evals": ledger.evals(job_id),
         "samples": ledger.status_counts(job_id),
         "staleness": ledger.staleness_histogram(job_id),
         "generators": generators,
-    }
+    })

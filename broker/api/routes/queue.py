@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from broker.api.deps import ContextDep, LedgerDep
@@ -14,13 +12,13 @@ router = APIRouter(tags=["queue"])
 
 
 @router.get("/queue", response_model=QueueView)
-def queue(ledger: LedgerDep, ctx: ContextDep) -> dict[str, Any]:
+def queue(ledger: LedgerDep, ctx: ContextDep) -> QueueView:
     """The running jobs, and every queued job in the order the fleet takes them (priority, then
     first in, first out) with its position and what it waits for."""
-    return queue_view(ledger, fleet_members(ctx.redis, ctx.settings.stream_prefix))
+    return QueueView.model_validate(queue_view(ledger, fleet_members(ctx.redis, ctx.settings.stream_prefix)))
 
 
 @router.get("/fleet", response_model=FleetView)
-def fleet(ctx: ContextDep) -> dict[str, Any]:
+def fleet(ctx: ContextDep) -> FleetView:
     """The fleet's live services: role, id, host, the job each serves (null: idle) and since when."""
-    return {"services": fleet_members(ctx.redis, ctx.settings.stream_prefix)}
+    return FleetView.model_validate({"services": fleet_members(ctx.redis, ctx.settings.stream_prefix)})

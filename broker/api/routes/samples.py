@@ -32,7 +32,7 @@ def job_samples(
     max_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
-) -> dict[str, Any]:
+) -> SamplePage:
     """Browse a job's samples, oldest first. Bounds are inclusive; a bound on step, staleness
     or reward leaves out samples without that value yet. `total` counts every match."""
     job_or_404(ledger, job_id)
@@ -50,4 +50,5 @@ def job_samples(
         "max_reward": max_reward,
     }
     rows = ledger.samples(job_id, **filters, limit=limit, offset=offset)
-    return {"total": ledger.count_samples(job_id, **filters), "limit": limit, "offset": offset, "items": rows}
+    return SamplePage.model_validate({"total": ledger.count_samples(job_id, **filters), "limit": limit, "offset": offset,
+                                      "items": rows})

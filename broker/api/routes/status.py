@@ -4,7 +4,6 @@ and its data feed, which needs a token like the /jobs routes."""
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
 
 from fastapi import APIRouter, HTTPException, Security
 from fastapi.responses import FileResponse, HTMLResponse
@@ -39,8 +38,8 @@ def asset(name: str) -> FileResponse:
 # Out of the OpenAPI schema: the page's own feed, not part of the public /jobs API.
 @router.get("/status/data/{job_id}", response_model=StatusData, dependencies=[Security(authorize)],
             include_in_schema=False)
-def status_data(job_id: str, ledger: LedgerDep) -> dict[str, Any]:
+def status_data(job_id: str, ledger: LedgerDep) -> StatusData:
     """Per-step series of a job: `steps` (STEP_METRICS by step), held-out `evals` and the
     collapse guard's trips."""
     job_or_404(ledger, job_id)
-    return step_series(ledger, job_id)
+    return StatusData.model_validate(step_series(ledger, job_id))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from broker.api.crud import job_or_404
@@ -16,9 +14,9 @@ router = APIRouter(tags=["jobs"])
 
 
 @router.get("/jobs/{job_id}/summary", response_model=JobReport, responses=error_responses(404, 422))
-def summary(job_id: str, ledger: LedgerDep) -> dict[str, Any]:
+def summary(job_id: str, ledger: LedgerDep) -> JobReport:
     """Reward per step, held-out rounds, staleness, samples by status, weight swap latency,
     steady-state throughput and the collapse guard's trips: `asyncrl run` prints it when the job
     ends, whichever fleet ran it."""
     job_or_404(ledger, job_id)
-    return job_summary(ledger, job_id)
+    return JobReport.model_validate(job_summary(ledger, job_id))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from fastapi import APIRouter
 
@@ -16,7 +15,7 @@ router = APIRouter(tags=["verify"])
 
 
 @router.get("/jobs/{job_id}/verify", response_model=VerifyReport, responses=error_responses(404, 422))
-def verify_job(job_id: str, ledger: LedgerDep) -> dict[str, Any]:
+def verify_job(job_id: str, ledger: LedgerDep) -> VerifyReport:
     """Check the ledger's invariants for the job (broker.verify): every sample in one state,
     staleness = trainer version - generation version, nothing trained twice, step counts.
     `ok` is false when any check has violations; in-flight samples are information only."""
@@ -24,4 +23,4 @@ def verify_job(job_id: str, ledger: LedgerDep) -> dict[str, Any]:
     from broker.verify import verify  # rich and the checks' queries load only when used
 
     res = verify(ledger, job_id)
-    return {"ok": res.ok, **dataclasses.asdict(res)}
+    return VerifyReport.model_validate({"ok": res.ok, **dataclasses.asdict(res)})
