@@ -307,7 +307,7 @@ def run(
         if api is not None:
             _fail(f"no job API answers at {api}; unset --api and ASYNCRL_API to start a fleet on this box")
 
-        console.print(f"no fleet answers at {url}: starting one on this box (python -m asyncrl.launch)")
+        console.print(f"no fleet answers at {url}: starting one on this box (python -m asyncrl.launch)", soft_wrap=True)
         placement = spec.get("placement") if isinstance(spec, dict) else None
         try:
             local = start_local_fleet(generators=generators, placement=placement if placement == "colocated" else None)

@@ -79,7 +79,7 @@ def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, war
         run_tool([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)],
                  log_path, "building the tiny model")
     if not (warm / "config.json").exists():
-        console.print(f"[bold]supervised warm start[/] -> {warm} (about a minute; log {log_path})", soft_wrap=True)
+        console.print(f"[bold]supervised warm start[/] -> {warm} (a minute or two; log {log_path})", soft_wrap=True)
         out = run_tool([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
                         "--seed", str(seed), *warm_args], log_path, "the supervised warm start")
         console.print(_warm_line(out), soft_wrap=True)

@@ -65,7 +65,7 @@ def test_preparing_the_demo_model_prints_only_its_own_lines(tmp_path, capfd):
     lines = _terminal(capfd).splitlines()
     assert len(lines) == 3, lines
     assert lines[0] == f"building tiny model -> {tmp_path / 'tiny-base'}"
-    assert lines[1] == f"supervised warm start -> {warm} (about a minute; log {log})"
+    assert lines[1] == f"supervised warm start -> {warm} (a minute or two; log {log})"
     assert lines[2].startswith("warm start: held-out greedy accuracy ") and "pass@8" in lines[2]
     assert not [w for w in THIRD_PARTY if any(w in line for line in lines)]
     text = log.read_text()
