@@ -94,6 +94,16 @@ def _cell(value: Any, digits: int = 3) -> Text:
     return Text(str(value))
 
 
+def quiet_logging() -> None:
+    """Logging of a command run at a terminal (demo, run): warnings and errors only, of any
+    library; the libraries' INFO lines (alembic's per migration plugin and context, when the demo
+    migrates its ledger) stay off the user's terminal. The services and the model tools the demo
+    runs write everything to their own log files (asyncrl.launch.Supervisor, asyncrl.demo.run_tool)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("alembic", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 @app.command()
 def demo(
     steps: int = typer.Option(50, help="Trainer steps."),
@@ -106,7 +116,7 @@ def demo(
                                   "core; sync)."),
 ) -> None:
     """Build a tiny model, warm-start it, and run an RL job with every service as a process."""
-    logging.basicConfig(level=logging.WARNING)
+    quiet_logging()
     from asyncrl.demo import run_demo
 
     if placement == "colocated":
@@ -288,6 +298,7 @@ def run(
     from asyncrl.local import default_api, start_local_fleet
     from asyncrl.report import plot, show_summary
 
+    quiet_logging()
     t0 = time.monotonic()
     spec = _read_spec(spec_file)
     console = Console()
@@ -296,7 +307,7 @@ def run(
         if api is not None:
             _fail(f"no job API answers at {api}; unset --api and ASYNCRL_API to start a fleet on this box")
 
-        console.print(f"no fleet answers at {url}: starting one on this box (python -m asyncrl.launch)")
+        console.print(f"no fleet answers at {url}: starting one on this box (python -m asyncrl.launch)", soft_wrap=True)
         placement = spec.get("placement") if isinstance(spec, dict) else None
         try:
             local = start_local_fleet(generators=generators, placement=placement if placement == "colocated" else None)

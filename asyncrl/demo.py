@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,19 +43,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_model(workdir: Path, seed: int) -> Path:
-    """Tiny random-init Llama + char tokenizer, then a short supervised warm start (both cached)."""
+# The model tools' output goes to a log file, where progress bars are carriage-return noise.
+TOOL_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def run_tool(argv: Sequence[str], log_path: Path, what: str) -> str:
+    """Run a tool (`argv`) with its stderr (library progress bars, warnings, log lines) appended
+    to `log_path`, then its stdout: none of it reaches the terminal. Returns its stdout.
+
+    Raises:
+        RuntimeError: the tool failed; the message names `what` and the log and holds its tail.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as fh:
+        fh.write(f"$ {' '.join(argv)}\n")
+        fh.flush()
+        proc = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=fh, text=True, env={**os.environ, **TOOL_ENV})
+        fh.write(proc.stdout)
+    if proc.returncode:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+    return proc.stdout
+
+
+def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, warm_args: Sequence[str] = ()) -> Path:
+    """Tiny random-init Llama + char tokenizer, then a short supervised warm start (both cached).
+
+    The tools' output goes to `log_path` (default `workdir/logs/model.log`); the terminal gets a
+    line per stage and the warm start's accuracy. `warm_args`: more trainer_svc.warmstart options.
+    """
     base, warm = workdir / "tiny-base", workdir / "tiny-warm"
+    log_path = log_path or workdir / "logs" / "model.log"
     if not (base / "config.json").exists():
-        console.print(f"[bold]building tiny model[/] -> {base}")
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)], check=True)
+        console.print(f"[bold]building tiny model[/] -> {base}", soft_wrap=True)
+        run_tool([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)],
+                 log_path, "building the tiny model")
     if not (warm / "config.json").exists():
-        console.print(f"[bold]supervised warm start[/] -> {warm}")
-        subprocess.run(
-            [sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm), "--seed", str(seed)],
-            check=True,
-        )
+        console.print(f"[bold]supervised warm start[/] -> {warm} (a minute or two; log {log_path})", soft_wrap=True)
+        out = run_tool([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+                        "--seed", str(seed), *warm_args], log_path, "the supervised warm start")
+        console.print(_warm_line(out), soft_wrap=True)
     return warm
+
+
+def _warm_line(stdout: str) -> str:
+    """trainer_svc.warmstart's result (its last stdout line, JSON) as a sentence."""
+    try:
+        m = json.loads(stdout.strip().splitlines()[-1])
+        return (f"warm start: held-out greedy accuracy {m['greedy_acc']:.2f}, pass@8 {m['pass_at_8']:.2f} "
+                f"({m['seconds']:.0f} s)")
+    except (IndexError, ValueError, KeyError, TypeError):
+        return f"warm start done: {stdout.strip()}"
 
 
 @dataclass
@@ -83,6 +122,7 @@ def run_job(
     *,
     generators: int = 1,
     progress: bool = True,
+    logdir: Path | None = None,
 ) -> JobRun:
     """Run one job end to end on a fleet started on this box for it: Redis (found or private),
     the broker API, N generators, reward and trainer as processes serving the ledger's queue
@@ -94,6 +134,7 @@ def run_job(
     work directory's own ledger are cancelled first (`cancel_leftovers`): the ledger keeps every
     earlier run's record (benches read them all), but nothing of theirs runs ahead of this job.
     A DATABASE_URL is the user's ledger: its queue is left alone, and the job takes its turn.
+    Each process logs to `logdir/<name>.log` (default `wd/logs/<timestamp>`).
 
     Returns when the job has ended and every process has stopped.
     """
@@ -108,10 +149,13 @@ def run_job(
         left = cancel_leftovers(ledger)
         ledger.close()
         if left and progress:
-            console.print(f"cancelled {len(left)} job(s) an earlier run left live in {db_url}: {', '.join(left)}")
+            console.print(f"cancelled {len(left)} job(s) an earlier run left live in {db_url}: {', '.join(left)}",
+                          soft_wrap=True)
+    sup = Supervisor(logdir or wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
     if progress:
-        console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}")
-    sup = Supervisor(wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
+        # soft_wrap: addresses and paths stay whole, to be copied
+        console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}; "
+                      f"services' logs {sup.logdir}", soft_wrap=True)
     api = f"http://127.0.0.1:{port}"
     job_id = ""
     try:
@@ -128,7 +172,7 @@ def run_job(
         job_id = resp.json()["id"]
         if progress:
             console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps); "
-                          f"status page {api}/status?job={job_id}")
+                          f"status page {api}/status?job={job_id}", soft_wrap=True)
         final = follow(api, job_id, show=progress, check=lambda: _check_processes(sup), console=console)
     except KeyboardInterrupt:
         if job_id:  # else the stop below would leave it running for a successor
@@ -186,7 +230,8 @@ def run_demo(
     t0 = time.monotonic()
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    model = prepare_model(wd, seed)
+    logdir = wd / "logs" / time.strftime("%Y%m%d-%H%M%S")  # this run's: the model tools' and every service's
+    model = prepare_model(wd, seed, log_path=logdir / "model.log")
     spec = {
         "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
         "steps": steps, "seed": seed, "eval_every": max(1, steps // 10),
@@ -194,7 +239,7 @@ def run_demo(
         "sampling": {"temperature": 1.0, "max_tokens": 8},
         **(extra_spec or {}),
     }
-    run = run_job(wd, spec, generators=generators)
+    run = run_job(wd, spec, generators=generators, logdir=logdir)
     summary = summarize(Ledger(run.db_url), run.job_id, wd, time.monotonic() - t0)
     summary["state"] = run.state
     (wd / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -209,5 +254,5 @@ def summarize(ledger: Ledger, job_id: str, wd: Path, wall_s: float) -> dict[str,
     summary = {**job_summary(ledger, job_id), "wall_s": wall_s}
     show_summary(summary, wall_s, console)
     summary["plot"] = str(plot(summary, wd / "demo.png"))
-    console.print(f"plot: {summary['plot']}")
+    console.print(f"plot: {summary['plot']}", soft_wrap=True)
     return summary

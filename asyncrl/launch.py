@@ -455,10 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.placement == "off":
         args.no_placement, args.placement = True, "split"
-    # One line per health poll (httpx) and per migration plugin (alembic, imported with the API's
-    # token helpers) otherwise; the services' own logs keep theirs.
-    for noisy in ("httpx", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # One line per health poll otherwise (alembic's plugin lines: setup_logging); the services'
+    # own logs keep theirs.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         services = plan(args.roles, args.generators, dict(os.environ))
     except ValueError as exc:

@@ -60,6 +60,9 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Alembic's INFO is a line per migration plugin and per migration context on every start (a
+    # ledger already at head too); the ledger logs its own line when it migrates (broker/ledger).
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     # `kill -USR1 <pid>`: every thread's stack to stderr (the service's log), where a stuck service
     # is stuck; the process goes on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

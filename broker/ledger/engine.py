@@ -4,6 +4,7 @@ pool, JSON storage, and the Alembic migrations that own the schema."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,8 @@ from sqlalchemy.orm import Session, sessionmaker
 __all__ = ["MIGRATIONS_DIR", "Database", "Repository", "chunks", "json_safe"]
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
+
+log = logging.getLogger(__name__)
 
 # Bound-parameter limits (SQLite 32766, PostgreSQL 65535) cap an IN list; lookups are chunked
 # well below both whatever the caller's batch size.
@@ -165,7 +168,11 @@ class Database:
                 # waits here and then finds the schema at head. On SQLite the write transaction
                 # (BEGIN IMMEDIATE) already serialises migrations the same way.
                 conn.execute(select(func.pg_advisory_xact_lock(_PG_MIGRATE_LOCK_KEY)))
+            before = MigrationContext.configure(conn).get_current_revision()
             command.upgrade(_alembic_config(conn), revision)
+            after = MigrationContext.configure(conn).get_current_revision()
+        if after != before:  # the services keep alembic's logger at WARNING (shared.logs)
+            log.info("ledger schema migrated from %s to %s", before or "empty", after)
 
     def current_revision(self) -> str | None:
         """The Alembic revision the database is at; None before the first migration."""

@@ -124,6 +124,9 @@ def test_run_starts_a_fleet_follows_the_job_and_stops_the_fleet(box, tiny_model,
     (job_id,) = re.findall(r"job (\w+) finished at step 2", out)
     assert f"job {job_id}: reward and staleness per block of steps" in out and "throughput (steady state)" in out
     assert "stopping the fleet started for this job" in out
+    # the fleet's services and libraries write to its logs, not to the terminal
+    chatter = ("Loading weights", "it/s]", "%|", "INFO", "WARNING", "setup plugin", "Triton", "vLLM")
+    assert not [w for w in chatter if w in out + result.stderr], out + result.stderr
     (pid,) = (int(p) for p in re.findall(r"launcher pid (\d+)", out))
     assert not _alive(pid) and not _answers(box.api)  # nothing left up
     assert (tmp_path / "first.png").stat().st_size > 10_000
