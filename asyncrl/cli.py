@@ -152,12 +152,14 @@ def submit(
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Queue a job spec (JSON file) on the fleet: prints its id, state and place in the queue."""
+    """Queue a job spec (JSON file) on the fleet: prints its id, state, place in the queue and its
+    status page."""
     job = _call("POST", api, "/jobs", token, json=_read_spec(spec_file))
     if as_json:
         _echo_json(job)
     else:
-        typer.echo(f"job {job['id']} {job['state']}, {_place(job['position'])}")
+        typer.echo(f"job {job['id']} {job['state']}, {_place(job['position'])}; status page "
+                   f"{api.rstrip('/')}/status?job={job['id']}")
 
 
 def _positions(api: str, token: str | None) -> dict[str, int]:

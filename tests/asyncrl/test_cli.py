@@ -93,8 +93,9 @@ def test_submit_prints_the_id_state_and_place_in_the_queue(api, tmp_path):
     second = api.cli("submit", str(spec_file))
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     ids = [job["id"] for job in api.get("/jobs")][::-1]  # newest first
-    assert first.stdout == f"job {ids[0]} queued, position 1 in the queue\n"
-    assert second.stdout == f"job {ids[1]} queued, position 2 in the queue\n"
+    page = f"{api.url}/status?job="
+    assert first.stdout == f"job {ids[0]} queued, position 1 in the queue; status page {page}{ids[0]}\n"
+    assert second.stdout == f"job {ids[1]} queued, position 2 in the queue; status page {page}{ids[1]}\n"
     # --json: the API's whole answer, the stored spec with every default filled in
     scripted = api.cli("submit", str(spec_file), "--json")
     body = json.loads(scripted.stdout)

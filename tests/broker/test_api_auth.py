@@ -370,7 +370,7 @@ def test_cli_sends_the_token(api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path
     assert submitted.exit_code == 0, submitted.output
     job_id = json.loads(submitted.output)["id"]
     again = runner.invoke(cli.app, ["submit", str(spec), *base, "--token", RW])
-    assert again.exit_code == 0 and again.output.endswith("queued, position 2 in the queue\n"), again.output
+    assert again.exit_code == 0 and "queued, position 2 in the queue; status page http://api/status?job=" in again.output
     shown = runner.invoke(cli.app, ["status", job_id, *base], env={"ASYNCRL_TOKEN": RO})
     assert shown.exit_code == 0 and json.loads(shown.output)["id"] == job_id
     refused = runner.invoke(cli.app, ["stop", job_id, *base], env={"ASYNCRL_TOKEN": RO})
