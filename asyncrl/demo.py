@@ -47,11 +47,11 @@ def prepare_model(workdir: Path, seed: int) -> Path:
     base, warm = workdir / "tiny-base", workdir / "tiny-warm"
     if not (base / "config.json").exists():
         console.print(f"[bold]building tiny model[/] -> {base}")
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)], check=True)
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--seed", str(seed)], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]supervised warm start[/] -> {warm}")
         subprocess.run(
-            [sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm), "--seed", str(seed)],
+            [sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm), "--seed", str(seed)],
             check=True,
         )
     return warm

@@ -84,7 +84,7 @@ def bench_async(workdir: str = "runs/bench", steps: int = 20, prompts: int = 16,
     model = wd / "bench-model"
     if not (model / "config.json").exists():
         # Sized so generation and training each take about a second per step on one core.
-        _pinned([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(model), "--layers", "4",
+        _pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(model), "--layers", "4",
                  "--hidden", "256", "--heads", "4", "--intermediate", "768"], None)
     gen_core, train_core = _cores()
     shape = ["--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens)]

@@ -5,7 +5,7 @@ a user gives it: two-digit addition and subtraction (`"37-12="` -> `"25"`) in a 
 its own with its own column names (`question`, `target`, and `op`, `level` passed through to the
 reward as metadata), a reward function in a file outside the project passed by import path (1 when
 the first token of the completion's first line is the answer), and a stop string (`"\\n"`). The
-model is a 4-layer tiny Llama warm-started on that file (trainer_svc.warmstart --task-spec, its
+model is a 4-layer tiny Llama warm-started on that file (asyncrl.warmstart --task-spec, its
 imperfect teacher), the same for both sides.
 
 Sections (results/own_task.json holds them under these keys):
@@ -19,7 +19,7 @@ Sections (results/own_task.json holds them under these keys):
   launch; TRL's evaluation time is taken off its clock (bench.suite).
 - `gaps`: ours - TRL held-out reward at TRL's last step (mean over seeds), and the wall time to
   TRL's final held-out reward, ours / TRL, both on the seed-mean curves.
-- `guard`: trainer_svc.guard_calibration's replay of every healthy job's recorded metrics through
+- `guard`: asyncrl.guard_calibration's replay of every healthy job's recorded metrics through
   the default guard (the own task's runs above plus async k=4, and the built-in arithmetic task
   in sync and k=1/2/4 as the demo starts it, 3 seeds each), and a live collapse (the demo's
   model at a destructive lr, default guard settings) that must trip.
@@ -83,13 +83,13 @@ def task_section(data: Path) -> dict[str, Any]:
 
 def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
     """4-layer tiny Llama, warm-started on the user's file (both cached); `steps` SFT steps, or
-    trainer_svc.warmstart's default (what results/own_task.json used)."""
+    asyncrl.warmstart's default (what results/own_task.json used)."""
     base, warm = wd / "own-base", wd / ("own-warm" if steps is None else f"own-warm-{steps}")
     if not (base / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4"], check=True)
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4"], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
-        subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
                         *(("--steps", str(steps)) if steps is not None else ()),
                         "--task-spec", json.dumps(task_section(data))], check=True)
     return warm
@@ -185,7 +185,7 @@ def _job_ids(db_url: str, name: str) -> list[str]:
 
 
 def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
-    """trainer_svc.guard_calibration over the ledger's jobs but `exclude`, with the default
+    """asyncrl.guard_calibration over the ledger's jobs but `exclude`, with the default
     GuardSpec (run as its command: tools in broker/ import no service package); its JSON, with
     its markdown table under "markdown"."""
     ledger = Ledger(db_url)
@@ -195,7 +195,7 @@ def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
         ledger.close()
     with tempfile.TemporaryDirectory() as tmp:
         out, md = Path(tmp) / "calibration.json", Path(tmp) / "calibration.md"
-        subprocess.run([sys.executable, "-m", "trainer_svc.guard_calibration", "--url", db_url,
+        subprocess.run([sys.executable, "-m", "asyncrl.guard_calibration", "--url", db_url,
                         *(a for j in jobs for a in ("--job", j)), "--out", str(out), "--md", str(md)],
                        check=True, stdout=subprocess.DEVNULL)
         result: dict[str, Any] = json.loads(out.read_text())

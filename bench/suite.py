@@ -140,7 +140,7 @@ def _model(wd: Path, name: str) -> Path:
     layers, hidden, heads, inter = MODELS[name]
     out = wd / f"model-{name}"
     if not (out / "config.json").exists():
-        _pinned([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(out), "--layers", str(layers),
+        _pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
                  "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(inter)], None)
     return out
 

@@ -57,9 +57,9 @@ GPU_ENV = {"GEN_DTYPE": "bfloat16", "GEN_GPU_MEMORY_UTILIZATION": "0.35", "GEN_E
 
 
 def build_model(out: Path, layers: int, hidden: int, heads: int, intermediate: int) -> int:
-    """Random-init Llama + character tokenizer (trainer_svc.tiny_model); returns its parameter count."""
+    """Random-init Llama + character tokenizer (asyncrl.tiny_model); returns its parameter count."""
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(out), "--layers", str(layers),
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
                         "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(intermediate)],
                        check=True, cwd=REPO)
     cfg = json.loads((out / "config.json").read_text())

@@ -7,7 +7,7 @@ trip is a false one. After a reward-collapse trip the replayed reward series sta
 the default `on_no_checkpoint: lower_lr` does, and near enough what a roll-back does: the jobs
 went on as recorded, so later steps are not those a roll-back would have produced).
 
-    python -m trainer_svc.guard_calibration --url sqlite:///runs/demo/ledger.db [--url URL ...]
+    python -m asyncrl.guard_calibration --url sqlite:///runs/demo/ledger.db [--url URL ...]
         [--job ID ...] [--guard '{"reward_window": 3}'] [--out results/guard_calibration.json]
         [--md results/guard_calibration.md]
 
@@ -111,7 +111,7 @@ def markdown(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer_svc.guard_calibration", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.guard_calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", action="append", required=True, help="ledger URL (SQLite or PostgreSQL); repeatable")
     ap.add_argument("--job", action="append", default=[], help="job id; repeatable (default: every job)")
     ap.add_argument("--guard", default="{}", help="GuardSpec fields as JSON (default: the defaults)")

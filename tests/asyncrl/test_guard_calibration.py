@@ -1,12 +1,12 @@
-"""Guard calibration (trainer_svc/guard_calibration.py) over a ledger of synthetic step metrics."""
+"""Guard calibration (asyncrl/guard_calibration.py) over a ledger of synthetic step metrics."""
 
 import json
 import math
 import random
 
+from asyncrl.guard_calibration import job_row, main, replay
 from broker.ledger import Ledger
 from shared.jobspec import GuardSpec
-from trainer_svc.guard_calibration import job_row, main, replay
 
 
 def _steps(seed: int, n: int, p: float, collapse_at: int | None = None) -> list[dict[str, float]]:
