@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 console = Console()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -100,7 +100,7 @@ def run_job(
     t0 = time.monotonic()
     redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
     db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
-    port = _free_port()
+    port = free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
            "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     if not os.environ.get("DATABASE_URL"):

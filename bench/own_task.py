@@ -45,7 +45,7 @@ from rich.console import Console
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
-from bench.suite import _run, ours_curve, trl_python, trl_task_run
+from bench.runs import ours_curve, run_finished, trl_python, trl_task_run
 from broker.ledger import Ledger
 
 console = Console()
@@ -120,7 +120,7 @@ def trl_curve(py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: i
             "trl_version": r["trl_version"]}
 
 
-def _mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     """Per step present in every curve: mean reward and mean time over the seeds."""
     common = set.intersection(*({p["step"] for p in c} for c in curves)) if curves else set()
     out = []
@@ -144,7 +144,7 @@ def _time_to(curve: list[dict[str, float]], target: float) -> float | None:
 
 def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """held_out_gap_<mode> and wall_to_trl_final_<mode> from the seed-mean curves."""
-    trl = _mean_curve([r["curve"] for r in runs["trl"]])
+    trl = mean_curve([r["curve"] for r in runs["trl"]])
     out: dict[str, Any] = {"trl_final": trl[-1]["reward"] if trl else None}
     if not trl:
         return out
@@ -157,7 +157,7 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     trl_time = _time_to(trl, final)
     out["trl_time_to_final_s"] = trl_time
     for mode in ("sync", "async_k1", "async_k2"):
-        mean = _mean_curve([r["curve"] for r in runs[mode]])
+        mean = mean_curve([r["curve"] for r in runs[mode]])
         at = _at_step(mean, last)
         ours_time = _time_to(mean, final)
         out[f"{mode}_at_trl_last_step"] = at
@@ -229,7 +229,7 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     for seed in range(seeds):
         for name, mode, k in (("sync", "sync", 1), ("async_k1", "async", 1), ("async_k2", "async", 2)):
             console.print(f"[bold]own task[/]: ours {name}, seed {seed}")
-            ledger, job_id, t_launch = _run(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
+            ledger, job_id, t_launch = run_finished(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
             curve, ends, breakdown = ours_curve(ledger, job_id, t_launch)
             step_s = statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False))
             runs[name].append({"seed": seed, "job_id": job_id, "curve": curve, "step_s_median": step_s,
@@ -239,14 +239,14 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     # the rest of the calibration matrix: healthy jobs whose only use is the guard replay
     for seed in range(seeds):
         console.print(f"[bold]guard calibration[/]: own task async k=4, seed {seed}")
-        _run(wd, own_spec(model, data, reward, "async", 4, seed, calibration_steps, 0))
+        run_finished(wd, own_spec(model, data, reward, "async", 4, seed, calibration_steps, 0))
     demo_model = prepare_model(wd, 0)
     for seed in range(seeds):
         for mode, k in (("sync", 1), ("async", 1), ("async", 2), ("async", 4)):
             console.print(f"[bold]guard calibration[/]: arithmetic {mode} k={k}, seed {seed}")
-            _run(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
-                      "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
-                      "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
+            run_finished(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
+                              "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
+                              "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
     console.print("[bold]guard[/]: live collapse")
     live = live_collapse(wd, demo_model)
     db_url = f"sqlite:///{wd / 'ledger.db'}"
@@ -299,7 +299,7 @@ def report(r: dict[str, Any]) -> str:
               + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2")) + ".",
               "", "Held-out curves (seed mean; step: reward @ s):", ""]
     for name, rs in r["runs"].items():
-        mean = _mean_curve([x["curve"] for x in rs])
+        mean = mean_curve([x["curve"] for x in rs])
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
     live = r["guard"]["live"]
     lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",

@@ -869,13 +869,13 @@ def phase_job(ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["device"] != "cuda":
         raise NotRun("the GPU job settings (gpu_bench.GPU_ENV: TRAINER_DEVICE=cuda) need a CUDA device")
     sys.path.insert(0, str(REPO / "deploy"))
-    from gpu_bench import _system_spec, system
+    from gpu_bench import system, system_spec
 
     wd = ctx["workdir"] / "jobs"
     wd.mkdir(exist_ok=True)
     out: dict[str, Any] = {}
     for mode in ("async", "sync"):
-        out[mode] = system(wd, ctx["model"], _system_spec(mode, ctx["max_tokens"], 6))
+        out[mode] = system(wd, ctx["model"], system_spec(mode, ctx["max_tokens"], 6))
     tg, tt = ctx.get("t_gen_s"), ctx.get("t_train_s")
     if tg and tt:
         out.update(t_gen_s=tg, t_train_s=tt, async_over_max=out["async"]["step_s"] / max(tg, tt))
