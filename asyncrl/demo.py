@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 console = Console()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,24 +70,24 @@ def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, war
     """Tiny random-init Llama + char tokenizer, then a short supervised warm start (both cached).
 
     The tools' output goes to `log_path` (default `workdir/logs/model.log`); the terminal gets a
-    line per stage and the warm start's accuracy. `warm_args`: more trainer_svc.warmstart options.
+    line per stage and the warm start's accuracy. `warm_args`: more asyncrl.warmstart options.
     """
     base, warm = workdir / "tiny-base", workdir / "tiny-warm"
     log_path = log_path or workdir / "logs" / "model.log"
     if not (base / "config.json").exists():
         console.print(f"[bold]building tiny model[/] -> {base}", soft_wrap=True)
-        run_tool([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", str(seed)],
+        run_tool([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--seed", str(seed)],
                  log_path, "building the tiny model")
     if not (warm / "config.json").exists():
         console.print(f"[bold]supervised warm start[/] -> {warm} (a minute or two; log {log_path})", soft_wrap=True)
-        out = run_tool([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+        out = run_tool([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
                         "--seed", str(seed), *warm_args], log_path, "the supervised warm start")
         console.print(_warm_line(out), soft_wrap=True)
     return warm
 
 
 def _warm_line(stdout: str) -> str:
-    """trainer_svc.warmstart's result (its last stdout line, JSON) as a sentence."""
+    """asyncrl.warmstart's result (its last stdout line, JSON) as a sentence."""
     try:
         m = json.loads(stdout.strip().splitlines()[-1])
         return (f"warm start: held-out greedy accuracy {m['greedy_acc']:.2f}, pass@8 {m['pass_at_8']:.2f} "
@@ -141,7 +141,7 @@ def run_job(
     t0 = time.monotonic()
     redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
     db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
-    port = _free_port()
+    port = free_port()
     env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
            "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
     if not os.environ.get("DATABASE_URL"):

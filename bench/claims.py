@@ -56,7 +56,7 @@ def machine() -> dict[str, Any]:
     return {"cores": len(os.sched_getaffinity(0)), "cpu": cpu, "gpu": None, "python": platform.python_version()}
 
 
-def _pinned(cmd: list[str], core: int | None, env: dict[str, str] | None = None) -> None:
+def run_pinned(cmd: list[str], core: int | None, env: dict[str, str] | None = None) -> None:
     def preexec() -> None:
         if core is not None:
             os.sched_setaffinity(0, {core})
@@ -67,7 +67,7 @@ def _pinned(cmd: list[str], core: int | None, env: dict[str, str] | None = None)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
-def _cores() -> tuple[int | None, int | None]:
+def split_cores() -> tuple[int | None, int | None]:
     cores = sorted(os.sched_getaffinity(0))
     return (cores[0], cores[-1]) if len(cores) > 1 else (None, None)
 
@@ -84,17 +84,17 @@ def bench_async(workdir: str = "runs/bench", steps: int = 20, prompts: int = 16,
     model = wd / "bench-model"
     if not (model / "config.json").exists():
         # Sized so generation and training each take about a second per step on one core.
-        _pinned([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(model), "--layers", "4",
-                 "--hidden", "256", "--heads", "4", "--intermediate", "768"], None)
-    gen_core, train_core = _cores()
+        run_pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(model), "--layers", "4",
+                    "--hidden", "256", "--heads", "4", "--intermediate", "768"], None)
+    gen_core, train_core = split_cores()
     shape = ["--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens)]
     console.print("[bold]T_gen[/]: the engine alone on one step's batch")
-    _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
-            gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+    run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
+               gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
     t_gen = json.loads((wd / "t_gen.json").read_text())
     console.print("[bold]T_train[/]: the trainer alone on one batch")
-    _pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1",
-             "--out", str(wd / "t_train.json")], train_core)
+    run_pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1",
+                "--out", str(wd / "t_train.json")], train_core)
     t_train = json.loads((wd / "t_train.json").read_text())
 
     spec = {"model_path": str(model), "steps": steps, "group_size": n, "prompts_per_step": prompts,

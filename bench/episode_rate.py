@@ -6,7 +6,7 @@ A scripted tool environment (`SleepyTool`): every `step` sleeps `tool_sleep_s` (
 then replies with a short tool result; the episode ends after `turns` model turns. Every model turn
 is exactly `tokens_per_turn` tokens (`min_tokens == max_tokens`), so each run below generates the
 same number of model tokens and the rates compare. The model (the tiny random-init model,
-trainer_svc.tiny_model) does not decide anything: the environment does.
+asyncrl.tiny_model) does not decide anything: the environment does.
 
 Measured on one vLLM CPU engine (generator_svc.engine.Engine), warmed up first, each run
 repeated `reps` times interleaved (concurrent, sequential, single-turn, ...), medians reported;
@@ -117,7 +117,7 @@ class TimedEngine:
 
 
 def _model(workdir: Path) -> Path:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     model = workdir / "tiny-model"
     if not (model / "config.json").exists():
@@ -269,7 +269,7 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         "tool_sleep_s": tool_sleep_s,
         "shape": {"groups": groups, "n": n, "episodes": episodes, "turns": turns, "tokens_per_turn": tokens_per_turn,
                   "model_tokens": model_tokens, "sequential_episodes": len(seq_eps), "reps": reps,
-                  "model": "trainer_svc.tiny_model defaults (random init, char-level, 256-token context)"},
+                  "model": "asyncrl.tiny_model defaults (random init, char-level, 256-token context)"},
         "runs": runs,
         "machine": machine(),
         # the machine may be shared: its load average (1, 5, 15 min) before and after the runs

@@ -41,8 +41,8 @@ from rich.console import Console
 
 from bench.claims import machine
 from bench.own_task import N_TEST, own_spec, prepare_own_model, trl_curve, write_task
+from bench.runs import ours_curve, trl_python
 from bench.startup import first_marks, ledger_marks
-from bench.suite import ours_curve, trl_python
 from broker.ledger import Ledger
 
 console = Console()

@@ -31,7 +31,7 @@ from typing import Any
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine, update_trainer_results
-from bench.suite import ours_curve
+from bench.runs import ours_curve
 from broker.ledger import Ledger
 
 LORA = {"rank": 8, "alpha": 16.0}

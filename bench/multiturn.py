@@ -278,7 +278,7 @@ def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int =
     rows = [{"question": p.prompt, "target": p.answer} for p in train]
     base, warm = wd / "base", wd / f"warm-{SFT_STEPS}-{TEACHER_TOOL_SHARE}-{SFT_LR}"
     if not (base / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4",
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4",
                         "--seed", str(seed)], check=True)
     sft: dict[str, Any] = {}
     if not (warm / "config.json").exists():

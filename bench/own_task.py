@@ -5,7 +5,7 @@ a user gives it: two-digit addition and subtraction (`"37-12="` -> `"25"`) in a 
 its own with its own column names (`question`, `target`, and `op`, `level` passed through to the
 reward as metadata), a reward function in a file outside the project passed by import path (1 when
 the first token of the completion's first line is the answer), and a stop string (`"\\n"`). The
-model is a 4-layer tiny Llama warm-started on that file (trainer_svc.warmstart --task-spec, its
+model is a 4-layer tiny Llama warm-started on that file (asyncrl.warmstart --task-spec, its
 imperfect teacher), the same for both sides.
 
 Sections (results/own_task.json holds them under these keys):
@@ -19,7 +19,7 @@ Sections (results/own_task.json holds them under these keys):
   launch; TRL's evaluation time is taken off its clock (bench.suite).
 - `gaps`: ours - TRL held-out reward at TRL's last step (mean over seeds), and the wall time to
   TRL's final held-out reward, ours / TRL, both on the seed-mean curves.
-- `guard`: trainer_svc.guard_calibration's replay of every healthy job's recorded metrics through
+- `guard`: asyncrl.guard_calibration's replay of every healthy job's recorded metrics through
   the default guard (the own task's runs above plus async k=4, and the built-in arithmetic task
   in sync and k=1/2/4 as the demo starts it, 3 seeds each), and a live collapse (the demo's
   model at a destructive lr, default guard settings) that must trip.
@@ -45,7 +45,7 @@ from rich.console import Console
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
-from bench.suite import _run, ours_curve, trl_python, trl_task_run
+from bench.runs import ours_curve, run_finished, trl_python, trl_task_run
 from broker.ledger import Ledger
 
 console = Console()
@@ -83,13 +83,13 @@ def task_section(data: Path) -> dict[str, Any]:
 
 def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
     """4-layer tiny Llama, warm-started on the user's file (both cached); `steps` SFT steps, or
-    trainer_svc.warmstart's default (what results/own_task.json used)."""
+    asyncrl.warmstart's default (what results/own_task.json used)."""
     base, warm = wd / "own-base", wd / ("own-warm" if steps is None else f"own-warm-{steps}")
     if not (base / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--layers", "4"], check=True)
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4"], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
-        subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
                         *(("--steps", str(steps)) if steps is not None else ()),
                         "--task-spec", json.dumps(task_section(data))], check=True)
     return warm
@@ -120,7 +120,7 @@ def trl_curve(py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: i
             "trl_version": r["trl_version"]}
 
 
-def _mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     """Per step present in every curve: mean reward and mean time over the seeds."""
     common = set.intersection(*({p["step"] for p in c} for c in curves)) if curves else set()
     out = []
@@ -144,7 +144,7 @@ def _time_to(curve: list[dict[str, float]], target: float) -> float | None:
 
 def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """held_out_gap_<mode> and wall_to_trl_final_<mode> from the seed-mean curves."""
-    trl = _mean_curve([r["curve"] for r in runs["trl"]])
+    trl = mean_curve([r["curve"] for r in runs["trl"]])
     out: dict[str, Any] = {"trl_final": trl[-1]["reward"] if trl else None}
     if not trl:
         return out
@@ -157,7 +157,7 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     trl_time = _time_to(trl, final)
     out["trl_time_to_final_s"] = trl_time
     for mode in ("sync", "async_k1", "async_k2"):
-        mean = _mean_curve([r["curve"] for r in runs[mode]])
+        mean = mean_curve([r["curve"] for r in runs[mode]])
         at = _at_step(mean, last)
         ours_time = _time_to(mean, final)
         out[f"{mode}_at_trl_last_step"] = at
@@ -185,7 +185,7 @@ def _job_ids(db_url: str, name: str) -> list[str]:
 
 
 def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
-    """trainer_svc.guard_calibration over the ledger's jobs but `exclude`, with the default
+    """asyncrl.guard_calibration over the ledger's jobs but `exclude`, with the default
     GuardSpec (run as its command: tools in broker/ import no service package); its JSON, with
     its markdown table under "markdown"."""
     ledger = Ledger(db_url)
@@ -195,7 +195,7 @@ def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
         ledger.close()
     with tempfile.TemporaryDirectory() as tmp:
         out, md = Path(tmp) / "calibration.json", Path(tmp) / "calibration.md"
-        subprocess.run([sys.executable, "-m", "trainer_svc.guard_calibration", "--url", db_url,
+        subprocess.run([sys.executable, "-m", "asyncrl.guard_calibration", "--url", db_url,
                         *(a for j in jobs for a in ("--job", j)), "--out", str(out), "--md", str(md)],
                        check=True, stdout=subprocess.DEVNULL)
         result: dict[str, Any] = json.loads(out.read_text())
@@ -229,7 +229,7 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     for seed in range(seeds):
         for name, mode, k in (("sync", "sync", 1), ("async_k1", "async", 1), ("async_k2", "async", 2)):
             console.print(f"[bold]own task[/]: ours {name}, seed {seed}")
-            ledger, job_id, t_launch = _run(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
+            ledger, job_id, t_launch = run_finished(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
             curve, ends, breakdown = ours_curve(ledger, job_id, t_launch)
             step_s = statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False))
             runs[name].append({"seed": seed, "job_id": job_id, "curve": curve, "step_s_median": step_s,
@@ -239,14 +239,14 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     # the rest of the calibration matrix: healthy jobs whose only use is the guard replay
     for seed in range(seeds):
         console.print(f"[bold]guard calibration[/]: own task async k=4, seed {seed}")
-        _run(wd, own_spec(model, data, reward, "async", 4, seed, calibration_steps, 0))
+        run_finished(wd, own_spec(model, data, reward, "async", 4, seed, calibration_steps, 0))
     demo_model = prepare_model(wd, 0)
     for seed in range(seeds):
         for mode, k in (("sync", 1), ("async", 1), ("async", 2), ("async", 4)):
             console.print(f"[bold]guard calibration[/]: arithmetic {mode} k={k}, seed {seed}")
-            _run(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
-                      "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
-                      "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
+            run_finished(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
+                              "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
+                              "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
     console.print("[bold]guard[/]: live collapse")
     live = live_collapse(wd, demo_model)
     db_url = f"sqlite:///{wd / 'ledger.db'}"
@@ -299,7 +299,7 @@ def report(r: dict[str, Any]) -> str:
               + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2")) + ".",
               "", "Held-out curves (seed mean; step: reward @ s):", ""]
     for name, rs in r["runs"].items():
-        mean = _mean_curve([x["curve"] for x in rs])
+        mean = mean_curve([x["curve"] for x in rs])
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
     live = r["guard"]["live"]
     lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",

@@ -52,7 +52,7 @@ def build_model(out: Path) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer_svc.tiny_model import build_tokenizer
+    from asyncrl.tiny_model import build_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))

@@ -1,6 +1,6 @@
 """What lower precision costs (issue 17 item 1): `python -m bench precision`.
 
-On a ~13M-parameter Llama built here (trainer_svc/tiny_model.py, briefly warm-started on the
+On a ~13M-parameter Llama built here (asyncrl/tiny_model.py, briefly warm-started on the
 arithmetic task so its next-token distributions are peaked like a trained model's, not the flat
 ones of a random init):
 
@@ -50,11 +50,11 @@ def generate(model_dir: str, dtype: str, out: str) -> None:
     engine in `dtype`; write prompts, completions, behaviour logprobs and rewards as JSON."""
     from transformers import AutoTokenizer
 
+    from asyncrl.warmstart import encode_prompts
     from generator_svc.engine import Engine
     from shared.datasets import TaskSpec, load_task
     from shared.schema import SamplingParams
     from shared.tasks import extract_answer
-    from trainer_svc.warmstart import encode_prompts
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     train, _ = load_task(TaskSpec(name="arithmetic", n_train=STEPS * PROMPTS_PER_STEP, n_test=1), 0)
@@ -172,9 +172,9 @@ def bench_precision(out_dir: str = "results", threads: int = 2) -> dict[str, Any
     import torch
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.tiny_model import build_tiny_model
+    from asyncrl.warmstart import warm_start
     from bench.claims import machine, update_trainer_results
-    from trainer_svc.tiny_model import build_tiny_model
-    from trainer_svc.warmstart import warm_start
 
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="bench-precision-"))

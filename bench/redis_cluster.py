@@ -228,7 +228,7 @@ def bench_redis_cluster(out_dir: str = "results") -> dict[str, Any]:
     """The end-to-end job and the failover job; writes results/redis_cluster.json."""
     import json
 
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     wd = Path("runs/bench-redis-cluster").resolve() / time.strftime("%Y%m%d-%H%M%S")
     model = build_tiny_model(wd / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)

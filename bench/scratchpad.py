@@ -5,7 +5,7 @@ reduces it one operation per line, copying what is left (`"10-2+5\\n8+5\\n13"`),
 of an 11-13 operation chain is about 130-200 characters: tokens, with the tiny model's character
 tokenizer. The reward (a plug-in file outside the project, like bench.own_task's) checks only the
 final line against the chain's value. The data file's answer column is the whole worked
-solution, which is what the SFT warm start (trainer_svc.warmstart --task-spec) teaches; the
+solution, which is what the SFT warm start (asyncrl.warmstart --task-spec) teaches; the
 reward reads the value off its last line.
 """
 
@@ -81,9 +81,9 @@ def prepare_model(wd: Path, data: Path, steps: int) -> Path:
     GRPO has signal."""
     base, warm = wd / "scratch-base", wd / f"scratch-warm-{steps}"
     if not (base / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base)], check=True)
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base)], check=True)
     if not (warm / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
                         "--steps", str(steps), "--batch-size", str(WARM_BATCH), "--task-spec", json.dumps(task_section(data))], check=True,
                        stdout=subprocess.DEVNULL)
     return warm

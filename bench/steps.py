@@ -18,21 +18,19 @@ the two are measured under the same load. Results: results/steps.json and result
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 from rich.console import Console
 
-from asyncrl.demo import _free_port, prepare_model, run_job
-from bench.claims import _cores, _pinned, machine
+from asyncrl.demo import free_port, prepare_model, run_job
+from bench.claims import machine, run_pinned, split_cores
+from bench.runs import environment
 from broker.ledger import Ledger
 from shared.metrics import PHASES, phase_summary
 
@@ -40,20 +38,6 @@ console = Console()
 
 SHAPE = {"prompts": 16, "n": 8, "max_tokens": 8}  # the demo's (asyncrl.demo.run_demo)
 ROLES = {"generator": "GEN_METRICS_PORT", "reward": "REWARD_METRICS_PORT", "trainer": "TRAINER_METRICS_PORT"}
-
-
-@contextmanager
-def _environ(**env: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class _Pages:
@@ -89,21 +73,21 @@ def measure(wd: Path, model: Path, steps: int, code: str | None) -> dict[str, An
     """One run: T_gen, T_train, then the async job with its phases. `code`: the checkout the
     services import (None: this one)."""
     env = {"PYTHONPATH": code} if code else {}
-    gen_core, train_core = _cores()
+    gen_core, train_core = split_cores()
     shape = ["--prompts", str(SHAPE["prompts"]), "--n", str(SHAPE["n"]), "--max-tokens", str(SHAPE["max_tokens"])]
-    with _environ(**env):
-        _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--reps", "10",
-                 "--out", str(wd / "t_gen.json")],
-                gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
-        _pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1", "--reps", "10",
-                 "--out", str(wd / "t_train.json")], train_core)
+    with environment(**env):
+        run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--reps", "10",
+                    "--out", str(wd / "t_gen.json")],
+                   gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+        run_pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1", "--reps", "10",
+                    "--out", str(wd / "t_train.json")], train_core)
     t_gen = json.loads((wd / "t_gen.json").read_text())
     t_train = json.loads((wd / "t_train.json").read_text())
-    ports = {role: _free_port() for role in ROLES}
+    ports = {role: free_port() for role in ROLES}
     spec = {"name": "bench-steps", "model_path": str(model), "steps": steps, "group_size": SHAPE["n"],
             "prompts_per_step": SHAPE["prompts"], "eval_every": 0, "mode": "async", "max_staleness": 1,
             "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": SHAPE["max_tokens"]}}
-    with _environ(**env, **{ROLES[r]: str(p) for r, p in ports.items()}), \
+    with environment(**env, **{ROLES[r]: str(p) for r, p in ports.items()}), \
             _Pages({r: f"http://127.0.0.1:{p}/metrics" for r, p in ports.items()}) as pages:
         run = run_job(wd, spec, progress=False)
     if run.state != "finished":

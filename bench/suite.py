@@ -36,7 +36,6 @@ longer runs; the committed results/suite.*).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -46,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,17 +54,16 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.demo import prepare_model, run_job
+from bench import own_task
 from bench.broker_overhead import bench_broker
-from bench.claims import _cores, _pinned, machine
+from bench.claims import machine, run_pinned, split_cores
+from bench.runs import ours_curve, run_finished, run_trl, trl_python, trl_task_run
 from broker.ledger import Ledger
 from broker.ledger.rows import SampleRow
 from shared.datasets import TaskSpec, load_task
 
 console = Console()
 
-TRL_VERSION = "1.16.0"  # works with torch 2.13 and Python 3.11 (verified here)
-TORCH_VERSION = "2.13.0"  # the local CPU wheel; pinned in every pip command so no CUDA build comes
-PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "trl_grpo.py"
 # The shape of the cost-of-a-step comparison with TRL (peer_scaling): 16 prompts x 8 samples.
 TTR_SPEC: dict[str, Any] = {
     "group_size": 8, "prompts_per_step": 16, "algorithm": {"lr": 1e-4, "micro_batch_size": 64},
@@ -114,21 +111,6 @@ PRESETS: dict[str, Preset] = {
 
 # --- helpers -------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the services that run_job starts (they inherit ours)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,8 +122,8 @@ def _model(wd: Path, name: str) -> Path:
     layers, hidden, heads, inter = MODELS[name]
     out = wd / f"model-{name}"
     if not (out / "config.json").exists():
-        _pinned([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(out), "--layers", str(layers),
-                 "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(inter)], None)
+        run_pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
+                    "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(inter)], None)
     return out
 
 
@@ -153,39 +135,7 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> tuple[Ledger, str, float]:
-    t_launch = time.time()
-    with _environ(**(env or {})):
-        run = run_job(wd, spec, progress=False)
-    if run.state != "finished":
-        raise RuntimeError(f"job {spec['name']} ended {run.state}: {run.error}")
-    return Ledger(run.db_url), run.job_id, t_launch
-
-
 # --- TRL's environment ---------------------------------------------------------------------
-
-def trl_python(venv: Path) -> Path:
-    """The TRL venv's python, creating the venv when it lacks TRL_VERSION.
-
-    torch first, from the local CPU wheel, and pinned again with trl so pip never swaps it for a
-    CUDA build. Raises RuntimeError with pip's output when an install fails (no index, say).
-    """
-    py = venv / "bin" / "python"
-    probe = f"import torch, trl; assert trl.__version__ == '{TRL_VERSION}', trl.__version__"
-    if py.exists() and subprocess.run([str(py), "-c", probe], capture_output=True).returncode == 0:
-        return py
-    console.print(f"[bold]TRL environment[/] -> {venv} (torch=={TORCH_VERSION}, trl=={TRL_VERSION})")
-    steps = [["python3", "-m", "venv", str(venv)],
-             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"],
-             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"trl=={TRL_VERSION}"]]
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            noise = "is ignored: it is neither a file nor a directory"
-            err = "\n".join(ln for ln in (proc.stdout + proc.stderr).splitlines() if noise not in ln)
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-2000:]}")
-    return py
-
 
 def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
          evaluate: bool = True, prompts_per_step: int = TTR_SPEC["prompts_per_step"]) -> dict[str, Any]:
@@ -202,41 +152,7 @@ def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: 
         "eval_every": eval_every, "evaluate": evaluate})
 
 
-def run_trl(py: Path, run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run bench/peers/trl_grpo.py with `cfg` (its keys: that script's docstring; workdir,
-    threads and t_launch are filled in here) in `run_dir`; its result JSON."""
-    run_dir.mkdir(parents=True)
-    cfg = {"threads": len(os.sched_getaffinity(0)), **cfg, "workdir": str(run_dir)}
-    cfg["t_launch"] = time.time()
-    (run_dir / "config.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([str(py), str(PEER_SCRIPT), "--config", str(run_dir / "config.json"),
-                           "--out", str(run_dir / "result.json")], capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TRL run failed (log {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads((run_dir / "result.json").read_text())
-
-
 # --- 1. time to reward, two regimes --------------------------------------------------------
-
-def ours_curve(ledger: Ledger, job_id: str, t0: float, eval_set: str = "held_out") -> tuple[
-        list[dict[str, float]], list[dict[str, float]], dict[str, float | None]]:
-    """A finished job's held-out curve ({step, reward, t_s}: a point's time is the end of the step
-    that produced the policy, seconds since `t0`), every step's end ({step, t_s}) and the median
-    per-step time breakdown over the steady steps: every `time/*` metric the trainer records
-    (wait, train, publish, ledger, ...), under its name without the prefix."""
-    steps = ledger.train_steps(job_id)
-    end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
-    curve = [{"step": e["step"], "reward": e["reward_mean"],
-              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)}
-             for e in ledger.evals(job_id, source="pipeline") if e["name"] == eval_set]
-    steady = steps[2:] or steps
-    keys = sorted({k for s in steady for k in s["metrics"] if k.startswith("time/")})
-    breakdown = {k.removeprefix("time/"): _median([s["metrics"][k] for s in steady if k in s["metrics"]])
-                 for k in keys}
-    return curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], breakdown
-
 
 def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float | None,
                  **extra: Any) -> dict[str, Any]:
@@ -271,9 +187,7 @@ class Regime:
     def spec(self, job_mode: str, seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
         """The job spec a user writes for this task (bench.own_task.own_spec's shape): the
         task, the reward file, the sampling limits; everything else is the defaults."""
-        from bench.own_task import own_spec
-
-        s = own_spec(self.model, self.data, self.reward, job_mode, 1, seed, steps, eval_every)
+        s = own_task.own_spec(self.model, self.data, self.reward, job_mode, 1, seed, steps, eval_every)
         s.update(name=f"suite-{self.name}-{extra.get('placement', job_mode)}-s{seed}-{time.time_ns()}", group_size=self.shape["group_size"],
                  prompts_per_step=self.shape["prompts_per_step"], task=self.task,
                  algorithm={"lr": self.shape["lr"]},
@@ -285,8 +199,6 @@ class Regime:
 def regime_short(wd: Path, warm_steps: int | None = None) -> Regime:
     """Regime (a): bench.own_task's task (two-digit add/sub JSONL, the user's reward file, stop
     "\\n"), its warm-started 4-layer model, its shape (8 prompts x 8 samples, 8 tokens)."""
-    from bench import own_task
-
     data, reward = own_task.write_task(wd)
     return Regime("short", "two-digit add/sub from a user's JSONL file (bench.own_task), one-line answers",
                   data, reward, own_task.prepare_own_model(wd, data, warm_steps), own_task.task_section(data),
@@ -305,27 +217,10 @@ def regime_long(wd: Path, warm_steps: int) -> Regime:
                    "temperature": 1.0}, [])
 
 
-def trl_task_run(py: Path, run_dir: Path, model: Path, task: dict[str, Any], reward: Path, shape: dict[str, Any],
-                 stop: list[str], seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
-    """TRL's GRPOTrainer on a task section (the same train/test split as a job with that seed),
-    a reward file and stop strings; its result JSON (bench/peers/trl_grpo.py)."""
-    train, test = load_task(TaskSpec.model_validate(task), seed)
-
-    def rows(ps: list[Any]) -> list[dict[str, Any]]:
-        return [{"prompt": q.prompt, "answer": q.answer, "metadata": q.metadata} for q in ps]
-
-    return run_trl(py, run_dir, {
-        "model_path": str(model), "seed": seed, "steps": steps, "train": rows(train), "test": rows(test),
-        "group_size": shape["group_size"], "prompts_per_step": shape["prompts_per_step"],
-        "micro_batch_size": shape["group_size"] * shape["prompts_per_step"], "lr": shape["lr"],
-        "temperature": shape["temperature"], "max_tokens": shape["max_tokens"], "eval_every": eval_every,
-        "reward": f"{reward}:score", "stop": stop, **extra})
-
-
 def _ours_run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     """One job of ours; its curve, step ends, breakdown and completion lengths (or the error)."""
     try:
-        ledger, job_id, t0 = _run(wd, spec, env)
+        ledger, job_id, t0 = run_finished(wd, spec, env)
     except RuntimeError as exc:
         return {"error": str(exc)[-2000:]}
     try:
@@ -358,8 +253,6 @@ def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, mod
     against TRL on one regime. The target is TRL's final held-out reward (its seed-mean curve's
     last point); times are from launch (start-up included) and, under train_s_to_target, without
     the start-up."""
-    from bench.own_task import _mean_curve
-
     steps, every = (p.ttr_steps, p.eval_every) if regime.name == "short" else (p.long_steps, p.long_eval_every)
     extra = {"colocated": {"placement": "colocated", "mode": "sync"}}
     runs: dict[str, list[dict[str, Any]]] = {f"ours_{m}": [] for m in modes} | {"trl": []}
@@ -379,7 +272,7 @@ def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, mod
             console.print(f"[bold]time to reward ({regime.name})[/]: ours, {m}, seed {seed}")
             spec = regime.spec("sync" if m == "sync" else "async", seed, steps, every, **extra.get(m, {}))
             runs[f"ours_{m}"].append({"seed": seed, **_ours_run(wd, spec)})
-    trl_mean = _mean_curve([r["curve"] for r in runs["trl"]])
+    trl_mean = own_task.mean_curve([r["curve"] for r in runs["trl"]])
     target = trl_mean[-1]["reward"] if trl_mean else None
     for rs in runs.values():
         for i, r in enumerate(rs):
@@ -463,7 +356,7 @@ class _Scraper:
         self._thread.join(2)
 
 
-def _batch_rates(rows: list[SampleRow], skip: int = 2) -> tuple[float | None, int]:
+def batch_rates(rows: list[SampleRow], skip: int = 2) -> tuple[float | None, int]:
     """Tokens/s over the wall time between generate batches (rows of one batch share a stamp)."""
     batches: dict[float, int] = {}
     for r in rows:
@@ -479,11 +372,11 @@ def _batch_rates(rows: list[SampleRow], skip: int = 2) -> tuple[float | None, in
 def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
     model = _model(wd, "2x128")
     max_tokens, prompts, n = 64, 16, 8
-    gen_core, _ = _cores()
+    gen_core, _ = split_cores()
     console.print("[bold]generator efficiency[/]: the engine alone")
-    _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
-             "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
-            gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+    run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
+                "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
+               gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
     alone = json.loads((wd / "gen_alone.json").read_text())
     loaded = _engine_alone_beside_load(wd, model, prompts, n, max_tokens, gen_core)
     console.print("[bold]generator efficiency[/]: the generator inside a running job")
@@ -494,8 +387,8 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
     names = ("asyncrl_generator_tokens_total", "asyncrl_generator_generate_seconds_sum",
              "asyncrl_generator_generate_seconds_count")
     with _Scraper(f"http://127.0.0.1:{port}/metrics", names) as scraper:
-        ledger, job_id, _ = _run(wd, spec, {"GEN_METRICS_PORT": str(port)})
-    rate, batches = _batch_rates(ledger.samples(job_id, kind="train"))
+        ledger, job_id, _ = run_finished(wd, spec, {"GEN_METRICS_PORT": str(port)})
+    rate, batches = batch_rates(ledger.samples(job_id, kind="train"))
     prom = scraper.values
     steps = ledger.train_steps(job_id)[2:]
     engine_rate = (prom["asyncrl_generator_tokens_total"] / prom["asyncrl_generator_generate_seconds_sum"]
@@ -543,9 +436,9 @@ def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_t
     console.print("[bold]generator efficiency[/]: the engine alone, a training loop on the other core")
     load = subprocess.Popen([sys.executable, "-c", _LOAD], preexec_fn=lambda: os.sched_setaffinity(0, {other}))
     try:
-        _pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
-                 "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_loaded.json")],
-                gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)})
+        run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
+                    "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_loaded.json")],
+                   gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)})
     finally:
         load.kill()
         load.wait()
@@ -560,7 +453,7 @@ def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: in
     spec = {"name": f"suite-scale-{model_name}-{max_tokens}-{group}-{prompts}", "model_path": str(model),
             "steps": steps, "eval_every": 0, "group_size": group, "prompts_per_step": prompts, "generation_batch": prompts,
             "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
-    ledger, job_id, _ = _run(wd, spec)
+    ledger, job_id, _ = run_finished(wd, spec)
     rows = ledger.train_steps(job_id)
     steady = rows[2:] if len(rows) > 3 else rows[1:]
     med = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in ("step_s", "wait_s", "train_s")}
@@ -665,7 +558,7 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
         finally:
             ledger.close()
     console.print("[bold]launcher[/]: hand-pinned")
-    ledger, job_id, _t0 = _run(wd, spec("pinned"), {"DATABASE_URL": f"sqlite:///{wd / 'pinned.db'}"})
+    ledger, job_id, _t0 = run_finished(wd, spec("pinned"), {"DATABASE_URL": f"sqlite:///{wd / 'pinned.db'}"})
     out["pinned_step_s"] = step_s(ledger, job_id)
     for label in ("launcher", "launcher_no_placement"):
         a, b = out[f"{label}_step_s"], out["pinned_step_s"]

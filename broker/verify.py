@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table as RichTable
 from sqlalchemy.engine import make_url
@@ -48,6 +49,8 @@ from sqlalchemy.engine import make_url
 from broker.ledger import SAMPLE_STATUSES, Ledger
 from broker.ledger.audit import JobAudit
 from broker.ledger.rows import Offenders, TrainStepRow
+from shared.jobspec import JobSpec, stored_spec
+from shared.staleness_bound import in_flight_samples
 
 __all__ = ["CHECKS", "Finding", "VerifyResult", "main", "verify"]
 
@@ -118,15 +121,15 @@ def _check_samples(q: JobAudit, res: VerifyResult) -> None:
     _check(res, "gen_version_order", q.reversed_gen_versions(), "samples with gen_version_min > gen_version_max")
 
 
-def _check_groups(q: JobAudit, res: VerifyResult, spec: dict[str, Any]) -> None:
-    """Used at most once, groups whole."""
+def _check_groups(q: JobAudit, res: VerifyResult, spec: JobSpec | None) -> None:
+    """Used at most once, groups whole (complete when the stored spec gives its group_size)."""
     _check(res, "msg_id_unique", q.duplicate_msg_ids(), "msg_ids with more than one row")
     _check(res, "trained_once", q.trained_twice(), "(group_id, sample_index) pairs trained more than once")
     _check(res, "group_one_step", q.split_groups(),
            "training groups used in more than one step or split between trained and dropped")
-    if "group_size" in spec:
-        _check(res, "group_complete", q.groups_not_of_size(int(spec["group_size"])),
-               f"trained groups without exactly group_size={spec['group_size']} trained samples")
+    if spec is not None and "group_size" in spec.model_fields_set:
+        _check(res, "group_complete", q.groups_not_of_size(spec.group_size),
+               f"trained groups without exactly group_size={spec.group_size} trained samples")
 
 
 def _check_steps(q: JobAudit, res: VerifyResult, steps: list[TrainStepRow], running: bool) -> None:
@@ -196,7 +199,7 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
     job = ledger.get_job(job_id)
     if job is None:
         raise LookupError(f"no job {job_id!r} in the ledger")
-    spec = job.get("spec") or {}
+    spec = _read_spec(job.get("spec") or {})
     running = job["state"] not in _FINISHED
 
     with ledger.audit(job_id, examples=_EXAMPLES) as q:
@@ -230,15 +233,22 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
     return res
 
 
-def _in_flight_bound(spec: dict) -> int | None:
-    """(k + 1) * prompts_per_step training groups of group_size, plus one evaluation round
-    (shared/staleness_bound.py); None for a spec that does not say."""
-    from shared.staleness_bound import in_flight_samples
-
+def _read_spec(stored: dict[str, Any]) -> JobSpec | None:
+    """The job's stored spec (shared/jobspec.py `stored_spec`); None when it cannot be read (the
+    checks that need it are skipped)."""
     try:
-        return in_flight_samples(spec)
-    except (KeyError, TypeError, ValueError, AttributeError):
+        return stored_spec(stored)
+    except ValidationError:
         return None
+
+
+def _in_flight_bound(spec: JobSpec | None) -> int | None:
+    """(k + 1) * prompts_per_step training groups of group_size, plus one evaluation round of n_test
+    problems (shared/staleness_bound.py); None for a spec that does not say (one without
+    prompts_per_step, group_size or n_test, or none that can be read)."""
+    if spec is None or not {"prompts_per_step", "group_size"} <= spec.model_fields_set or spec.task.n_test is None:
+        return None
+    return in_flight_samples(spec.staleness_bound, spec.prompts_per_step, spec.group_size, spec.task.n_test)
 
 
 def render(res: VerifyResult, console: Console) -> None:

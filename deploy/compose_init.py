@@ -1,7 +1,7 @@
 """One-shot set-up of `docker compose up` with nothing prepared: the compose service `init`.
 
 With MODEL_DIR unset (no .env), the services mount the compose volume `models` at /models. This
-builds the demo's tiny model there (trainer_svc.tiny_model and its supervised warm start, as
+builds the demo's tiny model there (asyncrl.tiny_model and its supervised warm start, as
 `asyncrl demo` does; skipped when already built), waits for the job API, submits the demo job
 (deploy/jobs/demo.json, its model_path pointed at the built model) unless the API already holds a
 job, and prints where the status page is. A second `docker compose up` finds both and submits
@@ -47,11 +47,11 @@ def build_model(models: Path, warm_steps: int | None) -> Path:
     base, warm = models / "tiny-base", models / "tiny-warm"
     if not (base / "config.json").exists():
         print(f"init: building the tiny model -> {base}", flush=True)
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(base), "--seed", "0"], check=True)
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--seed", "0"], check=True)
     if not (warm / "config.json").exists():
         print(f"init: supervised warm start -> {warm}", flush=True)
         steps = ["--steps", str(warm_steps)] if warm_steps else []
-        subprocess.run([sys.executable, "-m", "trainer_svc.warmstart", "--model", str(base), "--out", str(warm),
+        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
                         "--seed", "0", *steps], check=True)
     return warm
 

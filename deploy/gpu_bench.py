@@ -57,9 +57,9 @@ GPU_ENV = {"GEN_DTYPE": "bfloat16", "GEN_GPU_MEMORY_UTILIZATION": "0.35", "GEN_E
 
 
 def build_model(out: Path, layers: int, hidden: int, heads: int, intermediate: int) -> int:
-    """Random-init Llama + character tokenizer (trainer_svc.tiny_model); returns its parameter count."""
+    """Random-init Llama + character tokenizer (asyncrl.tiny_model); returns its parameter count."""
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "trainer_svc.tiny_model", "--out", str(out), "--layers", str(layers),
+        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
                         "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(intermediate)],
                        check=True, cwd=REPO)
     cfg = json.loads((out / "config.json").read_text())
@@ -97,11 +97,12 @@ if __name__ == "__main__":
 def system(wd: Path, model: Path, spec: dict[str, Any]) -> dict[str, Any]:
     """One job on the whole system (asyncrl.demo.run_job) with the GPU settings; step figures."""
     from asyncrl.demo import run_job
-    from bench.suite import _batch_rates, _environ
+    from bench.runs import environment
+    from bench.suite import batch_rates
     from broker.ledger import Ledger
 
     spec = {**spec, "model_path": str(model)}
-    with _environ(**GPU_ENV):
+    with environment(**GPU_ENV):
         run = run_job(wd, spec, progress=False)
     if run.state != "finished":
         raise RuntimeError(f"{spec['name']} ended {run.state}: {run.error}")
@@ -109,7 +110,7 @@ def system(wd: Path, model: Path, spec: dict[str, Any]) -> dict[str, Any]:
     steady = ledger.train_steps(run.job_id)[2:]
     step_s = statistics.median(s["metrics"]["time/step_s"] for s in steady)
     tokens = statistics.median(s["metrics"]["tokens"] for s in steady)
-    rate, _ = _batch_rates(ledger.samples(run.job_id, kind="train"))
+    rate, _ = batch_rates(ledger.samples(run.job_id, kind="train"))
     return {"mode": spec["mode"], "placement": spec.get("placement", "split"),
             "max_tokens": spec["sampling"]["max_tokens"], "step_s": step_s, "tokens_per_step": tokens,
             "system_tokens_per_s": tokens / step_s, "generator_tokens_per_s": rate}
@@ -179,14 +180,14 @@ def _specs(a: argparse.Namespace, lengths: list[int]) -> dict[str, dict[str, Any
     """Every job spec of the system phase (model path filled in at run time)."""
     out = {}
     for t in lengths:
-        out[f"async-{t}"] = _system_spec("async", t, a.steps)
+        out[f"async-{t}"] = system_spec("async", t, a.steps)
     mid = lengths[len(lengths) // 2]
-    out[f"sync-{mid}"] = _system_spec("sync", mid, a.steps)
-    out[f"colocated-{mid}"] = _system_spec("sync", mid, a.steps, placement="colocated")
+    out[f"sync-{mid}"] = system_spec("sync", mid, a.steps)
+    out[f"colocated-{mid}"] = system_spec("sync", mid, a.steps, placement="colocated")
     return out
 
 
-def _system_spec(mode: str, max_tokens: int, steps: int, **extra: Any) -> dict[str, Any]:
+def system_spec(mode: str, max_tokens: int, steps: int, **extra: Any) -> dict[str, Any]:
     return {"name": f"gpu-{extra.get('placement', mode)}-{max_tokens}", "model_path": "MODEL", "mode": mode,
             "steps": steps, "eval_every": 0, "group_size": 8, "prompts_per_step": 16, "generation_batch": 16,
             "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
@@ -316,14 +317,15 @@ def main(argv: list[str] | None = None) -> None:
     phase("system", system_phase)
 
     def regimes() -> dict[str, Any]:
-        from bench.suite import PRESETS, _environ, regime_long, regime_short, time_to_reward
+        from bench.runs import environment
+        from bench.suite import PRESETS, regime_long, regime_short, time_to_reward
 
         p = PRESETS["quick"]
         p = type(p)(**{**p.__dict__, "seeds": (0,), "ttr_steps": a.regime_steps, "long_steps": a.regime_steps})
         trl_py = Path(a.trl_python) if a.trl_python else None  # a CUDA TRL environment, made by hand
         rwd = wd / "regimes"
         rwd.mkdir(exist_ok=True)
-        with _environ(**GPU_ENV):
+        with environment(**GPU_ENV):
             return {r.name: time_to_reward(rwd, p, trl_py, r, ("async",), trl_extra={"use_cpu": False})
                     for r in (regime_short(rwd), regime_long(rwd, p.long_warm_steps))}
 

@@ -10,7 +10,7 @@ DIR/gpu.md are rewritten, so a run cut short still leaves what it measured. A ph
 error and why) or `skipped` (past the time budget).
 
 - `machine`: nvidia-smi's GPU and driver line, torch and CUDA versions, the carried packages.
-- `model`: the random-init Llama (trainer_svc.tiny_model; ~0.5B: 24 layers x 1280) built here.
+- `model`: the random-init Llama (asyncrl.tiny_model; ~0.5B: 24 layers x 1280) built here.
 - `engine`: the CUDA vLLM engine (a child process): generate with behaviour logprobs and tokens/s
   on one step's batch (16 prompts x 8 samples), an in-place reload over the tcp transport with the
   probe check generators run after a swap and the engine's fingerprint, fp8 generation if the
@@ -360,7 +360,7 @@ def phase_machine(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def phase_model(ctx: dict[str, Any]) -> dict[str, Any]:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     shape = ctx["shape"]
     path = ctx["workdir"] / f"llama-{shape['layers']}x{shape['hidden']}"
@@ -869,13 +869,13 @@ def phase_job(ctx: dict[str, Any]) -> dict[str, Any]:
     if ctx["device"] != "cuda":
         raise NotRun("the GPU job settings (gpu_bench.GPU_ENV: TRAINER_DEVICE=cuda) need a CUDA device")
     sys.path.insert(0, str(REPO / "deploy"))
-    from gpu_bench import _system_spec, system
+    from gpu_bench import system, system_spec
 
     wd = ctx["workdir"] / "jobs"
     wd.mkdir(exist_ok=True)
     out: dict[str, Any] = {}
     for mode in ("async", "sync"):
-        out[mode] = system(wd, ctx["model"], _system_spec(mode, ctx["max_tokens"], 6))
+        out[mode] = system(wd, ctx["model"], system_spec(mode, ctx["max_tokens"], 6))
     tg, tt = ctx.get("t_gen_s"), ctx.get("t_train_s")
     if tg and tt:
         out.update(t_gen_s=tg, t_train_s=tt, async_over_max=out["async"]["step_s"] / max(tg, tt))

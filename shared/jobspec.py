@@ -6,9 +6,11 @@ a 422 naming the field rather than a silently ignored setting.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.environments.spec import EnvironmentSpec
@@ -19,7 +21,7 @@ from shared.staleness_bound import groups_in_flight, start_bound
 from shared.tracking import TrackingSink
 
 __all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "TrackingSpec",
-           "format_validation_error"]
+           "format_validation_error", "stored_spec"]
 
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
@@ -454,6 +456,52 @@ class JobSpec(_Strict):
         """Prompt groups the feeder may have outstanding: (k + 1) * batch: the backpressure that
         keeps generators within the staleness budget."""
         return groups_in_flight(self.staleness_bound, self.prompts_per_step)
+
+
+def stored_spec(stored: Mapping[str, Any]) -> JobSpec:
+    """A job's spec as the ledger stored it (a JSON dict), read into a JobSpec: the one reader for
+    what a job was (broker/verify.py's nominal in-flight bound, asyncrl/guard_calibration.py's rows),
+    so the spec's defaults are stated in JobSpec only, never again as `.get(key, default)`.
+
+    Tolerant of a spec stored by an older version: an item that no longer validates (a field since
+    removed or renamed, a value outside a since-tightened constraint; the innermost item the error
+    names that the stored spec holds, e.g. `task.path`, or a whole section whose rule between its
+    fields changed) is left out, one at a time, so its default applies, as a reader of the dict
+    would have had it. `model_fields_set` (of the spec and of each section) says which fields the
+    stored spec gave and this reader kept. The services do not read a spec this way: a spec that no
+    longer validates must not run, so they validate strictly (`JobSpec.model_validate`,
+    broker/runtime.py `spec_problem`).
+
+    Raises:
+        pydantic.ValidationError: not a job spec even without the items that do not validate (no
+            model_path, say, or a rule between the spec's top-level fields).
+    """
+    data: dict[str, Any] = copy.deepcopy(dict(stored))
+    while True:
+        try:
+            return JobSpec.model_validate(data)
+        except ValidationError as exc:
+            if not _leave_out(data, exc.errors()[0]["loc"]):
+                raise
+
+
+def _leave_out(data: dict[str, Any], loc: tuple[int | str, ...]) -> bool:
+    """Delete the innermost item of `data` on the error location `loc` (locations may name union
+    members or a model's rule past the data's items: the walk stops at the first part the data
+    does not hold); False when `loc` names no item of it."""
+    found: tuple[Any, Any] | None = None  # (container, key) of the innermost item on `loc`
+    node: Any = data
+    for part in loc:
+        holds = (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not holds:
+            break
+        found, node = (node, part), node[part]
+    if found is None:
+        return False
+    container, key = found
+    del container[key]
+    return True
 
 
 class JobPatch(_Strict):

@@ -2,7 +2,8 @@
 
 One rule for every reader: the trainer's bound (trainer_svc/staleness.py `StalenessBound`, the
 only writer of k while a job runs) starts here, and `broker verify` reports the nominal in-flight
-bound from the same rule. Plain values in, so a stored spec (a JSON dict) needs no validation.
+bound from the same rule. Plain values in: a stored spec (a JSON dict) is read by
+shared/jobspec.py `stored_spec`, whose JobSpec holds the defaults.
 
 Admission by version (ARCHITECTURE.md, "Staleness: admission by version"). The trainer's sink
 trains groups in feed order, `prompts_per_step` per step, skipping only the ones it drops. So a
@@ -17,9 +18,6 @@ between them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import Any
 
 
 def start_bound(mode: str, max_staleness: int, adaptive_k_max: int | None) -> int:
@@ -79,17 +77,11 @@ def min_generation_version(fed_version: int, train_version: int | None, bound: i
     return max(fed_version, floor)
 
 
-def in_flight_samples(spec: Mapping[str, Any]) -> int:
-    """Samples one trainer run may have in flight for a job spec as stored (JSON): the groups of
-    `groups_in_flight` at the starting bound, group_size each, plus one evaluation round of the
-    task's n_test problems.
+def in_flight_samples(bound: int, prompts_per_step: int, group_size: int, eval_problems: int) -> int:
+    """Samples one trainer run may have in flight under bound k: the groups of `groups_in_flight`,
+    group_size each, plus one evaluation round of `eval_problems` problems (a job spec's n_test).
 
-    Raises:
-        KeyError, TypeError, ValueError: the spec lacks prompts_per_step or group_size, or holds
-            non-numbers.
+    >>> in_flight_samples(1, 2, 2, 2)  # (1 + 1) * 2 groups of 2, plus 2 held-out problems
+    10
     """
-    adaptive = spec.get("adaptive_staleness")
-    k = start_bound(str(spec.get("mode", "async")), int(spec.get("max_staleness", 1)),
-                    None if not adaptive else int(adaptive.get("k_max", 4)))
-    evals = int((spec.get("task") or {}).get("n_test", 0))
-    return groups_in_flight(k, int(spec["prompts_per_step"])) * int(spec["group_size"]) + evals
+    return groups_in_flight(bound, prompts_per_step) * group_size + eval_problems

@@ -5,7 +5,7 @@ trainer all import it. The loader that turns a job's ``task`` section into probl
 ``shared.datasets.load_task``; the built-in tasks are presets of it:
 
 - ``arithmetic``: synthetic ``"a+b="`` problems from ``synthetic_arithmetic``, short and
-  character-level friendly, for the tiny locally built model (``trainer_svc.tiny_model``). The
+  character-level friendly, for the tiny locally built model (``asyncrl.tiny_model``). The
   defaults are tuned so that a short supervised warm start leaves the policy weak greedily but
   often right when sampling, which is the regime where GRPO visibly lifts held-out accuracy
   within a few hundred steps.
@@ -64,7 +64,7 @@ class Problem:
 # Operands 0..19, addition only: 400 distinct problems, answers 0..38. Small enough that the
 # 2-layer tiny model learns the sum in a ~20 s warm start and generalises to held-out problems
 # (an exact teacher trained to convergence reaches ~0.88 held-out greedy accuracy with 300 train
-# problems); larger ranges learn several times slower. Tuned with trainer_svc.warmstart.
+# problems); larger ranges learn several times slower. Tuned with asyncrl.warmstart.
 ARITHMETIC_MAX_OPERAND = 19
 ARITHMETIC_OPS = "+"
 

@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def test_colocated_job_reaches_its_steps_exactly_once(tmp_path):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"

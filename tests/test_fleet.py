@@ -68,7 +68,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("fleet")
     model = build_tiny_model(tmp / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
@@ -168,7 +168,7 @@ def test_cancelled_jobs_queued_never_start_running_free_the_fleet(fleet: Fleet) 
 
 
 def test_an_incompatible_model_rebuilds_the_engine_in_the_same_process(fleet: Fleet) -> None:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     wider = build_tiny_model(fleet.tmp / "wider", layers=2, hidden=128, heads=4, intermediate=256, seed=1)
     (generator,) = [p for p in fleet.sup.procs if p.name == "generator"]

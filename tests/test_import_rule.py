@@ -6,7 +6,10 @@ The tools layer (the CLI, demo and launcher in `asyncrl`; above it the benchmark
 too: a `-m module` argument in a lower layer must name a module that layer may import.
 
 Static (ast over every module, imports inside functions included) plus one dynamic check that the
-light packages import without torch or vllm.
+light packages import without torch or vllm. The tools are held to two more rules: no import cycle
+among the modules of `asyncrl` and `bench` (a module shared by two goes where both can import it),
+and no module of a package or a deploy script imports another module's private name
+(`from m import _x`: a name that others need is public in the module that owns it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ SERVICES = ("generator_svc", "reward_svc", "trainer_svc")
 TOOLS = ("asyncrl", "bench")
 PACKAGES = ("shared", "broker", *SERVICES, *TOOLS)
 VLLM_HOME = "generator_svc/engine.py"
+ACYCLIC = TOOLS  # packages whose modules import one another without a cycle
+PRIVATE_SCANNED = (*PACKAGES, "deploy")  # where no module imports another's private name (tests excluded)
 
 # What each package may not import (top-level module names).
 FORBIDDEN = {
@@ -68,24 +73,93 @@ def module_name(path: Path, root: Path = REPO) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path, root: Path = REPO) -> set[str]:
-    """Absolute names of every module `path` imports, relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+def import_source(node: ast.ImportFrom, path: Path, root: Path = REPO) -> str:
+    """The absolute name of the module a `from ... import` in `path` imports from."""
+    if not node.level:
+        return node.module or ""
     package = module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imported_modules(path: Path, root: Path = REPO) -> set[str]:
+    """Absolute names of every module `path` imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                prefix = ".".join([*base, node.module] if node.module else base)
-            else:
-                prefix = node.module or ""
+            prefix = import_source(node, path, root)
             found.add(prefix)
             found.update(f"{prefix}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, set[str]]:
+    """Each module of `paths` -> the modules of `paths` it imports. Every import counts, a function's
+    too: a cycle through one is the same tangle, only deferred to the first call."""
+    modules = {module_name(p, root): p for p in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for imported in imported_modules(path, root):
+            parts = imported.split(".")  # `from pkg.mod import f` names pkg.mod.f: its module is pkg.mod
+            owner = next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                          if ".".join(parts[:n]) in modules), None)
+            if owner is not None and owner != name:
+                graph[name].add(owner)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules of `graph` that reach one another, one sorted list per cycle (Tarjan's strongly
+    connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def private_imports(path: Path, root: Path = REPO) -> list[str]:
+    """Each `from m import _x` in `path` with m another module, as `path:line from m import _x`."""
+    me = module_name(path, root)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            source = import_source(node, path, root)
+            found += [f"{path.relative_to(root)}:{node.lineno} from {source} import {alias.name}"
+                      for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__") and source != me]
     return found
 
 
@@ -120,6 +194,44 @@ def test_import_parser_sees_every_form(tmp_path: Path) -> None:
         "vllm",
         "trainer_svc.train",
     } <= found
+
+
+def test_cycle_and_private_name_finders(tmp_path: Path) -> None:
+    """Guards the two tools checks themselves: a cycle through a function's import, a package's
+    `from . import`, and private names imported by plain and relative imports."""
+    (tmp_path / "bench").mkdir()
+    files = {
+        "__init__.py": "",
+        "a.py": "from bench.b import run\n",
+        "b.py": "def run():\n    from bench import c\n",  # a -> b -> c -> a, through a function's import
+        "c.py": "from .a import _helper, __doc__\n",
+        "d.py": "from bench.e import _x as y\nfrom bench.d import _own\n",  # d <-> e; d's own name is its own
+        "e.py": "import bench.d\n",
+        "f.py": "import bench.a\n",  # imports a cycle's module, is in none
+    }
+    for name, text in files.items():
+        (tmp_path / "bench" / name).write_text(text)
+    paths = sorted((tmp_path / "bench").glob("*.py"))
+    graph = import_graph(paths, tmp_path)
+    assert graph["bench.a"] == {"bench.b"} and graph["bench.b"] == {"bench", "bench.c"} and graph["bench.d"] == {"bench.e"}
+    assert import_cycles(graph) == [["bench.a", "bench.b", "bench.c"], ["bench.d", "bench.e"]]
+    assert import_cycles({"x": {"y"}, "y": set()}) == []
+    found = [f for p in paths for f in private_imports(p, tmp_path)]
+    assert found == ["bench/c.py:1 from bench.a import _helper", "bench/d.py:1 from bench.e import _x"]
+
+
+@pytest.mark.parametrize("package", ACYCLIC)
+def test_no_import_cycle_in_the_tools(package: str) -> None:
+    graph = import_graph(python_files(package))
+    assert not import_cycles(graph), (
+        f"modules of {package} import one another in a cycle (move what they share to a module both "
+        f"import): {import_cycles(graph)}")
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    found = [f for where in PRIVATE_SCANNED for path in python_files(where) for f in private_imports(path)]
+    assert not found, ("a private name imported from another module (make it public where it is defined, "
+                       "or move it):\n" + "\n".join(found))
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -35,7 +35,7 @@ ASYNCRL = str(Path(sys.executable).with_name("asyncrl"))  # the console script i
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
 

@@ -52,9 +52,9 @@ def test_vllm_logprobs_match_trainer(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.tiny_model import build_tiny_model
     from trainer_svc.logprobs import sequence_logprobs
     from trainer_svc.precision import autocast
-    from trainer_svc.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -70,7 +70,7 @@ def test_vllm_logprobs_match_trainer(tmp_path: Path) -> None:
     by_temperature = json.loads(out_json.read_text())
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    bos = 1  # trainer_svc.tiny_model: <pad>, <s>, </s>, <unk> are ids 0..3
+    bos = 1  # asyncrl.tiny_model: <pad>, <s>, </s>, <unk> are ids 0..3
     for t in TEMPERATURES:
         records = by_temperature[str(t)]
         assert len(records) == len(PROMPTS) * N_SAMPLES

@@ -87,11 +87,11 @@ def test_multiturn_episode_logprobs_match_and_env_tokens_carry_nothing(tmp_path:
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.tiny_model import build_tiny_model
     from shared.schema import Rollout, Scored, pack_f32, pack_i32
     from trainer_svc.algorithms import BatchNorm, LossConfig, LossInputs, policy_loss
     from trainer_svc.batch import TrainBatch
     from trainer_svc.logprobs import token_logprobs
-    from trainer_svc.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     out_json = tmp_path / "episodes.json"

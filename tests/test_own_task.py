@@ -34,8 +34,8 @@ def score(completion, answer, *, metadata, **kwargs):
 
 
 def test_own_task_with_plugin_reward_chat_template_and_two_eval_sets(tmp_path):
+    from asyncrl.tiny_model import CHAT_TEMPLATE, build_tiny_model
     from shared.prompts import renderer
-    from trainer_svc.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
     model = build_tiny_model(tmp_path / "chat-model", layers=2, hidden=64, heads=2, intermediate=128,
                              chat_template=CHAT_TEMPLATE)

@@ -37,7 +37,7 @@ STEPS, P, N, N_TEST, EVAL_EVERY, CKPT_EVERY, KILL_AFTER = 6, 4, 4, 8, 3, 2, 3
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
                             intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32

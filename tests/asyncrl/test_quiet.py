@@ -69,7 +69,7 @@ def test_preparing_the_demo_model_prints_only_its_own_lines(tmp_path, capfd):
     assert lines[2].startswith("warm start: held-out greedy accuracy ") and "pass@8" in lines[2]
     assert not [w for w in THIRD_PARTY if any(w in line for line in lines)]
     text = log.read_text()
-    assert "trainer_svc.tiny_model" in text and "parameters)" in text and '"greedy_acc"' in text
+    assert "asyncrl.tiny_model" in text and "parameters)" in text and '"greedy_acc"' in text
     assert "it/s]" not in text  # TOOL_ENV: no progress bars in the log either
     prepare_model(tmp_path, 0, log_path=log)  # both cached: nothing to do, nothing to say
     assert _terminal(capfd) == ""

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from asyncrl.tiny_model import build_tiny_model
 from bench.multiturn import teacher_episodes
-from trainer_svc.tiny_model import build_tiny_model
 
 
 def test_teacher_episodes_are_laid_out_as_the_generator_plays_them(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ def test_generator_rate_between_batches() -> None:
     # Batches of 2 rows x 50 tokens every 0.5 s; the first two are skipped (warm-up).
     rows = [{"created_at": t0 + timedelta(seconds=0.5 * b), "num_completion_tokens": 50}
             for b in range(6) for _ in range(2)]
-    rate, n = bench_suite._batch_rates(rows)
+    rate, n = bench_suite.batch_rates(rows)
     assert n == 4 and rate == pytest.approx(3 * 100 / 1.5)
 
 

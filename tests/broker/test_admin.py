@@ -27,7 +27,7 @@ RW, RO = "rw-admin-token", "ro-admin-token"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
                             intermediate=128, seed=0)

@@ -18,8 +18,8 @@ KEYS = ("utilisation", "episodes_per_s_concurrent", "episodes_per_s_sequential",
 @pytest.mark.slow
 def test_episode_rate_bench_at_a_tiny_shape(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
+    from asyncrl.tiny_model import build_tiny_model
     from bench.episode_rate import bench_episode_rate
-    from trainer_svc.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", layers=1, hidden=64, heads=2, intermediate=128)  # vLLM CPU: head_dim >= 32
     r = bench_episode_rate(str(tmp_path / "results"), groups=2, n=8, turns=2, tokens_per_turn=8, reps=1,

@@ -26,7 +26,7 @@ def group(i: int, prompt: str) -> PromptGroup:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), layers=1, hidden=64, heads=2, intermediate=128))  # vLLM CPU: head_dim >= 32
 

@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_lora_adapter_round_trip_with_probe(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.tiny_model import build_tiny_model
     from trainer_svc import lora
     from trainer_svc.learner import Learner
-    from trainer_svc.tiny_model import build_tiny_model
     from trainer_svc.weights import flatten_weights, probe, publish_weights
 
     model_dir = build_tiny_model(tmp_path / "m", layers=2, hidden=64, heads=2, intermediate=128, seed=0)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from trainer_svc.tiny_model import CHAT_TEMPLATE, build_tiny_model
+    from asyncrl.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("chat"), layers=1, hidden=64, heads=2, intermediate=128,
                                 chat_template=CHAT_TEMPLATE))

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_generators_relay_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
     from trainer_svc.weights import publish_weights
 
     model_dir = build_tiny_model(tmp_path / "m", layers=2, hidden=64, heads=2, intermediate=128, seed=0)

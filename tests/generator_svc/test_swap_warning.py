@@ -36,9 +36,9 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 def test_swap_logs_no_rotary_warning_and_takes_effect(tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.tiny_model import build_tiny_model
     from generator_svc.engine import Engine
     from generator_svc.worker_ext import derived_only_classes
-    from trainer_svc.tiny_model import build_tiny_model
     from trainer_svc.weights import flatten_weights
 
     model_dir = build_tiny_model(tmp_path / "m", layers=1, hidden=64, heads=2, intermediate=128, seed=0)

@@ -53,7 +53,7 @@ def _half_sending_server() -> tuple[socket.socket, str]:
 def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
     from trainer_svc.weights import flatten_weights, probe, publish_weights
 
     model_dir = build_tiny_model(tmp_path / "m", layers=2, hidden=64, heads=2, intermediate=128, seed=0)

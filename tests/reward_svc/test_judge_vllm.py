@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
+from asyncrl.tiny_model import build_tiny_model
 from shared.rewards import RewardInput, build_scorer
 from shared.rewards.remote import JUDGE_RULES
-from trainer_svc.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -354,7 +354,7 @@ def test_async_environment() -> None:
 
 @pytest.fixture(scope="module")
 def chat_tokenizer() -> Any:
-    tiny = pytest.importorskip("trainer_svc.tiny_model")
+    tiny = pytest.importorskip("asyncrl.tiny_model")
     tok = tiny.build_tokenizer()
     tok.chat_template = tiny.CHAT_TEMPLATE
     return tok
@@ -412,7 +412,7 @@ def test_chat_template_that_rewrites_earlier_turns_is_refused(chat_tokenizer: An
 
 
 def test_plain_codec_without_a_template(chat_tokenizer: Any) -> None:
-    tiny = pytest.importorskip("trainer_svc.tiny_model")
+    tiny = pytest.importorskip("asyncrl.tiny_model")
     tok = tiny.build_tokenizer()  # no chat template
     codec = codec_for(tok, "auto")
     assert isinstance(codec, PlainCodec)

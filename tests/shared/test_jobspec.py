@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from shared.jobspec import AlgorithmSpec, JobSpec, SamplingSpec, TaskSpec, format_validation_error
+from shared.jobspec import (
+    AlgorithmSpec,
+    JobSpec,
+    SamplingSpec,
+    TaskSpec,
+    format_validation_error,
+    stored_spec,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "deploy" / "jobs"
@@ -334,3 +341,43 @@ def test_placement_defaults_to_split_and_colocated_is_sync() -> None:
         JobSpec.model_validate({"model_path": "/m", "placement": "shared"})
     # the stored form round-trips
     assert JobSpec.model_validate(co.model_dump(mode="json")) == co
+
+
+# A spec as an older version stored it (by hand): a field since removed, a task field this version
+# does not know, an lr above today's bound, an evaluation set whose name no longer validates.
+OLD_STORED: dict[str, Any] = {
+    "name": "old-job", "model_path": "/models/tiny", "mode": "async", "max_staleness": 2,
+    "adaptive_staleness": {"k_min": 1, "k_max": 3}, "group_size": 4, "prompts_per_step": 2, "seed": 7,
+    "task": {"name": "arithmetic", "n_test": 10, "split_seed": 3},
+    "algorithm": {"loss": "gspo", "lr": 2.0},
+    "eval_sets": [{"name": "held_out"}, {"name": "no spaces allowed"}],
+    "retired_knob": True,
+}
+
+
+def test_stored_spec_reads_a_stored_spec_with_jobspec_s_defaults() -> None:
+    with pytest.raises(ValidationError):
+        JobSpec.model_validate(OLD_STORED)  # what a service does: a spec that no longer validates never runs
+    before = json.dumps(OLD_STORED)
+    spec = stored_spec(OLD_STORED)
+    assert json.dumps(OLD_STORED) == before  # the stored dict is not touched
+    assert (spec.name, spec.mode, spec.seed, spec.group_size, spec.prompts_per_step) == ("old-job", "async", 7, 4, 2)
+    assert spec.staleness_bound == 3 and spec.max_groups_in_flight == 8  # adaptive: k_max
+    assert spec.task.n_test == 10 and spec.task.name == "arithmetic"
+    # what did not validate is left out, its default applies, and the spec says it was not given
+    assert spec.algorithm.loss == "gspo" and spec.algorithm.lr == AlgorithmSpec().lr
+    assert "lr" not in spec.algorithm.model_fields_set and "loss" in spec.algorithm.model_fields_set
+    assert [e.name for e in spec.eval_sets] == ["held_out"]
+    assert {"retired_knob", "placement"}.isdisjoint(spec.model_fields_set)
+    # a spec stored by this version reads exactly as the services validate it
+    current = JobSpec(model_path="/m", group_size=4, task={"n_test": 5}).model_dump(mode="json")
+    assert stored_spec(current) == JobSpec.model_validate(current)
+    # the defaults are JobSpec's: nothing restated
+    minimal = stored_spec({"model_path": "/m"})
+    assert minimal == JobSpec(model_path="/m") and minimal.model_fields_set == {"model_path"}
+
+
+def test_stored_spec_refuses_what_is_no_job_spec() -> None:
+    for stored in ({}, {"mode": "sync"}, {"model_path": "/m", "placement": "colocated", "mode": "async"}):
+        with pytest.raises(ValidationError):
+            stored_spec(stored)

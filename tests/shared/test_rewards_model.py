@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
+from asyncrl.tiny_model import build_tokenizer
 from shared.rewards import RewardInput, RewardLoadError, build_scorer
-from trainer_svc.tiny_model import build_tokenizer
 
 
 def _save_reward_model(path, num_labels: int = 1):

@@ -8,6 +8,7 @@ import uuid
 import msgpack
 import pytest
 
+from asyncrl.tiny_model import build_tokenizer
 from broker.streams import POLICY, PROMPTS, Delivery, JobStreams, connect
 from generator_svc.service import PolicyFollower
 from shared.jobspec import JobSpec
@@ -32,7 +33,6 @@ from trainer_svc.evaluation import Evaluator
 from trainer_svc.feeder import Feeder, Group
 from trainer_svc.guard import CollapseGuard
 from trainer_svc.sink import LOST_LOOK_S, ORDER_WAIT_MIN_S, TrainSink, dead_streak_limit
-from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())
 

@@ -728,7 +728,7 @@ def test_entropy_bonus_off_is_a_metric_only_and_on_needs_the_graph():
 def _tiny(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
     return AutoModelForCausalLM.from_pretrained(path)
@@ -778,12 +778,12 @@ def test_one_training_step_moves_the_tiny_model(tmp_path):
 
 
 def test_learner_optimizer_gets_betas_eps_and_the_entropy_bonus_raises_the_entropy(tmp_path):
+    from asyncrl.tiny_model import build_tiny_model
     from bench.t_train import fake_batch
     from trainer_svc.batch import TrainBatch
     from trainer_svc.learner import Learner
     from trainer_svc.logprobs import token_logprobs_and_entropy
     from trainer_svc.sink import flatten_batch
-    from trainer_svc.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.tiny_model import build_tokenizer
 from broker.streams import GROUP_TRAINERS, SCORED, Consumer, JobStreams, connect
 from shared.ids import group_seq
 from shared.jobspec import JobSpec
@@ -18,7 +19,6 @@ from shared.tasks import Problem
 from trainer_svc import checkpoint
 from trainer_svc.batch import TrainBatch
 from trainer_svc.feeder import Feeder
-from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())
 
@@ -33,7 +33,7 @@ def streams():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
 

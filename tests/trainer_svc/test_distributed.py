@@ -164,7 +164,7 @@ def _torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 30
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
                             intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32

@@ -5,6 +5,7 @@ import uuid
 
 import pytest
 
+from asyncrl.tiny_model import build_tokenizer
 from broker.streams import PROMPTS, JobStreams, connect
 from shared.ids import eval_round
 from shared.jobspec import JobSpec
@@ -21,7 +22,6 @@ from shared.schema import (
 )
 from shared.tasks import Problem
 from trainer_svc.feeder import Feeder, GroupAssembler
-from trainer_svc.tiny_model import build_tokenizer
 
 RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: plain text, <s> first
 

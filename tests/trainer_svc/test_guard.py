@@ -266,11 +266,11 @@ def test_check_reports_the_first_kind():
 
 
 def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
+    from asyncrl.tiny_model import build_tiny_model
     from bench.t_train import fake_batch
     from shared.jobspec import JobSpec
     from trainer_svc.learner import Learner
     from trainer_svc.sink import flatten_batch
-    from trainer_svc.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
     spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},

@@ -27,9 +27,8 @@ def test_start_bound_and_in_flight_budget():
         assert start_bound(spec.mode, spec.max_staleness,
                            spec.adaptive_staleness.k_max if spec.adaptive_staleness else None) == spec.staleness_bound
     # (1 + 1) * 2 groups of 2, plus an eval round of 2 problems
-    assert in_flight_samples({"prompts_per_step": 2, "group_size": 2, "task": {"n_test": 2}}) == 10
-    with pytest.raises(KeyError):
-        in_flight_samples({"group_size": 2})
+    assert in_flight_samples(1, 2, 2, 2) == 10
+    assert in_flight_samples(0, 2, 2, 0) == 4  # sync: one step's groups
 
 
 def test_staleness_bound_is_the_one_writer():

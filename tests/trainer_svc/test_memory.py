@@ -125,12 +125,12 @@ def test_learner_step_same_with_the_memory_knobs(tmp_path) -> None:
     """One Learner step (the trainer's own path: micro-batches, loss, clip, AdamW) with chunked
     logprobs and activation checkpointing on equals the step with them off, with the entropy bonus
     and a KL reference (both chunked too)."""
+    from asyncrl.tiny_model import build_tiny_model
     from shared.jobspec import JobSpec
     from tests.trainer_svc.test_distributed import GROUPS, MAX_TOKENS, N
     from tests.trainer_svc.test_distributed import _batch as dist_batch
     from trainer_svc.batch import TrainBatch
     from trainer_svc.learner import Learner
-    from trainer_svc.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
     torch.set_num_threads(2)

@@ -113,7 +113,7 @@ def _batch(vocab: int) -> TrainBatch:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from trainer_svc.tiny_model import build_tiny_model
+    from asyncrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=2, hidden=64, heads=2, intermediate=128)
 

@@ -107,11 +107,11 @@ def test_learner_bf16_step_mixed_precision(tmp_path) -> None:
     """Two Learner steps in float32 and in bfloat16 (with a KL reference and the entropy bonus):
     weights and AdamW state stay float32, the loss and mismatch KL agree within tolerance, the
     weights move."""
+    from asyncrl.tiny_model import build_tiny_model
     from tests.trainer_svc.test_distributed import GROUPS, MAX_TOKENS, N
     from tests.trainer_svc.test_distributed import _batch as dist_batch
     from trainer_svc.batch import TrainBatch
     from trainer_svc.learner import Learner
-    from trainer_svc.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
     torch.set_num_threads(2)

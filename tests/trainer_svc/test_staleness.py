@@ -62,11 +62,11 @@ def test_adaptive_bound_rejects_bad_configuration():
 
 
 def test_learner_applies_the_staleness_lr_scale(tmp_path):
+    from asyncrl.tiny_model import build_tiny_model
     from bench.t_train import fake_batch
     from shared.jobspec import JobSpec
     from trainer_svc.learner import Learner
     from trainer_svc.sink import flatten_batch
-    from trainer_svc.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
     spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},

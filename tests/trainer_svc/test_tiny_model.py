@@ -1,4 +1,4 @@
-"""trainer_svc.tiny_model, trainer_svc.logprobs and a warm-start smoke run, on CPU."""
+"""asyncrl.tiny_model, trainer_svc.logprobs and a warm-start smoke run, on CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from asyncrl.tiny_model import BOS, EOS, PAD, build_tiny_model  # noqa: E402
 from trainer_svc.logprobs import pad_batch, sequence_logprobs, token_logprobs  # noqa: E402
-from trainer_svc.tiny_model import BOS, EOS, PAD, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_temperature_must_be_positive(model) -> None:
 
 
 def test_teacher_answer() -> None:
-    from trainer_svc.warmstart import teacher_answer
+    from asyncrl.warmstart import teacher_answer
 
     rng = random.Random(0)
     assert {teacher_answer("41", 1.0, rng) for _ in range(5)} == {"42"}
@@ -207,7 +207,7 @@ def test_teacher_answer() -> None:
 
 @pytest.mark.slow
 def test_warm_start_smoke(tiny_dir: Path, tmp_path: Path) -> None:
-    from trainer_svc.warmstart import warm_start
+    from asyncrl.warmstart import warm_start
 
     out = tmp_path / "warm"
     metrics = warm_start(tiny_dir, out, steps=5, n_train=50, n_test=10, seed=0)

@@ -4,7 +4,7 @@ The checkpoint is a plain Hugging Face directory (``config.json``, ``model.safet
 ``generation_config.json``, ``tokenizer.json`` ...) that both transformers and vLLM load, so
 the whole system can run end to end on a CPU with no model download.
 
-    python -m trainer_svc.tiny_model --out /tmp/tiny [--layers 2 --hidden 128 --heads 4 \
+    python -m asyncrl.tiny_model --out /tmp/tiny [--layers 2 --hidden 128 --heads 4 \
         --intermediate 256 --seed 0]
 
 Tokenizer contract: every printable ASCII character (``string.printable``, including space,
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import string
 from pathlib import Path
-from typing import cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -64,6 +63,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    """The id of one token the tokenizer knows."""
+    i = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(i, int):
+        raise TypeError(f"{token!r} is not one token of the tiny tokenizer")
+    return i
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -90,7 +97,7 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    ids = {t: cast(int, tokenizer.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}  # one token: one id
+    ids = {t: _token_id(tokenizer, t) for t in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -106,8 +113,7 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    # transformers types the decorated PreTrainedModel.to as taking the model first
-    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
+    model = LlamaForCausalLM(config).float()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD]
     )

@@ -7,7 +7,7 @@ trip is a false one. After a reward-collapse trip the replayed reward series sta
 the default `on_no_checkpoint: lower_lr` does, and near enough what a roll-back does: the jobs
 went on as recorded, so later steps are not those a roll-back would have produced).
 
-    python -m trainer_svc.guard_calibration --url sqlite:///runs/demo/ledger.db [--url URL ...]
+    python -m asyncrl.guard_calibration --url sqlite:///runs/demo/ledger.db [--url URL ...]
         [--job ID ...] [--guard '{"reward_window": 3}'] [--out results/guard_calibration.json]
         [--md results/guard_calibration.md]
 
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.jobspec import GuardSpec
+from shared.jobspec import GuardSpec, JobSpec, stored_spec
 from trainer_svc.guard import IS_SIGNALS, check
 
 # the metrics the checks read besides the loss's IS_SIGNALS; a job that lacks one was not fully
@@ -51,28 +51,27 @@ def replay(steps: Sequence[tuple[int, Mapping[str, float]]], cfg: GuardSpec, los
     return trips
 
 
-def _staleness(spec: Mapping[str, Any]) -> str:
-    if spec.get("mode", "async") == "sync":
+def _staleness(spec: JobSpec) -> str:
+    """The job's staleness bound as the table shows it: 0 (sync), k, or the adaptive range."""
+    if spec.mode == "sync":
         return "0"
-    adaptive = spec.get("adaptive_staleness")
-    if adaptive:
-        return f"{adaptive.get('k_min', 0)}-{adaptive.get('k_max', 4)} (adaptive)"
-    return str(spec.get("max_staleness", 1))
+    if spec.adaptive_staleness is not None:
+        return f"{spec.adaptive_staleness.k_min}-{spec.adaptive_staleness.k_max} (adaptive)"
+    return str(spec.max_staleness)
 
 
 def job_row(url: str, job: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], cfg: GuardSpec) -> dict[str, Any]:
-    """One job's calibration row: what it was (task, mode, k, seed, loss) and its trips."""
-    spec = job.get("spec") or {}
-    task = spec.get("task")
-    loss = (spec.get("algorithm") or {}).get("loss", "aipo")
+    """One job's calibration row: what it was (task, mode, k, seed, loss; its stored spec read by
+    shared/jobspec.py `stored_spec`) and its trips."""
+    spec = stored_spec(job.get("spec") or {})
+    loss = spec.algorithm.loss
     series = [(int(s["step"]), s["metrics"] or {}) for s in steps]
     needed = (*CHECKED, *IS_SIGNALS.get(loss, ()))
     missing = sorted({k for _, m in series for k in needed if k not in m})
     trips = replay(series, cfg, loss)
     return {
         "url": url, "job_id": job["id"], "name": job.get("name"), "state": job.get("state"),
-        "task": (task.get("name") if isinstance(task, dict) else task) or "arithmetic",
-        "mode": spec.get("mode", "async"), "k": _staleness(spec), "seed": spec.get("seed", 0), "loss": loss,
+        "task": spec.task.name, "mode": spec.mode, "k": _staleness(spec), "seed": spec.seed, "loss": loss,
         "steps": len(series), "trips": trips, "n_trips": len(trips), "missing_metrics": missing,
     }
 
@@ -112,7 +111,7 @@ def markdown(result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer_svc.guard_calibration", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m asyncrl.guard_calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", action="append", required=True, help="ledger URL (SQLite or PostgreSQL); repeatable")
     ap.add_argument("--job", action="append", default=[], help="job id; repeatable (default: every job)")
     ap.add_argument("--guard", default="{}", help="GuardSpec fields as JSON (default: the defaults)")

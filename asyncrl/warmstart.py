@@ -12,9 +12,9 @@ start has pass@8 of only about 0.5-0.6 at greedy 0.1-0.3, and GRPO then plateaus
 pass@8 (held-out greedy about 0.4-0.5 after 300 steps); it sharpens what the policy can already
 sample rather than teaching new answers.
 
-    python -m trainer_svc.warmstart --model /tmp/tiny --out /tmp/tiny-warm [--task arithmetic \
+    python -m asyncrl.warmstart --model /tmp/tiny --out /tmp/tiny-warm [--task arithmetic \
         --seed 0 --steps 1000 --lr 1e-3 --off-by-one 0.7]
-    python -m trainer_svc.warmstart --model /tmp/tiny --out /tmp/tiny-warm \
+    python -m asyncrl.warmstart --model /tmp/tiny --out /tmp/tiny-warm \
         --task-spec '{"datasets": [{"path": "my.jsonl"}], "prompt_field": "q", "answer_field": "a"}'
 
 (`--task-spec`: a job spec's `task` section, as JSON or @file, for a user's own data.)
@@ -156,7 +156,7 @@ def warm_start(
     """Fine-tune ``model_dir`` on the task's train split; save model + tokenizer to ``out_dir``.
 
     Args:
-        model_dir: HF directory (e.g. from ``trainer_svc.tiny_model``).
+        model_dir: HF directory (e.g. from ``asyncrl.tiny_model``).
         out_dir: created if missing.
         task, n_train, n_test, path, test_path: the task section (``shared.datasets.TaskSpec``).
         task_spec: a whole task section instead (a user's own datasets); the five above are
