@@ -386,6 +386,7 @@ def run_memory(url: str, tmp_path: Path, *, big: int = 10, big_mib: int = 50, ne
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ledger_url", ["postgres"], indirect=True)  # the refused-row tests below take both
 def test_poison_burst_costs_no_good_rollout(ledger_url: str, tmp_path: Path) -> None:
     from hostile_results import record_hostile
 

@@ -40,14 +40,17 @@ def tiny_model(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
 
 
-# DATABASE_URL, when set, replaces both backends: the run uses that database only.
-BACKENDS = ["DATABASE_URL"] if os.environ.get("DATABASE_URL") else ["sqlite", "postgresql"]
+def _backend(name: str) -> str:
+    """`name`, or DATABASE_URL when that is set: the run then uses that database only."""
+    return "DATABASE_URL" if os.environ.get("DATABASE_URL") else name
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module")
 def db_url(request, tmp_path_factory, postgres_database):
     """One ledger per backend for every run in this module: jobs sharing a database must not
-    collide on sample keys. Every test runs against SQLite (the default) and PostgreSQL (production)."""
+    collide on sample keys. The tests split the backends between them (the ledger's own tests run
+    every query on both): the async loop and job control on PostgreSQL (production), the sync
+    loop on SQLite (the default), as the tests that build their own ledger are."""
     if request.param == "DATABASE_URL":
         yield os.environ["DATABASE_URL"]
     elif request.param == "sqlite":
@@ -74,7 +77,8 @@ def _inject_malformed(streams: JobStreams, job_id: str) -> int:
     return 5
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode, db_url", [("async", _backend("postgresql")), ("sync", _backend("sqlite"))],
+                         indirect=["db_url"])
 def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     sup, api, redis_url, prefix = _stack(tmp_path, db_url, "it")
     k = 1
@@ -171,6 +175,7 @@ def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     streams.delete_all()
 
 
+@pytest.mark.parametrize("db_url", [_backend("postgresql")], indirect=True)
 def test_job_control_through_the_cli_and_admin_tasks(tmp_path, tiny_model, db_url):
     """The user's path, every step through the `asyncrl` CLI (a real process each time): submit,
     watch, pause (no step advances, nothing moves), change lr and max_staleness live (the next steps
