@@ -112,8 +112,9 @@ def demo(
     generators: int = typer.Option(1, help="Generator processes."),
     workdir: str = typer.Option("runs/demo", help="Models, ledger, logs and the plot go here."),
     seed: int = typer.Option(0),
-    placement: str = typer.Option("split", help="split, or colocated (generator and trainer take turns on every "
-                                  "core; sync)."),
+    placement: str = typer.Option(
+        "split", help="split, or colocated (generator and trainer take turns on every core; sync)."
+    ),
 ) -> None:
     """Build a tiny model, warm-start it, and run an RL job with every service as a process."""
     quiet_logging()
@@ -121,12 +122,18 @@ def demo(
 
     if placement == "colocated":
         mode = "sync"  # co-located phases alternate
-    run_demo(workdir=workdir, steps=steps, mode=mode, max_staleness=max_staleness, generators=generators, seed=seed,
-             extra_spec={"placement": placement} if placement != "split" else None)
+    run_demo(
+        workdir=workdir,
+        steps=steps,
+        mode=mode,
+        max_staleness=max_staleness,
+        generators=generators,
+        seed=seed,
+        extra_spec={"placement": placement} if placement != "split" else None,
+    )
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
 def bench(ctx: typer.Context) -> None:
     """Benchmarks measured in one run on this machine (`asyncrl bench --help`); `python -m bench`
     runs them: the benchmarks sit above the CLI, which does not import them."""
@@ -147,8 +154,12 @@ def _place(position: int) -> str:
 @app.command()
 def submit(
     spec_file: Path,
-    as_json: bool = typer.Option(False, "--json", help="Print the API's answer (id, state, position and the "
-                                 "stored spec with every default) as JSON, for scripts."),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="Print the API's answer (id, state, position and the "
+        "stored spec with every default) as JSON, for scripts.",
+    ),
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
@@ -158,8 +169,10 @@ def submit(
     if as_json:
         _echo_json(job)
     else:
-        typer.echo(f"job {job['id']} {job['state']}, {_place(job['position'])}; status page "
-                   f"{api.rstrip('/')}/status?job={job['id']}")
+        typer.echo(
+            f"job {job['id']} {job['state']}, {_place(job['position'])}; status page "
+            f"{api.rstrip('/')}/status?job={job['id']}"
+        )
 
 
 def _positions(api: str, token: str | None) -> dict[str, int]:
@@ -177,12 +190,24 @@ def list_jobs(
     and updated times."""
     jobs = _call("GET", api, "/jobs", token, params={"limit": limit})
     positions = _positions(api, token)
-    table = Table("id", "name", "state", Column("queue", justify="right"), Column("priority", justify="right"),
-                  Column("step", justify="right"), "created", "updated")
+    table = Table(
+        "id",
+        "name",
+        "state",
+        Column("queue", justify="right"),
+        Column("priority", justify="right"),
+        Column("step", justify="right"),
+        "created",
+        "updated",
+    )
     for job in jobs:
-        table.add_row(_cell(job["id"]), _cell(job["name"]), _cell(job["state"]),
-                      _cell(f"#{positions[job['id']]}" if job["id"] in positions else None),
-                      *(_cell(job[k]) for k in ("priority", "step", "created_at", "updated_at")))
+        table.add_row(
+            _cell(job["id"]),
+            _cell(job["name"]),
+            _cell(job["state"]),
+            _cell(f"#{positions[job['id']]}" if job["id"] in positions else None),
+            *(_cell(job[k]) for k in ("priority", "step", "created_at", "updated_at")),
+        )
     Console().print(table)
 
 
@@ -198,29 +223,75 @@ def _show_queue(api: str, token: str | None) -> None:
     services = _call("GET", api, "/fleet", token)["services"]
     console = Console()
     if queue["running"]:
-        running = Table("id", "name", "state", Column("step", justify="right"), Column("priority", justify="right"),
-                        "started", title="running", title_justify="left")
+        running = Table(
+            "id",
+            "name",
+            "state",
+            Column("step", justify="right"),
+            Column("priority", justify="right"),
+            "started",
+            title="running",
+            title_justify="left",
+        )
         for j in queue["running"]:
-            running.add_row(_cell(j["id"]), _cell(j["name"]), _cell(j["state"]), _cell(f"{j['step']}/{j['steps']}"),
-                            _cell(j["priority"]), _cell(j["started_at"]))
+            running.add_row(
+                _cell(j["id"]),
+                _cell(j["name"]),
+                _cell(j["state"]),
+                _cell(f"{j['step']}/{j['steps']}"),
+                _cell(j["priority"]),
+                _cell(j["started_at"]),
+            )
         console.print(running)
     else:
         console.print("running: no job")
     if queue["queued"]:
-        queued = Table(Column("#", justify="right"), "id", "name", Column("priority", justify="right"), "submitted",
-                       "waiting for", title="queued", title_justify="left")
+        queued = Table(
+            Column("#", justify="right"),
+            "id",
+            "name",
+            Column("priority", justify="right"),
+            "submitted",
+            "waiting for",
+            title="queued",
+            title_justify="left",
+        )
         for q in queue["queued"]:
-            queued.add_row(_cell(q["position"]), _cell(q["id"]), _cell(q["name"]), _cell(q["priority"]),
-                           _cell(q["submitted_at"]), _cell(q["waiting_for"]))
+            queued.add_row(
+                _cell(q["position"]),
+                _cell(q["id"]),
+                _cell(q["name"]),
+                _cell(q["priority"]),
+                _cell(q["submitted_at"]),
+                _cell(q["waiting_for"]),
+            )
         console.print(queued)
     else:
         console.print("queued: no job")
     if services:
-        fleet = Table("role", "id", "host", Column("pid", justify="right"), "state", "job", "since",
-                      Column("jobs served", justify="right"), title="fleet", title_justify="left")
+        fleet = Table(
+            "role",
+            "id",
+            "host",
+            Column("pid", justify="right"),
+            "state",
+            "job",
+            "since",
+            Column("jobs served", justify="right"),
+            title="fleet",
+            title_justify="left",
+        )
         for m in services:
-            fleet.add_row(_cell(m["role"]), _cell(m["id"]), _cell(m["host"]), _cell(m["pid"]), _cell(m["state"]),
-                          _cell(m["job"]), _cell(_ago(m["since"])), _cell(m["jobs_served"]))
+            fleet.add_row(
+                _cell(m["role"]),
+                _cell(m["id"]),
+                _cell(m["host"]),
+                _cell(m["pid"]),
+                _cell(m["state"]),
+                _cell(m["job"]),
+                _cell(_ago(m["since"])),
+                _cell(m["jobs_served"]),
+            )
         console.print(fleet)
     else:
         console.print("fleet: no service is up (python -m asyncrl.launch starts one)")
@@ -237,9 +308,7 @@ def _follow(job_id: str, api: str, token: str | None, interval: float, **kwargs:
 @app.command()
 def status(
     job_id: str | None = typer.Argument(None, help="A job; none: the queue and the fleet."),
-    watch: bool = typer.Option(
-        False, "--watch", help="Live progress until the job ends; exits 1 if it failed."
-    ),
+    watch: bool = typer.Option(False, "--watch", help="Live progress until the job ends; exits 1 if it failed."),
     interval: float = typer.Option(1.0, min=0.1, help="--watch: seconds between refreshes."),
     api: str = API,
     token: str | None = TOKEN,
@@ -283,13 +352,21 @@ def _answers(api: str) -> bool:
 def run(
     spec_file: Path,
     api: str | None = typer.Option(
-        None, "--api", envvar="ASYNCRL_API", show_default=False,
+        None,
+        "--api",
+        envvar="ASYNCRL_API",
+        show_default=False,
         help="Job API of the fleet to run on. Unset: the one at 127.0.0.1:$BROKER_PORT (8000), else a fleet "
         "started on this box for the job (python -m asyncrl.launch: Redis found or private, the SQLite ledger "
-        "runs/ledger.db unless DATABASE_URL is set), its API on that port."),
+        "runs/ledger.db unless DATABASE_URL is set), its API on that port.",
+    ),
     token: str | None = TOKEN,
-    keep: bool = typer.Option(False, "--keep", help="Leave the fleet this command started up after the job: the "
-                              "next `asyncrl run` finds it, its engines warm."),
+    keep: bool = typer.Option(
+        False,
+        "--keep",
+        help="Leave the fleet this command started up after the job: the "
+        "next `asyncrl run` finds it, its engines warm.",
+    ),
     generators: int = typer.Option(1, min=1, help="Generator processes of a fleet started here."),
     interval: float = typer.Option(1.0, min=0.1, help="Seconds between progress refreshes."),
     plot_file: str | None = typer.Option(None, "--plot", help="Also write reward and staleness per step to this PNG."),
@@ -320,8 +397,11 @@ def run(
     try:
         submitted = _call("POST", url, "/jobs", token, json=spec)
         job_id = submitted["id"]
-        console.print(f"job {job_id} {submitted['state']}, {_place(submitted['position'])}; "
-                      f"status page {url}/status?job={job_id}", soft_wrap=True)
+        console.print(
+            f"job {job_id} {submitted['state']}, {_place(submitted['position'])}; "
+            f"status page {url}/status?job={job_id}",
+            soft_wrap=True,
+        )
         try:
             job = _follow(job_id, url, token, interval, check=local.check if local else None, console=console)
         except KeyboardInterrupt:
@@ -330,8 +410,9 @@ def run(
                     httpx.post(f"{url}/jobs/{job_id}/cancel", headers=_auth(token), timeout=5)
                 typer.echo(f"interrupted: job {job_id} cancelled", err=True)
             else:
-                typer.echo(f"stopped following: job {job_id} goes on at {url} (asyncrl cancel {job_id} ends it)",
-                           err=True)
+                typer.echo(
+                    f"stopped following: job {job_id} goes on at {url} (asyncrl cancel {job_id} ends it)", err=True
+                )
             raise typer.Exit(130) from None
         summary = _call("GET", url, f"/jobs/{job_id}/summary", token)
         if summary["steps"]:
@@ -339,13 +420,16 @@ def run(
         if plot_file is not None:
             console.print(f"plot: {plot(summary, Path(plot_file))}")
         if job["state"] != "finished":
-            _fail(f"job {job_id} {job['state']} at step {job['step']}" + (f": {job['error']}" if job.get("error") else ""))
+            _fail(
+                f"job {job_id} {job['state']} at step {job['step']}" + (f": {job['error']}" if job.get("error") else "")
+            )
         console.print(f"job {job_id} finished at step {job['step']}")
     finally:
         if local is not None and keep:
             # soft_wrap: addresses and paths stay whole, to be copied
-            console.print(f"the fleet stays up: API {url} (status page {url}/status), logs {local.logdir}",
-                          soft_wrap=True)
+            console.print(
+                f"the fleet stays up: API {url} (status page {url}/status), logs {local.logdir}", soft_wrap=True
+            )
             if url != DEFAULT_API:
                 console.print(f"the other asyncrl commands find it with: export ASYNCRL_API={url}", soft_wrap=True)
             console.print(f"stop it with: kill {local.pid}")
@@ -354,13 +438,17 @@ def run(
             local.stop()
 
 
-PAGES = typer.Argument(..., help="The services' Prometheus pages, e.g. http://127.0.0.1:9101/metrics (each "
-                       "service serves one on its GEN_/REWARD_/TRAINER_METRICS_PORT).")
+PAGES = typer.Argument(
+    ...,
+    help="The services' Prometheus pages, e.g. http://127.0.0.1:9101/metrics (each "
+    "service serves one on its GEN_/REWARD_/TRAINER_METRICS_PORT).",
+)
 
 
 @app.command()
-def phases(urls: list[str] = PAGES,
-           as_json: bool = typer.Option(False, "--json", help="JSON instead of a table.")) -> None:
+def phases(
+    urls: list[str] = PAGES, as_json: bool = typer.Option(False, "--json", help="JSON instead of a table.")
+) -> None:
     """Where a step's time goes: per role and phase (generate, fetch, verify, swap, score, ledger,
     Redis hops, flatten, checksum, serve, probe, learner step, ...), how many spans, their median
     and mean milliseconds, and the total, since each service started."""
@@ -380,11 +468,23 @@ def phases(urls: list[str] = PAGES,
         return
     if not rows:
         _fail("no phase timings on those pages (is it a service's metrics port?)")
-    table = Table("role", "phase", Column("spans", justify="right"), Column("median ms", justify="right"),
-                  Column("mean ms", justify="right"), Column("total s", justify="right"))
+    table = Table(
+        "role",
+        "phase",
+        Column("spans", justify="right"),
+        Column("median ms", justify="right"),
+        Column("mean ms", justify="right"),
+        Column("total s", justify="right"),
+    )
     for p in rows:
-        table.add_row(str(p["role"]), str(p["phase"]), f"{int(p['count'])}", f"{1000 * float(p['median_s']):.2f}",
-                      f"{1000 * float(p['mean_s']):.2f}", f"{float(p['total_s']):.2f}")
+        table.add_row(
+            str(p["role"]),
+            str(p["phase"]),
+            f"{int(p['count'])}",
+            f"{1000 * float(p['median_s']):.2f}",
+            f"{1000 * float(p['mean_s']):.2f}",
+            f"{float(p['total_s']):.2f}",
+        )
     Console().print(table)
 
 
@@ -523,7 +623,9 @@ def verify(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(res["counts"].items()))
     console.print(f"samples: {counts or 'none'}; in flight {res['in_flight']}; steps {res['steps']}")
     for f in res["violations"] + res["info"]:
-        console.print(Text(f"{f['level']}: {f['check']}: {f['message']}", style="red" if f["level"] == "violation" else "dim"))
+        console.print(
+            Text(f"{f['level']}: {f['check']}: {f['message']}", style="red" if f["level"] == "violation" else "dim")
+        )
     if not res["ok"]:
         raise typer.Exit(1)
 
@@ -537,7 +639,9 @@ def _checkpoint_step(job_id: str, step: int | None, api: str, token: str | None)
         return step
     checkpoints = _call("GET", api, f"/jobs/{job_id}/checkpoints", token)
     if not checkpoints:
-        _fail(f"job {job_id} has no checkpoint yet (the trainer writes one every checkpoint_every steps and at the end)")
+        _fail(
+            f"job {job_id} has no checkpoint yet (the trainer writes one every checkpoint_every steps and at the end)"
+        )
     return int(checkpoints[-1]["step"])
 
 
@@ -558,8 +662,14 @@ def _follow_task(task: dict[str, Any], wait: bool, interval: float, api: str, to
 
 
 def _submit_admin(
-    job_id: str, step: int | None, action: str, body: dict | None, wait: bool, interval: float,
-    api: str, token: str | None,
+    job_id: str,
+    step: int | None,
+    action: str,
+    body: dict | None,
+    wait: bool,
+    interval: float,
+    api: str,
+    token: str | None,
 ) -> None:
     """POST /jobs/{job}/checkpoints/{step}/{action} (newest checkpoint when `step` is None), then follow it."""
     step = _checkpoint_step(job_id, step, api, token)

@@ -76,12 +76,29 @@ def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, war
     log_path = log_path or workdir / "logs" / "model.log"
     if not (base / "config.json").exists():
         console.print(f"[bold]building tiny model[/] -> {base}", soft_wrap=True)
-        run_tool([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--seed", str(seed)],
-                 log_path, "building the tiny model")
+        run_tool(
+            [sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--seed", str(seed)],
+            log_path,
+            "building the tiny model",
+        )
     if not (warm / "config.json").exists():
         console.print(f"[bold]supervised warm start[/] -> {warm} (a minute or two; log {log_path})", soft_wrap=True)
-        out = run_tool([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
-                        "--seed", str(seed), *warm_args], log_path, "the supervised warm start")
+        out = run_tool(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.warmstart",
+                "--model",
+                str(base),
+                "--out",
+                str(warm),
+                "--seed",
+                str(seed),
+                *warm_args,
+            ],
+            log_path,
+            "the supervised warm start",
+        )
         console.print(_warm_line(out), soft_wrap=True)
     return warm
 
@@ -90,8 +107,10 @@ def _warm_line(stdout: str) -> str:
     """asyncrl.warmstart's result (its last stdout line, JSON) as a sentence."""
     try:
         m = json.loads(stdout.strip().splitlines()[-1])
-        return (f"warm start: held-out greedy accuracy {m['greedy_acc']:.2f}, pass@8 {m['pass_at_8']:.2f} "
-                f"({m['seconds']:.0f} s)")
+        return (
+            f"warm start: held-out greedy accuracy {m['greedy_acc']:.2f}, pass@8 {m['pass_at_8']:.2f} "
+            f"({m['seconds']:.0f} s)"
+        )
     except (IndexError, ValueError, KeyError, TypeError):
         return f"warm start done: {stdout.strip()}"
 
@@ -111,8 +130,12 @@ def cancel_leftovers(ledger: Ledger) -> list[str]:
     state), so that the new job is the only one its fleet serves. Returns their ids."""
     left = [j["id"] for j in ledger.list_jobs(limit=1000, states=LIVE_STATES)]
     for job_id in left:
-        ledger.move_job(job_id, LIVE_STATES, "cancelled",
-                        error="left live by an earlier run of this work directory; cancelled when the next run started")
+        ledger.move_job(
+            job_id,
+            LIVE_STATES,
+            "cancelled",
+            error="left live by an earlier run of this work directory; cancelled when the next run started",
+        )
     return left
 
 
@@ -142,20 +165,28 @@ def run_job(
     redis_url, embedded = resolve_redis_url(os.environ.get("REDIS_URL"), allow_embedded=True)
     db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{wd / 'ledger.db'}"
     port = free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
-           "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": f"run-{os.getpid()}-{port}:",
+        "BROKER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+    }
     if not os.environ.get("DATABASE_URL"):
         ledger = Ledger(db_url)
         left = cancel_leftovers(ledger)
         ledger.close()
         if left and progress:
-            console.print(f"cancelled {len(left)} job(s) an earlier run left live in {db_url}: {', '.join(left)}",
-                          soft_wrap=True)
+            console.print(
+                f"cancelled {len(left)} job(s) an earlier run left live in {db_url}: {', '.join(left)}", soft_wrap=True
+            )
     sup = Supervisor(logdir or wd / "logs" / time.strftime("%Y%m%d-%H%M%S"), env)
     if progress:
         # soft_wrap: addresses and paths stay whole, to be copied
-        console.print(f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}; "
-                      f"services' logs {sup.logdir}", soft_wrap=True)
+        console.print(
+            f"redis {redis_url}{' (private server)' if embedded else ''}; ledger {db_url}; services' logs {sup.logdir}",
+            soft_wrap=True,
+        )
     api = f"http://127.0.0.1:{port}"
     job_id = ""
     try:
@@ -171,8 +202,11 @@ def run_job(
             raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
         job_id = resp.json()["id"]
         if progress:
-            console.print(f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps); "
-                          f"status page {api}/status?job={job_id}", soft_wrap=True)
+            console.print(
+                f"job [bold]{job_id}[/] submitted ({spec.get('mode', 'async')}, {spec['steps']} steps); "
+                f"status page {api}/status?job={job_id}",
+                soft_wrap=True,
+            )
         final = follow(api, job_id, show=progress, check=lambda: _check_processes(sup), console=console)
     except KeyboardInterrupt:
         if job_id:  # else the stop below would leave it running for a successor
@@ -193,8 +227,9 @@ def _check_processes(sup: Supervisor) -> None:
         raise RuntimeError(f"{bad[0].name} exited with {bad[0].popen.returncode}:\n{sup.tail(bad[0].name)}")
 
 
-def _placed(spec: dict[str, Any], generators: int, env: dict[str, str]) -> list[tuple[str, str, dict[str, str],
-                                                                                    set[int] | None]]:
+def _placed(
+    spec: dict[str, Any], generators: int, env: dict[str, str]
+) -> list[tuple[str, str, dict[str, str], set[int] | None]]:
     """(name, module, env, cores) of each job service run_job starts. Split: the bench's hand
     placement (two roles, two cores: vLLM's OpenMP threads on the first, torch on the last).
     `placement: colocated`: shared.placement's rule, generators and trainer on every core."""
@@ -211,10 +246,14 @@ def _placed(spec: dict[str, Any], generators: int, env: dict[str, str]) -> list[
         return out
     gen_cores, train_cores = ({cores[0]}, {cores[-1]}) if len(cores) > 1 else (None, None)
     bind = ",".join(map(str, sorted(gen_cores))) if gen_cores else "auto"
-    return [*((n, m, {"GEN_GENERATOR_ID": f"gen-{i}", "VLLM_CPU_OMP_THREADS_BIND": bind}, gen_cores)
-              for i, (n, m) in enumerate(gen_names)),
-            ("reward", "reward_svc", {}, None),
-            ("trainer", "trainer_svc", {"TRAINER_THREADS": str(len(train_cores or cores))}, train_cores)]
+    return [
+        *(
+            (n, m, {"GEN_GENERATOR_ID": f"gen-{i}", "VLLM_CPU_OMP_THREADS_BIND": bind}, gen_cores)
+            for i, (n, m) in enumerate(gen_names)
+        ),
+        ("reward", "reward_svc", {}, None),
+        ("trainer", "trainer_svc", {"TRAINER_THREADS": str(len(train_cores or cores))}, train_cores),
+    ]
 
 
 def run_demo(
@@ -233,8 +272,13 @@ def run_demo(
     logdir = wd / "logs" / time.strftime("%Y%m%d-%H%M%S")  # this run's: the model tools' and every service's
     model = prepare_model(wd, seed, log_path=logdir / "model.log")
     spec = {
-        "name": f"demo-{mode}", "model_path": str(model), "mode": mode, "max_staleness": max_staleness,
-        "steps": steps, "seed": seed, "eval_every": max(1, steps // 10),
+        "name": f"demo-{mode}",
+        "model_path": str(model),
+        "mode": mode,
+        "max_staleness": max_staleness,
+        "steps": steps,
+        "seed": seed,
+        "eval_every": max(1, steps // 10),
         "algorithm": {"lr": 1e-4},  # tiny model: 1e-3 collapses the policy within a few steps
         "sampling": {"temperature": 1.0, "max_tokens": 8},
         **(extra_spec or {}),

@@ -70,9 +70,19 @@ def job_row(url: str, job: Mapping[str, Any], steps: Sequence[Mapping[str, Any]]
     missing = sorted({k for _, m in series for k in needed if k not in m})
     trips = replay(series, cfg, loss)
     return {
-        "url": url, "job_id": job["id"], "name": job.get("name"), "state": job.get("state"),
-        "task": spec.task.name, "mode": spec.mode, "k": _staleness(spec), "seed": spec.seed, "loss": loss,
-        "steps": len(series), "trips": trips, "n_trips": len(trips), "missing_metrics": missing,
+        "url": url,
+        "job_id": job["id"],
+        "name": job.get("name"),
+        "state": job.get("state"),
+        "task": spec.task.name,
+        "mode": spec.mode,
+        "k": _staleness(spec),
+        "seed": spec.seed,
+        "loss": loss,
+        "steps": len(series),
+        "trips": trips,
+        "n_trips": len(trips),
+        "missing_metrics": missing,
     }
 
 
@@ -91,21 +101,30 @@ def calibrate(urls: Sequence[str], job_ids: Sequence[str], cfg: GuardSpec, migra
                     rows.append(job_row(url, job, ledger.train_steps(job["id"]), cfg))
         finally:
             ledger.close()
-    return {"guard": cfg.model_dump(), "jobs": rows, "jobs_with_trips": sum(r["n_trips"] > 0 for r in rows),
-            "total_trips": sum(r["n_trips"] for r in rows)}
+    return {
+        "guard": cfg.model_dump(),
+        "jobs": rows,
+        "jobs_with_trips": sum(r["n_trips"] > 0 for r in rows),
+        "total_trips": sum(r["n_trips"] for r in rows),
+    }
 
 
 def markdown(result: Mapping[str, Any]) -> str:
     """The rows as a markdown table, the GuardSpec above it."""
-    lines = [f"GuardSpec: `{json.dumps(result['guard'])}`", "",
-             "| job | task | mode | k | seed | loss | steps | trips | reasons |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GuardSpec: `{json.dumps(result['guard'])}`",
+        "",
+        "| job | task | mode | k | seed | loss | steps | trips | reasons |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["jobs"]:
         reasons = "; ".join(f"step {t['step']}: {t['reason']}" for t in r["trips"]) or "-"
         if r["missing_metrics"]:
             reasons += f" (not recorded: {', '.join(r['missing_metrics'])})"
-        lines.append(f"| {r['job_id']} | {r['task']} | {r['mode']} | {r['k']} | {r['seed']} | {r['loss']} | "
-                     f"{r['steps']} | {r['n_trips']} | {reasons.replace('|', '/')} |")
+        lines.append(
+            f"| {r['job_id']} | {r['task']} | {r['mode']} | {r['k']} | {r['seed']} | {r['loss']} | "
+            f"{r['steps']} | {r['n_trips']} | {reasons.replace('|', '/')} |"
+        )
     lines += ["", f"{result['jobs_with_trips']} of {len(result['jobs'])} jobs tripped; {result['total_trips']} trips."]
     return "\n".join(lines) + "\n"
 
@@ -117,8 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--guard", default="{}", help="GuardSpec fields as JSON (default: the defaults)")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     ap.add_argument("--md", type=Path, help="write the markdown table here")
-    ap.add_argument("--migrate", action="store_true",
-                    help="upgrade an older ledger's schema to this checkout's first (it is read as it is otherwise)")
+    ap.add_argument(
+        "--migrate",
+        action="store_true",
+        help="upgrade an older ledger's schema to this checkout's first (it is read as it is otherwise)",
+    )
     args = ap.parse_args(argv)
     cfg = GuardSpec.model_validate(json.loads(args.guard))
     result = calibrate(args.url, args.job, cfg, args.migrate)

@@ -42,8 +42,7 @@ def _note(state: RetryCallState) -> None:
         log.warning("job API unavailable (%s); retrying", state.outcome.exception())
 
 
-def get_json(get: Callable[..., httpx.Response], url: str, *, outage_s: float = DEFAULT_OUTAGE_S,
-             **kwargs: Any) -> Any:
+def get_json(get: Callable[..., httpx.Response], url: str, *, outage_s: float = DEFAULT_OUTAGE_S, **kwargs: Any) -> Any:
     """`get(url, **kwargs)`'s JSON body; connection errors and 5xx answers are retried for up to
     `outage_s` seconds. A 4xx answer is returned to the caller as it is (its JSON, or
     `{"error": text}` when it has none) with `"status_code"` added when it is an error.
@@ -51,6 +50,7 @@ def get_json(get: Callable[..., httpx.Response], url: str, *, outage_s: float = 
     Raises:
         ApiUnavailable: the outage lasted longer than `outage_s`.
     """
+
     def once() -> httpx.Response:
         r = get(url, **kwargs)
         if r.status_code >= 500:
@@ -58,8 +58,13 @@ def get_json(get: Callable[..., httpx.Response], url: str, *, outage_s: float = 
         return r
 
     try:
-        r = Retrying(retry=retry_if_exception(_transient), stop=stop_after_delay(outage_s),
-                     wait=wait_exponential(multiplier=0.2, max=5.0), after=_note, reraise=True)(once)
+        r = Retrying(
+            retry=retry_if_exception(_transient),
+            stop=stop_after_delay(outage_s),
+            wait=wait_exponential(multiplier=0.2, max=5.0),
+            after=_note,
+            reraise=True,
+        )(once)
     except (httpx.TransportError, _Transient) as exc:
         raise ApiUnavailable(f"{url}: the job API stayed unavailable for {outage_s:.0f} s ({exc})") from exc
     try:

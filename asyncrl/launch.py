@@ -7,8 +7,8 @@ environment, watches them, and stops them (SIGTERM, then SIGKILL after a grace p
 service and the trainer (`--admin` adds the Celery admin worker) as a standing fleet: they serve
 the queue of jobs submitted to the API, one after another, until stopped (`--exit-when-idle`:
 until nothing is queued or running, for scripts). `--spec FILE` runs that one job and exits;
-`--roles` picks a subset for one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`, the
-default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
+`--roles` picks a subset for one node of a multi-node layout. A process that fails is restarted (`--restart on-failure`,
+the default, as compose's `restart: on-failure` and systemd's `Restart=on-failure` do) after a
 back-off, at most `--max-restarts` times within `--restart-window` seconds, each time with the
 exit code and the log tail logged; past that budget, or with `--restart no`, the first failure
 stops the rest and the launcher exits 1. Each service gets its share of the box's cores and its thread
@@ -104,7 +104,10 @@ class Supervisor:
                 os.sched_setaffinity(0, pin)
 
         popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args], env=full_env, stdout=fh, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", module, *args],
+            env=full_env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
             preexec_fn=preexec,
         )
         fh.close()
@@ -249,16 +252,36 @@ def plan(
     if "admin" in roles:
         queue = env.get("ADMIN_QUEUE", "admin")
         level = env.get("LOG_LEVEL", "INFO")
-        out.append(Service("admin", "celery", args=(
-            "-A", "broker.admin", "worker", "-Q", queue, "--concurrency", "1", "--loglevel", level,
-            "-n", f"admin@{host}",
-        )))
+        out.append(
+            Service(
+                "admin",
+                "celery",
+                args=(
+                    "-A",
+                    "broker.admin",
+                    "worker",
+                    "-Q",
+                    queue,
+                    "--concurrency",
+                    "1",
+                    "--loglevel",
+                    level,
+                    "-n",
+                    f"admin@{host}",
+                ),
+            )
+        )
     return out
 
 
-def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5,
-              policy: RestartPolicy = RestartPolicy(), long_lived: Sequence[str] = LONG_LIVED,
-              idle: Callable[[], bool] | None = None) -> int:
+def supervise(
+    sup: Supervisor,
+    stop: threading.Event,
+    poll_s: float = 0.5,
+    policy: RestartPolicy = RestartPolicy(),
+    long_lived: Sequence[str] = LONG_LIVED,
+    idle: Callable[[], bool] | None = None,
+) -> int:
     """Watch `sup`'s processes until the job's services are all done, one fails past `policy`,
     `idle()` says the fleet has nothing left to do, or `stop` is set. A failed process (non-zero
     exit, or one of `long_lived` exiting at all) is restarted when `policy` allows, with the
@@ -282,17 +305,34 @@ def supervise(sup: Supervisor, stop: threading.Event, poll_s: float = 0.5,
                 if now >= due[p.name]:
                     del due[p.name]
                     q = sup.restart(p)
-                    log.warning("restarted %s (pid %d; restart %d within %.0f s)", p.name, q.popen.pid,
-                                len(q.restarts), policy.window_s)
+                    log.warning(
+                        "restarted %s (pid %d; restart %d within %.0f s)",
+                        p.name,
+                        q.popen.pid,
+                        len(q.restarts),
+                        policy.window_s,
+                    )
                 continue
             delay = policy.delay(p, now)
             if delay is None:
                 why = "restart budget spent" if policy.on_failure else "no restart policy"
-                log.error("%s exited with code %s (%s); stopping the rest. Last lines of %s:\n%s",
-                          p.name, code, why, p.log_path, sup.tail(p.name))
+                log.error(
+                    "%s exited with code %s (%s); stopping the rest. Last lines of %s:\n%s",
+                    p.name,
+                    code,
+                    why,
+                    p.log_path,
+                    sup.tail(p.name),
+                )
                 return 1
-            log.warning("%s exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
-                        p.name, code, delay, p.log_path, sup.tail(p.name, 10))
+            log.warning(
+                "%s exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
+                p.name,
+                code,
+                delay,
+                p.log_path,
+                sup.tail(p.name, 10),
+            )
             due[p.name] = now + delay
         job_procs = [p for p in sup.procs if not any(p.name.startswith(n) for n in long_lived)]
         if job_procs and not due and all(p.popen.poll() == 0 for p in job_procs):
@@ -328,9 +368,7 @@ class QueueEmpty:
         return not busy and (self.seen or time.monotonic() > self.deadline)
 
 
-def wait_healthy(
-    url: str, sup: Supervisor, name: str, timeout_s: float, stop: threading.Event | None = None
-) -> None:
+def wait_healthy(url: str, sup: Supervisor, name: str, timeout_s: float, stop: threading.Event | None = None) -> None:
     """Poll `url` until it answers 200 (or `stop` is set).
 
     Raises:
@@ -367,8 +405,13 @@ def _submit(api: str, spec_path: Path, job_id: str | None = None) -> str:
     """Submit a job spec file to the API (as `job_id`, when given); returns the job id."""
     import httpx
 
-    resp = httpx.post(f"{api}/jobs", json=json.loads(spec_path.read_text()), headers=_auth_headers(), timeout=30,
-                      params={"job_id": job_id} if job_id else None)
+    resp = httpx.post(
+        f"{api}/jobs",
+        json=json.loads(spec_path.read_text()),
+        headers=_auth_headers(),
+        timeout=30,
+        params={"job_id": job_id} if job_id else None,
+    )
     if resp.status_code != 201:
         raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
     return str(resp.json()["id"])
@@ -402,29 +445,53 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "them all: SIGTERM, a grace period, then SIGKILL; a second Ctrl-C kills at once.",
     )
     ap.add_argument("--generators", type=int, default=1, help="generator replicas (default 1)")
-    ap.add_argument("--roles", default=",".join(DEFAULT_ROLES),
-                    help=f"comma-separated subset of {','.join(ROLES)} (default %(default)s)")
+    ap.add_argument(
+        "--roles",
+        default=",".join(DEFAULT_ROLES),
+        help=f"comma-separated subset of {','.join(ROLES)} (default %(default)s)",
+    )
     ap.add_argument("--admin", action="store_true", help="also start the Celery admin worker")
-    ap.add_argument("--job-id", help="serve this one job (sets JOB_ID), then exit; default: JOB_ID, else serve the "
-                    "fleet's queue until stopped")
+    ap.add_argument(
+        "--job-id",
+        help="serve this one job (sets JOB_ID), then exit; default: JOB_ID, else serve the fleet's queue until stopped",
+    )
     ap.add_argument("--spec", type=Path, help="submit this job spec once the API is up, serve it, then exit")
-    ap.add_argument("--exit-when-idle", action="store_true",
-                    help="serving the queue: exit 0 once no job is queued or running (after a first job, or 60 s)")
+    ap.add_argument(
+        "--exit-when-idle",
+        action="store_true",
+        help="serving the queue: exit 0 once no job is queued or running (after a first job, or 60 s)",
+    )
     ap.add_argument("--logdir", type=Path, help="default runs/launch/<timestamp>")
     ap.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (default 30)")
-    ap.add_argument("--start-timeout", type=float, default=120.0,
-                    help="seconds to wait for the broker's /health (default 120)")
-    ap.add_argument("--no-placement", action="store_true",
-                    help="start services unpinned with default thread counts (default: split this box's cores "
-                    "between the roles, shared.placement; a --spec job's placement: split or colocated; GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)")
-    ap.add_argument("--restart", choices=("on-failure", "no"), default="on-failure",
-                    help="restart a process that fails (default %(default)s), within the budget below")
-    ap.add_argument("--max-restarts", type=int, default=5,
-                    help="restarts of one process within --restart-window before a failure stops the run (default 5)")
+    ap.add_argument(
+        "--start-timeout", type=float, default=120.0, help="seconds to wait for the broker's /health (default 120)"
+    )
+    ap.add_argument(
+        "--no-placement",
+        action="store_true",
+        help="start services unpinned with default thread counts (default: split this box's cores "
+        "between the roles, shared.placement; a --spec job's placement: split or colocated; "
+        "GEN_CPUS / TRAINER_CPUS / REWARD_CPUS override)",
+    )
+    ap.add_argument(
+        "--restart",
+        choices=("on-failure", "no"),
+        default="on-failure",
+        help="restart a process that fails (default %(default)s), within the budget below",
+    )
+    ap.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one process within --restart-window before a failure stops the run (default 5)",
+    )
     ap.add_argument("--restart-window", type=float, default=600.0, help="seconds (default 600)")
-    ap.add_argument("--private-redis", action="store_true",
-                    help="with no REDIS_URL and no Redis on 127.0.0.1:6379, start a private "
-                    "redis-server for this run (its data is lost when the launcher exits)")
+    ap.add_argument(
+        "--private-redis",
+        action="store_true",
+        help="with no REDIS_URL and no Redis on 127.0.0.1:6379, start a private "
+        "redis-server for this run (its data is lost when the launcher exits)",
+    )
     args = ap.parse_args(argv)
     args.roles = [r.strip() for r in args.roles.split(",") if r.strip()] + (["admin"] if args.admin else [])
     if args.generators < 0:
@@ -497,18 +564,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             rest = services[1:]
         # The services placed here (or left unplaced by --no-placement) must not place themselves again.
         sup.env["NODE_PLACEMENT"] = "off"
-        placed = {} if args.no_placement else plan_placement(
-            [(s.name, s.module) for s in rest], sorted(os.sched_getaffinity(0)), {**os.environ, **env}, gpu_count(),
-            mode=args.placement)
+        placed = (
+            {}
+            if args.no_placement
+            else plan_placement(
+                [(s.name, s.module) for s in rest],
+                sorted(os.sched_getaffinity(0)),
+                {**os.environ, **env},
+                gpu_count(),
+                mode=args.placement,
+            )
+        )
         for s in rest:
             if stop.is_set():
                 break
             where = placed.get(s.name)
             if where is not None and (where.cpus or where.env):
-                log.info("placing %s on cores %s %s", s.name, cpuset(sorted(where.cpus)) if where.cpus else "(any)",
-                         " ".join(f"{k}={v}" for k, v in sorted(where.env.items())))
-            sup.start(s.name, s.module, {**(where.env if where else {}), **s.env},
-                      cpus=set(where.cpus) if where and where.cpus else None, args=s.args)
+                log.info(
+                    "placing %s on cores %s %s",
+                    s.name,
+                    cpuset(sorted(where.cpus)) if where.cpus else "(any)",
+                    " ".join(f"{k}={v}" for k, v in sorted(where.env.items())),
+                )
+            sup.start(
+                s.name,
+                s.module,
+                {**(where.env if where else {}), **s.env},
+                cpus=set(where.cpus) if where and where.cpus else None,
+                args=s.args,
+            )
         if services and services[0].name == "broker" and not stop.is_set():
             bs = BrokerSettings()
             host = "127.0.0.1" if bs.host in ("0.0.0.0", "::", "") else bs.host
@@ -521,10 +605,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
         idle = QueueEmpty(api) if args.exit_when_idle else None
         if fleet:
-            log.info("serving the queue of jobs submitted to the API until stopped%s",
-                     " or idle" if idle else "")
-        code = 130 if stop.is_set() else supervise(sup, stop, policy=policy, idle=idle,
-                                                   long_lived=ROLES if fleet else LONG_LIVED)
+            log.info("serving the queue of jobs submitted to the API until stopped%s", " or idle" if idle else "")
+        code = (
+            130
+            if stop.is_set()
+            else supervise(sup, stop, policy=policy, idle=idle, long_lived=ROLES if fleet else LONG_LIVED)
+        )
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
     finally:

@@ -62,16 +62,19 @@ class LocalFleet:
         """Raises RuntimeError when the launcher exited (a service failed past its restart budget)."""
         code = self.sup.procs[0].popen.poll()
         if code is not None:
-            raise RuntimeError(f"the fleet on this box stopped (launcher exit {code}); its log, "
-                               f"{self.logdir / 'launch.log'}:\n{self.sup.tail('launch')}")
+            raise RuntimeError(
+                f"the fleet on this box stopped (launcher exit {code}); its log, "
+                f"{self.logdir / 'launch.log'}:\n{self.sup.tail('launch')}"
+            )
 
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to the launcher, which stops every service it runs (then SIGKILL after `grace_s`)."""
         self.sup.stop_all(grace_s)
 
 
-def start_local_fleet(*, generators: int = 1, placement: str | None = None, logdir: Path | None = None,
-                      timeout_s: float = 120.0) -> LocalFleet:
+def start_local_fleet(
+    *, generators: int = 1, placement: str | None = None, logdir: Path | None = None, timeout_s: float = 120.0
+) -> LocalFleet:
     """Start the launcher serving the queue and wait for its API's /health.
 
     Args:
@@ -90,8 +93,9 @@ def start_local_fleet(*, generators: int = 1, placement: str | None = None, logd
         env["NODE_PLACEMENT"] = placement
     logdir = (logdir or Path("runs/launch") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     sup = Supervisor(logdir, env)
-    sup.start("launch", "asyncrl.launch", args=("--generators", str(generators), "--private-redis",
-                                                "--logdir", str(logdir)))
+    sup.start(
+        "launch", "asyncrl.launch", args=("--generators", str(generators), "--private-redis", "--logdir", str(logdir))
+    )
     api = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(f"{api}/health", sup, "launch", timeout_s)

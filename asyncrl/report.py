@@ -163,8 +163,10 @@ def show_summary(summary: Mapping[str, Any], wall_s: float, console: Console | N
     else:
         console.print("collapse guard: no trips")
     if summary["swap_latency_s_median"] is not None:
-        console.print(f"weight swap, publish -> every generator ({summary['generators']}) serving it: "
-                      f"median {summary['swap_latency_s_median']:.3f} s, max {summary['swap_latency_s_max']:.3f} s")
+        console.print(
+            f"weight swap, publish -> every generator ({summary['generators']}) serving it: "
+            f"median {summary['swap_latency_s_median']:.3f} s, max {summary['swap_latency_s_max']:.3f} s"
+        )
     console.print(
         f"throughput (steady state): {summary['samples_per_s']:.1f} samples/s, "
         f"{summary['tokens_per_s']:.0f} tokens/s, {summary['mean_step_s']:.2f} s/step; wall time {wall_s:.0f} s"

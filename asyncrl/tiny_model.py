@@ -47,9 +47,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     # Decoding maps special tokens to "" (so decode(encode(s)) == s even though encode adds
     # <s>) and joins characters with nothing in between. Replace acts on whole tokens, so the
     # literal text "<s>", three character tokens, survives.
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace(t, "") for t in (PAD, BOS, EOS)] + [decoders.Fuse()]
-    )
+    tok.decoder = decoders.Sequence([decoders.Replace(t, "") for t in (PAD, BOS, EOS)] + [decoders.Fuse()])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
@@ -114,9 +112,7 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD]
-    )
+    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

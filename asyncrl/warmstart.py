@@ -185,9 +185,7 @@ def warm_start(
     train, test = load_task(task_spec, seed)
     prompts = encode_prompts(tokenizer, train)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1)))
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1.0 + math.cos(math.pi * i / max(steps, 1))))
     rng = random.Random(seed)
     model.train()
     loss = torch.zeros(())
@@ -232,8 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         help="probability that a training target is answer+1 (0: exact teacher)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--task-spec", default=None,
-                   help="a job spec's task section as JSON, or @file holding it (overrides --task/--path/--n-*)")
+    p.add_argument(
+        "--task-spec",
+        default=None,
+        help="a job spec's task section as JSON, or @file holding it (overrides --task/--path/--n-*)",
+    )
     a = p.parse_args(argv)
     spec = None
     if a.task_spec is not None:

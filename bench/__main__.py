@@ -15,8 +15,10 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(
     which: str = typer.Argument(
-        "async", help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
-        "suite: time-to-reward vs TRL on two regimes (short completions, long scratchpad completions), co-located mode, "
+        "async",
+        help="async: T_gen, T_train, sync vs async; parity: learning curves; transfer: weight transfer; "
+        "suite: time-to-reward vs TRL on two regimes (short completions, long scratchpad completions), "
+        "co-located mode, "
         "stale drops, generator efficiency, broker overhead, scaling; own-task: a user's own task "
         "(data file, reward plug-in, stop string) beside TRL, and the collapse guard's calibration; launcher: "
         "s/step started the README's way (python -m asyncrl.launch) vs hand-pinned; steps: per-step time per role and "
@@ -26,7 +28,8 @@ def main(
         "demonstration (warm start, RL, tool success and held-out curves, the retokenization check); episode-rate: "
         "multi-turn episodes with a 50 ms tool, concurrent vs one after another vs the single-turn engine rate "
         "(--runs); trainer-mem: peak memory per sample-token and tokens/s of a training micro-step with chunked "
-        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); capacity: unit costs "
+        "logprobs and activation checkpointing on and off (a 35M-parameter, 32k-vocabulary Llama); "
+        "capacity: unit costs "
         "of one Redis shard, the PostgreSQL ledger and the weight links, the capacity model's simulation and its "
         "figures (docs/scaling.md); fanout: seconds from a weight publish until 1, 2, 4, 8, 16 receivers all serve "
         "it, star vs relay tree, and the trainer's egress (emulated per-node uplinks); lora: LoRA vs full "
@@ -35,14 +38,17 @@ def main(
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
         "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
         "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
-        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs)."
+        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs).",
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
-    runs: int = typer.Option(0, help="steps: runs of each code, interleaved with --before (0: 2); episode-rate: "
-                             "runs of each measurement, interleaved (0: 3)."),
+    runs: int = typer.Option(
+        0,
+        help="steps: runs of each code, interleaved with --before (0: 2); episode-rate: "
+        "runs of each measurement, interleaved (0: 3).",
+    ),
     before: str = typer.Option("", help="steps, startup: another checkout whose services to measure too (before)."),
     label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
@@ -60,8 +66,9 @@ def main(
         from bench.fleet import bench_fleet
 
         res = bench_fleet(out_dir=out, steps=steps or 150)
-        typer.echo(json.dumps({k: v for k, v in res.items() if k not in ("curves", "rss_mib_per_job")}, indent=2,
-                              default=str))
+        typer.echo(
+            json.dumps({k: v for k, v in res.items() if k not in ("curves", "rss_mib_per_job")}, indent=2, default=str)
+        )
         return
     if which == "suite":
         from bench.suite import run_suite
@@ -97,8 +104,9 @@ def main(
         from bench.precision import bench_precision
 
         res = bench_precision(out_dir=out)
-        typer.echo(json.dumps({k: res[k] for k in ("fp32_mismatch_kl", "bf16_mismatch_kl", "mismatch", "engines")},
-                              indent=2))
+        typer.echo(
+            json.dumps({k: res[k] for k in ("fp32_mismatch_kl", "bf16_mismatch_kl", "mismatch", "engines")}, indent=2)
+        )
     elif which == "startup":
         from bench.startup import bench_startup
 
@@ -128,8 +136,9 @@ def main(
         from bench.fanout import bench_fanout
 
         result = bench_fanout(out_dir=out)
-        typer.echo(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict) or "star_s" not in v},
-                              indent=2))
+        typer.echo(
+            json.dumps({k: v for k, v in result.items() if not isinstance(v, dict) or "star_s" not in v}, indent=2)
+        )
     elif which == "async":
         bench_async(steps=steps or 20, out_dir=out)
     elif which == "parity":
@@ -141,13 +150,20 @@ def main(
         result["swap_latency_s"] = bench_swap(steps=steps or 12)
         (Path(out) / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
         with open(Path(out) / "transfer.md", "a") as f:
-            f.write("\nSeconds from a trainer step's publish until every generator serves it (median, max): "
-                    + "; ".join(f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
-                                for g, r in result["swap_latency_s"].items()) + ".\n")
+            f.write(
+                "\nSeconds from a trainer step's publish until every generator serves it (median, max): "
+                + "; ".join(
+                    f"{g} generator(s): {r['median_s']:.3f}, {r['max_s']:.3f}"
+                    for g, r in result["swap_latency_s"].items()
+                )
+                + ".\n"
+            )
     else:
-        raise typer.BadParameter(f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
-                                "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-                                "lora, packing, precision, redis-cluster, fleet")
+        raise typer.BadParameter(
+            f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
+            "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
+            "lora, packing, precision, redis-cluster, fleet"
+        )
 
 
 if __name__ == "__main__":

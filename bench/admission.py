@@ -32,8 +32,14 @@ def quartiles(xs: list[int]) -> dict[str, float]:
     if not xs:
         return {}
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [float(xs[0])] * 3
-    return {"min": float(min(xs)), "p25": q[0], "p50": q[1], "p75": q[2], "max": float(max(xs)),
-            "mean": statistics.fmean(xs)}
+    return {
+        "min": float(min(xs)),
+        "p25": q[0],
+        "p50": q[1],
+        "p75": q[2],
+        "max": float(max(xs)),
+        "mean": statistics.fmean(xs),
+    }
 
 
 def job_figures(ledger: Ledger, job_id: str) -> dict[str, Any]:
@@ -63,14 +69,24 @@ def job_figures(ledger: Ledger, job_id: str) -> dict[str, Any]:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
 
 
-def bench_admission(label: str, steps: int = 60, generators: tuple[int, ...] = (1, 2, 4),
-                    out_dir: str = "results", workdir: str = "runs/bench-admission") -> dict[str, Any]:
+def bench_admission(
+    label: str,
+    steps: int = 60,
+    generators: tuple[int, ...] = (1, 2, 4),
+    out_dir: str = "results",
+    workdir: str = "runs/bench-admission",
+) -> dict[str, Any]:
     """One demo job per generator count under code `label`; merges into out_dir/admission.{json,md}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,8 +97,13 @@ def bench_admission(label: str, steps: int = 60, generators: tuple[int, ...] = (
         t0 = time.monotonic()
         summary = run_demo(workdir=str(wd), steps=steps, generators=n)
         ledger = Ledger(os.environ.get("DATABASE_URL") or f"sqlite:///{wd.resolve() / 'ledger.db'}")  # as run_job
-        run = {"job_id": summary["job_id"], "steps": summary["steps"], "wall_s": time.monotonic() - t0,
-               "mean_step_s": summary["mean_step_s"], **job_figures(ledger, summary["job_id"])}
+        run = {
+            "job_id": summary["job_id"],
+            "steps": summary["steps"],
+            "wall_s": time.monotonic() - t0,
+            "mean_step_s": summary["mean_step_s"],
+            **job_figures(ledger, summary["job_id"]),
+        }
         print(json.dumps({label: {n: run}}, indent=1), flush=True)
         # merged after every run (a before/after pair may interleave, and a cut-short bench keeps its runs)
         result = json.loads(path.read_text()) if path.exists() else {}
@@ -103,18 +124,25 @@ def _q(d: dict[str, float]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["# Samples thrown away for staleness (`python -m bench admission`)", "",
-             "The README's demo job (default spec: k = 1, 16 prompts x 8 samples per step, 8-token "
-             "completions) with 1, 2 and 4 generators; figures from each job's ledger (training samples only). "
-             "Completion lengths in tokens: p25 / p50 / p75, mean.", "",
-             "| code | generators | steps | generated | trained | stale-dropped | fraction | length generated "
-             "| length trained | s/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Samples thrown away for staleness (`python -m bench admission`)",
+        "",
+        "The README's demo job (default spec: k = 1, 16 prompts x 8 samples per step, 8-token "
+        "completions) with 1, 2 and 4 generators; figures from each job's ledger (training samples only). "
+        "Completion lengths in tokens: p25 / p50 / p75, mean.",
+        "",
+        "| code | generators | steps | generated | trained | stale-dropped | fraction | length generated "
+        "| length trained | s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, run in result.get("runs", {}).items():
         for n, r in run["generators"].items():
-            lines.append(f"| {label} ({run['commit']}) | {n} | {r['steps']} | {r['generated']} | {r['trained']} | "
-                         f"{r['stale_dropped']} | {r['stale_dropped_fraction']:.3f} | "
-                         f"{_q(r['completion_tokens_generated'])} | {_q(r['completion_tokens_trained'])} | "
-                         f"{r['mean_step_s']:.3f} |")
+            lines.append(
+                f"| {label} ({run['commit']}) | {n} | {r['steps']} | {r['generated']} | {r['trained']} | "
+                f"{r['stale_dropped']} | {r['stale_dropped_fraction']:.3f} | "
+                f"{_q(r['completion_tokens_generated'])} | {_q(r['completion_tokens_trained'])} | "
+                f"{r['mean_step_s']:.3f} |"
+            )
     if "stale_dropped_fraction" in result:
         lines += ["", f"`stale_dropped_fraction` (2 generators, after): {result['stale_dropped_fraction']:.4f}"]
     return "\n".join(lines) + "\n"

@@ -42,10 +42,20 @@ def make_rollouts(job_id: str, n: int, tokens: int, start: int = 0) -> list[Roll
     lps = -rng.random(tokens, dtype=np.float32)
     return [
         Rollout(
-            job_id=job_id, msg_id=f"g{i // 8}/{i % 8}", group_id=f"g{i // 8}", policy_version=0,
-            policy_version_max=0, prompt_index=i // 8, sample_index=i % 8, group_size=8,
-            generator_id="bench", prompt_ids=pack_i32(ids[:8]), completion_ids=pack_i32(ids),
-            logprobs=pack_f32(lps), completion="x" * tokens, answer="42",
+            job_id=job_id,
+            msg_id=f"g{i // 8}/{i % 8}",
+            group_id=f"g{i // 8}",
+            policy_version=0,
+            policy_version_max=0,
+            prompt_index=i // 8,
+            sample_index=i % 8,
+            group_size=8,
+            generator_id="bench",
+            prompt_ids=pack_i32(ids[:8]),
+            completion_ids=pack_i32(ids),
+            logprobs=pack_f32(lps),
+            completion="x" * tokens,
+            answer="42",
         )
         for i in range(start, start + n)
     ]
@@ -92,10 +102,35 @@ def _codec_path(redis_url: str, db_url: str, n: int, tokens: int, batch: int, co
     core_p, core_c = (cores[0], cores[-1]) if len(cores) > 1 else (None, None)
     procs = []
     for role, core in (("producer", core_p), ("consumer", core_c)):
-        cmd = [sys.executable, "-m", "bench.broker_overhead", role, "--redis-url", redis_url, "--db-url", db_url,
-               "--prefix", prefix, "--job-id", job_id, "-n", str(n), "--tokens", str(tokens), "--batch", str(batch)]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                      preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None))
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.broker_overhead",
+            role,
+            "--redis-url",
+            redis_url,
+            "--db-url",
+            db_url,
+            "--prefix",
+            prefix,
+            "--job-id",
+            job_id,
+            "-n",
+            str(n),
+            "--tokens",
+            str(tokens),
+            "--batch",
+            str(batch),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None,
+            )
+        )
     try:
         for role, p in zip(("producer", "consumer"), procs, strict=True):
             assert p.stdout is not None
@@ -115,8 +150,14 @@ def _codec_path(redis_url: str, db_url: str, n: int, tokens: int, batch: int, co
         raise RuntimeError(f"broker bench processes exited {[p.returncode for p in procs]}")
     wall = float(json.loads(outs[1].strip().splitlines()[-1])["wall_s"])
     size = len(encode(make_rollouts(job_id, 1, tokens)[0]))
-    return {"samples": n, "wall_s": wall, "samples_per_s": n / wall, "ms_per_sample": 1000 * wall / n,
-            "message_bytes": size, "ledger": db_url.split(":", 1)[0]}
+    return {
+        "samples": n,
+        "wall_s": wall,
+        "samples_per_s": n / wall,
+        "ms_per_sample": 1000 * wall / n,
+        "message_bytes": size,
+        "ledger": db_url.split(":", 1)[0],
+    }
 
 
 def _raw_streams(redis_url: str, n: int, payload: bytes, batch: int) -> dict[str, Any]:
@@ -151,8 +192,25 @@ def _redis_benchmark(redis_url: str, n: int, size: int, batch: int) -> dict[str,
 
     conn = parse_url(redis_url)
     key = f"bench-rb-{uuid.uuid4().hex[:8]}"
-    cmd = [exe, "-h", str(conn.get("host", "127.0.0.1")), "-p", str(conn.get("port", 6379)), "-n", str(n),
-           "-c", "1", "-P", str(batch), "-q", "XADD", key, "*", "d", "x" * size]
+    cmd = [
+        exe,
+        "-h",
+        str(conn.get("host", "127.0.0.1")),
+        "-p",
+        str(conn.get("port", 6379)),
+        "-n",
+        str(n),
+        "-c",
+        "1",
+        "-P",
+        str(batch),
+        "-q",
+        "XADD",
+        key,
+        "*",
+        "d",
+        "x" * size,
+    ]
     if conn.get("password"):
         cmd[1:1] = ["-a", str(conn["password"])]
     try:
@@ -167,8 +225,9 @@ def _redis_benchmark(redis_url: str, n: int, size: int, batch: int) -> dict[str,
     return {"samples": n, "samples_per_s": rate, "ms_per_sample": 1000 / rate, "command": "XADD (one direction)"}
 
 
-def bench_broker(workdir: Path, *, samples: int = 20_000, tokens: int = 512, batch: int = 128,
-                 postgres_url: str | None = None) -> dict[str, Any]:
+def bench_broker(
+    workdir: Path, *, samples: int = 20_000, tokens: int = 512, batch: int = 128, postgres_url: str | None = None
+) -> dict[str, Any]:
     """Samples/s and ms/sample through one hop with codec and ledger, and the medium's limits.
 
     Args:

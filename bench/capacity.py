@@ -60,10 +60,18 @@ TEXT_BYTES_PER_TOKEN = 4  # the rollout carries prompt and completion text besid
 # -- messages of realistic size ---------------------------------------------------------------------
 def prompt_group(job_id: str, index: int, prompt_tokens: int, completion_tokens: int, version: int) -> PromptGroup:
     ids = np.arange(prompt_tokens, dtype=np.int32) % 32000
-    return PromptGroup(job_id=job_id, msg_id=f"p{index}", group_id=f"p{index}", policy_version=version,
-                       prompt_index=index, prompt="w" * (TEXT_BYTES_PER_TOKEN * prompt_tokens),
-                       prompt_ids=pack_i32(ids), answer="42", n=GROUP_SIZE,
-                       sampling=SamplingParams(max_tokens=completion_tokens))
+    return PromptGroup(
+        job_id=job_id,
+        msg_id=f"p{index}",
+        group_id=f"p{index}",
+        policy_version=version,
+        prompt_index=index,
+        prompt="w" * (TEXT_BYTES_PER_TOKEN * prompt_tokens),
+        prompt_ids=pack_i32(ids),
+        answer="42",
+        n=GROUP_SIZE,
+        sampling=SamplingParams(max_tokens=completion_tokens),
+    )
 
 
 def _text(rng: np.random.Generator, n: int) -> str:
@@ -75,12 +83,21 @@ def _text(rng: np.random.Generator, n: int) -> str:
 def rollout_template(job_id: str, prompt_tokens: int, completion_tokens: int) -> Rollout:
     rng = np.random.default_rng(0)
     return Rollout(
-        job_id=job_id, msg_id="t", group_id="t", policy_version=0, policy_version_max=0, prompt_index=0,
-        sample_index=0, group_size=GROUP_SIZE, generator_id="gen-0",
+        job_id=job_id,
+        msg_id="t",
+        group_id="t",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=0,
+        group_size=GROUP_SIZE,
+        generator_id="gen-0",
         prompt_ids=pack_i32(np.arange(prompt_tokens, dtype=np.int32) % 32000),
         completion_ids=pack_i32(rng.integers(4, 32000, size=completion_tokens, dtype=np.int32)),
         logprobs=pack_f32(-rng.random(completion_tokens, dtype=np.float32)),
-        completion=_text(rng, TEXT_BYTES_PER_TOKEN * completion_tokens), finish_reason="length", answer="42",
+        completion=_text(rng, TEXT_BYTES_PER_TOKEN * completion_tokens),
+        finish_reason="length",
+        answer="42",
         prompt=_text(rng, TEXT_BYTES_PER_TOKEN * prompt_tokens),
     )
 
@@ -107,24 +124,38 @@ def _role_trainer(a: argparse.Namespace) -> None:
         # feeder: keep (k + 1) steps of groups in flight ahead of the trainer's version
         want = min(total_groups, (version + a.k + 1) * groups_per_step)
         if want > fed:
-            streams.publish_many(PROMPTS, [prompt_group(a.job, i, a.prompt_tokens, a.tokens, version)
-                                           for i in range(fed, want)])
+            streams.publish_many(
+                PROMPTS, [prompt_group(a.job, i, a.prompt_tokens, a.tokens, version) for i in range(fed, want)]
+            )
             fed = want
         held += streams.consume(reader, count=512, block_ms=100)
         while len(held) >= a.samples_per_step:
-            batch, held = held[:a.samples_per_step], held[a.samples_per_step:]
+            batch, held = held[: a.samples_per_step], held[a.samples_per_step :]
             if a.step_s:
                 time.sleep(a.step_s)
             stale += [version - d.message.policy_version for d in batch]
             version += 1
             streams.r.set(f"{a.job}:version", version)
             streams.ack(SCORED, GROUP_TRAINERS, [d.entry_id for d in batch])
-            streams.trim_acked_many(((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)))
+            streams.trim_acked_many(
+                ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS))
+            )
             trained += len(batch)
     wall = time.perf_counter() - t0
     streams.r.set(f"{a.job}:done", 1)
-    print(json.dumps({"wall_s": wall, "trained": trained, "steps": version, "cpu_s": time.process_time() - cpu0,
-                      "staleness_mean": statistics.fmean(stale), "staleness_max": max(stale)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "wall_s": wall,
+                "trained": trained,
+                "steps": version,
+                "cpu_s": time.process_time() - cpu0,
+                "staleness_mean": statistics.fmean(stale),
+                "staleness_max": max(stale),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _role_generator(a: argparse.Namespace) -> None:
@@ -143,11 +174,25 @@ def _role_generator(a: argparse.Namespace) -> None:
         per_entry = []
         for d in ds:
             g = d.message
-            per_entry.append((d.entry_id, [
-                tpl.model_copy(update={"msg_id": f"{g.group_id}/{i}", "group_id": g.group_id, "sample_index": i,
-                                       "prompt_index": g.prompt_index, "policy_version": version,
-                                       "policy_version_max": version, "generator_id": me.name})
-                for i in range(GROUP_SIZE)]))
+            per_entry.append(
+                (
+                    d.entry_id,
+                    [
+                        tpl.model_copy(
+                            update={
+                                "msg_id": f"{g.group_id}/{i}",
+                                "group_id": g.group_id,
+                                "sample_index": i,
+                                "prompt_index": g.prompt_index,
+                                "policy_version": version,
+                                "policy_version_max": version,
+                                "generator_id": me.name,
+                            }
+                        )
+                        for i in range(GROUP_SIZE)
+                    ],
+                )
+            )
         streams.publish_if_owned(me, ROLLOUTS, per_entry)
     print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
 
@@ -160,10 +205,26 @@ def _role_reward(a: argparse.Namespace) -> None:
     while not streams.r.exists(f"{a.job}:done"):
         ds = streams.consume(me, count=64, block_ms=200)
         if ds:
-            streams.publish_if_owned(me, SCORED, [
-                (d.entry_id, [Scored(job_id=d.message.job_id, msg_id=d.message.msg_id, group_id=d.message.group_id,
-                                     policy_version=d.message.policy_version, rollout=d.message, reward=1.0)])
-                for d in ds])
+            streams.publish_if_owned(
+                me,
+                SCORED,
+                [
+                    (
+                        d.entry_id,
+                        [
+                            Scored(
+                                job_id=d.message.job_id,
+                                msg_id=d.message.msg_id,
+                                group_id=d.message.group_id,
+                                policy_version=d.message.policy_version,
+                                rollout=d.message,
+                                reward=1.0,
+                            )
+                        ],
+                    )
+                    for d in ds
+                ],
+            )
     print(json.dumps({"cpu_s": time.process_time() - cpu0}), flush=True)
 
 
@@ -178,9 +239,27 @@ def redis_shard() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="capacity-redis-") as d:
-        p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--save", "",
-                              "--appendonly", "yes", "--appendfsync", "everysec", "--maxmemory-policy", "noeviction"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                d,
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         url = f"redis://127.0.0.1:{port}/0"
         try:
             deadline = time.monotonic() + 20
@@ -203,9 +282,20 @@ def redis_cpu_s(url: str) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def run_chain(url: str, *, tokens: int, samples: int, generators: int, prompt_tokens: int = 256,
-              samples_per_step: int = 256, k: int = 1, gen_tps: float = 0.0, step_s: float = 0.0,
-              batch_groups: int = 8, idle_s: float = 2.0) -> dict[str, Any]:
+def run_chain(
+    url: str,
+    *,
+    tokens: int,
+    samples: int,
+    generators: int,
+    prompt_tokens: int = 256,
+    samples_per_step: int = 256,
+    k: int = 1,
+    gen_tps: float = 0.0,
+    step_s: float = 0.0,
+    batch_groups: int = 8,
+    idle_s: float = 2.0,
+) -> dict[str, Any]:
     """Push `samples` samples through prompts -> rollouts -> scored on the shard at `url`.
 
     gen_tps: each generator's token rate (0: as fast as the process goes); step_s: the trainer
@@ -215,13 +305,40 @@ def run_chain(url: str, *, tokens: int, samples: int, generators: int, prompt_to
     streams = JobStreams(connect(url), job)
     for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
         streams.ensure_group(stream, group)
-    common = ["--url", url, "--job", job, "--tokens", str(tokens), "--prompt-tokens", str(prompt_tokens),
-              "--samples", str(samples), "--samples-per-step", str(samples_per_step), "--k", str(k),
-              "--gen-tps", str(gen_tps), "--step-s", str(step_s), "--batch-groups", str(batch_groups),
-              "--idle-s", str(idle_s)]
+    common = [
+        "--url",
+        url,
+        "--job",
+        job,
+        "--tokens",
+        str(tokens),
+        "--prompt-tokens",
+        str(prompt_tokens),
+        "--samples",
+        str(samples),
+        "--samples-per-step",
+        str(samples_per_step),
+        "--k",
+        str(k),
+        "--gen-tps",
+        str(gen_tps),
+        "--step-s",
+        str(step_s),
+        "--batch-groups",
+        str(batch_groups),
+        "--idle-s",
+        str(idle_s),
+    ]
     roles = [["trainer"], ["reward"]] + [["generator", "--index", str(i)] for i in range(generators)]
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.capacity", *role, *common], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for role in roles]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.capacity", *role, *common],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role in roles
+    ]
     try:
         for p in procs:
             assert p.stdout is not None
@@ -254,17 +371,34 @@ def run_chain(url: str, *, tokens: int, samples: int, generators: int, prompt_to
     per_sample = rb + sb + pb / GROUP_SIZE
     cpu = cpu1 - cpu0
     rate = res["trained"] / res["wall_s"]
-    return {"tokens": tokens, "prompt_tokens": prompt_tokens, "generators": generators, "gen_tps": gen_tps,
-            "step_s": step_s, "samples_per_step": samples_per_step, "k": k, "samples": res["trained"],
-            "wall_s": res["wall_s"], "samples_per_s": rate, "rollout_bytes": rb, "scored_bytes": sb,
-            "prompt_group_bytes": pb, "bytes_written_per_sample": per_sample,
-            "bytes_written_per_s": per_sample * rate, "msgs_per_s": rate * (2 + 1 / GROUP_SIZE),
-            "redis_cpu_s": cpu, "redis_idle_cpu_per_s": idle_cpu_per_s,
-            "redis_cpu_s_per_sample": max(0.0, cpu - idle_cpu_per_s * wall) / res["trained"],
-            "redis_utilisation": cpu / wall, "staleness_mean": res["staleness_mean"],
-            "staleness_max": res["staleness_max"], "steps": res["steps"],
-            # the roles' own CPU: past ~1 x the cores this box lends them, the box is the bottleneck
-            "client_cpu_s_per_sample": client_cpu / res["trained"], "client_cpu_per_s": client_cpu / wall}
+    return {
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "generators": generators,
+        "gen_tps": gen_tps,
+        "step_s": step_s,
+        "samples_per_step": samples_per_step,
+        "k": k,
+        "samples": res["trained"],
+        "wall_s": res["wall_s"],
+        "samples_per_s": rate,
+        "rollout_bytes": rb,
+        "scored_bytes": sb,
+        "prompt_group_bytes": pb,
+        "bytes_written_per_sample": per_sample,
+        "bytes_written_per_s": per_sample * rate,
+        "msgs_per_s": rate * (2 + 1 / GROUP_SIZE),
+        "redis_cpu_s": cpu,
+        "redis_idle_cpu_per_s": idle_cpu_per_s,
+        "redis_cpu_s_per_sample": max(0.0, cpu - idle_cpu_per_s * wall) / res["trained"],
+        "redis_utilisation": cpu / wall,
+        "staleness_mean": res["staleness_mean"],
+        "staleness_max": res["staleness_max"],
+        "steps": res["steps"],
+        # the roles' own CPU: past ~1 x the cores this box lends them, the box is the bottleneck
+        "client_cpu_s_per_sample": client_cpu / res["trained"],
+        "client_cpu_per_s": client_cpu / wall,
+    }
 
 
 def fit_redis(points: list[dict[str, Any]]) -> dict[str, float]:
@@ -282,32 +416,58 @@ def bench_redis(tokens: tuple[int, ...] = (256, 1024, 4096), reps: int = 2) -> d
         for _ in range(reps):  # interleaved, medians below
             for t in tokens:
                 runs[t].append(run_chain(url, tokens=t, samples=samples.get(t, 2048), generators=2))
-                print(f"redis {t} tokens: {runs[t][-1]['samples_per_s']:.0f} samples/s, "
-                      f"{1e6 * runs[t][-1]['redis_cpu_s_per_sample']:.0f} us Redis CPU/sample", flush=True)
+                print(
+                    f"redis {t} tokens: {runs[t][-1]['samples_per_s']:.0f} samples/s, "
+                    f"{1e6 * runs[t][-1]['redis_cpu_s_per_sample']:.0f} us Redis CPU/sample",
+                    flush=True,
+                )
     med = []
     for t in tokens:
         rs = runs[t]
         m = dict(rs[0])
-        for key in ("samples_per_s", "redis_cpu_s_per_sample", "redis_utilisation", "bytes_written_per_s", "msgs_per_s"):
+        for key in (
+            "samples_per_s",
+            "redis_cpu_s_per_sample",
+            "redis_utilisation",
+            "bytes_written_per_s",
+            "msgs_per_s",
+        ):
             m[key] = statistics.median(r[key] for r in rs)
         m["runs"] = [{k: r[k] for k in ("samples_per_s", "redis_cpu_s_per_sample", "redis_utilisation")} for r in rs]
         med.append(m)
     return {"points": med, "fit": fit_redis(med)}
 
 
-def bench_crosscheck(generators: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 256, gen_tps: float = 12800.0,
-                     step_s: float = 0.25, samples_per_step: int = 64) -> dict[str, Any]:
+def bench_crosscheck(
+    generators: tuple[int, ...] = (1, 2, 4, 8),
+    tokens: int = 256,
+    gen_tps: float = 12800.0,
+    step_s: float = 0.25,
+    samples_per_step: int = 64,
+) -> dict[str, Any]:
     """Paced runs the simulation is checked against: each generator makes 50 samples/s (256-token
     completions at 12,800 tokens/s, batches of 2 groups), the trainer takes 64 samples per 0.25 s
     step (256 samples/s at most), k = 1."""
     pts = []
     with redis_shard() as url:
         for g in generators:
-            r = run_chain(url, tokens=tokens, prompt_tokens=64, samples=max(1024, 256 * g), generators=g,
-                          samples_per_step=samples_per_step, gen_tps=gen_tps, step_s=step_s, batch_groups=2)
+            r = run_chain(
+                url,
+                tokens=tokens,
+                prompt_tokens=64,
+                samples=max(1024, 256 * g),
+                generators=g,
+                samples_per_step=samples_per_step,
+                gen_tps=gen_tps,
+                step_s=step_s,
+                batch_groups=2,
+            )
             pts.append(r)
-            print(f"crosscheck {g} generators: {r['samples_per_s']:.0f} samples/s, staleness "
-                  f"{r['staleness_mean']:.2f}, Redis busy {r['redis_utilisation']:.3f}", flush=True)
+            print(
+                f"crosscheck {g} generators: {r['samples_per_s']:.0f} samples/s, staleness "
+                f"{r['staleness_mean']:.2f}, Redis busy {r['redis_utilisation']:.3f}",
+                flush=True,
+            )
     return {"points": pts, "batch_groups": 2, "group_size": GROUP_SIZE}
 
 
@@ -366,8 +526,9 @@ class _ServerCpu:
         return sum(v - before.get(pid, 0.0) for pid, v in after.items())
 
 
-def bench_ledger_writes(url: str, *, tokens: int, samples: int = 8192, batch: int = 64,
-                        step_samples: int = 512) -> dict[str, Any]:
+def bench_ledger_writes(
+    url: str, *, tokens: int, samples: int = 8192, batch: int = 64, step_samples: int = 512
+) -> dict[str, Any]:
     """Rows/s of the four writes of a sample, batched as the services batch them: the generator's
     insert and the reward service's no-op insert (`batch` rows, one generate call's worth), its
     update to scored (`batch`), the trainer's update to trained (`step_samples`, one step)."""
@@ -378,8 +539,14 @@ def bench_ledger_writes(url: str, *, tokens: int, samples: int = 8192, batch: in
     job = f"cap-{uuid.uuid4().hex[:8]}"
     ledger.create_job(job, "capacity", {})
     tpl = rollout_template(job, 256, tokens)
-    rows = [sample_row(tpl.model_copy(update={"msg_id": f"{job}/g{i // 8}/{i % 8}", "group_id": f"g{i // 8}",
-                                              "sample_index": i % 8})) for i in range(samples)]
+    rows = [
+        sample_row(
+            tpl.model_copy(
+                update={"msg_id": f"{job}/g{i // 8}/{i % 8}", "group_id": f"g{i // 8}", "sample_index": i % 8}
+            )
+        )
+        for i in range(samples)
+    ]
     cpu = _ServerCpu(url)
     phases: dict[str, dict[str, float]] = {}
 
@@ -387,24 +554,36 @@ def bench_ledger_writes(url: str, *, tokens: int, samples: int = 8192, batch: in
         ledger.status_counts(job)  # the pool's connection is open before the CPU reading
         c0, w0, t0 = cpu.read(), cpu.wal_lsn(), time.perf_counter()
         for i in range(0, len(items), size):
-            fn(items[i:i + size])
+            fn(items[i : i + size])
         wall = time.perf_counter() - t0
-        phases[name] = {"rows": len(items), "batch": size, "wall_s": wall, "rows_per_s": len(items) / wall,
-                        "server_cpu_s_per_row": cpu.delta(c0, cpu.read()) / len(items),
-                        "wal_bytes_per_row": (cpu.wal_lsn() - w0) / len(items)}
+        phases[name] = {
+            "rows": len(items),
+            "batch": size,
+            "wall_s": wall,
+            "rows_per_s": len(items) / wall,
+            "server_cpu_s_per_row": cpu.delta(c0, cpu.read()) / len(items),
+            "wal_bytes_per_row": (cpu.wal_lsn() - w0) / len(items),
+        }
 
     timed("generated", ledger.record_generated, rows, batch)
     timed("generated_again", ledger.record_generated, rows, batch)
-    scored = [(r["msg_id"], 1.0, "ok", {"components": {}, "reason": "", "entry": f"rollouts/{i}-0"})
-              for i, r in enumerate(rows)]
+    scored = [
+        (r["msg_id"], 1.0, "ok", {"components": {}, "reason": "", "entry": f"rollouts/{i}-0"})
+        for i, r in enumerate(rows)
+    ]
     timed("scored", ledger.record_scored_ids, scored, batch)
     used = [{"msg_id": r["msg_id"], "status": "trained", "trainer_version": 3} for r in rows]
     timed("trained", ledger.record_used, used, step_samples)
     ledger.close()
     per_sample_s = sum(1 / p["rows_per_s"] for p in phases.values())
-    return {"tokens": tokens, "phases": phases, "wall_s_per_sample": per_sample_s, "samples_per_s": 1 / per_sample_s,
-            "server_cpu_s_per_sample": sum(p["server_cpu_s_per_row"] for p in phases.values()),
-            "wal_bytes_per_sample": sum(p["wal_bytes_per_row"] for p in phases.values())}
+    return {
+        "tokens": tokens,
+        "phases": phases,
+        "wall_s_per_sample": per_sample_s,
+        "samples_per_s": 1 / per_sample_s,
+        "server_cpu_s_per_sample": sum(p["server_cpu_s_per_row"] for p in phases.values()),
+        "wal_bytes_per_sample": sum(p["wal_bytes_per_row"] for p in phases.values()),
+    }
 
 
 # One job's rows made in SQL (a multi-day job's table in seconds): ~96% trained, 2% dropped, the
@@ -442,9 +621,14 @@ def bench_ledger_queries(url: str, *, rows: int) -> dict[str, Any]:
         conn.execute(_FILL, {"job": small, "n": 10_000})
         conn.execute("VACUUM ANALYZE samples")
         size = int(conn.execute("SELECT pg_total_relation_size('samples')").fetchone()[0])  # type: ignore[index]
-        plan = "\n".join(r[0] for r in conn.execute(
-            "EXPLAIN SELECT staleness, count(*) FROM samples WHERE job_id = %s AND status = 'trained' "
-            "AND staleness IS NOT NULL GROUP BY staleness", (big,)))
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                "EXPLAIN SELECT staleness, count(*) FROM samples WHERE job_id = %s AND status = 'trained' "
+                "AND staleness IS NOT NULL GROUP BY staleness",
+                (big,),
+            )
+        )
     fill_s = time.perf_counter() - t0
 
     def best(fn: Any, reps: int = 2) -> float:  # warm cache, best of `reps` (the box is shared)
@@ -480,14 +664,19 @@ def bench_ledger_queries(url: str, *, rows: int) -> dict[str, Any]:
     return out
 
 
-def bench_ledger(admin_url: str, *, tokens: tuple[int, ...] = (256, 1024, 4096), rows: int = 1_000_000) -> dict[str, Any]:
+def bench_ledger(
+    admin_url: str, *, tokens: tuple[int, ...] = (256, 1024, 4096), rows: int = 1_000_000
+) -> dict[str, Any]:
     writes = []
     for t in tokens:
         with fresh_database(admin_url) as url:
             w = bench_ledger_writes(url, tokens=t)
             writes.append(w)
-            print(f"ledger {t} tokens: {w['samples_per_s']:.0f} samples/s (one writer), "
-                  f"{1e6 * w['server_cpu_s_per_sample']:.0f} us server CPU/sample", flush=True)
+            print(
+                f"ledger {t} tokens: {w['samples_per_s']:.0f} samples/s (one writer), "
+                f"{1e6 * w['server_cpu_s_per_sample']:.0f} us server CPU/sample",
+                flush=True,
+            )
     with fresh_database(admin_url) as url:
         queries = bench_ledger_queries(url, rows=rows)
     return {"writes": writes, "queries": queries}
@@ -497,19 +686,28 @@ def bench_ledger(admin_url: str, *, tokens: tuple[int, ...] = (256, 1024, 4096),
 def link_figures(results: Path) -> dict[str, Any]:
     t = json.loads((results / "transfer.json").read_text())
     big = t["sizes"][str(t["largest_mb"])]
-    return {"source": "results/transfer.json (bench/transfer.py, loopback on this box)", "size_mb": t["largest_mb"],
-            "tcp_bytes_per_s": big["tcp_mbps"] * 1e6, "ucx_bytes_per_s": big["ucx_mbps"] * 1e6,
-            "ucx_raw_bytes_per_s": big["ucx_raw_mbps"] * 1e6}
+    return {
+        "source": "results/transfer.json (bench/transfer.py, loopback on this box)",
+        "size_mb": t["largest_mb"],
+        "tcp_bytes_per_s": big["tcp_mbps"] * 1e6,
+        "ucx_bytes_per_s": big["ucx_mbps"] * 1e6,
+        "ucx_raw_bytes_per_s": big["ucx_raw_mbps"] * 1e6,
+    }
 
 
-def bench_capacity(out_dir: str = "results", *, admin_url: str | None = None, rows: int = 1_000_000,
-                   reps: int = 2) -> dict[str, Any]:
+def bench_capacity(
+    out_dir: str = "results", *, admin_url: str | None = None, rows: int = 1_000_000, reps: int = 2
+) -> dict[str, Any]:
     admin_url = admin_url or os.environ.get("TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
     out = Path(out_dir)
     t0 = time.perf_counter()
     result: dict[str, Any] = {
-        "machine": {"cores": len(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
-                    "python": platform.python_version(), "note": "shared with other jobs: figures are noisy"},
+        "machine": {
+            "cores": len(os.sched_getaffinity(0)),
+            "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "note": "shared with other jobs: figures are noisy",
+        },
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
     }
     result["redis"] = bench_redis(reps=reps)
@@ -524,11 +722,20 @@ def bench_capacity(out_dir: str = "results", *, admin_url: str | None = None, ro
 def _main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("role", choices=["trainer", "generator", "reward"])
-    for name, typ, default in (("--url", str, ""), ("--job", str, ""), ("--tokens", int, 256),
-                               ("--prompt-tokens", int, 256), ("--samples", int, 1024),
-                               ("--samples-per-step", int, 256), ("--k", int, 1), ("--gen-tps", float, 0.0),
-                               ("--step-s", float, 0.0), ("--batch-groups", int, 8), ("--index", int, 0),
-                               ("--idle-s", float, 0.0)):
+    for name, typ, default in (
+        ("--url", str, ""),
+        ("--job", str, ""),
+        ("--tokens", int, 256),
+        ("--prompt-tokens", int, 256),
+        ("--samples", int, 1024),
+        ("--samples-per-step", int, 256),
+        ("--k", int, 1),
+        ("--gen-tps", float, 0.0),
+        ("--step-s", float, 0.0),
+        ("--batch-groups", int, 8),
+        ("--index", int, 0),
+        ("--idle-s", float, 0.0),
+    ):
         p.add_argument(name, type=typ, default=default)
     a = p.parse_args()
     {"trainer": _role_trainer, "generator": _role_generator, "reward": _role_reward}[a.role](a)

@@ -45,8 +45,9 @@ class Workload:
     text_bytes_per_token: float = 4.0
 
     def __post_init__(self) -> None:
-        _positive(completion_tokens=self.completion_tokens, group_size=self.group_size,
-                  samples_per_step=self.samples_per_step)
+        _positive(
+            completion_tokens=self.completion_tokens, group_size=self.group_size, samples_per_step=self.samples_per_step
+        )
         if self.prompt_tokens < 0 or self.text_bytes_per_token < 0:
             raise ValueError("prompt_tokens and text_bytes_per_token must be >= 0")
 
@@ -89,8 +90,12 @@ class UnitCosts:
 
     def __post_init__(self) -> None:
         _positive(ledger_s_per_sample=self.ledger_s_per_sample, link_bytes_per_s=self.link_bytes_per_s)
-        if self.redis_cpu_s_per_sample_base < 0 or self.redis_cpu_s_per_sample_per_byte < 0 \
-                or self.redis_idle_cpu_per_consumer < 0 or self.ledger_s_per_completion_token < 0:
+        if (
+            self.redis_cpu_s_per_sample_base < 0
+            or self.redis_cpu_s_per_sample_per_byte < 0
+            or self.redis_idle_cpu_per_consumer < 0
+            or self.ledger_s_per_completion_token < 0
+        ):
             raise ValueError("Redis costs must be >= 0")
         if self.redis_cpu_s_per_sample_base + self.redis_cpu_s_per_sample_per_byte <= 0:
             raise ValueError("Redis costs cannot both be 0")
@@ -106,8 +111,11 @@ def rollout_bytes(w: Workload) -> float:
     """Encoded size of one Rollout: int32 prompt ids and text, int32 completion ids, float32
     logprobs and text. E.g. 256 prompt + 1024 completion tokens at 4 text bytes/token:
     400 + 256 * 8 + 1024 * 12 = 14,736 bytes."""
-    return (ROLLOUT_OVERHEAD_BYTES + w.prompt_tokens * (4 + w.text_bytes_per_token)
-            + w.completion_tokens * (8 + w.text_bytes_per_token))
+    return (
+        ROLLOUT_OVERHEAD_BYTES
+        + w.prompt_tokens * (4 + w.text_bytes_per_token)
+        + w.completion_tokens * (8 + w.text_bytes_per_token)
+    )
 
 
 def redis_bytes_per_sample(w: Workload) -> float:
@@ -144,8 +152,12 @@ class Trainer:
     flops_per_token_factor: float = 8.0
 
     def __post_init__(self) -> None:
-        _positive(ranks=self.ranks, peak_flops=self.peak_flops, mfu=self.mfu,
-                  flops_per_token_factor=self.flops_per_token_factor)
+        _positive(
+            ranks=self.ranks,
+            peak_flops=self.peak_flops,
+            mfu=self.mfu,
+            flops_per_token_factor=self.flops_per_token_factor,
+        )
         if self.mfu > 1:
             raise ValueError(f"mfu is a fraction of peak, got {self.mfu}")
 
@@ -183,8 +195,9 @@ def load(samples_per_s: float, w: Workload, c: UnitCosts, *, idle_consumers: int
     )
 
 
-def max_generators_per_redis(w: Workload, c: UnitCosts, g: Generator, *, target: float = 0.7,
-                             nic_bytes_per_s: float | None = None) -> int:
+def max_generators_per_redis(
+    w: Workload, c: UnitCosts, g: Generator, *, target: float = 0.7, nic_bytes_per_s: float | None = None
+) -> int:
     """Generator replicas one Redis shard serves with its main thread at most `target` busy (and,
     given `nic_bytes_per_s`, its network in + out at most `target` of that)."""
     _positive(target=target)
@@ -206,8 +219,9 @@ def generators_to_feed_trainer(m: ModelSize, w: Workload, g: Generator, t: Train
     return math.ceil(need / g.samples_per_s(w))
 
 
-def broadcast_s(m: ModelSize, receivers: int, link_bytes_per_s: float, *, fanout: int | None = None,
-                chunk_bytes: float = 64 * 2**20) -> float:
+def broadcast_s(
+    m: ModelSize, receivers: int, link_bytes_per_s: float, *, fanout: int | None = None, chunk_bytes: float = 64 * 2**20
+) -> float:
     """Seconds until `receivers` generators hold new weights of `m`.
 
     fanout None: a star, the trainer's one link sends every copy: receivers * W / link.

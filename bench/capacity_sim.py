@@ -217,11 +217,14 @@ def unit_costs(results: dict[str, Any], *, postgres_cores: int = 2) -> cm.UnitCo
     idle = float(np.polyfit([p["generators"] + 2 for p in pts], [p["redis_idle_cpu_per_s"] for p in pts], 1)[0])
     writes = results["ledger"]["writes"]
     per_token, base = np.polyfit([w["tokens"] for w in writes], [w["server_cpu_s_per_sample"] for w in writes], 1)
-    return cm.UnitCosts(redis_cpu_s_per_sample_base=fit["base_s"], redis_cpu_s_per_sample_per_byte=fit["per_byte_s"],
-                        ledger_s_per_sample=max(float(base), 0.0) / postgres_cores,
-                        ledger_s_per_completion_token=max(float(per_token), 0.0) / postgres_cores,
-                        link_bytes_per_s=results["links"]["tcp_bytes_per_s"],
-                        redis_idle_cpu_per_consumer=max(idle, 0.0))
+    return cm.UnitCosts(
+        redis_cpu_s_per_sample_base=fit["base_s"],
+        redis_cpu_s_per_sample_per_byte=fit["per_byte_s"],
+        ledger_s_per_sample=max(float(base), 0.0) / postgres_cores,
+        ledger_s_per_completion_token=max(float(per_token), 0.0) / postgres_cores,
+        link_bytes_per_s=results["links"]["tcp_bytes_per_s"],
+        redis_idle_cpu_per_consumer=max(idle, 0.0),
+    )
 
 
 def answers(costs: cm.UnitCosts, *, target: float = 0.7) -> list[dict[str, Any]]:
@@ -233,26 +236,43 @@ def answers(costs: cm.UnitCosts, *, target: float = 0.7) -> list[dict[str, Any]]
     for model, (m, g) in MODELS.items():
         for tokens in COMPLETION_TOKENS:
             w = cm.Workload(completion_tokens=tokens)
-            big_pg = replace(costs, ledger_s_per_sample=costs.ledger_s_per_sample * 2 / 16,
-                             ledger_s_per_completion_token=costs.ledger_s_per_completion_token * 2 / 16)
-            rows.append({
-                "model": model, "completion_tokens": tokens, "gen_samples_per_s": g.samples_per_s(w),
-                "redis_s_per_sample": costs.redis_cpu_s_per_sample(w),
-                "redis_bytes_per_sample": cm.redis_bytes_per_sample(w),
-                "per_redis_shard": cm.max_generators_per_redis(w, costs, g, target=target),
-                "per_redis_shard_25gbit": cm.max_generators_per_redis(w, costs, g, target=target, nic_bytes_per_s=25e9 / 8),
-                "per_postgres_2_cores": cm.max_generators_per_ledger(w, costs, g, target=target),
-                "per_postgres_16_cores": cm.max_generators_per_ledger(w, big_pg, g, target=target),
-                "waiting_generators_per_shard": math.floor(target / costs.redis_idle_cpu_per_consumer)
-                if costs.redis_idle_cpu_per_consumer else None,
-                "trainer_step_s": trainer.step_s(m, w),
-                "generators_for_64_ranks": cm.generators_to_feed_trainer(m, w, g, trainer),
-            })
+            big_pg = replace(
+                costs,
+                ledger_s_per_sample=costs.ledger_s_per_sample * 2 / 16,
+                ledger_s_per_completion_token=costs.ledger_s_per_completion_token * 2 / 16,
+            )
+            rows.append(
+                {
+                    "model": model,
+                    "completion_tokens": tokens,
+                    "gen_samples_per_s": g.samples_per_s(w),
+                    "redis_s_per_sample": costs.redis_cpu_s_per_sample(w),
+                    "redis_bytes_per_sample": cm.redis_bytes_per_sample(w),
+                    "per_redis_shard": cm.max_generators_per_redis(w, costs, g, target=target),
+                    "per_redis_shard_25gbit": cm.max_generators_per_redis(
+                        w, costs, g, target=target, nic_bytes_per_s=25e9 / 8
+                    ),
+                    "per_postgres_2_cores": cm.max_generators_per_ledger(w, costs, g, target=target),
+                    "per_postgres_16_cores": cm.max_generators_per_ledger(w, big_pg, g, target=target),
+                    "waiting_generators_per_shard": math.floor(target / costs.redis_idle_cpu_per_consumer)
+                    if costs.redis_idle_cpu_per_consumer
+                    else None,
+                    "trainer_step_s": trainer.step_s(m, w),
+                    "generators_for_64_ranks": cm.generators_to_feed_trainer(m, w, g, trainer),
+                }
+            )
     return rows
 
 
-def sweep(costs: cm.UnitCosts, model: str, *, completion_tokens: int = 1024, trainer: cm.Trainer | None = None,
-          counts: tuple[int, ...] = GENERATOR_COUNTS, steps: int = 12) -> list[dict[str, Any]]:
+def sweep(
+    costs: cm.UnitCosts,
+    model: str,
+    *,
+    completion_tokens: int = 1024,
+    trainer: cm.Trainer | None = None,
+    counts: tuple[int, ...] = GENERATOR_COUNTS,
+    steps: int = 12,
+) -> list[dict[str, Any]]:
     """Simulated throughput, utilisations and staleness vs generator count for one model size.
     trainer None: a trainer that is never the bottleneck (step 1 ms), to find the shard's limit.
     A step holds one batch of every generator, so the feeder's (k + 1) steps in flight give each
@@ -262,15 +282,30 @@ def sweep(costs: cm.UnitCosts, model: str, *, completion_tokens: int = 1024, tra
     for n in counts:
         w = cm.Workload(completion_tokens=completion_tokens, samples_per_step=max(1024, n * GEN_BATCH_SAMPLES))
         step_s = trainer.step_s(m, w) if trainer else 0.001
-        cfg = SimConfig(generators=n, gen_samples_per_s=g.samples_per_s(w), batch_samples=GEN_BATCH_SAMPLES,
-                        samples_per_step=w.samples_per_step, step_s=step_s,
-                        redis_s_per_sample=costs.redis_cpu_s_per_sample(w), ledger_s_per_sample=costs.ledger_s(w),
-                        reward_workers=max(1, n // 16),
-                        broadcast_s=cm.broadcast_s(m, n, ASSUMED_LINK_BYTES_PER_S, fanout=4), steps=steps,
-                        jitter=0.3, redis_idle_per_consumer=costs.redis_idle_cpu_per_consumer)
+        cfg = SimConfig(
+            generators=n,
+            gen_samples_per_s=g.samples_per_s(w),
+            batch_samples=GEN_BATCH_SAMPLES,
+            samples_per_step=w.samples_per_step,
+            step_s=step_s,
+            redis_s_per_sample=costs.redis_cpu_s_per_sample(w),
+            ledger_s_per_sample=costs.ledger_s(w),
+            reward_workers=max(1, n // 16),
+            broadcast_s=cm.broadcast_s(m, n, ASSUMED_LINK_BYTES_PER_S, fanout=4),
+            steps=steps,
+            jitter=0.3,
+            redis_idle_per_consumer=costs.redis_idle_cpu_per_consumer,
+        )
         r = simulate(cfg)
-        out.append({"generators": n, **asdict(r), "offered_samples_per_s": n * g.samples_per_s(w),
-                    "step_s": step_s, "samples_per_step": w.samples_per_step})
+        out.append(
+            {
+                "generators": n,
+                **asdict(r),
+                "offered_samples_per_s": n * g.samples_per_s(w),
+                "step_s": step_s,
+                "samples_per_step": w.samples_per_step,
+            }
+        )
     return out
 
 
@@ -280,24 +315,43 @@ def crosscheck(results: dict[str, Any]) -> list[dict[str, Any]]:
     CPU per sample sharing this box's cores (the runs' case; other jobs on the box not modelled)."""
     rows = []
     for p in results["crosscheck"]["points"]:
-        cfg = SimConfig(generators=p["generators"], gen_samples_per_s=p["gen_tps"] / p["tokens"],
-                        batch_samples=results["crosscheck"]["batch_groups"] * results["crosscheck"]["group_size"],
-                        samples_per_step=p["samples_per_step"], step_s=p["step_s"],
-                        redis_s_per_sample=p["redis_cpu_s_per_sample"], k=p["k"],
-                        steps=max(3, p["samples"] // p["samples_per_step"]))
+        cfg = SimConfig(
+            generators=p["generators"],
+            gen_samples_per_s=p["gen_tps"] / p["tokens"],
+            batch_samples=results["crosscheck"]["batch_groups"] * results["crosscheck"]["group_size"],
+            samples_per_step=p["samples_per_step"],
+            step_s=p["step_s"],
+            redis_s_per_sample=p["redis_cpu_s_per_sample"],
+            k=p["k"],
+            steps=max(3, p["samples"] // p["samples_per_step"]),
+        )
         sims = [simulate(replace(cfg, seed=s)) for s in range(3)]
-        box = [simulate(replace(cfg, seed=s, client_s_per_sample=p["client_cpu_s_per_sample"],
-                                client_cores=results["machine"]["cores"])) for s in range(3)]
-        rows.append({"generators": p["generators"], "measured_samples_per_s": p["samples_per_s"],
-                     "simulated_samples_per_s": sum(s.samples_per_s for s in sims) / 3,
-                     "simulated_on_this_box_samples_per_s": sum(s.samples_per_s for s in box) / 3,
-                     "measured_client_cpu_per_s": p["client_cpu_per_s"],
-                     "measured_staleness": p["staleness_mean"],
-                     "simulated_staleness": sum(s.staleness_mean for s in sims) / 3,
-                     "measured_redis_utilisation": p["redis_utilisation"],
-                     "simulated_redis_utilisation": sum(s.redis_utilisation for s in sims) / 3,
-                     # the waiting consumers' polls, measured in the same run before the samples
-                     "measured_idle_utilisation": p["redis_idle_cpu_per_s"]})
+        box = [
+            simulate(
+                replace(
+                    cfg,
+                    seed=s,
+                    client_s_per_sample=p["client_cpu_s_per_sample"],
+                    client_cores=results["machine"]["cores"],
+                )
+            )
+            for s in range(3)
+        ]
+        rows.append(
+            {
+                "generators": p["generators"],
+                "measured_samples_per_s": p["samples_per_s"],
+                "simulated_samples_per_s": sum(s.samples_per_s for s in sims) / 3,
+                "simulated_on_this_box_samples_per_s": sum(s.samples_per_s for s in box) / 3,
+                "measured_client_cpu_per_s": p["client_cpu_per_s"],
+                "measured_staleness": p["staleness_mean"],
+                "simulated_staleness": sum(s.staleness_mean for s in sims) / 3,
+                "measured_redis_utilisation": p["redis_utilisation"],
+                "simulated_redis_utilisation": sum(s.redis_utilisation for s in sims) / 3,
+                # the waiting consumers' polls, measured in the same run before the samples
+                "measured_idle_utilisation": p["redis_idle_cpu_per_s"],
+            }
+        )
     return rows
 
 
@@ -312,11 +366,18 @@ def write_figures(results_dir: str = "results", docs_dir: str = "docs") -> dict[
     res = json.loads((Path(results_dir) / "capacity.json").read_text())
     costs = unit_costs(res)
     trainer = cm.Trainer()
-    out: dict[str, Any] = {"costs": asdict(costs), "trainer": asdict(trainer), "crosscheck": crosscheck(res),
-                           "answers": answers(costs), "sweeps": {}}
+    out: dict[str, Any] = {
+        "costs": asdict(costs),
+        "trainer": asdict(trainer),
+        "crosscheck": crosscheck(res),
+        "answers": answers(costs),
+        "sweeps": {},
+    }
     for model in MODELS:
-        out["sweeps"][model] = {"trainer_64": sweep(costs, model, trainer=trainer),
-                                "trainer_unbounded": sweep(costs, model)}
+        out["sweeps"][model] = {
+            "trainer_64": sweep(costs, model, trainer=trainer),
+            "trainer_unbounded": sweep(costs, model),
+        }
 
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     for model, style in (("8B", "-"), ("70B", "--")):
@@ -325,15 +386,40 @@ def write_figures(results_dir: str = "results", docs_dir: str = "docs") -> dict[
             x = [p["generators"] for p in pts]
             label = f"{model}, {'64 trainer ranks' if kind == 'trainer_64' else 'trainer never the bottleneck'}"
             ax[0].plot(x, [p["samples_per_s"] for p in pts], style, color=colour, marker="o", ms=3, label=label)
-            ax[1].plot(x, [p["redis_utilisation"] + p["redis_idle_utilisation"] for p in pts], style, color=colour, marker="o", ms=3,
-                       label=f"Redis, {label}")
-            ax[1].plot(x, [p["ledger_utilisation"] for p in pts], style, color=colour, marker="x", ms=4, alpha=0.5,
-                       label=f"ledger, {label}")
+            ax[1].plot(
+                x,
+                [p["redis_utilisation"] + p["redis_idle_utilisation"] for p in pts],
+                style,
+                color=colour,
+                marker="o",
+                ms=3,
+                label=f"Redis, {label}",
+            )
+            ax[1].plot(
+                x,
+                [p["ledger_utilisation"] for p in pts],
+                style,
+                color=colour,
+                marker="x",
+                ms=4,
+                alpha=0.5,
+                label=f"ledger, {label}",
+            )
             ax[2].plot(x, [p["staleness_mean"] for p in pts], style, color=colour, marker="o", ms=3, label=label)
-    ax[0].set(xscale="log", yscale="log", xlabel="generator replicas", ylabel="trained samples/s",
-              title="throughput (1024-token completions)")
-    ax[1].set(xscale="log", xlabel="generator replicas", ylabel="busy fraction", ylim=(0, 1.5),
-              title="Redis (o: samples + waiting generators' polls), ledger (x)")
+    ax[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="generator replicas",
+        ylabel="trained samples/s",
+        title="throughput (1024-token completions)",
+    )
+    ax[1].set(
+        xscale="log",
+        xlabel="generator replicas",
+        ylabel="busy fraction",
+        ylim=(0, 1.5),
+        title="Redis (o: samples + waiting generators' polls), ledger (x)",
+    )
     ax[1].axhline(0.7, color="grey", lw=0.8, ls=":")
     ax[2].set(xscale="log", xlabel="generator replicas", ylabel="mean staleness (steps)", title="staleness (k = 1)")
     for a in ax:
@@ -348,17 +434,26 @@ def write_figures(results_dir: str = "results", docs_dir: str = "docs") -> dict[
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     gs = list(range(1, 1001))
     out["broadcast"] = {}
-    for ax, link, where in ((axes[0], costs.link_bytes_per_s, "measured here (TCP, loopback)"),
-                            (axes[1], ASSUMED_LINK_BYTES_PER_S, "assumed (400 Gb/s class)")):
+    for ax, link, where in (
+        (axes[0], costs.link_bytes_per_s, "measured here (TCP, loopback)"),
+        (axes[1], ASSUMED_LINK_BYTES_PER_S, "assumed (400 Gb/s class)"),
+    ):
         for model, style in (("8B", "-"), ("70B", "--")):
             m = MODELS[model][0]
             for fan, colour in ((None, "tab:red"), (2, "tab:green"), (4, "tab:blue"), (8, "tab:purple")):
                 ys = [cm.broadcast_s(m, n, link, fanout=fan) for n in gs]
                 name = "star" if fan is None else f"tree, fan-out {fan}"
                 ax.plot(gs, ys, style, color=colour, label=f"{model}, {name}")
-                out["broadcast"][f"{link / 1e9:.1f} GB/s, {model}, {name}"] = {str(n): ys[n - 1] for n in (1, 10, 100, 1000)}
-        ax.set(xscale="log", yscale="log", xlabel="generator replicas", ylabel="seconds until all hold the weights",
-               title=f"weight broadcast, {link / 1e9:.1f} GB/s per link, {where}")
+                out["broadcast"][f"{link / 1e9:.1f} GB/s, {model}, {name}"] = {
+                    str(n): ys[n - 1] for n in (1, 10, 100, 1000)
+                }
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="generator replicas",
+            ylabel="seconds until all hold the weights",
+            title=f"weight broadcast, {link / 1e9:.1f} GB/s per link, {where}",
+        )
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()

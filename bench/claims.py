@@ -61,8 +61,7 @@ def run_pinned(cmd: list[str], core: int | None, env: dict[str, str] | None = No
         if core is not None:
             os.sched_setaffinity(0, {core})
 
-    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, preexec_fn=preexec,
-                          capture_output=True, text=True)
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, preexec_fn=preexec, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
@@ -77,29 +76,74 @@ def _steady(steps: list[TrainStepRow], skip: int) -> list[TrainStepRow]:
     return steps[skip:] if len(steps) > skip + 2 else steps[1:]
 
 
-def bench_async(workdir: str = "runs/bench", steps: int = 20, prompts: int = 16, n: int = 8,
-                max_tokens: int = 32, out_dir: str = "results") -> dict[str, Any]:
+def bench_async(
+    workdir: str = "runs/bench",
+    steps: int = 20,
+    prompts: int = 16,
+    n: int = 8,
+    max_tokens: int = 32,
+    out_dir: str = "results",
+) -> dict[str, Any]:
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     model = wd / "bench-model"
     if not (model / "config.json").exists():
         # Sized so generation and training each take about a second per step on one core.
-        run_pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(model), "--layers", "4",
-                    "--hidden", "256", "--heads", "4", "--intermediate", "768"], None)
+        run_pinned(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.tiny_model",
+                "--out",
+                str(model),
+                "--layers",
+                "4",
+                "--hidden",
+                "256",
+                "--heads",
+                "4",
+                "--intermediate",
+                "768",
+            ],
+            None,
+        )
     gen_core, train_core = split_cores()
     shape = ["--prompts", str(prompts), "--n", str(n), "--max-tokens", str(max_tokens)]
     console.print("[bold]T_gen[/]: the engine alone on one step's batch")
-    run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
-               gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+    run_pinned(
+        [sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--out", str(wd / "t_gen.json")],
+        gen_core,
+        {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"},
+    )
     t_gen = json.loads((wd / "t_gen.json").read_text())
     console.print("[bold]T_train[/]: the trainer alone on one batch")
-    run_pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1",
-                "--out", str(wd / "t_train.json")], train_core)
+    run_pinned(
+        [
+            sys.executable,
+            "-m",
+            "bench.t_train",
+            "--model",
+            str(model),
+            *shape,
+            "--threads",
+            "1",
+            "--out",
+            str(wd / "t_train.json"),
+        ],
+        train_core,
+    )
     t_train = json.loads((wd / "t_train.json").read_text())
 
-    spec = {"model_path": str(model), "steps": steps, "group_size": n, "prompts_per_step": prompts,
-            "eval_every": 0, "task": {"n_train": 300, "n_test": 16}, "sampling": {"max_tokens": max_tokens},
-            "algorithm": {"lr": 1e-6}}
+    spec = {
+        "model_path": str(model),
+        "steps": steps,
+        "group_size": n,
+        "prompts_per_step": prompts,
+        "eval_every": 0,
+        "task": {"n_train": 300, "n_test": 16},
+        "sampling": {"max_tokens": max_tokens},
+        "algorithm": {"lr": 1e-6},
+    }
     runs = {}
     for mode, k in (("sync", 0), ("async", 1)):
         console.print(f"[bold]system, {mode}[/] ({steps} steps)")
@@ -116,17 +160,28 @@ def bench_async(workdir: str = "runs/bench", steps: int = 20, prompts: int = 16,
     bound = max(tg, tt)
     theoretical = (tg + tt) / bound
     result = {
-        "t_gen_s": tg, "t_train_s": tt, "sync_step_s": sync_s, "async_step_s": async_s,
+        "t_gen_s": tg,
+        "t_train_s": tt,
+        "sync_step_s": sync_s,
+        "async_step_s": async_s,
         "async_over_max": async_s / bound,
-        "speedup": sync_s / async_s, "theoretical_speedup": theoretical,
+        "speedup": sync_s / async_s,
+        "theoretical_speedup": theoretical,
         "speedup_over_theoretical": (sync_s / async_s) / theoretical,
-        "breakdown": {mode: {k: med(mode, f"time/{k}") for k in ("wait_s", "train_s", "publish_s", "ledger_s")}
-                      for mode in runs},
+        "breakdown": {
+            mode: {k: med(mode, f"time/{k}") for k in ("wait_s", "train_s", "publish_s", "ledger_s")} for mode in runs
+        },
         "generator_tokens_per_s": t_gen["tokens_per_s"],
-        "shape": {"prompts_per_step": prompts, "group_size": n, "max_tokens": max_tokens, "steps": steps,
-                  "model": "llama 4x256, 3.5M params, fp32"},
+        "shape": {
+            "prompts_per_step": prompts,
+            "group_size": n,
+            "max_tokens": max_tokens,
+            "steps": steps,
+            "model": "llama 4x256, 3.5M params, fp32",
+        },
         "pinning": "generator (vLLM OpenMP) on the first core, trainer (1 torch thread) on the last core",
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
     }
     _report_async(result, Path(out_dir))
     return result
@@ -157,11 +212,20 @@ def _report_async(r: dict[str, Any], out: Path) -> None:
     for mode, b in r["breakdown"].items():
         bd.add_row(mode, *(f"{b[k]:.3f}" for k in ("wait_s", "train_s", "publish_s", "ledger_s")))
     console.print(bd)
-    md = ["| figure | value | target |", "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows], "",
-          "| mode | waiting for data (s) | train (s) | publish weights (s) | ledger (s) |", "|---|---|---|---|---|",
-          *[f"| {m} | " + " | ".join(f"{b[k]:.3f}" for k in ("wait_s", "train_s", "publish_s", "ledger_s")) + " |"
-            for m, b in r["breakdown"].items()],
-          "", f"Machine: {r['machine']}; {r['pinning']}; {r['date']}."]
+    md = [
+        "| figure | value | target |",
+        "|---|---|---|",
+        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "",
+        "| mode | waiting for data (s) | train (s) | publish weights (s) | ledger (s) |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {m} | " + " | ".join(f"{b[k]:.3f}" for k in ("wait_s", "train_s", "publish_s", "ledger_s")) + " |"
+            for m, b in r["breakdown"].items()
+        ],
+        "",
+        f"Machine: {r['machine']}; {r['pinning']}; {r['date']}.",
+    ]
     (out / "async.md").write_text("\n".join(md) + "\n")
 
 
@@ -174,8 +238,14 @@ def bench_swap(workdir: str = "runs/swap", steps: int = 12, generators: tuple[in
     out: dict[str, Any] = {}
     for g in generators:
         console.print(f"[bold]swap latency[/], {g} generator(s)")
-        spec = {"name": f"swap-{g}", "model_path": str(model), "steps": steps, "eval_every": 0,
-                "algorithm": {"lr": 1e-4}, "sampling": {"max_tokens": 8}}
+        spec = {
+            "name": f"swap-{g}",
+            "model_path": str(model),
+            "steps": steps,
+            "eval_every": 0,
+            "algorithm": {"lr": 1e-4},
+            "sampling": {"max_tokens": 8},
+        }
         run = run_job(wd, spec, generators=g, progress=False)
         if run.state != "finished":
             raise RuntimeError(f"swap run with {g} generators ended {run.state}: {run.error}")
@@ -193,8 +263,13 @@ PARITY_MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def bench_parity(workdir: str = "runs/parity", steps: int = 40, seeds: tuple[int, ...] = (0, 1, 2),
-                 modes: tuple[str, ...] = tuple(PARITY_MODES), out_dir: str = "results") -> dict[str, Any]:
+def bench_parity(
+    workdir: str = "runs/parity",
+    steps: int = 40,
+    seeds: tuple[int, ...] = (0, 1, 2),
+    modes: tuple[str, ...] = tuple(PARITY_MODES),
+    out_dir: str = "results",
+) -> dict[str, Any]:
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -202,8 +277,16 @@ def bench_parity(workdir: str = "runs/parity", steps: int = 40, seeds: tuple[int
         model = prepare_model(wd / f"seed{seed}", seed)
         for mode in modes:
             console.print(f"[bold]parity[/] {mode} seed {seed}")
-            spec = {"name": f"parity-{mode}-{seed}", "model_path": str(model), "steps": steps, "seed": seed,
-                    "eval_every": 5, "algorithm": {"lr": 1e-4}, "sampling": {"max_tokens": 8}, **PARITY_MODES[mode]}
+            spec = {
+                "name": f"parity-{mode}-{seed}",
+                "model_path": str(model),
+                "steps": steps,
+                "seed": seed,
+                "eval_every": 5,
+                "algorithm": {"lr": 1e-4},
+                "sampling": {"max_tokens": 8},
+                **PARITY_MODES[mode],
+            }
             run = run_job(wd / f"seed{seed}", spec, progress=False)
             ledger = Ledger(run.db_url)
             evals = [e for e in ledger.evals(run.job_id, source="pipeline") if e["name"] == "held_out"]
@@ -211,14 +294,21 @@ def bench_parity(workdir: str = "runs/parity", steps: int = 40, seeds: tuple[int
             if run.state != "finished" or not steps_rows:
                 raise RuntimeError(f"parity run {mode} seed {seed} ended {run.state}: {run.error}")
             start = steps_rows[0]["created_at"]
-            curves[mode].append({
-                "seed": seed, "state": run.state,
-                "held_out": [(e["step"], e["reward_mean"]) for e in evals],
-                "held_out_time_s": [((e["created_at"] - start).total_seconds(), e["reward_mean"]) for e in evals],
-                "wall_s_to_final": (steps_rows[-1]["created_at"] - start).total_seconds(),
-            })
-    result: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "steps": steps,
-                              "seeds": list(seeds)}
+            curves[mode].append(
+                {
+                    "seed": seed,
+                    "state": run.state,
+                    "held_out": [(e["step"], e["reward_mean"]) for e in evals],
+                    "held_out_time_s": [((e["created_at"] - start).total_seconds(), e["reward_mean"]) for e in evals],
+                    "wall_s_to_final": (steps_rows[-1]["created_at"] - start).total_seconds(),
+                }
+            )
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "steps": steps,
+        "seeds": list(seeds),
+    }
     for mode, runs in curves.items():
         finals = [r["held_out"][-1][1] for r in runs if r["held_out"]]
         result[mode] = {

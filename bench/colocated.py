@@ -21,9 +21,11 @@ from typing import Any
 from asyncrl.demo import prepare_model, run_job
 from broker.ledger import Ledger
 
-MODES = (("split_async", {"mode": "async", "max_staleness": 1}),
-         ("split_sync", {"mode": "sync"}),
-         ("colocated_sync", {"mode": "sync", "placement": "colocated"}))
+MODES = (
+    ("split_async", {"mode": "async", "max_staleness": 1}),
+    ("split_sync", {"mode": "sync"}),
+    ("colocated_sync", {"mode": "sync", "placement": "colocated"}),
+)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -32,8 +34,15 @@ def _median(xs: list[float]) -> float | None:
 
 def measure(wd: Path, steps: int, label: str, extra: dict[str, Any]) -> dict[str, Any]:
     model = prepare_model(wd, 0)
-    spec = {"name": label, "model_path": str(model), "steps": steps, "eval_every": 0, "algorithm": {"lr": 1e-4},
-            "sampling": {"temperature": 1.0, "max_tokens": 8}, **extra}
+    spec = {
+        "name": label,
+        "model_path": str(model),
+        "steps": steps,
+        "eval_every": 0,
+        "algorithm": {"lr": 1e-4},
+        "sampling": {"temperature": 1.0, "max_tokens": 8},
+        **extra,
+    }
     db = f"sqlite:///{wd / f'{label}-{time.time_ns()}.db'}"
     os.environ["DATABASE_URL"] = db
     try:
@@ -73,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         for label, extra in MODES:
             r = measure(wd, args.steps, label, extra)
             runs[label].append(r)
-            print(f"{label:15s} s/step {r['step_s']:.3f} (wait {r['wait_s']:.3f} train {r['train_s']:.3f} "
-                  f"publish {r['publish_s']:.3f}) reward {r['reward_last10']:.3f}", flush=True)
+            print(
+                f"{label:15s} s/step {r['step_s']:.3f} (wait {r['wait_s']:.3f} train {r['train_s']:.3f} "
+                f"publish {r['publish_s']:.3f}) reward {r['reward_last10']:.3f}",
+                flush=True,
+            )
     out: dict[str, Any] = {"cores": len(os.sched_getaffinity(0)), "steps": args.steps, "runs": runs}
     for label, _ in MODES:
         out[f"{label}_step_s"] = _median([r["step_s"] for r in runs[label] if r["step_s"]])

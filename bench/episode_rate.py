@@ -112,8 +112,15 @@ class TimedEngine:
         self.calls += 1
         self.batch_sizes.append(sum(n))
         self.tokens += sum(len(s.completion_ids) for group in out for s in group)
-        return [[replace(s, finish_reason="stop") if s.finish_reason == "length"
-                 and len(s.completion_ids) == self.fixed_tokens else s for s in group] for group in out]
+        return [
+            [
+                replace(s, finish_reason="stop")
+                if s.finish_reason == "length" and len(s.completion_ids) == self.fixed_tokens
+                else s
+                for s in group
+            ]
+            for group in out
+        ]
 
 
 def _model(workdir: Path) -> Path:
@@ -125,10 +132,19 @@ def _model(workdir: Path) -> Path:
     return model
 
 
-def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: int = 8, turns: int = 4,
-                       tokens_per_turn: int = 24, tool_sleep_s: float = TOOL_SLEEP_S, reps: int = 3,
-                       sequential_episodes: int | None = 16, workdir: str = "runs/bench-episode-rate",
-                       model_dir: str | None = None) -> dict[str, Any]:
+def bench_episode_rate(
+    out_dir: str | None = "results",
+    *,
+    groups: int = 8,
+    n: int = 8,
+    turns: int = 4,
+    tokens_per_turn: int = 24,
+    tool_sleep_s: float = TOOL_SLEEP_S,
+    reps: int = 3,
+    sequential_episodes: int | None = 16,
+    workdir: str = "runs/bench-episode-rate",
+    model_dir: str | None = None,
+) -> dict[str, Any]:
     """Measure (see the module docstring); write out_dir/episode_rate.{json,md} unless out_dir is None."""
     from transformers import AutoTokenizer
 
@@ -149,8 +165,17 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
 
     def group(g: int, k: int, *, episode: int | None = None) -> PromptGroup:
         gid = f"rate/g{g}" if episode is None else f"rate/g{g}e{episode}"
-        return PromptGroup(job_id="rate", msg_id=gid, group_id=gid, policy_version=0, prompt_index=g,
-                           prompt=f"Task {g}: call the tool.", answer="", n=k, sampling=sampling)
+        return PromptGroup(
+            job_id="rate",
+            msg_id=gid,
+            group_id=gid,
+            policy_version=0,
+            prompt_index=g,
+            prompt=f"Task {g}: call the tool.",
+            answer="",
+            n=k,
+            sampling=sampling,
+        )
 
     def factory() -> SleepyTool:
         return SleepyTool(turns, tool_sleep_s)
@@ -165,10 +190,18 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         """Every episode played its `turns` turns of `tokens_per_turn` tokens and ended 'done'."""
         samples = [s for per in played.samples for s in per] if all(isinstance(p, list) for p in played.samples) else []
         bad = [p for p in played.samples if isinstance(p, str)]
-        if bad or len(samples) != k or any(s.turns != turns or s.stop_reason != "done"
-                                           or sum(s.model_mask) != turns * tokens_per_turn for s in samples):
-            raise RuntimeError(f"episodes not of the bench's shape: {bad[:1]} "
-                               f"{[(s.turns, s.stop_reason, sum(s.model_mask)) for s in samples][:4]}")
+        if (
+            bad
+            or len(samples) != k
+            or any(
+                s.turns != turns or s.stop_reason != "done" or sum(s.model_mask) != turns * tokens_per_turn
+                for s in samples
+            )
+        ):
+            raise RuntimeError(
+                f"episodes not of the bench's shape: {bad[:1]} "
+                f"{[(s.turns, s.stop_reason, sum(s.model_mask)) for s in samples][:4]}"
+            )
 
     def concurrent(record: bool = False) -> dict[str, Any]:
         engine.reset()
@@ -180,14 +213,20 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         check(played, episodes)
         assert engine.tokens == model_tokens, (engine.tokens, model_tokens)
         spans = engine.spans
-        return {"wall_s": wall, "episodes_per_s": episodes / wall, "model_tokens_per_s": model_tokens / wall,
-                "engine_busy_s": engine.busy_s, "engine_busy_fraction": engine.busy_s / wall,
-                "engine_calls": engine.calls, "sequences_per_call": list(engine.batch_sizes),
-                "call_s": [b - a for a, b in spans],
-                # engine idle: before the first call, between calls (the tool rounds), after the last
-                "idle_before_first_call_s": spans[0][0] - t0,
-                "idle_between_calls_s": [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)],
-                "idle_after_last_call_s": t0 + wall - spans[-1][1]}
+        return {
+            "wall_s": wall,
+            "episodes_per_s": episodes / wall,
+            "model_tokens_per_s": model_tokens / wall,
+            "engine_busy_s": engine.busy_s,
+            "engine_busy_fraction": engine.busy_s / wall,
+            "engine_calls": engine.calls,
+            "sequences_per_call": list(engine.batch_sizes),
+            "call_s": [b - a for a, b in spans],
+            # engine idle: before the first call, between calls (the tool rounds), after the last
+            "idle_before_first_call_s": spans[0][0] - t0,
+            "idle_between_calls_s": [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)],
+            "idle_after_last_call_s": t0 + wall - spans[-1][1],
+        }
 
     def sequential() -> dict[str, Any]:
         engine.reset()
@@ -197,9 +236,14 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         wall = time.perf_counter() - t0
         tokens = len(seq_eps) * turns * tokens_per_turn
         assert engine.tokens == tokens, (engine.tokens, tokens)
-        return {"wall_s": wall, "episodes": len(seq_eps), "episodes_per_s": len(seq_eps) / wall,
-                "model_tokens_per_s": tokens / wall, "engine_busy_fraction": engine.busy_s / wall,
-                "engine_calls": engine.calls}
+        return {
+            "wall_s": wall,
+            "episodes": len(seq_eps),
+            "episodes_per_s": len(seq_eps) / wall,
+            "model_tokens_per_s": tokens / wall,
+            "engine_busy_fraction": engine.busy_s / wall,
+            "engine_calls": engine.calls,
+        }
 
     openings: list[str | list[int]] = [group(g, n).prompt for g in range(groups) for _ in range(n)]
 
@@ -210,8 +254,12 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
             engine.generate(list(prompts), [sampling] * len(prompts), [1] * len(prompts))
         wall = time.perf_counter() - t0
         assert engine.tokens == model_tokens, (engine.tokens, model_tokens)
-        return {"wall_s": wall, "model_tokens_per_s": model_tokens / wall, "engine_calls": engine.calls,
-                "call_s": [b - a for a, b in engine.spans]}
+        return {
+            "wall_s": wall,
+            "model_tokens_per_s": model_tokens / wall,
+            "engine_calls": engine.calls,
+            "call_s": [b - a for a, b in engine.spans],
+        }
 
     load_before = os.getloadavg()
     try:
@@ -222,10 +270,16 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         concurrent(record=True)
         ctx = sorted(engine.contexts, key=len)
         assert len(ctx) == episodes * turns, len(ctx)
-        same_contexts: list[list[str | list[int]]] = [list(ctx[t * episodes:(t + 1) * episodes]) for t in range(turns)]
+        same_contexts: list[list[str | list[int]]] = [
+            list(ctx[t * episodes : (t + 1) * episodes]) for t in range(turns)
+        ]
         single_turn([openings] * turns)
-        runs: dict[str, list[dict[str, Any]]] = {"concurrent": [], "sequential": [], "single_turn": [],
-                                                 "single_turn_same_contexts": []}
+        runs: dict[str, list[dict[str, Any]]] = {
+            "concurrent": [],
+            "sequential": [],
+            "single_turn": [],
+            "single_turn_same_contexts": [],
+        }
         for _ in range(reps):
             runs["concurrent"].append(concurrent())
             runs["sequential"].append(sequential())
@@ -248,8 +302,10 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         "utilisation_same_contexts": conc_tps / same_tps,
         # each run's concurrent / the single-turn run after it: on a shared machine the load moves
         # between runs, and adjacent runs share more of it
-        "utilisation_per_run": [c["model_tokens_per_s"] / t["model_tokens_per_s"]
-                                for c, t in zip(runs["concurrent"], runs["single_turn"], strict=True)],
+        "utilisation_per_run": [
+            c["model_tokens_per_s"] / t["model_tokens_per_s"]
+            for c, t in zip(runs["concurrent"], runs["single_turn"], strict=True)
+        ],
         # the best a run of episodes in lockstep can do: the engine's own time for the turns, plus
         # one tool call per turn during which every episode sleeps and the engine has nothing to run
         "utilisation_bound_lockstep": (model_tokens / single_tps) / (busy + turns * tool_sleep_s),
@@ -267,9 +323,17 @@ def bench_episode_rate(out_dir: str | None = "results", *, groups: int = 8, n: i
         "engine_idle_between_calls_s_median": statistics.median(gaps) if gaps else 0.0,
         "engine_idle_after_last_call_s_median": med("concurrent", "idle_after_last_call_s"),
         "tool_sleep_s": tool_sleep_s,
-        "shape": {"groups": groups, "n": n, "episodes": episodes, "turns": turns, "tokens_per_turn": tokens_per_turn,
-                  "model_tokens": model_tokens, "sequential_episodes": len(seq_eps), "reps": reps,
-                  "model": "asyncrl.tiny_model defaults (random init, char-level, 256-token context)"},
+        "shape": {
+            "groups": groups,
+            "n": n,
+            "episodes": episodes,
+            "turns": turns,
+            "tokens_per_turn": tokens_per_turn,
+            "model_tokens": model_tokens,
+            "sequential_episodes": len(seq_eps),
+            "reps": reps,
+            "model": "asyncrl.tiny_model defaults (random init, char-level, 256-token context)",
+        },
         "runs": runs,
         "machine": machine(),
         # the machine may be shared: its load average (1, 5, 15 min) before and after the runs
@@ -292,40 +356,59 @@ def markdown(r: dict[str, Any]) -> str:
 
     def walls(kind: str) -> str:
         return ", ".join(f"{x['wall_s']:.2f}" for x in r["runs"][kind])
-    return "\n".join([
-        "# Multi-turn episode rate (`python -m bench episode-rate`)", "",
-        f"{s['episodes']} episodes ({s['groups']} groups x {s['n']}) of {s['turns']} model turns x "
-        f"{s['tokens_per_turn']} tokens, a tool that sleeps {r['tool_sleep_s'] * 1000:.0f} ms per call; the tiny "
-        f"random-init model on the vLLM CPU engine, {r['machine']['cores']} cores. Medians of {s['reps']} interleaved "
-        f"runs (sequential: {s['sequential_episodes']} episodes per run). bench/episode_rate.py says what each "
-        "figure is.", "",
-        "| run | episodes/s | model tokens/s | engine busy | wall of each run (s) |", "|---|---|---|---|---|",
-        f"| concurrent (`run_groups`) | {r['episodes_per_s_concurrent']:.2f} | {r['model_tokens_per_s_concurrent']:.0f} "
-        f"| {r['engine_busy_fraction']:.2f} | {walls('concurrent')} |",
-        f"| sequential (one episode at a time) | {r['episodes_per_s_sequential']:.2f} | "
-        f"{r['model_tokens_per_s_sequential']:.0f} | {seq_busy:.2f} | {walls('sequential')} |",
-        f"| single-turn, no environment (the openings as prompts) | - | {r['model_tokens_per_s_single_turn']:.0f} | 1.00 "
-        f"| {walls('single_turn')} |",
-        f"| single-turn, no environment (the turns' contexts as prompts) | - | "
-        f"{r['model_tokens_per_s_single_turn_same_contexts']:.0f} | 1.00 | {walls('single_turn_same_contexts')} |", "",
-        f"- utilisation (concurrent / single-turn model tokens/s): **{r['utilisation']:.2f}** (target >= 0.8); "
-        f"against the same contexts: {r['utilisation_same_contexts']:.2f}; the lockstep bound at this shape: "
-        f"{r['utilisation_bound_lockstep']:.2f}; run by run (concurrent / the single-turn run after it): "
-        + ", ".join(f"{u:.2f}" for u in r["utilisation_per_run"]),
-        f"- where the concurrent run's time goes (medians): wall {idle + r['engine_busy_s_concurrent']:.2f} s = engine "
-        f"{r['engine_busy_s_concurrent']:.2f} s + idle {idle:.2f} s, of which {s['turns']} tool rounds x "
-        f"{r['tool_sleep_s'] * 1000:.0f} ms = {s['turns'] * r['tool_sleep_s']:.2f} s of sleep (every episode in its "
-        "tool at once: nothing for the engine to run) and the rest the loop's own work between calls",
-        f"- speed-up over sequential: **{r['speedup_vs_sequential']:.1f}x**",
-        f"- concurrent: {r['engine_calls_concurrent']:.0f} engine calls (median; sequences per call "
-        f"{c[0]['sequences_per_call']} in the first run), engine busy {r['engine_busy_s_concurrent']:.2f} s vs "
-        f"{r['engine_s_single_turn']:.2f} s single-turn; engine idle between calls "
-        f"{r['engine_idle_between_calls_s_median'] * 1000:.0f} ms (median; the tool's "
-        f"{r['tool_sleep_s'] * 1000:.0f} ms plus the loop's work on {s['episodes']} replies), after the last call "
-        f"{r['engine_idle_after_last_call_s_median'] * 1000:.0f} ms",
-        f"- {r['date']}, {r['machine']['cpu']}; load average (1 min) {r['load_average']['before'][0]:.2f} before, "
-        f"{r['load_average']['after'][0]:.2f} after (a shared machine: a run far off the others was disturbed)",
-    ]) + "\n"
+
+    return (
+        "\n".join(
+            [
+                "# Multi-turn episode rate (`python -m bench episode-rate`)",
+                "",
+                f"{s['episodes']} episodes ({s['groups']} groups x {s['n']}) of {s['turns']} model turns x "
+                f"{s['tokens_per_turn']} tokens, a tool that sleeps {r['tool_sleep_s'] * 1000:.0f} ms per call; "
+                "the tiny "
+                f"random-init model on the vLLM CPU engine, {r['machine']['cores']} cores. "
+                f"Medians of {s['reps']} interleaved "
+                f"runs (sequential: {s['sequential_episodes']} episodes per run). bench/episode_rate.py says what each "
+                "figure is.",
+                "",
+                "| run | episodes/s | model tokens/s | engine busy | wall of each run (s) |",
+                "|---|---|---|---|---|",
+                f"| concurrent (`run_groups`) | {r['episodes_per_s_concurrent']:.2f} | "
+                f"{r['model_tokens_per_s_concurrent']:.0f} "
+                f"| {r['engine_busy_fraction']:.2f} | {walls('concurrent')} |",
+                f"| sequential (one episode at a time) | {r['episodes_per_s_sequential']:.2f} | "
+                f"{r['model_tokens_per_s_sequential']:.0f} | {seq_busy:.2f} | {walls('sequential')} |",
+                "| single-turn, no environment (the openings as prompts) | - | "
+                f"{r['model_tokens_per_s_single_turn']:.0f} | 1.00 "
+                f"| {walls('single_turn')} |",
+                f"| single-turn, no environment (the turns' contexts as prompts) | - | "
+                f"{r['model_tokens_per_s_single_turn_same_contexts']:.0f} | 1.00 | "
+                f"{walls('single_turn_same_contexts')} |",
+                "",
+                f"- utilisation (concurrent / single-turn model tokens/s): **{r['utilisation']:.2f}** (target >= 0.8); "
+                f"against the same contexts: {r['utilisation_same_contexts']:.2f}; the lockstep bound at this shape: "
+                f"{r['utilisation_bound_lockstep']:.2f}; run by run (concurrent / the single-turn run after it): "
+                + ", ".join(f"{u:.2f}" for u in r["utilisation_per_run"]),
+                "- where the concurrent run's time goes (medians): "
+                f"wall {idle + r['engine_busy_s_concurrent']:.2f} s = engine "
+                f"{r['engine_busy_s_concurrent']:.2f} s + idle {idle:.2f} s, of which {s['turns']} tool rounds x "
+                f"{r['tool_sleep_s'] * 1000:.0f} ms = {s['turns'] * r['tool_sleep_s']:.2f} s of sleep "
+                "(every episode in its "
+                "tool at once: nothing for the engine to run) and the rest the loop's own work between calls",
+                f"- speed-up over sequential: **{r['speedup_vs_sequential']:.1f}x**",
+                f"- concurrent: {r['engine_calls_concurrent']:.0f} engine calls (median; sequences per call "
+                f"{c[0]['sequences_per_call']} in the first run), engine busy {r['engine_busy_s_concurrent']:.2f} s vs "
+                f"{r['engine_s_single_turn']:.2f} s single-turn; engine idle between calls "
+                f"{r['engine_idle_between_calls_s_median'] * 1000:.0f} ms (median; the tool's "
+                f"{r['tool_sleep_s'] * 1000:.0f} ms plus the loop's work on {s['episodes']} replies), "
+                "after the last call "
+                f"{r['engine_idle_after_last_call_s_median'] * 1000:.0f} ms",
+                f"- {r['date']}, {r['machine']['cpu']}; "
+                f"load average (1 min) {r['load_average']['before'][0]:.2f} before, "
+                f"{r['load_average']['after'][0]:.2f} after (a shared machine: a run far off the others was disturbed)",
+            ]
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -70,23 +70,46 @@ def model_tree_s(n: int, fanout: int, hop_s: float, chunk_s: float | None = None
     return max(done)
 
 
-def _start_receivers(job: str, n: int, fanout: int, uplink_mbps: float, redis_url: str,
-                     store_and_forward: bool) -> list[subprocess.Popen]:
+def _start_receivers(
+    job: str, n: int, fanout: int, uplink_mbps: float, redis_url: str, store_and_forward: bool
+) -> list[subprocess.Popen]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     sf = ["--store-and-forward"] if store_and_forward else []
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "generator_svc.relay", "--job", job, "--id", f"r{i:02d}", "--redis", redis_url,
-             "--prefix", PREFIX, "--fanout", str(fanout), "--keep", "1", "--uplink-mbps", str(uplink_mbps), *sf],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "generator_svc.relay",
+                "--job",
+                job,
+                "--id",
+                f"r{i:02d}",
+                "--redis",
+                redis_url,
+                "--prefix",
+                PREFIX,
+                "--fanout",
+                str(fanout),
+                "--keep",
+                "1",
+                "--uplink-mbps",
+                str(uplink_mbps),
+                *sf,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         for i in range(n)
     ]
 
 
 def _entries(streams: JobStreams) -> dict[str, dict]:
-    return {(k.decode() if isinstance(k, bytes) else k): json.loads(v)
-            for k, v in streams.r.hgetall(streams.key(RELAYS)).items()}
+    return {
+        (k.decode() if isinstance(k, bytes) else k): json.loads(v)
+        for k, v in streams.r.hgetall(streams.key(RELAYS)).items()
+    }
 
 
 def _served(streams: JobStreams, v: int, n: int) -> dict[str, dict] | None:
@@ -105,8 +128,17 @@ def _wait(cond, timeout_s: float, what: str) -> Any:
     raise TimeoutError(f"{what} not within {timeout_s:.0f} s")
 
 
-def _one_group(server: TcpWeightServer, base: np.ndarray, first_version: int, n: int, fanout: int, versions: int,
-               uplink_mbps: float, redis_url: str, store_and_forward: bool = False) -> list[dict]:
+def _one_group(
+    server: TcpWeightServer,
+    base: np.ndarray,
+    first_version: int,
+    n: int,
+    fanout: int,
+    versions: int,
+    uplink_mbps: float,
+    redis_url: str,
+    store_and_forward: bool = False,
+) -> list[dict]:
     """Start n receivers with `fanout` (0: star), publish `versions` versions one after another,
     each once the previous is served everywhere; per version: seconds publish -> all serving and
     trainer egress bytes."""
@@ -123,9 +155,18 @@ def _one_group(server: TcpWeightServer, base: np.ndarray, first_version: int, n:
             server.serve(manifest, buf)
             sent0 = server.sent.bytes
             t_pub = time.time()
-            streams.publish(POLICY, PolicyAnnouncement(
-                job_id=job, msg_id=policy_version_id(job, v), policy_version=v, manifest=manifest,
-                transport="tcp", address=server.address, trainer_run="bench"))
+            streams.publish(
+                POLICY,
+                PolicyAnnouncement(
+                    job_id=job,
+                    msg_id=policy_version_id(job, v),
+                    policy_version=v,
+                    manifest=manifest,
+                    transport="tcp",
+                    address=server.address,
+                    trainer_run="bench",
+                ),
+            )
             entries = _wait(lambda v=v: _served(streams, v, n), 300, f"v{v} served by {n} receivers")
             done = max(x["served_at"][str(v)] for x in entries.values() if str(v) in x["served_at"])
             out.append({"version": v, "seconds": done - t_pub, "trainer_egress_bytes": server.sent.bytes - sent0})
@@ -138,16 +179,25 @@ def _one_group(server: TcpWeightServer, base: np.ndarray, first_version: int, n:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        errs = [(p.returncode, p.stderr.read().decode(errors="replace")) for p in procs
-                if p.stderr and p.returncode != 0]
+        errs = [
+            (p.returncode, p.stderr.read().decode(errors="replace")) for p in procs if p.stderr and p.returncode != 0
+        ]
         streams.r.delete(streams.key(RELAYS), streams.key(POLICY))
         if errs:
-            print(f"{len(errs)} receiver(s) exited non-zero; first: rc {errs[0][0]}", errs[0][1][-2000:], file=sys.stderr)
+            print(
+                f"{len(errs)} receiver(s) exited non-zero; first: rc {errs[0][0]}", errs[0][1][-2000:], file=sys.stderr
+            )
     return out
 
 
-def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8, 16), payload_mb: int = 32,
-                 uplink_mbps: float = 25.0, fanout: int = 2, versions: int = 3) -> dict:
+def bench_fanout(
+    out_dir: str = "results",
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
+    payload_mb: int = 32,
+    uplink_mbps: float = 25.0,
+    fanout: int = 2,
+    versions: int = 3,
+) -> dict:
     """Star vs tree for each N in `sizes`, `versions` publishes each (median), interleaved."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     payload = payload_mb * MB
@@ -161,12 +211,15 @@ def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8,
     try:
         for i, n in enumerate(sizes):
             modes = [("star", 0, False), ("tree", fanout, False), ("tree_sf", fanout, True)]
-            for mode, k, sf in modes[i % 3:] + modes[: i % 3]:  # rotate which goes first
+            for mode, k, sf in modes[i % 3 :] + modes[: i % 3]:  # rotate which goes first
                 got = _one_group(server, base, v, n, k, versions, uplink_mbps, redis_url, sf)
                 v += versions
                 runs.setdefault(str(n), {})[mode] = got
-                print(f"N={n:2d} {mode}: " + ", ".join(f"{r['seconds']:.2f}s/{r['trainer_egress_bytes'] / payload:.1f}x"
-                                                     for r in got), flush=True)
+                print(
+                    f"N={n:2d} {mode}: "
+                    + ", ".join(f"{r['seconds']:.2f}s/{r['trainer_egress_bytes'] / payload:.1f}x" for r in got),
+                    flush=True,
+                )
     finally:
         server.close()
 
@@ -175,12 +228,16 @@ def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8,
 
     res: dict[str, Any] = {
         "what": "seconds from publish until every receiver serves the version (verified), median of "
-                f"{versions} versions; trainer egress bytes per version (tree: what `trainer_egress_bytes` means)",
+        f"{versions} versions; trainer egress bytes per version (tree: what `trainer_egress_bytes` means)",
         "emulated": f"every server's uplink limited to {uplink_mbps:g} MB/s (token bucket); times model that "
-                    "network, bytes are counted",
-        "payload_bytes": payload, "uplink_mbps": uplink_mbps, "fanout": fanout, "versions_per_point": versions,
+        "network, bytes are counted",
+        "payload_bytes": payload,
+        "uplink_mbps": uplink_mbps,
+        "fanout": fanout,
+        "versions_per_point": versions,
         "receivers": "python -m generator_svc.relay processes (the generator's relay code, no engine), TCP",
-        "machine": machine(), "wall_s": round(time.time() - t0, 1),
+        "machine": machine(),
+        "wall_s": round(time.time() - t0, 1),
     }
     for n in sizes:
         r = runs[str(n)]
@@ -201,7 +258,8 @@ def bench_fanout(out_dir: str = "results", sizes: tuple[int, ...] = (1, 2, 4, 8,
     res[f"tree_{hi}_over_{lo}"] = round(res[hi]["tree_s"] / res[lo]["tree_s"], 2)
     res[f"star_{hi}_over_{lo}"] = round(res[hi]["star_s"] / res[lo]["star_s"], 2)
     res[f"tree_store_and_forward_{hi}_over_{lo}"] = round(
-        res[hi]["tree_store_and_forward_s"] / res[lo]["tree_store_and_forward_s"], 2)
+        res[hi]["tree_store_and_forward_s"] / res[lo]["tree_store_and_forward_s"], 2
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fanout.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -231,7 +289,8 @@ def _write_md(res: dict, sizes: tuple[int, ...], path: Path) -> None:
             f"{r['tree_store_and_forward_s']:.2f} | {r['star_trainer_egress_bytes'] / p:.1f} copies | "
             f"**{r['trainer_egress_bytes'] / p:.1f} copies** | "
             f"{r['tree_store_and_forward_trainer_egress_bytes'] / p:.1f} copies | {r['tree_depth']} | "
-            f"{r['model_star_s']:.2f} | {r['model_tree_s']:.2f} | {r['model_tree_store_and_forward_s']:.2f} |")
+            f"{r['model_star_s']:.2f} | {r['model_tree_s']:.2f} | {r['model_tree_store_and_forward_s']:.2f} |"
+        )
     lo, hi = sizes[0], sizes[-1]
     lines += [
         "",
@@ -264,8 +323,13 @@ def _plot(res: dict, sizes: tuple[int, ...], path: Path) -> None:
     a.plot(ns, [res[str(n)]["tree_store_and_forward_s"] for n in ns], "^-", label="tree, store and forward")
     a.plot(ns, [res[str(n)]["model_star_s"] for n in ns], ":", color="C0", label="star model")
     a.plot(ns, [res[str(n)]["model_tree_s"] for n in ns], ":", color="C1", label="tree model")
-    a.plot(ns, [res[str(n)]["model_tree_store_and_forward_s"] for n in ns], ":", color="C2",
-           label="store and forward model")
+    a.plot(
+        ns,
+        [res[str(n)]["model_tree_store_and_forward_s"] for n in ns],
+        ":",
+        color="C2",
+        label="store and forward model",
+    )
     a.set_xscale("log", base=2)
     a.set_xlabel("receivers N")
     a.set_ylabel("publish -> all serving (s)")
@@ -283,5 +347,6 @@ def _plot(res: dict, sizes: tuple[int, ...], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps({k: v for k, v in bench_fanout().items() if not isinstance(v, dict) or "star_s" not in v},
-                     indent=2))
+    print(
+        json.dumps({k: v for k, v in bench_fanout().items() if not isinstance(v, dict) or "star_s" not in v}, indent=2)
+    )

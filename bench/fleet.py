@@ -58,8 +58,14 @@ def _free_port() -> int:
 
 def _env(run: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "JOB_ID"}
-    return {**env, "DATABASE_URL": f"sqlite:///{run / 'ledger.db'}", "STREAM_PREFIX": f"fleet-{time.time_ns()}:",
-            "BROKER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1", "TRAINER_CHECKPOINT_DIR": str(run / "ckpt")}
+    return {
+        **env,
+        "DATABASE_URL": f"sqlite:///{run / 'ledger.db'}",
+        "STREAM_PREFIX": f"fleet-{time.time_ns()}:",
+        "BROKER_PORT": str(_free_port()),
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(run / "ckpt"),
+    }
 
 
 def _time_to(curve: list[dict[str, float]], target: float) -> float | None:
@@ -75,8 +81,13 @@ def cold_run(wd: Path, spec: dict[str, Any]) -> dict[str, Any]:
     env = _env(run)
     t0 = time.time()
     with open(run / "launcher.log", "w") as fh:
-        proc = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--spec", str(run / "spec.json"), "--logdir",
-                               str(run / "logs")], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncrl.launch", "--spec", str(run / "spec.json"), "--logdir", str(run / "logs")],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"cold run: launcher exited {proc.returncode}; see {run}")
     logs = {"launcher": (run / "launcher.log").read_text(errors="replace")}
@@ -87,10 +98,14 @@ def cold_run(wd: Path, spec: dict[str, Any]) -> dict[str, Any]:
     rel = {k: v - t0 for k, v in found.items() if not k.endswith("_s")}
     with Ledger(env["DATABASE_URL"]) as ledger:
         curve, ends, _ = ours_curve(ledger, job_id, t0)
-    return {"job_id": job_id, "startup_s": rel.get("trainer.first_step"),
-            "marks": dict(sorted(rel.items(), key=lambda kv: kv[1])), "curve": curve,
-            "durations_s": {k: v for k, v in found.items() if k.endswith("_s")},
-            "final_reward": curve[-1]["reward"] if curve else None}
+    return {
+        "job_id": job_id,
+        "startup_s": rel.get("trainer.first_step"),
+        "marks": dict(sorted(rel.items(), key=lambda kv: kv[1])),
+        "curve": curve,
+        "durations_s": {k: v for k, v in found.items() if k.endswith("_s")},
+        "final_reward": curve[-1]["reward"] if curve else None,
+    }
 
 
 class WarmFleet:
@@ -102,8 +117,13 @@ class WarmFleet:
         self.env = _env(self.run)
         self.api = f"http://127.0.0.1:{self.env['BROKER_PORT']}"
         self.log = open(self.run / "launcher.log", "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch", "--logdir", str(self.run / "logs")],
-                                     cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.launch", "--logdir", str(self.run / "logs")],
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.ledger = Ledger(self.env["DATABASE_URL"])
         deadline = time.monotonic() + 180
         while True:
@@ -134,8 +154,12 @@ class WarmFleet:
             raise RuntimeError(f"submit: {r.status_code} {r.text}")
         return str(r.json()["id"]), t
 
-    def wait(self, job_id: str, states: tuple[str, ...] = ("finished", "failed", "stopped", "cancelled"),
-             timeout: float = 600) -> dict[str, Any]:
+    def wait(
+        self,
+        job_id: str,
+        states: tuple[str, ...] = ("finished", "failed", "stopped", "cancelled"),
+        timeout: float = 600,
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while (job := self.ledger.get_job(job_id)) is None or job["state"] not in states:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -170,8 +194,16 @@ class WarmFleet:
         self.ledger.close()
 
 
-def bench_fleet(*, workdir: str = "runs/bench-fleet", out_dir: str = "results", jobs: int = 5, rss_jobs: int = 20,
-                steps: int = 150, eval_every: int = 10, trl_venv: str = "runs/bench/trl-venv") -> dict[str, Any]:
+def bench_fleet(
+    *,
+    workdir: str = "runs/bench-fleet",
+    out_dir: str = "results",
+    jobs: int = 5,
+    rss_jobs: int = 20,
+    steps: int = 150,
+    eval_every: int = 10,
+    trl_venv: str = "runs/bench/trl-venv",
+) -> dict[str, Any]:
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     data, reward = write_task(wd)
@@ -228,21 +260,37 @@ def bench_fleet(*, workdir: str = "runs/bench-fleet", out_dir: str = "results", 
     warm_time = _time_to(warm_curve, target)
     trl_startup = trl["startup_s"]
     result: dict[str, Any] = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-        "load_avg_before": load_before, "load_avg_after": load_after,
-        "task": {"what": "bench.own_task: two-digit add/sub from a user's JSONL, reward plug-in, stop '\\n'",
-                 "steps": steps, "eval_every": eval_every, "n_test": N_TEST, "seed": 0},
-        "trl_startup_s": trl_startup, "trl_version": trl["trl_version"],
-        "trl_target_reward": target, "trl_time_to_target_s": trl_time,
-        "cold_start_s": cold["startup_s"], "cold_over_trl": cold["startup_s"] / trl_startup,
-        "cold_breakdown_s": cold["marks"], "cold_durations_s": cold["durations_s"],
-        "warm_submit_to_first_step_s": statistics.median(warm_s), "warm_submit_to_first_step_runs_s": warm_s,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+        "task": {
+            "what": "bench.own_task: two-digit add/sub from a user's JSONL, reward plug-in, stop '\\n'",
+            "steps": steps,
+            "eval_every": eval_every,
+            "n_test": N_TEST,
+            "seed": 0,
+        },
+        "trl_startup_s": trl_startup,
+        "trl_version": trl["trl_version"],
+        "trl_target_reward": target,
+        "trl_time_to_target_s": trl_time,
+        "cold_start_s": cold["startup_s"],
+        "cold_over_trl": cold["startup_s"] / trl_startup,
+        "cold_breakdown_s": cold["marks"],
+        "cold_durations_s": cold["durations_s"],
+        "warm_submit_to_first_step_s": statistics.median(warm_s),
+        "warm_submit_to_first_step_runs_s": warm_s,
         "cancel_to_next_start_s": cancel_to_next,
-        "cold_time_to_target_s": cold_time, "warm_time_to_target_s": warm_time,
+        "cold_time_to_target_s": cold_time,
+        "warm_time_to_target_s": warm_time,
         "time_to_reward_vs_trl_cold": trl_time / cold_time if trl_time and cold_time else None,
         "time_to_reward_vs_trl_warm": trl_time / warm_time if trl_time and warm_time else None,
-        "final_reward": {"trl": target, "cold": cold["final_reward"],
-                         "warm": warm_curve[-1]["reward"] if warm_curve else None},
+        "final_reward": {
+            "trl": target,
+            "cold": cold["final_reward"],
+            "warm": warm_curve[-1]["reward"] if warm_curve else None,
+        },
         "rss_mib_per_job": rss,
         "rss_growth_mib_over_20_jobs": {r: rss[-1][r] - rss[0][r] for r in rss[0]} if rss else {},
         "curves": {"trl": trl["curve"], "cold": cold["curve"], "warm": warm_curve},
@@ -262,12 +310,15 @@ def _f(v: Any, d: int = 2) -> str:
 def report(r: dict[str, Any]) -> str:
     lb, la = r["load_avg_before"], r["load_avg_after"]
     lines = [
-        "# The standing fleet beside TRL (`python -m bench fleet`)", "",
+        "# The standing fleet beside TRL (`python -m bench fleet`)",
+        "",
         f"{r['machine']['cores']} cores ({r['machine']['cpu']}), {r['date']}; load average before "
         f"{lb[0]:.1f} / {lb[1]:.1f} / {lb[2]:.1f}, after {la[0]:.1f} / {la[1]:.1f} / {la[2]:.1f}. Task: "
         f"{r['task']['what']}, {r['task']['steps']} steps, held-out every {r['task']['eval_every']}; TRL "
-        f"{r['trl_version']}.", "",
-        "| figure | value | goal |", "|---|---|---|",
+        f"{r['trl_version']}.",
+        "",
+        "| figure | value | goal |",
+        "|---|---|---|",
         f"| warm_submit_to_first_step_s (median of {len(r['warm_submit_to_first_step_runs_s'])}) | "
         f"{_f(r['warm_submit_to_first_step_s'])} ({', '.join(_f(x) for x in r['warm_submit_to_first_step_runs_s'])}) "
         "| <= 1.0 |",
@@ -277,13 +328,19 @@ def report(r: dict[str, Any]) -> str:
         f"| time_to_reward_vs_trl_warm (TRL / ours) | {_f(r['time_to_reward_vs_trl_warm'])} | >= 1.5 |",
         f"| time_to_reward_vs_trl_cold | {_f(r['time_to_reward_vs_trl_cold'])} | |",
         f"| cancel_to_next_start_s | {_f(r['cancel_to_next_start_s'])} | <= 2 |",
-        *(f"| rss_growth_mib_over_20_jobs, {k} | {_f(v, 1)} | <= 50 |"
-          for k, v in r["rss_growth_mib_over_20_jobs"].items()),
-        "", f"Target: TRL's final held-out reward {_f(r['trl_target_reward'], 3)}, reached by TRL in "
+        *(
+            f"| rss_growth_mib_over_20_jobs, {k} | {_f(v, 1)} | <= 50 |"
+            for k, v in r["rss_growth_mib_over_20_jobs"].items()
+        ),
+        "",
+        f"Target: TRL's final held-out reward {_f(r['trl_target_reward'], 3)}, reached by TRL in "
         f"{_f(r['trl_time_to_target_s'], 1)} s from its command, by ours in {_f(r['cold_time_to_target_s'], 1)} s "
-        f"cold (from the command) and {_f(r['warm_time_to_target_s'], 1)} s warm (from the submit).", "",
-        "Cold start, seconds since the command (first time each mark appears):", "",
-        "| mark | s |", "|---|---|",
+        f"cold (from the command) and {_f(r['warm_time_to_target_s'], 1)} s warm (from the submit).",
+        "",
+        "Cold start, seconds since the command (first time each mark appears):",
+        "",
+        "| mark | s |",
+        "|---|---|",
         *(f"| {k} | {v:.2f} |" for k, v in r["cold_breakdown_s"].items()),
     ]
     return "\n".join(lines) + "\n"

@@ -40,8 +40,13 @@ LR = {"full": 1e-4, "lora": 1e-3}
 
 def _spec(model: Path, kind: str, steps: int, seed: int) -> dict[str, Any]:
     return {
-        "name": f"lora-bench-{kind}", "model_path": str(model), "mode": "sync", "steps": steps, "seed": seed,
-        "eval_every": max(1, steps // 6), "algorithm": {"lr": LR[kind]},
+        "name": f"lora-bench-{kind}",
+        "model_path": str(model),
+        "mode": "sync",
+        "steps": steps,
+        "seed": seed,
+        "eval_every": max(1, steps // 6),
+        "algorithm": {"lr": LR[kind]},
         "sampling": {"temperature": 1.0, "max_tokens": 8},
         **({"lora": LORA} if kind == "lora" else {}),
     }
@@ -57,22 +62,29 @@ def one_run(wd: Path, model: Path, kind: str, steps: int, seed: int) -> dict[str
     versions = ledger.policy_versions(run.job_id)
     latency = [s for v, s in ledger.swap_latencies(run.job_id).items() if v > 0]
     return {
-        "kind": kind, "lr": LR[kind], "wall_s": run.wall_s, "curve": curve,
+        "kind": kind,
+        "lr": LR[kind],
+        "wall_s": run.wall_s,
+        "curve": curve,
         "update_bytes": statistics.median(v["num_bytes"] for v in versions),
-        "update_latency_s_median": statistics.median(latency), "update_latency_s_max": max(latency),
-        "versions": len(versions), "step_s_median": statistics.median(
-            b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False)),
+        "update_latency_s_median": statistics.median(latency),
+        "update_latency_s_max": max(latency),
+        "versions": len(versions),
+        "step_s_median": statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False)),
         "publish_s_median": breakdown.get("publish_s"),
         # a sync step = waiting for the batch (generation and reward) + training + publishing
-        "wait_s_median": breakdown.get("wait_s"), "train_s_median": breakdown.get("train_s"),
+        "wait_s_median": breakdown.get("wait_s"),
+        "train_s_median": breakdown.get("train_s"),
     }
 
 
 def _mean_curve(runs: list[dict[str, Any]]) -> list[dict[str, float]]:
     """The held-out curve averaged over seeds at the steps every seed evaluated."""
     steps = sorted(set.intersection(*({p["step"] for p in r["curve"]} for r in runs)))
-    return [{"step": s, "reward": statistics.mean(p["reward"] for r in runs for p in r["curve"] if p["step"] == s)}
-            for s in steps]
+    return [
+        {"step": s, "reward": statistics.mean(p["reward"] for r in runs for p in r["curve"] if p["step"] == s)}
+        for s in steps
+    ]
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float:
@@ -87,24 +99,45 @@ def bench_lora(out_dir: str = "results", steps: int = 30, seeds: int = 3) -> dic
     for seed in range(seeds):
         for kind in ("full", "lora"):  # interleaved: load on the shared machine hits both alike
             runs[kind].append({"seed": seed, **one_run(wd / f"s{seed}", model, kind, steps, seed)})
-    keys = ("update_bytes", "update_latency_s_median", "update_latency_s_max", "step_s_median", "publish_s_median",
-            "wait_s_median", "train_s_median", "wall_s")
-    full, lo = ({"kind": k, "lr": LR[k], **{key: _median(runs[k], key) for key in keys},
-                 "curve": _mean_curve(runs[k])} for k in ("full", "lora"))
+    keys = (
+        "update_bytes",
+        "update_latency_s_median",
+        "update_latency_s_max",
+        "step_s_median",
+        "publish_s_median",
+        "wait_s_median",
+        "train_s_median",
+        "wall_s",
+    )
+    full, lo = (
+        {"kind": k, "lr": LR[k], **{key: _median(runs[k], key) for key in keys}, "curve": _mean_curve(runs[k])}
+        for k in ("full", "lora")
+    )
     res = {
-        "lora": LORA, "steps": steps, "seeds": seeds, "summary": {"full": full, "lora": lo}, "runs": runs,
-        "lora_update_bytes": lo["update_bytes"], "full_update_bytes": full["update_bytes"],
+        "lora": LORA,
+        "steps": steps,
+        "seeds": seeds,
+        "summary": {"full": full, "lora": lo},
+        "runs": runs,
+        "lora_update_bytes": lo["update_bytes"],
+        "full_update_bytes": full["update_bytes"],
         "update_bytes_ratio": lo["update_bytes"] / full["update_bytes"],
         "update_latency_ratio": lo["update_latency_s_median"] / full["update_latency_s_median"],
         "publish_s_ratio": lo["publish_s_median"] / full["publish_s_median"],
         "step_s_ratio": lo["step_s_median"] / full["step_s_median"],
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora.json").write_text(json.dumps(res, indent=2) + "\n")
-    update_trainer_results(out, res, ("lora_update_bytes", "full_update_bytes"), "update_bytes_unit",
-                           "bytes each generator pulls per weight update, median over versions (bench/lora.py)")
+    update_trainer_results(
+        out,
+        res,
+        ("lora_update_bytes", "full_update_bytes"),
+        "update_bytes_unit",
+        "bytes each generator pulls per weight update, median over versions (bench/lora.py)",
+    )
     write_report(res, out)
     return res
 
@@ -122,21 +155,29 @@ def write_report(res: dict[str, Any], out: Path) -> None:
     ]
     for r in (full, lo):
         c = r["curve"]
-        lines.append(f"| {r['kind']} | {r['lr']:g} | {r['update_bytes']:,.0f} | {r['update_latency_s_median']:.3f}; "
-                     f"{r['update_latency_s_max']:.3f} | {r['publish_s_median']:.3f} | {r['step_s_median']:.2f} "
-                     f"({r['wait_s_median']:.2f}; {r['train_s_median']:.3f}) | "
-                     f"{c[0]['reward']:.3f} -> {c[-1]['reward']:.3f} | {r['wall_s']:.0f} |")
-    lines += ["", f"LoRA / full: bytes per update {res['update_bytes_ratio']:.4f}, update latency (publish -> "
-              f"generator serving it) {res['update_latency_ratio']:.2f}, trainer publish time {res['publish_s_ratio']:.2f}, "
-              f"step time {res['step_s_ratio']:.2f}.", "",
-              f"At this model's size ({full['update_bytes'] / 1e6:.1f} MB) moving the bytes is not what an update costs: "
-              "both latencies are fixed costs (the probe scored in the engine, the ledger write; for LoRA also the "
-              "adapter folder written and vLLM's add_lora), so the byte ratio is what carries over to a large model, "
-              "where the transfer dominates. The step is slower with LoRA here, mostly in the wait for the batch "
-              f"(generation: {lo['wait_s_median'] / full['wait_s_median']:.2f}x, vLLM's LoRA path on CPU) and less in "
-              f"training ({lo['train_s_median'] / full['train_s_median']:.2f}x, PEFT's extra low-rank matmuls): on a "
-              "0.35M-parameter model the adapters cost more than the frozen base saves.",
-              "", "Held-out curves, mean over seeds (step: reward):", ""]
+        lines.append(
+            f"| {r['kind']} | {r['lr']:g} | {r['update_bytes']:,.0f} | {r['update_latency_s_median']:.3f}; "
+            f"{r['update_latency_s_max']:.3f} | {r['publish_s_median']:.3f} | {r['step_s_median']:.2f} "
+            f"({r['wait_s_median']:.2f}; {r['train_s_median']:.3f}) | "
+            f"{c[0]['reward']:.3f} -> {c[-1]['reward']:.3f} | {r['wall_s']:.0f} |"
+        )
+    lines += [
+        "",
+        f"LoRA / full: bytes per update {res['update_bytes_ratio']:.4f}, update latency (publish -> "
+        f"generator serving it) {res['update_latency_ratio']:.2f}, trainer publish time {res['publish_s_ratio']:.2f}, "
+        f"step time {res['step_s_ratio']:.2f}.",
+        "",
+        f"At this model's size ({full['update_bytes'] / 1e6:.1f} MB) moving the bytes is not what an update costs: "
+        "both latencies are fixed costs (the probe scored in the engine, the ledger write; for LoRA also the "
+        "adapter folder written and vLLM's add_lora), so the byte ratio is what carries over to a large model, "
+        "where the transfer dominates. The step is slower with LoRA here, mostly in the wait for the batch "
+        f"(generation: {lo['wait_s_median'] / full['wait_s_median']:.2f}x, vLLM's LoRA path on CPU) and less in "
+        f"training ({lo['train_s_median'] / full['train_s_median']:.2f}x, PEFT's extra low-rank matmuls): on a "
+        "0.35M-parameter model the adapters cost more than the frozen base saves.",
+        "",
+        "Held-out curves, mean over seeds (step: reward):",
+        "",
+    ]
     for r in (full, lo):
         lines.append(f"- {r['kind']}: " + ", ".join(f"{p['step']}: {p['reward']:.3f}" for p in r["curve"]))
     (out / "lora.md").write_text("\n".join(lines) + "\n")

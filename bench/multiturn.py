@@ -60,15 +60,20 @@ SFT_STEPS = 1000
 SFT_LR = 2e-3
 SFT_BATCH = 32
 RL_LR = 2e-4  # the tiny model's (the spec's default, 1e-6, suits billion-parameter models)
-ENVIRONMENT: dict[str, Any] = {"name": "tools", "kwargs": {"tools": ["calculator"], "system_prompt": False},
-                               "limits": {"max_turns": 3}}
+ENVIRONMENT: dict[str, Any] = {
+    "name": "tools",
+    "kwargs": {"tools": ["calculator"], "system_prompt": False},
+    "limits": {"max_turns": 3},
+}
 
 
 def write_task(wd: Path, seed: int = 0) -> Path:
     """The user's data file: four-digit sums, shuffled."""
     rng = random.Random(seed)
-    rows = [{"question": f"{a}+{b}=", "target": str(a + b)}
-            for a, b in ((rng.randint(1000, 9999), rng.randint(1000, 9999)) for _ in range(4000))]
+    rows = [
+        {"question": f"{a}+{b}=", "target": str(a + b)}
+        for a, b in ((rng.randint(1000, 9999), rng.randint(1000, 9999)) for _ in range(4000))
+    ]
     data = wd / "user" / "sums.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -81,15 +86,27 @@ def task_section(data: Path) -> dict[str, Any]:
 
 def job_spec(model: Path, data: Path, steps: int, eval_every: int, seed: int) -> dict[str, Any]:
     """What a user writes for this task; the rest is the defaults."""
-    return {"name": f"multiturn-s{seed}", "model_path": str(model), "seed": seed, "steps": steps,
-            "eval_every": eval_every, "prompts_per_step": 8, "algorithm": {"lr": RL_LR}, "sampling": {"max_tokens": 96},
-            "task": task_section(data), "reward": "exact_match", "environment": ENVIRONMENT}
+    return {
+        "name": f"multiturn-s{seed}",
+        "model_path": str(model),
+        "seed": seed,
+        "steps": steps,
+        "eval_every": eval_every,
+        "prompts_per_step": 8,
+        "algorithm": {"lr": RL_LR},
+        "sampling": {"max_tokens": 96},
+        "task": task_section(data),
+        "reward": "exact_match",
+        "environment": ENVIRONMENT,
+    }
 
 
 # --- the supervised warm start ---------------------------------------------------------------------
 
 
-def teacher_episodes(model_dir: Path, rows: list[dict[str, str]], share: float, seed: int) -> list[tuple[list[int], list[int], list[int]]]:
+def teacher_episodes(
+    model_dir: Path, rows: list[dict[str, str]], share: float, seed: int
+) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt ids, completion ids, model mask) of a teacher episode per row, played through the
     tools environment and the job's codec: a calculator call then the result in `share` of them,
     else the sum written straight away."""
@@ -107,16 +124,25 @@ def teacher_episodes(model_dir: Path, rows: list[dict[str, str]], share: float, 
 
     async def one(row: dict[str, str]) -> tuple[list[int], list[int], list[int]]:
         a_plus_b = row["question"].rstrip("=")
-        turns = ([json.dumps({"name": "calculator", "arguments": {"expression": a_plus_b}}).join(("<tool_call>", "</tool_call>")),
-                  row["target"]] if rng.random() < share else [row["target"]])
+        turns = (
+            [
+                json.dumps({"name": "calculator", "arguments": {"expression": a_plus_b}}).join(
+                    ("<tool_call>", "</tool_call>")
+                ),
+                row["target"],
+            ]
+            if rng.random() < share
+            else [row["target"]]
+        )
         script = iter(turns)
 
         async def generate(context: list[int], room: int):  # type: ignore[no-untyped-def]
             ids = [*tok(next(script), add_special_tokens=False)["input_ids"], tok.eos_token_id]
             return ids, [0.0] * len(ids), "stop"
 
-        ep = await run_episode(make_env(), {"prompt": row["question"], "answer": row["target"]}, generate, codec,
-                               spec.limits)
+        ep = await run_episode(
+            make_env(), {"prompt": row["question"], "answer": row["target"]}, generate, codec, spec.limits
+        )
         assert ep.stop_reason == "done", ep.stop_reason
         return ep.prompt_ids, ep.ids, ep.mask
 
@@ -126,8 +152,16 @@ def teacher_episodes(model_dir: Path, rows: list[dict[str, str]], share: float, 
     return asyncio.run(every())
 
 
-def warm_start(base: Path, out: Path, rows: list[dict[str, str]], *, steps: int = SFT_STEPS,
-               share: float = TEACHER_TOOL_SHARE, lr: float = SFT_LR, seed: int = 0) -> dict[str, float]:
+def warm_start(
+    base: Path,
+    out: Path,
+    rows: list[dict[str, str]],
+    *,
+    steps: int = SFT_STEPS,
+    share: float = TEACHER_TOOL_SHARE,
+    lr: float = SFT_LR,
+    seed: int = 0,
+) -> dict[str, float]:
     """Teacher forcing on teacher episodes, loss on the model's tokens only; AdamW, cosine lr."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,10 +185,11 @@ def warm_start(base: Path, out: Path, rows: list[dict[str, str]], *, steps: int 
         for i, (p, c, m) in enumerate(batch):
             ids[i, : len(p) + len(c)] = torch.tensor(p + c)
             attn[i, : len(p) + len(c)] = 1
-            labels[i, len(p): len(p) + len(c)] = torch.tensor([t if k else -100 for t, k in zip(c, m, strict=True)])
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor([t if k else -100 for t, k in zip(c, m, strict=True)])
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -163,8 +198,13 @@ def warm_start(base: Path, out: Path, rows: list[dict[str, str]], *, steps: int 
         loss_value = loss.item()
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    return {"sft_steps": steps, "sft_lr": lr, "sft_final_loss": loss_value, "sft_seconds": time.perf_counter() - t0,
-            "teacher_tool_share": share}
+    return {
+        "sft_steps": steps,
+        "sft_lr": lr,
+        "sft_final_loss": loss_value,
+        "sft_seconds": time.perf_counter() - t0,
+        "teacher_tool_share": share,
+    }
 
 
 # --- the retokenization check ------------------------------------------------------------------------
@@ -188,36 +228,73 @@ def logprob_match(model_dir: Path, rows: list[dict[str, str]], episodes_per_row:
 
     spec = EnvironmentSpec.model_validate(ENVIRONMENT)
     engine = Engine(str(model_dir), seed=0, dtype="float32", max_model_len=256)
-    groups = [PromptGroup(job_id="j", msg_id=f"g{i}", group_id=f"g{i}", policy_version=0, prompt_index=i,
-                          prompt=r["question"], answer=r["target"], n=episodes_per_row,
-                          sampling=SamplingParams(temperature=1.0, max_tokens=96))
-              for i, r in enumerate(rows)]
+    groups = [
+        PromptGroup(
+            job_id="j",
+            msg_id=f"g{i}",
+            group_id=f"g{i}",
+            policy_version=0,
+            prompt_index=i,
+            prompt=r["question"],
+            answer=r["target"],
+            n=episodes_per_row,
+            sampling=SamplingParams(temperature=1.0, max_tokens=96),
+        )
+        for i, r in enumerate(rows)
+    ]
     limits = spec.limits.model_copy(update={"max_total_tokens": 256})
     played = run_groups(engine, load_environment(spec), limits, episode_codec(str(model_dir), "auto", {}), groups)
     engine.close()
     samples = [s for g in played.samples if not isinstance(g, str) for s in g]
-    scored = [Scored(job_id="j", msg_id=f"m{i}", group_id="g", policy_version=0, reward=0.0,
-                     rollout=Rollout(job_id="j", msg_id=f"m{i}", group_id="g", policy_version=0, policy_version_max=0,
-                                     prompt_index=0, sample_index=0, group_size=1, generator_id="g",
-                                     prompt_ids=pack_i32(s.prompt_ids), completion_ids=pack_i32(s.completion_ids),
-                                     logprobs=pack_f32(s.logprobs), model_mask=s.model_mask, turns=s.turns,
-                                     completion="", answer="", temperature=1.0))
-              for i, s in enumerate(samples)]
+    scored = [
+        Scored(
+            job_id="j",
+            msg_id=f"m{i}",
+            group_id="g",
+            policy_version=0,
+            reward=0.0,
+            rollout=Rollout(
+                job_id="j",
+                msg_id=f"m{i}",
+                group_id="g",
+                policy_version=0,
+                policy_version_max=0,
+                prompt_index=0,
+                sample_index=0,
+                group_size=1,
+                generator_id="g",
+                prompt_ids=pack_i32(s.prompt_ids),
+                completion_ids=pack_i32(s.completion_ids),
+                logprobs=pack_f32(s.logprobs),
+                model_mask=s.model_mask,
+                turns=s.turns,
+                completion="",
+                answer="",
+                temperature=1.0,
+            ),
+        )
+        for i, s in enumerate(samples)
+    ]
     batch = TrainBatch.of(scored, torch.zeros(len(scored), 1))
     ids, attn, behaviour, mask, temp = batch.micro_batch(0, len(batch), pad_id=0)
     env = torch.zeros_like(mask, dtype=torch.bool)
     for row, s in enumerate(samples):
         p = len(s.prompt_ids)
-        env[row, p - 1: p - 1 + len(s.completion_ids)] = torch.tensor(list(s.model_mask)) == 0
+        env[row, p - 1 : p - 1 + len(s.completion_ids)] = torch.tensor(list(s.model_mask)) == 0
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ours = token_logprobs(model, ids, attn, temp)
     diffs = (ours - behaviour)[mask.bool()].abs()
-    return {"episodes": len(samples), "turns_mean": statistics.fmean(s.turns for s in samples),
-            "model_tokens": int(diffs.numel()), "env_tokens": int(env.sum()),
-            "logprob_match_mean_abs": float(diffs.mean()), "logprob_match_max_abs": float(diffs.max()),
-            "env_tokens_with_loss": int((mask.bool() & env).sum()),
-            "env_tokens_with_behaviour_logprob": int((behaviour[env] != 0).sum())}
+    return {
+        "episodes": len(samples),
+        "turns_mean": statistics.fmean(s.turns for s in samples),
+        "model_tokens": int(diffs.numel()),
+        "env_tokens": int(env.sum()),
+        "logprob_match_mean_abs": float(diffs.mean()),
+        "logprob_match_max_abs": float(diffs.max()),
+        "env_tokens_with_loss": int((mask.bool() & env).sum()),
+        "env_tokens_with_behaviour_logprob": int((behaviour[env] != 0).sum()),
+    }
 
 
 # --- the run -------------------------------------------------------------------------------------------
@@ -232,11 +309,19 @@ def _curves(db_url: str, job_id: str) -> dict[str, Any]:
         evals = [e for e in ledger.evals(job_id, source="pipeline") if e["name"] == "held_out"]
     finally:
         ledger.close()
-    train = [{"step": s["step"], "tool_success": s["metrics"].get("env/tool_success"),
-              "tool_calls": s["metrics"].get("env/tool_calls"), "reward": s["metrics"].get("reward/mean")}
-             for s in steps]
-    held = [{"step": e["step"], "reward": e["reward_mean"],
-             "tool_success": (e["metrics"] or {}).get("env/tool_success")} for e in evals]
+    train = [
+        {
+            "step": s["step"],
+            "tool_success": s["metrics"].get("env/tool_success"),
+            "tool_calls": s["metrics"].get("env/tool_calls"),
+            "reward": s["metrics"].get("reward/mean"),
+        }
+        for s in steps
+    ]
+    held = [
+        {"step": e["step"], "reward": e["reward_mean"], "tool_success": (e["metrics"] or {}).get("env/tool_success")}
+        for e in evals
+    ]
     return {"train": train, "held_out": held}
 
 
@@ -265,8 +350,9 @@ def plot(curves: dict[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int = 2, seed: int = 0,
-                    workdir: str = "runs/bench-multiturn") -> dict[str, Any]:
+def bench_multiturn(
+    out_dir: str = "results", steps: int = 60, eval_every: int = 2, seed: int = 0, workdir: str = "runs/bench-multiturn"
+) -> dict[str, Any]:
     from asyncrl.demo import run_job
 
     wd = Path(workdir).resolve()
@@ -278,8 +364,10 @@ def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int =
     rows = [{"question": p.prompt, "target": p.answer} for p in train]
     base, warm = wd / "base", wd / f"warm-{SFT_STEPS}-{TEACHER_TOOL_SHARE}-{SFT_LR}"
     if not (base / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4",
-                        "--seed", str(seed)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4", "--seed", str(seed)],
+            check=True,
+        )
     sft: dict[str, Any] = {}
     if not (warm / "config.json").exists():
         console.print(f"[bold]supervised warm start[/] -> {warm}")
@@ -289,8 +377,9 @@ def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int =
     console.print(f"warm start: {sft}")
 
     check = wd / "logprob_match.json"
-    subprocess.run([sys.executable, "-m", "bench.multiturn", "logprob-match", str(warm), str(data), str(check)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "bench.multiturn", "logprob-match", str(warm), str(data), str(check)], check=True
+    )
     match = json.loads(check.read_text())
     console.print(f"retokenization check: {match}")
 
@@ -317,8 +406,11 @@ def bench_multiturn(out_dir: str = "results", steps: int = 60, eval_every: int =
         "train_reward_start": tr[0]["reward"] if tr else None,
         "train_reward_end": _mean([p["reward"] for p in tr[-5:]]),
         "job": {"spec": {k: v for k, v in spec.items() if k != "model_path"}, "wall_s": run.wall_s, "steps": steps},
-        "warm_start": sft, "logprob_match": match, "curves": curves,
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "warm_start": sft,
+        "logprob_match": match,
+        "curves": curves,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,23 +428,33 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 def markdown(r: dict[str, Any]) -> str:
     ho = r["curves"]["held_out"]
     lines = [
-        "# Multi-turn and tools: the calculator demonstration", "",
-        f"{r['date']}, {r['machine'].get('cores')} cores ({r['machine'].get('cpu')}). `python -m bench multiturn`: 4-digit addition, the built-in `tools` "
+        "# Multi-turn and tools: the calculator demonstration",
+        "",
+        f"{r['date']}, {r['machine'].get('cores')} cores ({r['machine'].get('cpu')}). "
+        "`python -m bench multiturn`: 4-digit addition, the built-in `tools` "
         "environment (calculator), exact-match reward; a 4-layer tiny Llama warm-started on teacher episodes "
         f"that call the tool in {r['warm_start']['teacher_tool_share']:.0%} of cases "
-        f"({r['warm_start']['sft_steps']} steps), then {r['job']['steps']} RL steps in the pipeline.", "",
-        "| figure | start | end |", "|---|---|---|",
-        f"| tool success, training episodes (T=1; step 1, last 5 steps) | {_f(r['tool_success_start'])} | {_f(r['tool_success_end'])} |",
+        f"({r['warm_start']['sft_steps']} steps), then {r['job']['steps']} RL steps in the pipeline.",
+        "",
+        "| figure | start | end |",
+        "|---|---|---|",
+        f"| tool success, training episodes (T=1; step 1, last 5 steps) | {_f(r['tool_success_start'])} | "
+        f"{_f(r['tool_success_end'])} |",
         f"| train reward (step 1, last 5 steps) | {_f(r['train_reward_start'])} | {_f(r['train_reward_end'])} |",
         f"| held-out reward (greedy, {N_TEST} problems) | {_f(r['held_out_start'])} | {_f(r['held_out_end'])} |",
         f"| held-out tool success | {_f(r['held_out_tool_success_start'])} | {_f(r['held_out_tool_success_end'])} |",
-        "", "Held-out rounds: " + ", ".join(f"step {p['step']}: {_f(p['reward'])} ({_f(p['tool_success'])} tool)" for p in ho),
-        "", f"Retokenization check ({r['logprob_match']['episodes']} vLLM episodes, "
+        "",
+        "Held-out rounds: "
+        + ", ".join(f"step {p['step']}: {_f(p['reward'])} ({_f(p['tool_success'])} tool)" for p in ho),
+        "",
+        f"Retokenization check ({r['logprob_match']['episodes']} vLLM episodes, "
         f"{r['logprob_match']['turns_mean']:.2f} turns on average): mean |Δ logprob| on "
         f"{r['logprob_match']['model_tokens']} model tokens {r['logprob_match_mean_abs']:.2e} "
         f"(max {r['logprob_match']['logprob_match_max_abs']:.2e}); environment tokens with a loss mask: "
         f"{r['env_tokens_with_loss']} of {r['logprob_match']['env_tokens']}.",
-        "", f"Utilisation with a 50 ms tool (results/episode_rate.json): {_f(r['utilisation'])}.", "",
+        "",
+        f"Utilisation with a 50 ms tool (results/episode_rate.json): {_f(r['utilisation'])}.",
+        "",
     ]
     return "\n".join(lines)
 

@@ -64,10 +64,16 @@ N_TEST = 100
 
 def write_task(wd: Path) -> tuple[Path, Path]:
     """The user's data file and reward file (outside the project): (jsonl, reward.py)."""
-    rows = [{"question": f"{a}-{b}=", "target": str(a - b), "op": "sub", "level": a // 10}
-            for a in range(10, 50) for b in range(10, a + 1)]
-    rows += [{"question": f"{a}+{b}=", "target": str(a + b), "op": "add", "level": (a + b) // 10}
-             for a in range(10, 30) for b in range(10, 30)]
+    rows = [
+        {"question": f"{a}-{b}=", "target": str(a - b), "op": "sub", "level": a // 10}
+        for a in range(10, 50)
+        for b in range(10, a + 1)
+    ]
+    rows += [
+        {"question": f"{a}+{b}=", "target": str(a + b), "op": "add", "level": (a + b) // 10}
+        for a in range(10, 30)
+        for b in range(10, 30)
+    ]
     random.Random(1234).shuffle(rows)
     data = wd / "user" / "addsub.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
@@ -89,19 +95,38 @@ def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
         subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base), "--layers", "4"], check=True)
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
-        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
-                        *(("--steps", str(steps)) if steps is not None else ()),
-                        "--task-spec", json.dumps(task_section(data))], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.warmstart",
+                "--model",
+                str(base),
+                "--out",
+                str(warm),
+                *(("--steps", str(steps)) if steps is not None else ()),
+                "--task-spec",
+                json.dumps(task_section(data)),
+            ],
+            check=True,
+        )
     return warm
 
 
-def own_spec(model: Path, data: Path, reward: Path, mode: str, k: int, seed: int, steps: int,
-             eval_every: int) -> dict[str, Any]:
+def own_spec(
+    model: Path, data: Path, reward: Path, mode: str, k: int, seed: int, steps: int, eval_every: int
+) -> dict[str, Any]:
     """The job spec a user writes for this task: everything else is the defaults."""
     return {
-        "name": f"own-{mode}-k{k}-s{seed}", "model_path": str(model), "mode": mode, "max_staleness": k,
-        "seed": seed, "steps": steps, "eval_every": eval_every,
-        "group_size": SHAPE["group_size"], "prompts_per_step": SHAPE["prompts_per_step"],
+        "name": f"own-{mode}-k{k}-s{seed}",
+        "model_path": str(model),
+        "mode": mode,
+        "max_staleness": k,
+        "seed": seed,
+        "steps": steps,
+        "eval_every": eval_every,
+        "group_size": SHAPE["group_size"],
+        "prompts_per_step": SHAPE["prompts_per_step"],
         "algorithm": {"lr": SHAPE["lr"]},
         "sampling": {"temperature": SHAPE["temperature"], "max_tokens": SHAPE["max_tokens"], "stop": STOP},
         "task": task_section(data),
@@ -109,15 +134,31 @@ def own_spec(model: Path, data: Path, reward: Path, mode: str, k: int, seed: int
     }
 
 
-def trl_curve(py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: int, steps: int,
-              eval_every: int) -> dict[str, Any]:
+def trl_curve(
+    py: Path, wd: Path, model: Path, data: Path, reward: Path, seed: int, steps: int, eval_every: int
+) -> dict[str, Any]:
     """TRL on the same split, reward file and stop rule; its curve and step ends."""
-    r = trl_task_run(py, wd / f"trl-own-{seed}-{time.time_ns()}", model, task_section(data), reward, SHAPE, STOP,
-                     seed, steps, eval_every)
+    r = trl_task_run(
+        py,
+        wd / f"trl-own-{seed}-{time.time_ns()}",
+        model,
+        task_section(data),
+        reward,
+        SHAPE,
+        STOP,
+        seed,
+        steps,
+        eval_every,
+    )
     ends = [x["t_s"] for x in r["train_reward"]]
-    return {"curve": r["curve"], "step_s_median": statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)),
-            "startup_s": r["startup_s"], "wall_s": r["wall_s"], "eval_s_total": r["eval_s_total"],
-            "trl_version": r["trl_version"]}
+    return {
+        "curve": r["curve"],
+        "step_s_median": statistics.median(b - a for a, b in zip(ends[1:], ends[2:], strict=False)),
+        "startup_s": r["startup_s"],
+        "wall_s": r["wall_s"],
+        "eval_s_total": r["eval_s_total"],
+        "trl_version": r["trl_version"],
+    }
 
 
 def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
@@ -126,8 +167,13 @@ def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
     out = []
     for step in sorted(common):
         pts = [next(p for p in c if p["step"] == step) for c in curves]
-        out.append({"step": step, "reward": statistics.fmean(p["reward"] for p in pts),
-                    "t_s": statistics.fmean(p["t_s"] for p in pts)})
+        out.append(
+            {
+                "step": step,
+                "reward": statistics.fmean(p["reward"] for p in pts),
+                "t_s": statistics.fmean(p["t_s"] for p in pts),
+            }
+        )
     return out
 
 
@@ -153,7 +199,7 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     # of two such means: the noise floor any gap below is inside
     n_seeds = len(runs["trl"])
     se = (final * (1 - final) / N_TEST / n_seeds) ** 0.5
-    out["held_out_se"], out["gap_se"] = se, se * 2 ** 0.5
+    out["held_out_se"], out["gap_se"] = se, se * 2**0.5
     trl_time = _time_to(trl, final)
     out["trl_time_to_final_s"] = trl_time
     for mode in ("sync", "async_k1", "async_k2"):
@@ -167,12 +213,16 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         # the last three held-out rounds averaged: less of one round's noise
         tail = [int(p["step"]) for p in trl[-3:]]
         ours_tail = [_at_step(mean, t) for t in tail]
-        out[f"{mode}_gap_last3"] = (statistics.fmean(x for x in ours_tail if x is not None)
-                                    - statistics.fmean(p["reward"] for p in trl[-3:])) if None not in ours_tail else None
+        out[f"{mode}_gap_last3"] = (
+            (statistics.fmean(x for x in ours_tail if x is not None) - statistics.fmean(p["reward"] for p in trl[-3:]))
+            if None not in ours_tail
+            else None
+        )
         # per seed, to see the spread behind the means
         out[f"{mode}_gap_per_seed"] = [
             (_at_step(r["curve"], last) or 0.0) - (_at_step(t["curve"], last) or 0.0)
-            for r, t in zip(runs[mode], runs["trl"], strict=False)]
+            for r, t in zip(runs[mode], runs["trl"], strict=False)
+        ]
     return out
 
 
@@ -195,9 +245,22 @@ def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
         ledger.close()
     with tempfile.TemporaryDirectory() as tmp:
         out, md = Path(tmp) / "calibration.json", Path(tmp) / "calibration.md"
-        subprocess.run([sys.executable, "-m", "asyncrl.guard_calibration", "--url", db_url,
-                        *(a for j in jobs for a in ("--job", j)), "--out", str(out), "--md", str(md)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.guard_calibration",
+                "--url",
+                db_url,
+                *(a for j in jobs for a in ("--job", j)),
+                "--out",
+                str(out),
+                "--md",
+                str(md),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         result: dict[str, Any] = json.loads(out.read_text())
         result["markdown"] = md.read_text()
     return result
@@ -205,20 +268,43 @@ def calibration(db_url: str, exclude: set[str]) -> dict[str, Any]:
 
 def live_collapse(wd: Path, model: Path) -> dict[str, Any]:
     """The demo's model at 20x the demo's lr with the guard at its defaults: does it trip?"""
-    spec = {"name": "guard-live-default", "model_path": str(model), "mode": "async", "max_staleness": 1,
-            "steps": 20, "group_size": 8, "prompts_per_step": 8, "eval_every": 0, "checkpoint_every": 2,
-            "algorithm": {"lr": 2e-3}, "sampling": {"max_tokens": 8}}
+    spec = {
+        "name": "guard-live-default",
+        "model_path": str(model),
+        "mode": "async",
+        "max_staleness": 1,
+        "steps": 20,
+        "group_size": 8,
+        "prompts_per_step": 8,
+        "eval_every": 0,
+        "checkpoint_every": 2,
+        "algorithm": {"lr": 2e-3},
+        "sampling": {"max_tokens": 8},
+    }
     run = run_job(wd, spec, progress=False)  # more trips than guard.max_trips fail the job: that is fine here
     ledger = Ledger(run.db_url)
     trips = [c["changes"] for c in ledger.job_changes(run.job_id) if c["actor"] == "trainer collapse guard"]
     rewards = [round(s["metrics"]["reward/mean"], 3) for s in ledger.train_steps(run.job_id)]
-    return {"job_id": run.job_id, "state": run.state, "error": run.error, "tripped": bool(trips), "trips": trips,
-            "rewards": rewards}
+    return {
+        "job_id": run.job_id,
+        "state": run.state,
+        "error": run.error,
+        "tripped": bool(trips),
+        "trips": trips,
+        "rewards": rewards,
+    }
 
 
-def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "results", seeds: int = 3,
-                 steps: int = 150, eval_every: int = 10, calibration_steps: int = 60,
-                 trl_venv: str = "runs/bench/trl-venv") -> dict[str, Any]:
+def run_own_task(
+    *,
+    workdir: str = "runs/bench-own-task",
+    out_dir: str = "results",
+    seeds: int = 3,
+    steps: int = 150,
+    eval_every: int = 10,
+    calibration_steps: int = 60,
+    trl_venv: str = "runs/bench/trl-venv",
+) -> dict[str, Any]:
     t0 = time.monotonic()
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
@@ -232,8 +318,16 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
             ledger, job_id, t_launch = run_finished(wd, own_spec(model, data, reward, mode, k, seed, steps, eval_every))
             curve, ends, breakdown = ours_curve(ledger, job_id, t_launch)
             step_s = statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False))
-            runs[name].append({"seed": seed, "job_id": job_id, "curve": curve, "step_s_median": step_s,
-                               "startup_s": ends[0]["t_s"] - step_s, "breakdown": breakdown})
+            runs[name].append(
+                {
+                    "seed": seed,
+                    "job_id": job_id,
+                    "curve": curve,
+                    "step_s_median": step_s,
+                    "startup_s": ends[0]["t_s"] - step_s,
+                    "breakdown": breakdown,
+                }
+            )
         console.print(f"[bold]own task[/]: TRL, seed {seed}")
         runs["trl"].append({"seed": seed, **trl_curve(trl_py, wd, model, data, reward, seed, steps, eval_every)})
     # the rest of the calibration matrix: healthy jobs whose only use is the guard replay
@@ -244,23 +338,49 @@ def run_own_task(*, workdir: str = "runs/bench-own-task", out_dir: str = "result
     for seed in range(seeds):
         for mode, k in (("sync", 1), ("async", 1), ("async", 2), ("async", 4)):
             console.print(f"[bold]guard calibration[/]: arithmetic {mode} k={k}, seed {seed}")
-            run_finished(wd, {"name": f"arith-{mode}-k{k}-s{seed}", "model_path": str(demo_model), "mode": mode,
-                              "max_staleness": k, "seed": seed, "steps": calibration_steps, "eval_every": 0,
-                              "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}})
+            run_finished(
+                wd,
+                {
+                    "name": f"arith-{mode}-k{k}-s{seed}",
+                    "model_path": str(demo_model),
+                    "mode": mode,
+                    "max_staleness": k,
+                    "seed": seed,
+                    "steps": calibration_steps,
+                    "eval_every": 0,
+                    "algorithm": {"lr": 1e-4},
+                    "sampling": {"temperature": 1.0, "max_tokens": 8},
+                },
+            )
     console.print("[bold]guard[/]: live collapse")
     live = live_collapse(wd, demo_model)
     db_url = f"sqlite:///{wd / 'ledger.db'}"
     cal = calibration(db_url, exclude={j for j in _job_ids(db_url, "guard-live-default")})
     result: dict[str, Any] = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-        "task": {"data": "two-digit add/sub JSONL, columns question/target/op/level", "n_test": N_TEST,
-                 "reward": "user file: first token of the first line == target", "stop": STOP},
-        "shape": SHAPE, "steps": steps, "eval_every": eval_every, "seeds": seeds,
-        "runs": runs, "gaps": gaps(runs), "guard": {"calibration": cal, "live": live},
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "task": {
+            "data": "two-digit add/sub JSONL, columns question/target/op/level",
+            "n_test": N_TEST,
+            "reward": "user file: first token of the first line == target",
+            "stop": STOP,
+        },
+        "shape": SHAPE,
+        "steps": steps,
+        "eval_every": eval_every,
+        "seeds": seeds,
+        "runs": runs,
+        "gaps": gaps(runs),
+        "guard": {"calibration": cal, "live": live},
     }
     g = result["gaps"]
-    for key in ("held_out_gap_sync", "held_out_gap_async_k1", "held_out_gap_async_k2",
-                "wall_to_trl_final_sync", "wall_to_trl_final_async_k1"):
+    for key in (
+        "held_out_gap_sync",
+        "held_out_gap_async_k1",
+        "held_out_gap_async_k2",
+        "wall_to_trl_final_sync",
+        "wall_to_trl_final_async_k1",
+    ):
         result[key] = g.get(key)
     result["guard_false_trips"] = cal["total_trips"]
     result["guard_live_trip"] = live["tripped"]
@@ -279,33 +399,52 @@ def _f(v: Any, d: int = 3) -> str:
 
 def report(r: dict[str, Any]) -> str:
     g = r["gaps"]
-    lines = [f"# Own task beside TRL ({r['date']}, {r['machine']['cores']} cores)", "",
-             f"Task: {r['task']['data']}; reward: {r['task']['reward']}; stop {r['task']['stop']!r}; "
-             f"{r['steps']} steps, {r['seeds']} seeds, held-out every {r['eval_every']} steps "
-             f"({r['task']['n_test']} problems, greedy).", "",
-             "| | final held-out (seed mean) | gap vs TRL | per seed | s/step | wall to TRL's final (s) | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Own task beside TRL ({r['date']}, {r['machine']['cores']} cores)",
+        "",
+        f"Task: {r['task']['data']}; reward: {r['task']['reward']}; stop {r['task']['stop']!r}; "
+        f"{r['steps']} steps, {r['seeds']} seeds, held-out every {r['eval_every']} steps "
+        f"({r['task']['n_test']} problems, greedy).",
+        "",
+        "| | final held-out (seed mean) | gap vs TRL | per seed | s/step | wall to TRL's final (s) | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     trl_steps = [x["step_s_median"] for x in r["runs"]["trl"] if x.get("step_s_median")]
-    lines.append(f"| TRL | {_f(g.get('trl_final'))} | | | {_f(statistics.median(trl_steps) if trl_steps else None)} | "
-                 f"{_f(g.get('trl_time_to_final_s'), 1)} | 1 |")
+    lines.append(
+        f"| TRL | {_f(g.get('trl_final'))} | | | {_f(statistics.median(trl_steps) if trl_steps else None)} | "
+        f"{_f(g.get('trl_time_to_final_s'), 1)} | 1 |"
+    )
     for mode in ("sync", "async_k1", "async_k2"):
         steps = [x["step_s_median"] for x in r["runs"][mode]]
-        lines.append(f"| ours {mode} | {_f(g.get(f'{mode}_at_trl_last_step'))} | {_f(g.get(f'held_out_gap_{mode}'))} | "
-                     f"{', '.join(_f(x, 2) for x in g.get(f'{mode}_gap_per_seed', []))} | "
-                     f"{_f(statistics.median(steps))} | {_f(g.get(f'{mode}_time_to_trl_final_s'), 1)} | "
-                     f"{_f(g.get(f'wall_to_trl_final_{mode}'), 2)} |")
-    lines += ["", f"Noise: one seed-mean held-out round has a standard error of {_f(g.get('held_out_se'))}; a gap, "
-              f"{_f(g.get('gap_se'))}. Gap over the last three rounds: "
-              + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2")) + ".",
-              "", "Held-out curves (seed mean; step: reward @ s):", ""]
+        lines.append(
+            f"| ours {mode} | {_f(g.get(f'{mode}_at_trl_last_step'))} | {_f(g.get(f'held_out_gap_{mode}'))} | "
+            f"{', '.join(_f(x, 2) for x in g.get(f'{mode}_gap_per_seed', []))} | "
+            f"{_f(statistics.median(steps))} | {_f(g.get(f'{mode}_time_to_trl_final_s'), 1)} | "
+            f"{_f(g.get(f'wall_to_trl_final_{mode}'), 2)} |"
+        )
+    lines += [
+        "",
+        f"Noise: one seed-mean held-out round has a standard error of {_f(g.get('held_out_se'))}; a gap, "
+        f"{_f(g.get('gap_se'))}. Gap over the last three rounds: "
+        + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2"))
+        + ".",
+        "",
+        "Held-out curves (seed mean; step: reward @ s):",
+        "",
+    ]
     for name, rs in r["runs"].items():
         mean = mean_curve([x["curve"] for x in rs])
         lines.append(f"- {name}: " + ", ".join(f"{p['step']}: {p['reward']:.2f} @ {p['t_s']:.0f}" for p in mean))
     live = r["guard"]["live"]
-    lines += ["", "## Guard calibration (default GuardSpec, replayed over the healthy jobs)", "",
-              r["guard"]["calibration"]["markdown"],
-              f"Live collapse (lr 2e-3, default guard): tripped = {live['tripped']}; "
-              f"trips {[(t['step'], t['kind']) for t in live['trips']]}; rewards per step {live['rewards']}", ""]
+    lines += [
+        "",
+        "## Guard calibration (default GuardSpec, replayed over the healthy jobs)",
+        "",
+        r["guard"]["calibration"]["markdown"],
+        f"Live collapse (lr 2e-3, default guard): tripped = {live['tripped']}; "
+        f"trips {[(t['step'], t['kind']) for t in live['trips']]}; rewards per step {live['rewards']}",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -329,8 +468,13 @@ def rereport(path: str = "results/own_task.json") -> dict[str, Any]:
     arithmetic, without rerunning the jobs)."""
     result = json.loads(Path(path).read_text())
     result["gaps"] = gaps(result["runs"])
-    for key in ("held_out_gap_sync", "held_out_gap_async_k1", "held_out_gap_async_k2",
-                "wall_to_trl_final_sync", "wall_to_trl_final_async_k1"):
+    for key in (
+        "held_out_gap_sync",
+        "held_out_gap_async_k1",
+        "held_out_gap_async_k2",
+        "wall_to_trl_final_sync",
+        "wall_to_trl_final_async_k1",
+    ):
         result[key] = result["gaps"].get(key)
     Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
     Path(path).with_suffix(".md").write_text(report(result))

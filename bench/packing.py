@@ -29,9 +29,16 @@ from typing import Any
 
 # A 19.7M-parameter Llama (16k vocabulary): the size class the issue names, a few minutes on 2
 # quiet CPU cores (on cores shared with a heavy load one padded step took minutes).
-MODEL = {"vocab_size": 16384, "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4,
-         "num_attention_heads": 6, "num_key_value_heads": 6, "max_position_embeddings": 512,
-         "tie_word_embeddings": False}
+MODEL = {
+    "vocab_size": 16384,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
 GROUPS, N = 8, 8
 MAX_TOKENS, COMPLETION_MEDIAN, COMPLETION_SIGMA = 256, 40, 0.9
 PROMPT_RANGE = (8, 48)
@@ -72,23 +79,47 @@ def batch_samples(seed: int = 0) -> list[Any]:
     for i in range(GROUPS * N):
         c = int(np.clip(round(rng.lognormal(np.log(COMPLETION_MEDIAN), COMPLETION_SIGMA)), 1, MAX_TOKENS))
         p = int(rng.integers(*PROMPT_RANGE))
-        r = Rollout(job_id="b", msg_id=f"b/g{i // N}/{i % N}", group_id=f"b/g{i // N}", policy_version=0,
-                    policy_version_max=0, prompt_index=i // N, sample_index=i % N, group_size=N, generator_id="b",
-                    prompt_ids=pack_i32([1, *rng.integers(4, MODEL["vocab_size"], p - 1)]),
-                    completion_ids=pack_i32(rng.integers(4, MODEL["vocab_size"], c)),
-                    logprobs=pack_f32(-rng.random(c) * 3), temperature=[1.0, 0.7][i % 2],
-                    finish_reason="length" if c == MAX_TOKENS else "stop", completion="", answer="")
-        samples.append(Scored(job_id="b", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r,
-                              reward=float(rng.random())))
+        r = Rollout(
+            job_id="b",
+            msg_id=f"b/g{i // N}/{i % N}",
+            group_id=f"b/g{i // N}",
+            policy_version=0,
+            policy_version_max=0,
+            prompt_index=i // N,
+            sample_index=i % N,
+            group_size=N,
+            generator_id="b",
+            prompt_ids=pack_i32([1, *rng.integers(4, MODEL["vocab_size"], p - 1)]),
+            completion_ids=pack_i32(rng.integers(4, MODEL["vocab_size"], c)),
+            logprobs=pack_f32(-rng.random(c) * 3),
+            temperature=[1.0, 0.7][i % 2],
+            finish_reason="length" if c == MAX_TOKENS else "stop",
+            completion="",
+            answer="",
+        )
+        samples.append(
+            Scored(
+                job_id="b",
+                msg_id=r.msg_id,
+                group_id=r.group_id,
+                policy_version=0,
+                rollout=r,
+                reward=float(rng.random()),
+            )
+        )
     return samples
 
 
 def _spec(model: Path, packing: bool):
     from shared.jobspec import JobSpec
 
-    return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
-                   algorithm={"micro_batch_size": MICRO_BATCH_SIZE, "packing": packing,
-                              "micro_batch_tokens": MICRO_BATCH_TOKENS})
+    return JobSpec(
+        model_path=str(model),
+        group_size=N,
+        prompts_per_step=GROUPS,
+        sampling={"max_tokens": MAX_TOKENS},
+        algorithm={"micro_batch_size": MICRO_BATCH_SIZE, "packing": packing, "micro_batch_tokens": MICRO_BATCH_TOKENS},
+    )
 
 
 def _batch(samples: list[Any]):
@@ -109,22 +140,39 @@ def layout() -> dict[str, Any]:
     real = sum(lengths)
     needed = sum(n * (n + 1) // 2 for n in lengths)  # causal query-key pairs within each sample
     padded = [max(lengths[lo:hi]) * (hi - lo) for lo, hi in Ranks().micro_batches(len(batch), MICRO_BATCH_SIZE)]
-    pad_pairs = sum((hi - lo) * m * (m + 1) // 2 for (lo, hi) in Ranks().micro_batches(len(batch), MICRO_BATCH_SIZE)
-                    for m in [max(lengths[lo:hi])])
+    pad_pairs = sum(
+        (hi - lo) * m * (m + 1) // 2
+        for (lo, hi) in Ranks().micro_batches(len(batch), MICRO_BATCH_SIZE)
+        for m in [max(lengths[lo:hi])]
+    )
     packs = [sum(lengths[i] for i in b) for b in Ranks().packed_micro_batches(lengths, MICRO_BATCH_TOKENS)]  # type: ignore[union-attr]
     return {
-        "samples": len(lengths), "real_tokens": real,
+        "samples": len(lengths),
+        "real_tokens": real,
         "completion_tokens": int(batch.completion_lens.sum()),
-        "completion_len": {"min": int(batch.completion_lens.min()), "median": float(batch.completion_lens.median()),
-                           "mean": float(batch.completion_lens.float().mean()), "max": int(batch.completion_lens.max()),
-                           "at_cap": int(batch.truncated.sum())},
-        "padded": {"passes": len(padded), "positions": sum(padded), "padding_fraction": 1 - real / sum(padded),
-                   "largest_pass_positions": max(padded), "attention_pairs_vs_needed": pad_pairs / needed},
-        "packed": {"passes": len(packs), "positions": sum(packs), "padding_fraction": 1 - real / sum(packs),
-                   "largest_pass_positions": max(packs),
-                   # CPU (sdpa with a block-diagonal mask) computes every pair of the row; varlen
-                   # flash attention on CUDA computes only the needed ones (1.0)
-                   "attention_pairs_vs_needed": sum(n * (n + 1) // 2 for n in packs) / needed},
+        "completion_len": {
+            "min": int(batch.completion_lens.min()),
+            "median": float(batch.completion_lens.median()),
+            "mean": float(batch.completion_lens.float().mean()),
+            "max": int(batch.completion_lens.max()),
+            "at_cap": int(batch.truncated.sum()),
+        },
+        "padded": {
+            "passes": len(padded),
+            "positions": sum(padded),
+            "padding_fraction": 1 - real / sum(padded),
+            "largest_pass_positions": max(padded),
+            "attention_pairs_vs_needed": pad_pairs / needed,
+        },
+        "packed": {
+            "passes": len(packs),
+            "positions": sum(packs),
+            "padding_fraction": 1 - real / sum(packs),
+            "largest_pass_positions": max(packs),
+            # CPU (sdpa with a block-diagonal mask) computes every pair of the row; varlen
+            # flash attention on CUDA computes only the needed ones (1.0)
+            "attention_pairs_vs_needed": sum(n * (n + 1) // 2 for n in packs) / needed,
+        },
     }
 
 
@@ -148,8 +196,13 @@ def one(mode: str, model: str, threads: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     metrics = learner.step(batch, lr=0.0)
     seconds = time.perf_counter() - t0
-    return {"mode": mode, "step_s": seconds, "peak_bytes": _status("VmHWM") - start, "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"]}
+    return {
+        "mode": mode,
+        "step_s": seconds,
+        "peak_bytes": _status("VmHWM") - start,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+    }
 
 
 def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUNDS) -> dict[str, Any]:
@@ -165,8 +218,12 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
         params = build_model(model)
         for _ in range(rounds):
             for mode in runs:
-                proc = subprocess.run([sys.executable, "-m", "bench.packing", mode, str(model), str(threads)],
-                                      capture_output=True, text=True, check=False)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "bench.packing", mode, str(model), str(threads)],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(f"packing {mode} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
                 runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -176,26 +233,40 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
         step_s = statistics.median(r["step_s"] for r in rs)
         peak = statistics.median(r["peak_bytes"] for r in rs)
         rows[mode] = {
-            "step_s": step_s, "step_s_all": [r["step_s"] for r in rs], "tokens_per_s": real / step_s,
-            "peak_bytes": peak, "peak_bytes_all": [r["peak_bytes"] for r in rs],
+            "step_s": step_s,
+            "step_s_all": [r["step_s"] for r in rs],
+            "tokens_per_s": real / step_s,
+            "peak_bytes": peak,
+            "peak_bytes_all": [r["peak_bytes"] for r in rs],
             "peak_mem_per_position": peak / lay[mode]["largest_pass_positions"],
             "peak_mem_per_real_token": peak * lay[mode]["passes"] / real,
-            "loss": rs[0]["loss"], "grad_norm": rs[0]["grad_norm"], **lay[mode],
+            "loss": rs[0]["loss"],
+            "grad_norm": rs[0]["grad_norm"],
+            **lay[mode],
         }
     pad, pack = rows["padded"], rows["packed"]
     res = {
         "model": {**MODEL, "params": params},
         "batch": {k: lay[k] for k in ("samples", "real_tokens", "completion_tokens", "completion_len")},
-        "shape": {"groups": GROUPS, "group_size": N, "max_tokens": MAX_TOKENS, "completion_median": COMPLETION_MEDIAN,
-                  "completion_sigma": COMPLETION_SIGMA, "prompt_range": list(PROMPT_RANGE),
-                  "micro_batch_size": MICRO_BATCH_SIZE, "micro_batch_tokens": MICRO_BATCH_TOKENS},
-        "threads": threads, "rounds": rounds,
+        "shape": {
+            "groups": GROUPS,
+            "group_size": N,
+            "max_tokens": MAX_TOKENS,
+            "completion_median": COMPLETION_MEDIAN,
+            "completion_sigma": COMPLETION_SIGMA,
+            "prompt_range": list(PROMPT_RANGE),
+            "micro_batch_size": MICRO_BATCH_SIZE,
+            "micro_batch_tokens": MICRO_BATCH_TOKENS,
+        },
+        "threads": threads,
+        "rounds": rounds,
         "load_average_1m": [load_before, os.getloadavg()[0]],  # the machine's load at the start and the end
         "method": "fresh subprocess per measurement, padded and packed alternating; each: Learner.step (lr 0) on one "
-                  "group as warm-up, then peak RSS reset (clear_refs 5) and one timed Learner.step on the whole batch; "
-                  "peak memory = VmHWM - RSS at the step's start; medians over the rounds; tokens/s = real "
-                  "(prompt + completion) tokens / step seconds",
-        "padded": pad, "packed": pack,
+        "group as warm-up, then peak RSS reset (clear_refs 5) and one timed Learner.step on the whole batch; "
+        "peak memory = VmHWM - RSS at the step's start; medians over the rounds; tokens/s = real "
+        "(prompt + completion) tokens / step seconds",
+        "padded": pad,
+        "packed": pack,
         "speedup_packed_vs_padded": pack["tokens_per_s"] / pad["tokens_per_s"],
         # each round's padded and packed steps ran back to back: their ratio is less exposed to load
         "speedup_per_round": [a / b for a, b in zip(pad["step_s_all"], pack["step_s_all"], strict=True)],
@@ -210,9 +281,13 @@ def bench_packing(out_dir: str = "results", threads: int = 2, rounds: int = ROUN
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "packing.json").write_text(json.dumps(res, indent=2) + "\n")
-    update_trainer_results(out, res, ("padding_fraction_padded", "padding_fraction_packed", "tokens_per_s_padded",
-                                      "tokens_per_s_packed"), "tokens_per_s_unit",
-                           "real (prompt + completion) tokens per second of Learner.step (bench/packing.py)")
+    update_trainer_results(
+        out,
+        res,
+        ("padding_fraction_padded", "padding_fraction_packed", "tokens_per_s_padded", "tokens_per_s_packed"),
+        "tokens_per_s_unit",
+        "real (prompt + completion) tokens per second of Learner.step (bench/packing.py)",
+    )
     (out / "packing.md").write_text(_markdown(res))
     return res
 
@@ -241,7 +316,8 @@ def _markdown(res: dict[str, Any]) -> str:
             f"{r['attention_pairs_vs_needed']:.2f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
             f"{r['tokens_per_s'] / pad['tokens_per_s']:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
             f"{r['peak_mem_per_position'] / 1024:.1f} | {r['peak_mem_per_real_token'] / 1024:.1f} | "
-            f"{r['peak_mem_per_real_token'] / pad['peak_mem_per_real_token']:.2f}x |")
+            f"{r['peak_mem_per_real_token'] / pad['peak_mem_per_real_token']:.2f}x |"
+        )
     lines += [
         "",
         res["method"] + ".",

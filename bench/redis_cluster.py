@@ -125,17 +125,30 @@ def failover(cl: LocalCluster, key: str, gap_s: float, timeout_s: float = 60.0) 
             groups.setdefault(s, []).append(gid)
             if msg_id:
                 samples.setdefault(s, []).append(msg_id)
-    return {"primary_port": primary, "replica_port": replica, "partitioned_s": round(waited, 2),
-            "promoted_after_s": round(promoted_s, 2),
-            # entries the primary held and the promoted replica lacks, and XADDs it counted and the
-            # replica did not (entries-added: also those added and trimmed while partitioned)
-            "entries_lost": {s: len(set(before[s]) - set(after[s])) for s in STREAMS},
-            "xadds_lost": {s: added_before[s] - added_after[s] for s in STREAMS},
-            "lost_groups": groups, "lost_samples": samples}
+    return {
+        "primary_port": primary,
+        "replica_port": replica,
+        "partitioned_s": round(waited, 2),
+        "promoted_after_s": round(promoted_s, 2),
+        # entries the primary held and the promoted replica lacks, and XADDs it counted and the
+        # replica did not (entries-added: also those added and trimmed while partitioned)
+        "entries_lost": {s: len(set(before[s]) - set(after[s])) for s in STREAMS},
+        "xadds_lost": {s: added_before[s] - added_after[s] for s in STREAMS},
+        "lost_groups": groups,
+        "lost_samples": samples,
+    }
 
 
-def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True, gap_s: float = 20.0,
-                group_size: int = 4, timeout_s: float = 400.0) -> dict[str, Any]:
+def cluster_job(
+    wd: Path,
+    model: Path,
+    *,
+    steps: int = 8,
+    fail_over: bool = True,
+    gap_s: float = 20.0,
+    group_size: int = 4,
+    timeout_s: float = 400.0,
+) -> dict[str, Any]:
     """One async job on a fresh local cluster, all services as processes; with `fail_over`, the
     job's primary is killed once the trainer has taken 2 steps (`failover`). Returns the figures:
     the job's end state, the failover's measured loss, where each lost item ended, and verify."""
@@ -145,11 +158,18 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
     prefix = f"cl-{uuid.uuid4().hex[:8]}:"
     out: dict[str, Any] = {}
     with LocalCluster(3, 1, node_timeout_ms=2000, workdir=str(wd / "cluster")) as cl:
-        env = {"REDIS_URL": cl.url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-               "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "TRAINER_CHECKPOINT_DIR": str(wd / "checkpoints"),
-               # an input whose output a failover lost is pending again: reclaim it soon
-               "CLAIM_IDLE_MS": "5000"}
+        env = {
+            "REDIS_URL": cl.url,
+            "DATABASE_URL": db_url,
+            "STREAM_PREFIX": prefix,
+            "BROKER_PORT": str(port),
+            "GEN_GENERATOR_ID": "gen-0",
+            "TRAINER_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TRAINER_CHECKPOINT_DIR": str(wd / "checkpoints"),
+            # an input whose output a failover lost is pending again: reclaim it soon
+            "CLAIM_IDLE_MS": "5000",
+        }
         sup = Supervisor(wd / "logs", env)
         ledger = Ledger(db_url)
         api = f"http://127.0.0.1:{port}"
@@ -166,9 +186,17 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
                 if sup.failed() or time.monotonic() > deadline:
                     raise RuntimeError(f"broker did not come up:\n{sup.tail('broker')}")
                 time.sleep(0.2)
-            spec = {"name": "cluster", "model_path": str(model), "mode": "async", "steps": steps, "group_size": group_size,
-                    "prompts_per_step": 4, "eval_every": 0, "task": {"n_train": 64, "n_test": 8},
-                    "sampling": {"max_tokens": 8}}
+            spec = {
+                "name": "cluster",
+                "model_path": str(model),
+                "mode": "async",
+                "steps": steps,
+                "group_size": group_size,
+                "prompts_per_step": 4,
+                "eval_every": 0,
+                "task": {"n_train": 64, "n_test": 8},
+                "sampling": {"max_tokens": 8},
+            }
             resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
             if resp.status_code != 201:
                 raise RuntimeError(f"job submission failed ({resp.status_code}): {resp.text}")
@@ -188,8 +216,10 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
                     raise RuntimeError("\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed()))
                 if time.monotonic() - t0 > timeout_s:
                     sup.dump_stacks()
-                    raise RuntimeError(f"job not finished after {timeout_s:.0f} s (state {state}):\n"
-                                       + "\n".join(f"--- {n}:\n{sup.tail(n, 120)}" for n in ("trainer", "generator", "reward")))
+                    raise RuntimeError(
+                        f"job not finished after {timeout_s:.0f} s (state {state}):\n"
+                        + "\n".join(f"--- {n}:\n{sup.tail(n, 120)}" for n in ("trainer", "generator", "reward"))
+                    )
                 if fail_over and fo is None and len(ledger.train_steps(job_id)) >= 2:
                     done_before = len(ledger.train_steps(job_id))
                     fo = failover(cl, streams.key(PROMPTS), gap_s)
@@ -197,8 +227,15 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
             sup.wait_all(60, exclude=("broker",))
         finally:
             sup.stop_all()
-        out.update({"job_id": job_id, "state": state, "steps": len(ledger.train_steps(job_id)), "wall_s": round(
-            time.monotonic() - t0, 1), "status_counts": ledger.status_counts(job_id)})
+        out.update(
+            {
+                "job_id": job_id,
+                "state": state,
+                "steps": len(ledger.train_steps(job_id)),
+                "wall_s": round(time.monotonic() - t0, 1),
+                "status_counts": ledger.status_counts(job_id),
+            }
+        )
     rows = {s["msg_id"]: s for s in ledger.samples(job_id, limit=100_000)}
     if fo is not None:
         fo["steps_before"] = done_before
@@ -217,10 +254,17 @@ def cluster_job(wd: Path, model: Path, *, steps: int = 8, fail_over: bool = True
         # Samples the failover took for good: those of its lost groups that were never redone.
         out["failover_samples_lost"] = sum(1 for st in final.values() for x in st.values() if x in ("lost", "absent"))
     res = verify(ledger, job_id)
-    out["verify"] = {"ok": res.ok, "violations": {c: n for c, n in res.checks.items() if n},
-                     "in_flight": res.in_flight, "lost": res.lost, "counts": res.counts,
-                     "findings": [{"check": f.check, "level": f.level, "count": f.count, "message": f.message}
-                                  for f in (*res.violations, *res.info)]}
+    out["verify"] = {
+        "ok": res.ok,
+        "violations": {c: n for c, n in res.checks.items() if n},
+        "in_flight": res.in_flight,
+        "lost": res.lost,
+        "counts": res.counts,
+        "findings": [
+            {"check": f.check, "level": f.level, "count": f.count, "message": f.message}
+            for f in (*res.violations, *res.info)
+        ],
+    }
     return out
 
 
@@ -236,17 +280,20 @@ def bench_redis_cluster(out_dir: str = "results") -> dict[str, Any]:
     failed = cluster_job(wd / "failover", model, fail_over=True)
     res = {
         "what": "a real async job (vLLM generator, reward, trainer as processes, tiny model) on a local Redis "
-                "Cluster of 3 primaries + 3 replicas; then the same job with the job's primary SIGKILLed after "
-                "step 2 while its replica was partitioned (frozen, link closed), so the primary alone held the "
-                "job's last writes; the replica promoted",
+        "Cluster of 3 primaries + 3 replicas; then the same job with the job's primary SIGKILLed after "
+        "step 2 while its replica was partitioned (frozen, link closed), so the primary alone held the "
+        "job's last writes; the replica promoted",
         "end_to_end": plain,
         "failover_run": failed,
         "failover_entries_lost": failed["failover"]["entries_lost"],
         "failover_xadds_lost": failed["failover"]["xadds_lost"],
         "failover_samples_lost": failed["failover_samples_lost"],
         # what broker.verify reported: the samples it found lost, and that nothing else is wrong
-        "verify_found": {"lost_samples": failed["verify"]["lost"], "violations": failed["verify"]["violations"],
-                         "in_flight_samples": failed["verify"]["in_flight"]},
+        "verify_found": {
+            "lost_samples": failed["verify"]["lost"],
+            "violations": failed["verify"]["violations"],
+            "in_flight_samples": failed["verify"]["in_flight"],
+        },
         "verify_found_exactly_the_loss": failed["verify"]["lost"] == failed["failover_samples_lost"],
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

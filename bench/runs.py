@@ -59,21 +59,23 @@ def run_finished(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = No
     return Ledger(run.db_url), run.job_id, t_launch
 
 
-def ours_curve(ledger: Ledger, job_id: str, t0: float, eval_set: str = "held_out") -> tuple[
-        list[dict[str, float]], list[dict[str, float]], dict[str, float | None]]:
+def ours_curve(
+    ledger: Ledger, job_id: str, t0: float, eval_set: str = "held_out"
+) -> tuple[list[dict[str, float]], list[dict[str, float]], dict[str, float | None]]:
     """A finished job's held-out curve ({step, reward, t_s}: a point's time is the end of the step
     that produced the policy, seconds since `t0`), every step's end ({step, t_s}) and the median
     per-step time breakdown over the steady steps: every `time/*` metric the trainer records
     (wait, train, publish, ledger, ...), under its name without the prefix."""
     steps = ledger.train_steps(job_id)
     end = {s["step"]: s["created_at"].timestamp() - t0 for s in steps}
-    curve = [{"step": e["step"], "reward": e["reward_mean"],
-              "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)}
-             for e in ledger.evals(job_id, source="pipeline") if e["name"] == eval_set]
+    curve = [
+        {"step": e["step"], "reward": e["reward_mean"], "t_s": end.get(e["step"], e["created_at"].timestamp() - t0)}
+        for e in ledger.evals(job_id, source="pipeline")
+        if e["name"] == eval_set
+    ]
     steady = steps[2:] or steps
     keys = sorted({k for s in steady for k in s["metrics"] if k.startswith("time/")})
-    breakdown = {k.removeprefix("time/"): _median([s["metrics"][k] for s in steady if k in s["metrics"]])
-                 for k in keys}
+    breakdown = {k.removeprefix("time/"): _median([s["metrics"][k] for s in steady if k in s["metrics"]]) for k in keys}
     return curve, [{"step": s["step"], "t_s": end[s["step"]]} for s in steps], breakdown
 
 
@@ -92,9 +94,11 @@ def trl_python(venv: Path) -> Path:
     if py.exists() and subprocess.run([str(py), "-c", probe], capture_output=True).returncode == 0:
         return py
     console.print(f"[bold]TRL environment[/] -> {venv} (torch=={TORCH_VERSION}, trl=={TRL_VERSION})")
-    steps = [["python3", "-m", "venv", str(venv)],
-             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"],
-             [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"trl=={TRL_VERSION}"]]
+    steps = [
+        ["python3", "-m", "venv", str(venv)],
+        [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"],
+        [str(py), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", f"trl=={TRL_VERSION}"],
+    ]
     for cmd in steps:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -111,17 +115,31 @@ def run_trl(py: Path, run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {"threads": len(os.sched_getaffinity(0)), **cfg, "workdir": str(run_dir)}
     cfg["t_launch"] = time.time()
     (run_dir / "config.json").write_text(json.dumps(cfg))
-    proc = subprocess.run([str(py), str(PEER_SCRIPT), "--config", str(run_dir / "config.json"),
-                           "--out", str(run_dir / "result.json")], capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run(
+        [str(py), str(PEER_SCRIPT), "--config", str(run_dir / "config.json"), "--out", str(run_dir / "result.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"TRL run failed (log {run_dir / 'log.txt'}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     return json.loads((run_dir / "result.json").read_text())
 
 
-def trl_task_run(py: Path, run_dir: Path, model: Path, task: dict[str, Any], reward: Path, shape: dict[str, Any],
-                 stop: list[str], seed: int, steps: int, eval_every: int, **extra: Any) -> dict[str, Any]:
+def trl_task_run(
+    py: Path,
+    run_dir: Path,
+    model: Path,
+    task: dict[str, Any],
+    reward: Path,
+    shape: dict[str, Any],
+    stop: list[str],
+    seed: int,
+    steps: int,
+    eval_every: int,
+    **extra: Any,
+) -> dict[str, Any]:
     """TRL's GRPOTrainer on a task section (the same train/test split as a job with that seed),
     a reward file and stop strings; its result JSON (bench/peers/trl_grpo.py)."""
     train, test = load_task(TaskSpec.model_validate(task), seed)
@@ -129,9 +147,24 @@ def trl_task_run(py: Path, run_dir: Path, model: Path, task: dict[str, Any], rew
     def rows(ps: list[Any]) -> list[dict[str, Any]]:
         return [{"prompt": q.prompt, "answer": q.answer, "metadata": q.metadata} for q in ps]
 
-    return run_trl(py, run_dir, {
-        "model_path": str(model), "seed": seed, "steps": steps, "train": rows(train), "test": rows(test),
-        "group_size": shape["group_size"], "prompts_per_step": shape["prompts_per_step"],
-        "micro_batch_size": shape["group_size"] * shape["prompts_per_step"], "lr": shape["lr"],
-        "temperature": shape["temperature"], "max_tokens": shape["max_tokens"], "eval_every": eval_every,
-        "reward": f"{reward}:score", "stop": stop, **extra})
+    return run_trl(
+        py,
+        run_dir,
+        {
+            "model_path": str(model),
+            "seed": seed,
+            "steps": steps,
+            "train": rows(train),
+            "test": rows(test),
+            "group_size": shape["group_size"],
+            "prompts_per_step": shape["prompts_per_step"],
+            "micro_batch_size": shape["group_size"] * shape["prompts_per_step"],
+            "lr": shape["lr"],
+            "temperature": shape["temperature"],
+            "max_tokens": shape["max_tokens"],
+            "eval_every": eval_every,
+            "reward": f"{reward}:score",
+            "stop": stop,
+            **extra,
+        },
+    )

@@ -47,7 +47,7 @@ def chain(rng: random.Random, n_ops: int) -> tuple[str, str]:
     lines, v = [], value
     for i, (o, d) in enumerate(ops):
         v = v + d if o == "+" else v - d
-        lines.append(f"{v}" + "".join(f"{o2}{d2}" for o2, d2 in ops[i + 1:]))
+        lines.append(f"{v}" + "".join(f"{o2}{d2}" for o2, d2 in ops[i + 1 :]))
     return prompt, "\n".join(lines)
 
 
@@ -68,8 +68,7 @@ def write_task(wd: Path, n: int = 2000, seed: int = 4321) -> tuple[Path, Path]:
 
 
 def task_section(data: Path) -> dict[str, Any]:
-    return {"datasets": [{"path": str(data)}], "prompt_field": "question", "answer_field": "solution",
-            "n_test": N_TEST}
+    return {"datasets": [{"path": str(data)}], "prompt_field": "question", "answer_field": "solution", "n_test": N_TEST}
 
 
 WARM_BATCH = 8  # problems per SFT step: 200-token sequences make a step of 32 cost ~1 s on 2 busy cores
@@ -83,7 +82,23 @@ def prepare_model(wd: Path, data: Path, steps: int) -> Path:
     if not (base / "config.json").exists():
         subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(base)], check=True)
     if not (warm / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
-                        "--steps", str(steps), "--batch-size", str(WARM_BATCH), "--task-spec", json.dumps(task_section(data))], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.warmstart",
+                "--model",
+                str(base),
+                "--out",
+                str(warm),
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(WARM_BATCH),
+                "--task-spec",
+                json.dumps(task_section(data)),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return warm

@@ -67,8 +67,10 @@ MARKS: list[tuple[str, str, str]] = [
 # Our log lines: "2026-12-01 23:30:01,123 INFO service=... name: message"
 _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ service=\S+ .*?\S+: (.*)$")
 # vLLM's: "(EngineCore pid=1) INFO 12-01 23:30:01 [file.py:12] message" (seconds only): durations
-_VLLM = [("generator.vllm_model_load_s", re.compile(r"Model loading took .*? and ([\d.]+) seconds")),
-         ("generator.vllm_engine_init_s", re.compile(r"init engine .*? took ([\d.]+) sec"))]
+_VLLM = [
+    ("generator.vllm_model_load_s", re.compile(r"Model loading took .*? and ([\d.]+) seconds")),
+    ("generator.vllm_engine_init_s", re.compile(r"init engine .*? took ([\d.]+) sec")),
+]
 
 
 def _free_port() -> int:
@@ -136,12 +138,23 @@ def run_launch(code: Path, wd: Path, model: Path, steps: int, label: str) -> dic
     spec = {**json.loads(SPEC.read_text()), "model_path": str(model), "steps": steps}
     (run / "spec.json").write_text(json.dumps(spec))
     db = f"sqlite:///{run / 'ledger.db'}"
-    env = {**os.environ, "PYTHONPATH": str(code), "DATABASE_URL": db, "STREAM_PREFIX": f"startup-{time.time_ns()}:",
-           "BROKER_PORT": str(_free_port()), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(code),
+        "DATABASE_URL": db,
+        "STREAM_PREFIX": f"startup-{time.time_ns()}:",
+        "BROKER_PORT": str(_free_port()),
+        "PYTHONUNBUFFERED": "1",
+    }
     t0 = time.time()
     with open(run / "launcher.log", "w") as fh:
-        proc = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--spec", str(run / "spec.json"), "--logdir",
-                               str(run / "logs")], cwd=code, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncrl.launch", "--spec", str(run / "spec.json"), "--logdir", str(run / "logs")],
+            cwd=code,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
     wall = time.time() - t0
     logs = {"launcher": (run / "launcher.log").read_text(errors="replace")}
     for f in (run / "logs").glob("*.log"):
@@ -152,9 +165,15 @@ def run_launch(code: Path, wd: Path, model: Path, steps: int, label: str) -> dic
     found = {**first_marks(logs), **marks}
     rel = {k: (v if k.endswith("_s") else v - t0) for k, v in found.items()}
     intervals = [b - a for a, b in zip(ends[10:], ends[11:], strict=False)]
-    return {"job_id": job_id, "dir": str(run), "wall_s": wall, "startup_s": rel.get("trainer.first_step"),
-            "marks": dict(sorted(rel.items(), key=lambda kv: (kv[0].endswith("_s"), kv[1]))),
-            "step_s_median": statistics.median(intervals) if intervals else None, "steps": len(ends)}
+    return {
+        "job_id": job_id,
+        "dir": str(run),
+        "wall_s": wall,
+        "startup_s": rel.get("trainer.first_step"),
+        "marks": dict(sorted(rel.items(), key=lambda kv: (kv[0].endswith("_s"), kv[1]))),
+        "step_s_median": statistics.median(intervals) if intervals else None,
+        "steps": len(ends),
+    }
 
 
 def median_marks(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -169,25 +188,37 @@ def phases(m: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for svc in ("broker", "generator", "reward", "trainer"):
         prev, t_prev = "command", 0.0
-        for k, t in sorted(((k, t) for k, t in m.items() if k.startswith(f"{svc}.") and not k.endswith("_s")),
-                           key=lambda kv: kv[1]):
+        for k, t in sorted(
+            ((k, t) for k, t in m.items() if k.startswith(f"{svc}.") and not k.endswith("_s")), key=lambda kv: kv[1]
+        ):
             out[f"{prev} -> {k}"] = t - t_prev
             prev, t_prev = k, t
     out.update({k: v for k, v in m.items() if k.endswith("_s")})
     return out
 
 
-def bench_startup(*, reps: int = 3, compare: str | None = None, steady_steps: int = 40, startup_steps: int = 3,
-                  out_dir: str = "results", workdir: str = "runs/bench-startup") -> dict[str, Any]:
+def bench_startup(
+    *,
+    reps: int = 3,
+    compare: str | None = None,
+    steady_steps: int = 40,
+    startup_steps: int = 3,
+    out_dir: str = "results",
+    workdir: str = "runs/bench-startup",
+) -> dict[str, Any]:
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     model = prepare_model(wd, 0)
     versions = ([("before", Path(compare).resolve())] if compare else []) + [("after", ROOT)]
-    result: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "reps": reps,
-                              "command": "python -m asyncrl.launch --spec deploy/jobs/arithmetic-async.json "
-                                         f"(model_path: the tiny warm model; steps: {startup_steps})",
-                              "definition": "startup_s: first trained step's ledger time minus the command's start "
-                                            "(median over reps); the first step itself is included"}
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "reps": reps,
+        "command": "python -m asyncrl.launch --spec deploy/jobs/arithmetic-async.json "
+        f"(model_path: the tiny warm model; steps: {startup_steps})",
+        "definition": "startup_s: first trained step's ledger time minus the command's start "
+        "(median over reps); the first step itself is included",
+    }
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in versions}
     for i in range(reps):  # interleaved, so that a change in the box's load hits both alike
         for label, code in versions:
@@ -212,20 +243,38 @@ def bench_startup(*, reps: int = 3, compare: str | None = None, steady_steps: in
 
 
 def markdown(r: dict[str, Any], labels: list[str]) -> str:
-    lines = [f"# Start-up: command -> first trained step ({r['date']}, {r['machine']['cores']} cores)", "",
-             f"Command: `{r['command']}`; {r['reps']} repetitions each. {r['definition']}.", ""]
+    lines = [
+        f"# Start-up: command -> first trained step ({r['date']}, {r['machine']['cores']} cores)",
+        "",
+        f"Command: `{r['command']}`; {r['reps']} repetitions each. {r['definition']}.",
+        "",
+    ]
     lines += ["| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     lines.append("| start-up s (median) | " + " | ".join(f"{r[f'startup_s_{x}']:.2f}" for x in labels) + " |")
-    lines.append("| start-up s (each run) | " + " | ".join(
-        ", ".join(f"{v:.2f}" for v in r[f"startup_runs_s_{x}"]) for x in labels) + " |")
-    lines.append("| steady s/step (median, 40-step job) | " + " | ".join(
-        f"{r[f'steady_step_s_{x}']:.3f}" if r[f"steady_step_s_{x}"] else "-" for x in labels) + " |")
-    lines += ["", "Timeline (median seconds since the command; first time each line or ledger row appears):", "",
-              "| mark | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    lines.append(
+        "| start-up s (each run) | "
+        + " | ".join(", ".join(f"{v:.2f}" for v in r[f"startup_runs_s_{x}"]) for x in labels)
+        + " |"
+    )
+    lines.append(
+        "| steady s/step (median, 40-step job) | "
+        + " | ".join(f"{r[f'steady_step_s_{x}']:.3f}" if r[f"steady_step_s_{x}"] else "-" for x in labels)
+        + " |"
+    )
+    lines += [
+        "",
+        "Timeline (median seconds since the command; first time each line or ledger row appears):",
+        "",
+        "| mark | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
     keys = dict.fromkeys(k for x in labels for k in r[f"marks_{x}"])
     for k in keys:
-        lines.append(f"| {k} | " + " | ".join(
-            f"{r[f'marks_{x}'][k]:.2f}" if k in r[f"marks_{x}"] else "-" for x in labels) + " |")
+        lines.append(
+            f"| {k} | "
+            + " | ".join(f"{r[f'marks_{x}'][k]:.2f}" if k in r[f"marks_{x}"] else "-" for x in labels)
+            + " |"
+        )
     for x in labels:
         lines += ["", f"Phases, {x} (seconds):", "", "| phase | s |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r[f"breakdown_{x}"].items()]

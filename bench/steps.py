@@ -76,19 +76,58 @@ def measure(wd: Path, model: Path, steps: int, code: str | None) -> dict[str, An
     gen_core, train_core = split_cores()
     shape = ["--prompts", str(SHAPE["prompts"]), "--n", str(SHAPE["n"]), "--max-tokens", str(SHAPE["max_tokens"])]
     with environment(**env):
-        run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), *shape, "--reps", "10",
-                    "--out", str(wd / "t_gen.json")],
-                   gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
-        run_pinned([sys.executable, "-m", "bench.t_train", "--model", str(model), *shape, "--threads", "1", "--reps", "10",
-                    "--out", str(wd / "t_train.json")], train_core)
+        run_pinned(
+            [
+                sys.executable,
+                "-m",
+                "bench.t_gen",
+                "--model",
+                str(model),
+                *shape,
+                "--reps",
+                "10",
+                "--out",
+                str(wd / "t_gen.json"),
+            ],
+            gen_core,
+            {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"},
+        )
+        run_pinned(
+            [
+                sys.executable,
+                "-m",
+                "bench.t_train",
+                "--model",
+                str(model),
+                *shape,
+                "--threads",
+                "1",
+                "--reps",
+                "10",
+                "--out",
+                str(wd / "t_train.json"),
+            ],
+            train_core,
+        )
     t_gen = json.loads((wd / "t_gen.json").read_text())
     t_train = json.loads((wd / "t_train.json").read_text())
     ports = {role: free_port() for role in ROLES}
-    spec = {"name": "bench-steps", "model_path": str(model), "steps": steps, "group_size": SHAPE["n"],
-            "prompts_per_step": SHAPE["prompts"], "eval_every": 0, "mode": "async", "max_staleness": 1,
-            "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": SHAPE["max_tokens"]}}
-    with environment(**env, **{ROLES[r]: str(p) for r, p in ports.items()}), \
-            _Pages({r: f"http://127.0.0.1:{p}/metrics" for r, p in ports.items()}) as pages:
+    spec = {
+        "name": "bench-steps",
+        "model_path": str(model),
+        "steps": steps,
+        "group_size": SHAPE["n"],
+        "prompts_per_step": SHAPE["prompts"],
+        "eval_every": 0,
+        "mode": "async",
+        "max_staleness": 1,
+        "algorithm": {"lr": 1e-4},
+        "sampling": {"temperature": 1.0, "max_tokens": SHAPE["max_tokens"]},
+    }
+    with (
+        environment(**env, **{ROLES[r]: str(p) for r, p in ports.items()}),
+        _Pages({r: f"http://127.0.0.1:{p}/metrics" for r, p in ports.items()}) as pages,
+    ):
         run = run_job(wd, spec, progress=False)
     if run.state != "finished":
         raise RuntimeError(f"steps run ended {run.state}: {run.error}")
@@ -103,22 +142,35 @@ def measure(wd: Path, model: Path, steps: int, code: str | None) -> dict[str, An
         for p in phase_summary(pages.pages[role]):
             if p["role"] == role:
                 phases.setdefault(role, {})[str(p["phase"])] = {
-                    k: float(p[k]) for k in ("count", "mean_s", "median_s", "total_s")}
+                    k: float(p[k]) for k in ("count", "mean_s", "median_s", "total_s")
+                }
     return {
-        "code": code or "this checkout", "t_gen_s": t_gen["t_gen_s"], "t_train_s": t_train["t_train_s"],
-        "t_step_s": t_train["t_step_s"], "t_publish_s": t_train["t_publish_s"],
-        "async_period_s": period, "async_step_s": _median([r["metrics"]["time/step_s"] for r in steady]),
+        "code": code or "this checkout",
+        "t_gen_s": t_gen["t_gen_s"],
+        "t_train_s": t_train["t_train_s"],
+        "t_step_s": t_train["t_step_s"],
+        "t_publish_s": t_train["t_publish_s"],
+        "async_period_s": period,
+        "async_step_s": _median([r["metrics"]["time/step_s"] for r in steady]),
         "async_over_max": period / bound,
         # trainer: median seconds per step in each phase, steady steps only (from its step metrics)
-        "trainer_per_step_s": {k: _median([r["metrics"][k] for r in steady if k in r["metrics"]])
-                               for k in trainer_keys},
+        "trainer_per_step_s": {
+            k: _median([r["metrics"][k] for r in steady if k in r["metrics"]]) for k in trainer_keys
+        },
         # every role: its spans over the whole job (Prometheus), start-up included
-        "phases": phases, "steps": len(rows), "job_id": run.job_id,
+        "phases": phases,
+        "steps": len(rows),
+        "job_id": run.job_id,
     }
 
 
-def bench_steps(out_dir: str = "results", steps: int = 40, runs: int = 2, before: str | None = None,
-                workdir: str = "runs/bench-steps") -> dict[str, Any]:
+def bench_steps(
+    out_dir: str = "results",
+    steps: int = 40,
+    runs: int = 2,
+    before: str | None = None,
+    workdir: str = "runs/bench-steps",
+) -> dict[str, Any]:
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     model = prepare_model(wd, 0)
@@ -131,9 +183,12 @@ def bench_steps(out_dir: str = "results", steps: int = 40, runs: int = 2, before
     for label, _ in labels:
         result[f"{label}_async_over_max"] = statistics.mean(r["async_over_max"] for r in result[label])
         result[f"{label}_async_period_s"] = statistics.mean(r["async_period_s"] for r in result[label])
-    result.update(shape={**SHAPE, "steps": steps, "model": "the demo's tiny warm-started llama"},
-                  machine=machine(), date=time.strftime("%Y-%m-%d"),
-                  pinning="generator (vLLM OpenMP) on the first core, trainer (1 torch thread) on the last core")
+    result.update(
+        shape={**SHAPE, "steps": steps, "model": "the demo's tiny warm-started llama"},
+        machine=machine(),
+        date=time.strftime("%Y-%m-%d"),
+        pinning="generator (vLLM OpenMP) on the first core, trainer (1 torch thread) on the last core",
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "steps.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -147,27 +202,47 @@ def _ms(x: float | None) -> str:
 
 
 def report(r: dict[str, Any], labels: list[str]) -> str:
-    md = ["| run | T_gen (s) | T_train (s) | async step period (s) | async / max(T_gen, T_train) |", "|---|---|---|---|---|"]
+    md = [
+        "| run | T_gen (s) | T_train (s) | async step period (s) | async / max(T_gen, T_train) |",
+        "|---|---|---|---|---|",
+    ]
     for label in labels:
         for i, x in enumerate(r[label]):
-            md.append(f"| {label} {i + 1} | {x['t_gen_s']:.3f} | {x['t_train_s']:.3f} | {x['async_period_s']:.3f} | "
-                      f"{x['async_over_max']:.3f} |")
-        md.append(f"| **{label}, mean** | | | {r[f'{label}_async_period_s']:.3f} | **{r[f'{label}_async_over_max']:.3f}** |")
-    md += ["", "Trainer, median ms per steady step in each phase (its step metrics):", "",
-           "| phase | " + " | ".join(f"{label} {i + 1}" for label in labels for i in range(len(r[label]))) + " |",
-           "|---|" + "---|" * sum(len(r[label]) for label in labels)]
+            md.append(
+                f"| {label} {i + 1} | {x['t_gen_s']:.3f} | {x['t_train_s']:.3f} | {x['async_period_s']:.3f} | "
+                f"{x['async_over_max']:.3f} |"
+            )
+        md.append(
+            f"| **{label}, mean** | | | {r[f'{label}_async_period_s']:.3f} | **{r[f'{label}_async_over_max']:.3f}** |"
+        )
+    md += [
+        "",
+        "Trainer, median ms per steady step in each phase (its step metrics):",
+        "",
+        "| phase | " + " | ".join(f"{label} {i + 1}" for label in labels for i in range(len(r[label]))) + " |",
+        "|---|" + "---|" * sum(len(r[label]) for label in labels),
+    ]
     keys = sorted({k for label in labels for x in r[label] for k in x["trainer_per_step_s"]})
     for k in keys:
-        md.append(f"| {k} | " + " | ".join(_ms(x["trainer_per_step_s"].get(k)) for label in labels for x in r[label]) + " |")
-    md += ["", "Every role, median ms per span over the whole job (Prometheus `asyncrl_{role}_phase_seconds`, "
-           "buckets interpolated; start-up included; the code before has no spans):", "",
-           "| role | phase | " + " | ".join(f"{label} {i + 1}" for label in labels for i in range(len(r[label]))) + " |",
-           "|---|---|" + "---|" * sum(len(r[label]) for label in labels)]
+        md.append(
+            f"| {k} | " + " | ".join(_ms(x["trainer_per_step_s"].get(k)) for label in labels for x in r[label]) + " |"
+        )
+    md += [
+        "",
+        "Every role, median ms per span over the whole job (Prometheus `asyncrl_{role}_phase_seconds`, "
+        "buckets interpolated; start-up included; the code before has no spans):",
+        "",
+        "| role | phase | " + " | ".join(f"{label} {i + 1}" for label in labels for i in range(len(r[label]))) + " |",
+        "|---|---|" + "---|" * sum(len(r[label]) for label in labels),
+    ]
     for role, names in PHASES.items():
         for name in names:
             cells = [x["phases"].get(role, {}).get(name) for label in labels for x in r[label]]
             if any(cells):
-                md.append(f"| {role} | {name} | " + " | ".join(
-                    f"{_ms(c['median_s'])} (x{int(c['count'])})" if c else "" for c in cells) + " |")
+                md.append(
+                    f"| {role} | {name} | "
+                    + " | ".join(f"{_ms(c['median_s'])} (x{int(c['count'])})" if c else "" for c in cells)
+                    + " |"
+                )
     md += ["", f"Machine: {r['machine']}; {r['pinning']}; {r['date']}. Other work may have shared the box."]
     return "\n".join(md) + "\n"

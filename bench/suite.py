@@ -66,12 +66,17 @@ console = Console()
 
 # The shape of the cost-of-a-step comparison with TRL (peer_scaling): 16 prompts x 8 samples.
 TTR_SPEC: dict[str, Any] = {
-    "group_size": 8, "prompts_per_step": 16, "algorithm": {"lr": 1e-4, "micro_batch_size": 64},
-    "sampling": {"temperature": 1.0}, "task": {"n_train": 300, "n_test": 100},
+    "group_size": 8,
+    "prompts_per_step": 16,
+    "algorithm": {"lr": 1e-4, "micro_batch_size": 64},
+    "sampling": {"temperature": 1.0},
+    "task": {"n_train": 300, "n_test": 100},
 }
 # (layers, hidden, heads, intermediate): random-init models for the cost-of-a-step sections.
 MODELS: dict[str, tuple[int, int, int, int]] = {
-    "2x128": (2, 128, 4, 256), "4x256": (4, 256, 4, 768), "6x384": (6, 384, 6, 1024),
+    "2x128": (2, 128, 4, 256),
+    "4x256": (4, 256, 4, 768),
+    "6x384": (6, 384, 6, 1024),
 }
 
 
@@ -97,19 +102,59 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "ci": Preset(ttr_steps=6, eval_every=2, seeds=(0,), scaling_steps=4, gen_steps=6, broker_samples=2_000,
-                 peer_steps=4, long_steps=3, long_eval_every=3, long_warm_steps=60, short_warm_steps=300, stale_steps=6,
-                 gen_lengths=(16, 32, 64), sync_modes=False, launcher_steps=16),
-    "quick": Preset(ttr_steps=20, eval_every=2, seeds=(0,), scaling_steps=6, gen_steps=10, broker_samples=20_000,
-                    peer_steps=6, long_steps=10, long_eval_every=2, long_warm_steps=300, short_warm_steps=None, stale_steps=20,
-                    regime_models=("4x256",)),
-    "full": Preset(ttr_steps=40, eval_every=2, seeds=(0, 1, 2), scaling_steps=12, gen_steps=16,
-                   broker_samples=100_000, peer_steps=10, long_steps=20, long_eval_every=2, long_warm_steps=1000, short_warm_steps=None,
-                   stale_steps=60, regime_models=("2x128", "4x256", "6x384"), launcher_steps=48),
+    "ci": Preset(
+        ttr_steps=6,
+        eval_every=2,
+        seeds=(0,),
+        scaling_steps=4,
+        gen_steps=6,
+        broker_samples=2_000,
+        peer_steps=4,
+        long_steps=3,
+        long_eval_every=3,
+        long_warm_steps=60,
+        short_warm_steps=300,
+        stale_steps=6,
+        gen_lengths=(16, 32, 64),
+        sync_modes=False,
+        launcher_steps=16,
+    ),
+    "quick": Preset(
+        ttr_steps=20,
+        eval_every=2,
+        seeds=(0,),
+        scaling_steps=6,
+        gen_steps=10,
+        broker_samples=20_000,
+        peer_steps=6,
+        long_steps=10,
+        long_eval_every=2,
+        long_warm_steps=300,
+        short_warm_steps=None,
+        stale_steps=20,
+        regime_models=("4x256",),
+    ),
+    "full": Preset(
+        ttr_steps=40,
+        eval_every=2,
+        seeds=(0, 1, 2),
+        scaling_steps=12,
+        gen_steps=16,
+        broker_samples=100_000,
+        peer_steps=10,
+        long_steps=20,
+        long_eval_every=2,
+        long_warm_steps=1000,
+        short_warm_steps=None,
+        stale_steps=60,
+        regime_models=("2x128", "4x256", "6x384"),
+        launcher_steps=48,
+    ),
 }
 
 
 # --- helpers -------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -122,8 +167,24 @@ def _model(wd: Path, name: str) -> Path:
     layers, hidden, heads, inter = MODELS[name]
     out = wd / f"model-{name}"
     if not (out / "config.json").exists():
-        run_pinned([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
-                    "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(inter)], None)
+        run_pinned(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.tiny_model",
+                "--out",
+                str(out),
+                "--layers",
+                str(layers),
+                "--hidden",
+                str(hidden),
+                "--heads",
+                str(heads),
+                "--intermediate",
+                str(inter),
+            ],
+            None,
+        )
     return out
 
 
@@ -137,36 +198,63 @@ def _median(xs: list[float]) -> float | None:
 
 # --- TRL's environment ---------------------------------------------------------------------
 
-def _trl(py: Path, wd: Path, model: Path, seed: int, *, steps: int, eval_every: int, max_tokens: int,
-         evaluate: bool = True, prompts_per_step: int = TTR_SPEC["prompts_per_step"]) -> dict[str, Any]:
+
+def _trl(
+    py: Path,
+    wd: Path,
+    model: Path,
+    seed: int,
+    *,
+    steps: int,
+    eval_every: int,
+    max_tokens: int,
+    evaluate: bool = True,
+    prompts_per_step: int = TTR_SPEC["prompts_per_step"],
+) -> dict[str, Any]:
     """One TRL GRPOTrainer run on the built-in arithmetic task (both cores, 2 torch threads): the
     cost of a step; its result JSON."""
     train, test = load_task(TaskSpec(**TTR_SPEC["task"]), seed)
-    return run_trl(py, wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}", {
-        "model_path": str(model), "seed": seed, "steps": steps,
-        "train": [{"prompt": p.prompt, "answer": p.answer} for p in train],
-        "test": [{"prompt": p.prompt, "answer": p.answer} for p in test],
-        "group_size": TTR_SPEC["group_size"], "prompts_per_step": prompts_per_step,
-        "micro_batch_size": TTR_SPEC["algorithm"]["micro_batch_size"], "lr": TTR_SPEC["algorithm"]["lr"],
-        "temperature": TTR_SPEC["sampling"]["temperature"], "max_tokens": max_tokens,
-        "eval_every": eval_every, "evaluate": evaluate})
+    return run_trl(
+        py,
+        wd / f"trl-{seed}-{max_tokens}-{time.time_ns()}",
+        {
+            "model_path": str(model),
+            "seed": seed,
+            "steps": steps,
+            "train": [{"prompt": p.prompt, "answer": p.answer} for p in train],
+            "test": [{"prompt": p.prompt, "answer": p.answer} for p in test],
+            "group_size": TTR_SPEC["group_size"],
+            "prompts_per_step": prompts_per_step,
+            "micro_batch_size": TTR_SPEC["algorithm"]["micro_batch_size"],
+            "lr": TTR_SPEC["algorithm"]["lr"],
+            "temperature": TTR_SPEC["sampling"]["temperature"],
+            "max_tokens": max_tokens,
+            "eval_every": eval_every,
+            "evaluate": evaluate,
+        },
+    )
 
 
 # --- 1. time to reward, two regimes --------------------------------------------------------
 
-def _ttr_summary(curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float | None,
-                 **extra: Any) -> dict[str, Any]:
+
+def _ttr_summary(
+    curve: list[dict[str, float]], step_ends: list[dict[str, float]], target: float | None, **extra: Any
+) -> dict[str, Any]:
     """Time to target from a held-out curve and the end time of every step (both from launch)."""
     step_s = _median([b["t_s"] - a["t_s"] for a, b in zip(step_ends[1:], step_ends[2:], strict=False)])
     hit = _first_at(curve, target - 1e-9) if target is not None else None
     startup = step_ends[0]["t_s"] - (step_s or 0.0) if step_ends else None
     return {
-        "curve": curve, "step_s_median": step_s, "startup_s": startup,
+        "curve": curve,
+        "step_s_median": step_s,
+        "startup_s": startup,
         "time_to_target_s": hit["t_s"] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         # The same, less the start-up (engines, processes, imports): training time alone.
         "train_s_to_target": max(0.0, hit["t_s"] - startup) if hit and startup is not None else None,
-        "final_reward": curve[-1]["reward"] if curve else None, **extra,
+        "final_reward": curve[-1]["reward"] if curve else None,
+        **extra,
     }
 
 
@@ -188,11 +276,18 @@ class Regime:
         """The job spec a user writes for this task (bench.own_task.own_spec's shape): the
         task, the reward file, the sampling limits; everything else is the defaults."""
         s = own_task.own_spec(self.model, self.data, self.reward, job_mode, 1, seed, steps, eval_every)
-        s.update(name=f"suite-{self.name}-{extra.get('placement', job_mode)}-s{seed}-{time.time_ns()}", group_size=self.shape["group_size"],
-                 prompts_per_step=self.shape["prompts_per_step"], task=self.task,
-                 algorithm={"lr": self.shape["lr"]},
-                 sampling={"temperature": self.shape["temperature"], "max_tokens": self.shape["max_tokens"],
-                           **({"stop": self.stop} if self.stop else {})})
+        s.update(
+            name=f"suite-{self.name}-{extra.get('placement', job_mode)}-s{seed}-{time.time_ns()}",
+            group_size=self.shape["group_size"],
+            prompts_per_step=self.shape["prompts_per_step"],
+            task=self.task,
+            algorithm={"lr": self.shape["lr"]},
+            sampling={
+                "temperature": self.shape["temperature"],
+                "max_tokens": self.shape["max_tokens"],
+                **({"stop": self.stop} if self.stop else {}),
+            },
+        )
         return {**s, **extra}
 
 
@@ -200,9 +295,16 @@ def regime_short(wd: Path, warm_steps: int | None = None) -> Regime:
     """Regime (a): bench.own_task's task (two-digit add/sub JSONL, the user's reward file, stop
     "\\n"), its warm-started 4-layer model, its shape (8 prompts x 8 samples, 8 tokens)."""
     data, reward = own_task.write_task(wd)
-    return Regime("short", "two-digit add/sub from a user's JSONL file (bench.own_task), one-line answers",
-                  data, reward, own_task.prepare_own_model(wd, data, warm_steps), own_task.task_section(data),
-                  dict(own_task.SHAPE), list(own_task.STOP))
+    return Regime(
+        "short",
+        "two-digit add/sub from a user's JSONL file (bench.own_task), one-line answers",
+        data,
+        reward,
+        own_task.prepare_own_model(wd, data, warm_steps),
+        own_task.task_section(data),
+        dict(own_task.SHAPE),
+        list(own_task.STOP),
+    )
 
 
 def regime_long(wd: Path, warm_steps: int) -> Regime:
@@ -211,10 +313,16 @@ def regime_long(wd: Path, warm_steps: int) -> Regime:
     from bench import scratchpad
 
     data, reward = scratchpad.write_task(wd)
-    return Regime("long", "chains of 11-13 single-digit +/- written out one operation per line (bench.scratchpad)",
-                  data, reward, scratchpad.prepare_model(wd, data, warm_steps), scratchpad.task_section(data),
-                  {"group_size": 8, "prompts_per_step": 8, "lr": 1e-4, "max_tokens": scratchpad.MAX_TOKENS,
-                   "temperature": 1.0}, [])
+    return Regime(
+        "long",
+        "chains of 11-13 single-digit +/- written out one operation per line (bench.scratchpad)",
+        data,
+        reward,
+        scratchpad.prepare_model(wd, data, warm_steps),
+        scratchpad.task_section(data),
+        {"group_size": 8, "prompts_per_step": 8, "lr": 1e-4, "max_tokens": scratchpad.MAX_TOKENS, "temperature": 1.0},
+        [],
+    )
 
 
 def _ours_run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -228,27 +336,49 @@ def _ours_run(wd: Path, spec: dict[str, Any], env: dict[str, str] | None = None)
         lengths = [r["num_completion_tokens"] for r in ledger.samples(job_id, kind="train")]
     finally:
         ledger.close()
-    return {"job_id": job_id, "curve": curve, "step_ends": ends, "breakdown": breakdown,
-            "completion_tokens_median": _median([float(x) for x in lengths])}
+    return {
+        "job_id": job_id,
+        "curve": curve,
+        "step_ends": ends,
+        "breakdown": breakdown,
+        "completion_tokens_median": _median([float(x) for x in lengths]),
+    }
 
 
 def _summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in rs if "error" not in r]
     hits = [r["time_to_target_s"] for r in ok]
-    med = {k: _median([r[k] for r in ok if r.get(k) is not None])
-           for k in ("train_s_to_target", "steps_to_target", "startup_s", "step_s_median", "final_reward",
-                     "completion_tokens_median")}
+    med = {
+        k: _median([r[k] for r in ok if r.get(k) is not None])
+        for k in (
+            "train_s_to_target",
+            "steps_to_target",
+            "startup_s",
+            "step_s_median",
+            "final_reward",
+            "completion_tokens_median",
+        )
+    }
     return {
-        "reached": sum(h is not None for h in hits), "runs": len(ok), "errors": [r["error"] for r in rs if "error" in r],
+        "reached": sum(h is not None for h in hits),
+        "runs": len(ok),
+        "errors": [r["error"] for r in rs if "error" in r],
         # A run that never reached the target counts as the whole run (ours is then a lower bound).
-        "time_to_target_s": _median([h if h is not None else r["curve"][-1]["t_s"]
-                                     for h, r in zip(hits, ok, strict=True) if r["curve"]]),
+        "time_to_target_s": _median(
+            [h if h is not None else r["curve"][-1]["t_s"] for h, r in zip(hits, ok, strict=True) if r["curve"]]
+        ),
         **med,
     }
 
 
-def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, modes: tuple[str, ...],
-                   trl_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def time_to_reward(
+    wd: Path,
+    p: Preset,
+    trl_py: Path | None,
+    regime: Regime,
+    modes: tuple[str, ...],
+    trl_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Ours in `modes` (async: the default spec; sync; colocated: `placement: colocated`, sync)
     against TRL on one regime. The target is TRL's final held-out reward (its seed-mean curve's
     last point); times are from launch (start-up included) and, under train_s_to_target, without
@@ -259,13 +389,30 @@ def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, mod
     for seed in p.seeds:
         if trl_py is not None:
             console.print(f"[bold]time to reward ({regime.name})[/]: TRL GRPOTrainer, seed {seed}")
-            r = trl_task_run(trl_py, wd / f"trl-{regime.name}-{seed}-{time.time_ns()}", regime.model, regime.task,
-                             regime.reward, regime.shape, regime.stop, seed, steps, every, **(trl_extra or {}))
-            runs["trl"].append({"seed": seed, "curve": r["curve"], "eval_s_total": r["eval_s_total"],
-                                "step_ends": [{"step": x["step"], "t_s": x["t_s"]} for x in r["train_reward"]],
-                                "completion_tokens_median": r.get("completion_tokens_median"),
-                                "versions": {k: r[k] for k in ("trl_version", "transformers_version", "torch_version")},
-                                "generation": r["generation"]})
+            r = trl_task_run(
+                trl_py,
+                wd / f"trl-{regime.name}-{seed}-{time.time_ns()}",
+                regime.model,
+                regime.task,
+                regime.reward,
+                regime.shape,
+                regime.stop,
+                seed,
+                steps,
+                every,
+                **(trl_extra or {}),
+            )
+            runs["trl"].append(
+                {
+                    "seed": seed,
+                    "curve": r["curve"],
+                    "eval_s_total": r["eval_s_total"],
+                    "step_ends": [{"step": x["step"], "t_s": x["t_s"]} for x in r["train_reward"]],
+                    "completion_tokens_median": r.get("completion_tokens_median"),
+                    "versions": {k: r[k] for k in ("trl_version", "transformers_version", "torch_version")},
+                    "generation": r["generation"],
+                }
+            )
         for m in modes:
             if any("error" in x for x in runs[f"ours_{m}"]):
                 continue  # it failed on an earlier seed (a spec the job API refuses, say): once is enough
@@ -286,20 +433,38 @@ def time_to_reward(wd: Path, p: Preset, trl_py: Path | None, regime: Regime, mod
 
     names = list(modes)
     return {
-        "regime": regime.name, "about": regime.about, "target": target, "target_is": "TRL's final held-out reward",
-        "seeds": list(p.seeds), "steps": steps, "eval_every": every, "model": str(regime.model.name),
+        "regime": regime.name,
+        "about": regime.about,
+        "target": target,
+        "target_is": "TRL's final held-out reward",
+        "seeds": list(p.seeds),
+        "steps": steps,
+        "eval_every": every,
+        "model": str(regime.model.name),
         "protocol": f"one greedy completion (max_tokens {regime.shape['max_tokens']}) per held-out problem, the "
-                    "regime's reward file; after step 0 and every eval_every steps; a point's time is the end of the "
-                    "step that produced the policy, seconds since launch; TRL's evaluation time is taken off its clock",
-        "shape": regime.shape, "stop": regime.stop, "runs": runs, "summary": summary,
+        "regime's reward file; after step 0 and every eval_every steps; a point's time is the end of the "
+        "step that produced the policy, seconds since launch; TRL's evaluation time is taken off its clock",
+        "shape": regime.shape,
+        "stop": regime.stop,
+        "runs": runs,
+        "summary": summary,
         "speedup_vs_trl": {m: ratio("time_to_target_s", f"ours_{m}") for m in names},
         "speedup_vs_trl_training_only": {m: ratio("train_s_to_target", f"ours_{m}") for m in names},
         "step_speed_vs_trl": {m: ratio("step_s_median", f"ours_{m}") for m in names},
         # The per-step breakdown of ours (median over seeds of each run's steady-state medians).
-        "breakdown": {m: {k: _median([r["breakdown"][k] for r in runs[f"ours_{m}"]
-                                      if "error" not in r and r["breakdown"].get(k) is not None])
-                          for k in sorted({k for r in runs[f"ours_{m}"] if "error" not in r for k in r["breakdown"]})}
-                      for m in names},
+        "breakdown": {
+            m: {
+                k: _median(
+                    [
+                        r["breakdown"][k]
+                        for r in runs[f"ours_{m}"]
+                        if "error" not in r and r["breakdown"].get(k) is not None
+                    ]
+                )
+                for k in sorted({k for r in runs[f"ours_{m}"] if "error" not in r for k in r["breakdown"]})
+            }
+            for m in names
+        },
     }
 
 
@@ -308,8 +473,12 @@ def stale_dropped(wd: Path, steps: int) -> dict[str, Any]:
     generators and the default spec (the demo's model; name, model and steps, nothing else)."""
     model = prepare_model(wd, 0)
     console.print("[bold]stale drops[/]: 2 generators, default spec")
-    run = run_job(wd, {"name": f"suite-stale-{time.time_ns()}", "model_path": str(model), "steps": steps},
-                  generators=2, progress=False)
+    run = run_job(
+        wd,
+        {"name": f"suite-stale-{time.time_ns()}", "model_path": str(model), "steps": steps},
+        generators=2,
+        progress=False,
+    )
     if run.state != "finished":
         return {"error": f"job ended {run.state}: {run.error}", "fraction": None}
     ledger = Ledger(run.db_url)
@@ -321,11 +490,19 @@ def stale_dropped(wd: Path, steps: int) -> dict[str, Any]:
     finally:
         ledger.close()
     stale = sum(n for why, n in reasons.items() if why.startswith("staleness"))
-    return {"job_id": run.job_id, "generators": 2, "steps": steps, "generated": generated,
-            "stale_dropped": stale, "dropped_by_reason": reasons, "fraction": stale / generated if generated else None}
+    return {
+        "job_id": run.job_id,
+        "generators": 2,
+        "steps": steps,
+        "generated": generated,
+        "stale_dropped": stale,
+        "dropped_by_reason": reasons,
+        "fraction": stale / generated if generated else None,
+    }
 
 
 # --- 2. generator efficiency ---------------------------------------------------------------
+
 
 class _Scraper:
     """Polls a Prometheus endpoint in a thread; keeps the last values of the series it wants."""
@@ -374,29 +551,63 @@ def generator_efficiency(wd: Path, p: Preset) -> dict[str, Any]:
     max_tokens, prompts, n = 64, 16, 8
     gen_core, _ = split_cores()
     console.print("[bold]generator efficiency[/]: the engine alone")
-    run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
-                "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_alone.json")],
-               gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"})
+    run_pinned(
+        [
+            sys.executable,
+            "-m",
+            "bench.t_gen",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompts),
+            "--n",
+            str(n),
+            "--max-tokens",
+            str(max_tokens),
+            "--reps",
+            "5",
+            "--out",
+            str(wd / "gen_alone.json"),
+        ],
+        gen_core,
+        {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core) if gen_core is not None else "auto"},
+    )
     alone = json.loads((wd / "gen_alone.json").read_text())
     loaded = _engine_alone_beside_load(wd, model, prompts, n, max_tokens, gen_core)
     console.print("[bold]generator efficiency[/]: the generator inside a running job")
     port = _free_port()
-    spec = {"name": "suite-generator", "model_path": str(model), "steps": p.gen_steps, "eval_every": 0,
-            "group_size": n, "prompts_per_step": prompts, "generation_batch": prompts, "max_staleness": 1,
-            "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
-    names = ("asyncrl_generator_tokens_total", "asyncrl_generator_generate_seconds_sum",
-             "asyncrl_generator_generate_seconds_count")
+    spec = {
+        "name": "suite-generator",
+        "model_path": str(model),
+        "steps": p.gen_steps,
+        "eval_every": 0,
+        "group_size": n,
+        "prompts_per_step": prompts,
+        "generation_batch": prompts,
+        "max_staleness": 1,
+        "algorithm": {"lr": 1e-6},
+        "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
+    }
+    names = (
+        "asyncrl_generator_tokens_total",
+        "asyncrl_generator_generate_seconds_sum",
+        "asyncrl_generator_generate_seconds_count",
+    )
     with _Scraper(f"http://127.0.0.1:{port}/metrics", names) as scraper:
         ledger, job_id, _ = run_finished(wd, spec, {"GEN_METRICS_PORT": str(port)})
     rate, batches = batch_rates(ledger.samples(job_id, kind="train"))
     prom = scraper.values
     steps = ledger.train_steps(job_id)[2:]
-    engine_rate = (prom["asyncrl_generator_tokens_total"] / prom["asyncrl_generator_generate_seconds_sum"]
-                   if prom.get("asyncrl_generator_generate_seconds_sum") else None)
+    engine_rate = (
+        prom["asyncrl_generator_tokens_total"] / prom["asyncrl_generator_generate_seconds_sum"]
+        if prom.get("asyncrl_generator_generate_seconds_sum")
+        else None
+    )
     return {
         "shape": {"model": "llama 2x128 random init", "prompts": prompts, "group_size": n, "max_tokens": max_tokens},
         "standalone_tokens_per_s": alone["tokens_per_s"],
-        "in_system_tokens_per_s": rate, "batches_measured": batches,
+        "in_system_tokens_per_s": rate,
+        "batches_measured": batches,
         "efficiency": rate / alone["tokens_per_s"] if rate else None,
         "engine_only_tokens_per_s": engine_rate,
         # Control: the engine alone again, while a one-thread torch training loop (the trainer's
@@ -426,8 +637,9 @@ while True:
 """
 
 
-def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_tokens: int,
-                              gen_core: int | None) -> float | None:
+def _engine_alone_beside_load(
+    wd: Path, model: Path, prompts: int, n: int, max_tokens: int, gen_core: int | None
+) -> float | None:
     """Engine-alone tokens/s while a torch training loop keeps the other core busy (None on 1 core)."""
     cores = sorted(os.sched_getaffinity(0))
     if gen_core is None or len(cores) < 2:
@@ -436,9 +648,27 @@ def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_t
     console.print("[bold]generator efficiency[/]: the engine alone, a training loop on the other core")
     load = subprocess.Popen([sys.executable, "-c", _LOAD], preexec_fn=lambda: os.sched_setaffinity(0, {other}))
     try:
-        run_pinned([sys.executable, "-m", "bench.t_gen", "--model", str(model), "--prompts", str(prompts),
-                    "--n", str(n), "--max-tokens", str(max_tokens), "--reps", "5", "--out", str(wd / "gen_loaded.json")],
-                   gen_core, {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)})
+        run_pinned(
+            [
+                sys.executable,
+                "-m",
+                "bench.t_gen",
+                "--model",
+                str(model),
+                "--prompts",
+                str(prompts),
+                "--n",
+                str(n),
+                "--max-tokens",
+                str(max_tokens),
+                "--reps",
+                "5",
+                "--out",
+                str(wd / "gen_loaded.json"),
+            ],
+            gen_core,
+            {"VLLM_CPU_OMP_THREADS_BIND": str(gen_core)},
+        )
     finally:
         load.kill()
         load.wait()
@@ -447,19 +677,35 @@ def _engine_alone_beside_load(wd: Path, model: Path, prompts: int, n: int, max_t
 
 # --- 4. scaling ----------------------------------------------------------------------------
 
-def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: int,
-               prompts: int = 16) -> dict[str, Any]:
+
+def _step_cost(wd: Path, model_name: str, max_tokens: int, group: int, steps: int, prompts: int = 16) -> dict[str, Any]:
     model = _model(wd, model_name)
-    spec = {"name": f"suite-scale-{model_name}-{max_tokens}-{group}-{prompts}", "model_path": str(model),
-            "steps": steps, "eval_every": 0, "group_size": group, "prompts_per_step": prompts, "generation_batch": prompts,
-            "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
+    spec = {
+        "name": f"suite-scale-{model_name}-{max_tokens}-{group}-{prompts}",
+        "model_path": str(model),
+        "steps": steps,
+        "eval_every": 0,
+        "group_size": group,
+        "prompts_per_step": prompts,
+        "generation_batch": prompts,
+        "max_staleness": 1,
+        "algorithm": {"lr": 1e-6},
+        "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
+    }
     ledger, job_id, _ = run_finished(wd, spec)
     rows = ledger.train_steps(job_id)
     steady = rows[2:] if len(rows) > 3 else rows[1:]
     med = {k: _median([s["metrics"][f"time/{k}"] for s in steady]) for k in ("step_s", "wait_s", "train_s")}
-    return {"model": model_name, "max_tokens": max_tokens, "group_size": group, "steps": len(rows),
-            "step_s": med["step_s"], "wait_s": med["wait_s"], "train_s": med["train_s"],
-            "tokens_per_step": _median([s["metrics"]["tokens"] for s in steady])}
+    return {
+        "model": model_name,
+        "max_tokens": max_tokens,
+        "group_size": group,
+        "steps": len(rows),
+        "step_s": med["step_s"],
+        "wait_s": med["wait_s"],
+        "train_s": med["train_s"],
+        "tokens_per_step": _median([s["metrics"]["tokens"] for s in steady]),
+    }
 
 
 def scaling(wd: Path, p: Preset) -> dict[str, Any]:
@@ -494,10 +740,17 @@ def peer_scaling(wd: Path, p: Preset, trl_py: Path, ours: list[dict[str, Any]]) 
     for pt in ours:
         t = pt["max_tokens"]
         console.print(f"[bold]peer scaling[/]: TRL, {t} tokens")
-        trl_s = _trl_step_s(_trl(trl_py, wd, model, 0, steps=p.peer_steps, eval_every=p.peer_steps, max_tokens=t,
-                                 evaluate=False))
-        rows.append({"max_tokens": t, "ours_step_s": pt["step_s"], "trl_step_s": trl_s,
-                     "trl_over_ours": trl_s / pt["step_s"] if trl_s and pt["step_s"] else None})
+        trl_s = _trl_step_s(
+            _trl(trl_py, wd, model, 0, steps=p.peer_steps, eval_every=p.peer_steps, max_tokens=t, evaluate=False)
+        )
+        rows.append(
+            {
+                "max_tokens": t,
+                "ours_step_s": pt["step_s"],
+                "trl_step_s": trl_s,
+                "trl_over_ours": trl_s / pt["step_s"] if trl_s and pt["step_s"] else None,
+            }
+        )
     return {"gen_length": rows, "model": "llama 2x128 random init", "group_size": 8, "prompts_per_step": 16}
 
 
@@ -515,15 +768,37 @@ def regime_scaling(wd: Path, p: Preset, trl_py: Path) -> dict[str, Any]:
         for regime, t in (("short", 8), ("long", 224)):
             console.print(f"[bold]regime scaling[/]: model {m}, {t} tokens, ours and TRL")
             ours = _step_cost(wd, m, t, 8, p.scaling_steps, prompts=8)
-            trl_s = _trl_step_s(_trl(trl_py, wd, _model(wd, m), 0, steps=p.peer_steps, eval_every=p.peer_steps,
-                                     max_tokens=t, evaluate=False, prompts_per_step=8))
-            rows.append({"regime": regime, "model": m, "params": _params(*MODELS[m]), "max_tokens": t,
-                         "ours_step_s": ours["step_s"], "ours_wait_s": ours["wait_s"], "ours_train_s": ours["train_s"],
-                         "trl_step_s": trl_s, "trl_over_ours": trl_s / ours["step_s"] if trl_s and ours["step_s"] else None})
+            trl_s = _trl_step_s(
+                _trl(
+                    trl_py,
+                    wd,
+                    _model(wd, m),
+                    0,
+                    steps=p.peer_steps,
+                    eval_every=p.peer_steps,
+                    max_tokens=t,
+                    evaluate=False,
+                    prompts_per_step=8,
+                )
+            )
+            rows.append(
+                {
+                    "regime": regime,
+                    "model": m,
+                    "params": _params(*MODELS[m]),
+                    "max_tokens": t,
+                    "ours_step_s": ours["step_s"],
+                    "ours_wait_s": ours["wait_s"],
+                    "ours_train_s": ours["train_s"],
+                    "trl_step_s": trl_s,
+                    "trl_over_ours": trl_s / ours["step_s"] if trl_s and ours["step_s"] else None,
+                }
+            )
     return {"points": rows, "group_size": 8, "prompts_per_step": 8, "note": "random init, lr 1e-6, async k=1"}
 
 
 # --- launcher placement --------------------------------------------------------------------
+
 
 def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
     """Seconds per step of one job started the README's way (`python -m asyncrl.launch --spec`,
@@ -533,8 +808,16 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
     model = prepare_model(wd, 0)
 
     def spec(name: str) -> dict[str, Any]:
-        return {"name": name, "model_path": str(model), "mode": "async", "max_staleness": 1, "steps": steps,
-                "eval_every": 0, "algorithm": {"lr": 1e-4}, "sampling": {"temperature": 1.0, "max_tokens": 8}}
+        return {
+            "name": name,
+            "model_path": str(model),
+            "mode": "async",
+            "max_staleness": 1,
+            "steps": steps,
+            "eval_every": 0,
+            "algorithm": {"lr": 1e-4},
+            "sampling": {"temperature": 1.0, "max_tokens": 8},
+        }
 
     def step_s(ledger: Ledger, job_id: str) -> float | None:
         ends = [s["created_at"].timestamp() for s in ledger.train_steps(job_id)][10:]
@@ -546,10 +829,27 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
         db = f"sqlite:///{wd / f'{label}.db'}"
         path = wd / f"{label}.json"
         path.write_text(json.dumps(spec(label)))
-        env = {**os.environ, "DATABASE_URL": db, "STREAM_PREFIX": f"launch-{time.time_ns()}:",
-               "BROKER_PORT": str(_free_port())}
-        proc = subprocess.run([sys.executable, "-m", "asyncrl.launch", "--spec", str(path), "--logdir",
-                               str(wd / f"logs-{label}"), *extra], env=env, capture_output=True, text=True)
+        env = {
+            **os.environ,
+            "DATABASE_URL": db,
+            "STREAM_PREFIX": f"launch-{time.time_ns()}:",
+            "BROKER_PORT": str(_free_port()),
+        }
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.launch",
+                "--spec",
+                str(path),
+                "--logdir",
+                str(wd / f"logs-{label}"),
+                *extra,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{label} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         ledger = Ledger(db)
@@ -568,8 +868,15 @@ def launcher_vs_pinned(wd: Path, steps: int = 80) -> dict[str, Any]:
 
 # --- the suite -----------------------------------------------------------------------------
 
-def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_dir: str = "results",
-              trl_venv: str = "runs/bench/trl-venv", postgres_url: str | None = None) -> dict[str, Any]:
+
+def run_suite(
+    preset: str = "quick",
+    *,
+    workdir: str = "runs/bench-suite",
+    out_dir: str = "results",
+    trl_venv: str = "runs/bench/trl-venv",
+    postgres_url: str | None = None,
+) -> dict[str, Any]:
     """Run every section with `preset`; write suite.json, suite.md and PNGs to `out_dir`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}'; valid: {', '.join(PRESETS)}")
@@ -577,9 +884,13 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     t0 = time.monotonic()
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"preset": preset, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                              "pinning": "ours: generator (vLLM OpenMP) on the first core, trainer (1 torch thread) "
-                                         "on the last; TRL: one process, 2 torch threads on both cores"}
+    result: dict[str, Any] = {
+        "preset": preset,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "pinning": "ours: generator (vLLM OpenMP) on the first core, trainer (1 torch thread) "
+        "on the last; TRL: one process, 2 torch threads on both cores",
+    }
     trl_py: Path | None = None
     try:
         t_venv = time.monotonic()
@@ -606,18 +917,29 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
     keep("scaling", scaling(wd, p))
     keep("launcher", launcher_vs_pinned(wd, steps=p.launcher_steps))
     # The gen-length points of `scaling` double as ours in the peer comparison of step cost.
-    result["peer_scaling"] = (peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"]) if trl_py
-                              else {"gen_length": [], "error": result["trl_env"]["error"]})
-    result["regime_scaling"] = (regime_scaling(wd, p, trl_py) if trl_py and p.regime_models
-                                else {"points": [], "error": None if trl_py else result["trl_env"]["error"]})
-    result["gpu"] = {"status": "unrun", "script": "deploy/gpu_bench.py",
-                     "why": "no NVIDIA GPU on this machine (its --dry-run is checked by tests/bench/test_suite.py)"}
+    result["peer_scaling"] = (
+        peer_scaling(wd, p, trl_py, result["scaling"]["gen_length"])
+        if trl_py
+        else {"gen_length": [], "error": result["trl_env"]["error"]}
+    )
+    result["regime_scaling"] = (
+        regime_scaling(wd, p, trl_py)
+        if trl_py and p.regime_models
+        else {"points": [], "error": None if trl_py else result["trl_env"]["error"]}
+    )
+    result["gpu"] = {
+        "status": "unrun",
+        "script": "deploy/gpu_bench.py",
+        "why": "no NVIDIA GPU on this machine (its --dry-run is checked by tests/bench/test_suite.py)",
+    }
     ttr, ttr_long = result["time_to_reward"], result["time_to_reward_long"]
     # The keys read as written (issue: results/suite.json), at the top level.
-    result["time_to_reward_s"] = {"ours": ttr["summary"]["ours_async"]["time_to_target_s"],
-                                  "ours_sync": ttr["summary"].get("ours_sync", {}).get("time_to_target_s"),
-                                  "ours_colocated": ttr["summary"]["ours_colocated"]["time_to_target_s"],
-                                  "trl": ttr["summary"]["trl"]["time_to_target_s"]}
+    result["time_to_reward_s"] = {
+        "ours": ttr["summary"]["ours_async"]["time_to_target_s"],
+        "ours_sync": ttr["summary"].get("ours_sync", {}).get("time_to_target_s"),
+        "ours_colocated": ttr["summary"]["ours_colocated"]["time_to_target_s"],
+        "trl": ttr["summary"]["trl"]["time_to_target_s"],
+    }
     result["time_to_reward_vs_trl"] = ttr["speedup_vs_trl"]["async"]
     result["time_to_reward_vs_trl_long"] = ttr_long["speedup_vs_trl"]["async"]
     result["startup_s"] = ttr["summary"]["ours_async"]["startup_s"]
@@ -637,6 +959,7 @@ def run_suite(preset: str = "quick", *, workdir: str = "runs/bench-suite", out_d
 
 # --- report --------------------------------------------------------------------------------
 
+
 def _f(v: Any, digits: int = 3) -> str:
     if v is None:
         return "-"
@@ -653,17 +976,29 @@ def _regime_rows(ttr: dict[str, Any], label: str, goal: str) -> list[tuple[str, 
 
     who = " / ".join(names) + " / TRL"
     return [
-        (f"{label}: time to TRL's final held-out reward ({_f(ttr['target'], 2)}), s from launch, {who}",
-         each("time_to_target_s", 1), ""),
-        ("... speed-up vs TRL (TRL time / ours), " + " / ".join(names),
-         " / ".join(_f(ttr["speedup_vs_trl"][m], 2) for m in names), goal),
-        ("... start-up left out, " + " / ".join(names),
-         " / ".join(_f(ttr["speedup_vs_trl_training_only"][m], 2) for m in names), ""),
+        (
+            f"{label}: time to TRL's final held-out reward ({_f(ttr['target'], 2)}), s from launch, {who}",
+            each("time_to_target_s", 1),
+            "",
+        ),
+        (
+            "... speed-up vs TRL (TRL time / ours), " + " / ".join(names),
+            " / ".join(_f(ttr["speedup_vs_trl"][m], 2) for m in names),
+            goal,
+        ),
+        (
+            "... start-up left out, " + " / ".join(names),
+            " / ".join(_f(ttr["speedup_vs_trl_training_only"][m], 2) for m in names),
+            "",
+        ),
         (f"... start-up s, {who}", each("startup_s", 1), ""),
         (f"... s per step, {who}", each("step_s_median"), ""),
         (f"... median completion tokens, {who}", each("completion_tokens_median", 0), ""),
-        (f"... steps to target (reached / runs), {who}",
-         " / ".join(f"{_f(s[k]['steps_to_target'])} ({s[k]['reached']}/{s[k]['runs']})" for k in s), ""),
+        (
+            f"... steps to target (reached / runs), {who}",
+            " / ".join(f"{_f(s[k]['steps_to_target'])} ({s[k]['reached']}/{s[k]['runs']})" for k in s),
+            "",
+        ),
         (f"... final held-out reward, {who}", each("final_reward", 2), ""),
     ]
 
@@ -675,29 +1010,53 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = [
         *_regime_rows(ttr, "(a) short completions", "<= 0.67x TRL's time: >= 1.5"),
         *_regime_rows(r["time_to_reward_long"], "(b) long completions", "<= 0.33x TRL's time: >= 3"),
-        ("co-located sync vs TRL (TRL time / ours, regime a)",
-         _f(r["colocated_vs_trl"], 2) if r["colocated_error"] is None else f"failed: {r['colocated_error'][:160]}", ""),
-        ("stale-dropped / generated samples, 2 generators, default spec",
-         f"{_f(sd.get('fraction'), 4)} ({sd.get('stale_dropped')} of {sd.get('generated')})" if sd.get("fraction") is not None
-         else f"failed: {str(sd.get('error'))[:160]}", "~0"),
-        ("generator tokens/s: in the system / engine alone",
-         f"{_f(g['in_system_tokens_per_s'], 0)} / {_f(g['standalone_tokens_per_s'], 0)}", ""),
+        (
+            "co-located sync vs TRL (TRL time / ours, regime a)",
+            _f(r["colocated_vs_trl"], 2) if r["colocated_error"] is None else f"failed: {r['colocated_error'][:160]}",
+            "",
+        ),
+        (
+            "stale-dropped / generated samples, 2 generators, default spec",
+            f"{_f(sd.get('fraction'), 4)} ({sd.get('stale_dropped')} of {sd.get('generated')})"
+            if sd.get("fraction") is not None
+            else f"failed: {str(sd.get('error'))[:160]}",
+            "~0",
+        ),
+        (
+            "generator tokens/s: in the system / engine alone",
+            f"{_f(g['in_system_tokens_per_s'], 0)} / {_f(g['standalone_tokens_per_s'], 0)}",
+            "",
+        ),
         ("generator efficiency (in system / alone)", _f(g["efficiency"]), ">= 0.95"),
         ("... engine time only (Prometheus)", _f(g["engine_only_efficiency"]), ""),
-        ("... vs the engine alone beside a training loop on the other core",
-         f"{_f(g.get('efficiency_vs_loaded_alone'))} ({_f(g.get('standalone_beside_load_tokens_per_s'), 0)} tokens/s alone there)", ""),
-        (f"broker + ledger samples/s ({b['tokens_per_rollout']} tokens + logprobs, SQLite)",
-         _f(b["samples_per_s"], 0), ">= 20,000"),
+        (
+            "... vs the engine alone beside a training loop on the other core",
+            f"{_f(g.get('efficiency_vs_loaded_alone'))} "
+            f"({_f(g.get('standalone_beside_load_tokens_per_s'), 0)} tokens/s alone there)",
+            "",
+        ),
+        (
+            f"broker + ledger samples/s ({b['tokens_per_rollout']} tokens + logprobs, SQLite)",
+            _f(b["samples_per_s"], 0),
+            ">= 20,000",
+        ),
         ("broker + ledger ms per sample", _f(b["overhead_ms"], 4), "<= 0.5"),
-        ("s/step started the README's way / hand-pinned (without placement)",
-         f"{_f(r['launcher']['launcher_over_pinned'], 2)} ({_f(r['launcher']['launcher_no_placement_over_pinned'], 2)})",
-         "<= 1.10"),
+        (
+            "s/step started the README's way / hand-pinned (without placement)",
+            f"{_f(r['launcher']['launcher_over_pinned'], 2)} "
+            f"({_f(r['launcher']['launcher_no_placement_over_pinned'], 2)})",
+            "<= 1.10",
+        ),
     ]
     if b.get("ours_postgres"):
         rows.append(("... with the PostgreSQL ledger (samples/s)", _f(b["ours_postgres"]["samples_per_s"], 0), ""))
-    rows.append(("raw XADD + XREADGROUP + XACK, same bytes (samples/s)", _f(b["raw_streams"]["samples_per_s"], 0), "medium"))
+    rows.append(
+        ("raw XADD + XREADGROUP + XACK, same bytes (samples/s)", _f(b["raw_streams"]["samples_per_s"], 0), "medium")
+    )
     if b.get("redis_benchmark"):
-        rows.append(("redis-benchmark XADD, same size (samples/s)", _f(b["redis_benchmark"]["samples_per_s"], 0), "medium"))
+        rows.append(
+            ("redis-benchmark XADD, same size (samples/s)", _f(b["redis_benchmark"]["samples_per_s"], 0), "medium")
+        )
     return rows
 
 
@@ -711,35 +1070,66 @@ def write_report(r: dict[str, Any], out: Path) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    md = [f"# Performance suite ({r['preset']} preset, {r['date']})", "",
-          "| figure | value | target |", "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows], ""]
+    md = [
+        f"# Performance suite ({r['preset']} preset, {r['date']})",
+        "",
+        "| figure | value | target |",
+        "|---|---|---|",
+        *[f"| {a} | {b} | {c} |" for a, b, c in rows],
+        "",
+    ]
     sc = r["scaling"]
-    md += ["Seconds per step (median, steady state) against one knob at a time:", "",
-           "| knob | value | s/step | tokens/step | trainer waiting (s) | train (s) |", "|---|---|---|---|---|---|"]
+    md += [
+        "Seconds per step (median, steady state) against one knob at a time:",
+        "",
+        "| knob | value | s/step | tokens/step | trainer waiting (s) | train (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for knob, key in (("generation length", "max_tokens"), ("group size", "group_size"), ("model", "model")):
         axis = {"generation length": "gen_length", "group size": "group_size", "model": "model_size"}[knob]
         for pt in sc[axis]:
             label = f"{pt[key]} ({sc['params'][pt['model']]:,} params)" if key == "model" else pt[key]
-            md.append(f"| {knob} | {label} | {_f(pt['step_s'])} | {_f(pt['tokens_per_step'], 0)} | "
-                      f"{_f(pt['wait_s'])} | {_f(pt['train_s'])} |")
+            md.append(
+                f"| {knob} | {label} | {_f(pt['step_s'])} | {_f(pt['tokens_per_step'], 0)} | "
+                f"{_f(pt['wait_s'])} | {_f(pt['train_s'])} |"
+            )
     ps = r["peer_scaling"]
     if ps.get("gen_length"):
-        md += ["", "Cost of a step, ours (async) vs TRL, same random-init model, 16 x 8 samples:", "",
-               "| generation length | ours s/step | TRL s/step | TRL / ours |", "|---|---|---|---|"]
-        md += [f"| {x['max_tokens']} | {_f(x['ours_step_s'])} | {_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |"
-               for x in ps["gen_length"]]
+        md += [
+            "",
+            "Cost of a step, ours (async) vs TRL, same random-init model, 16 x 8 samples:",
+            "",
+            "| generation length | ours s/step | TRL s/step | TRL / ours |",
+            "|---|---|---|---|",
+        ]
+        md += [
+            f"| {x['max_tokens']} | {_f(x['ours_step_s'])} | {_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |"
+            for x in ps["gen_length"]
+        ]
     rs = r["regime_scaling"]
     if rs.get("points"):
-        md += ["", "Cost of a step at each regime's shape (8 prompts x 8 samples), ours (async) vs TRL, by model "
-               "(random init):", "", "| regime | max tokens | model (params) | ours s/step | TRL s/step | TRL / ours |",
-               "|---|---|---|---|---|---|"]
-        md += [f"| {x['regime']} | {x['max_tokens']} | {x['model']} ({x['params']:,}) | {_f(x['ours_step_s'])} | "
-               f"{_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |" for x in rs["points"]]
+        md += [
+            "",
+            "Cost of a step at each regime's shape (8 prompts x 8 samples), ours (async) vs TRL, by model "
+            "(random init):",
+            "",
+            "| regime | max tokens | model (params) | ours s/step | TRL s/step | TRL / ours |",
+            "|---|---|---|---|---|---|",
+        ]
+        md += [
+            f"| {x['regime']} | {x['max_tokens']} | {x['model']} ({x['params']:,}) | {_f(x['ours_step_s'])} | "
+            f"{_f(x['trl_step_s'])} | {_f(x['trl_over_ours'], 2)} |"
+            for x in rs["points"]
+        ]
     for key in ("time_to_reward", "time_to_reward_long"):
         t = r[key]
-        md += ["", f"Regime {t['regime']} ({t['about']}; model {t['model']}, {t['steps']} steps, "
-               f"{t['shape']['prompts_per_step']} x {t['shape']['group_size']} samples, max {t['shape']['max_tokens']} "
-               "tokens): ours' per-step breakdown, median s of the steady steps (trainer metrics `time/*`):", ""]
+        md += [
+            "",
+            f"Regime {t['regime']} ({t['about']}; model {t['model']}, {t['steps']} steps, "
+            f"{t['shape']['prompts_per_step']} x {t['shape']['group_size']} samples, max {t['shape']['max_tokens']} "
+            "tokens): ours' per-step breakdown, median s of the steady steps (trainer metrics `time/*`):",
+            "",
+        ]
         cols = sorted({k for b in t["breakdown"].values() for k in b})
         md += ["| mode | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         md += [f"| {m} | " + " | ".join(_f(b.get(c)) for c in cols) + " |" for m, b in t["breakdown"].items()]
@@ -749,11 +1139,15 @@ def write_report(r: dict[str, Any], out: Path) -> None:
                     md.append(f"\n{m}, seed {run['seed']}: failed: `{run['error'][-600:]}`")
     ttr = r["time_to_reward"]
     trl_env = r.get("trl_env", {})
-    md += ["", f"Held-out protocol: {ttr['protocol']}. Seeds {ttr['seeds']}, {ttr['steps']} steps per run.",
-           f"TRL: {_trl_versions(ttr)}; environment {'ready' if trl_env.get('python') else 'unavailable: ' + str(trl_env.get('error'))[:200]}.",
-           f"GPU variant: {r['gpu']['script']} ({r['gpu']['status']}: {r['gpu']['why']}); it measures co-located "
-           "vLLM sleep(level=1)/wake_up around training phases and both regimes, as one script with a timeout.",
-           f"Machine: {r['machine']}; {r['pinning']}. Suite wall time {r['wall_s']:.0f} s."]
+    md += [
+        "",
+        f"Held-out protocol: {ttr['protocol']}. Seeds {ttr['seeds']}, {ttr['steps']} steps per run.",
+        f"TRL: {_trl_versions(ttr)}; "
+        f"environment {'ready' if trl_env.get('python') else 'unavailable: ' + str(trl_env.get('error'))[:200]}.",
+        f"GPU variant: {r['gpu']['script']} ({r['gpu']['status']}: {r['gpu']['why']}); it measures co-located "
+        "vLLM sleep(level=1)/wake_up around training phases and both regimes, as one script with a timeout.",
+        f"Machine: {r['machine']}; {r['pinning']}. Suite wall time {r['wall_s']:.0f} s.",
+    ]
     (out / "suite.md").write_text("\n".join(md) + "\n")
     _plots(r, out)
 
@@ -763,7 +1157,10 @@ def _trl_versions(ttr: dict[str, Any]) -> str:
     if not runs:
         return "not run"
     v = runs[0]["versions"]
-    return f"trl {v['trl_version']}, transformers {v['transformers_version']}, torch {v['torch_version']}, {runs[0]['generation']}"
+    return (
+        f"trl {v['trl_version']}, transformers {v['transformers_version']}, torch {v['torch_version']}, "
+        f"{runs[0]['generation']}"
+    )
 
 
 def _plots(r: dict[str, Any], out: Path) -> None:
@@ -773,14 +1170,25 @@ def _plots(r: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    labels = {"ours_async": "ours, async k=1", "ours_sync": "ours, sync", "ours_colocated": "ours, co-located sync",
-              "trl": "TRL GRPOTrainer"}
+    labels = {
+        "ours_async": "ours, async k=1",
+        "ours_sync": "ours, sync",
+        "ours_colocated": "ours, co-located sync",
+        "trl": "TRL GRPOTrainer",
+    }
     for ax, key in zip(axes, ("time_to_reward", "time_to_reward_long"), strict=True):
         ttr = r[key]
         for i, (name, runs) in enumerate(ttr["runs"].items()):
             for j, run in enumerate(x for x in runs if "error" not in x):
-                ax.plot([c["t_s"] for c in run["curve"]], [c["reward"] for c in run["curve"]], "o-", color=f"C{i}",
-                        alpha=0.8, markersize=3, label=labels[name] if j == 0 else None)
+                ax.plot(
+                    [c["t_s"] for c in run["curve"]],
+                    [c["reward"] for c in run["curve"]],
+                    "o-",
+                    color=f"C{i}",
+                    alpha=0.8,
+                    markersize=3,
+                    label=labels[name] if j == 0 else None,
+                )
         if ttr["target"] is not None:
             ax.axhline(ttr["target"], color="grey", linestyle=":", label=f"TRL's final {ttr['target']:.2f}")
         ax.set_xlabel("seconds since launch (start-up included)")
@@ -794,9 +1202,15 @@ def _plots(r: dict[str, Any], out: Path) -> None:
 
     sc = r["scaling"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    for ax, (axis, key, xlabel) in zip(axes, (("gen_length", "max_tokens", "generation length (tokens)"),
-                                              ("group_size", "group_size", "group size"),
-                                              ("model_size", "model", "model parameters")), strict=True):
+    for ax, (axis, key, xlabel) in zip(
+        axes,
+        (
+            ("gen_length", "max_tokens", "generation length (tokens)"),
+            ("group_size", "group_size", "group size"),
+            ("model_size", "model", "model parameters"),
+        ),
+        strict=True,
+    ):
         pts = sc[axis]
         xs = [sc["params"][p["model"]] for p in pts] if key == "model" else [p[key] for p in pts]
         ax.plot(xs, [p["step_s"] or 0 for p in pts], "o-", label="ours (async)")
@@ -822,13 +1236,15 @@ def _plots(r: dict[str, Any], out: Path) -> None:
     bars.append(("raw\nXADD+READ", b["raw_streams"]["samples_per_s"]))
     if b.get("redis_benchmark"):
         bars.append(("redis-benchmark\nXADD", b["redis_benchmark"]["samples_per_s"]))
-    a1.bar([x for x, _ in bars], [y for _, y in bars],
-           color=["C0" if x.startswith("ours") else "C7" for x, _ in bars])
+    a1.bar([x for x, _ in bars], [y for _, y in bars], color=["C0" if x.startswith("ours") else "C7" for x, _ in bars])
     a1.axhline(20_000, color="grey", linestyle=":", label="target 20k/s")
     a1.set_ylabel(f"samples/s ({b['tokens_per_rollout']}-token rollouts)")
     a1.legend()
-    a2.bar(["engine alone", "in the system"], [g["standalone_tokens_per_s"], g["in_system_tokens_per_s"] or 0],
-           color=["C7", "C0"])
+    a2.bar(
+        ["engine alone", "in the system"],
+        [g["standalone_tokens_per_s"], g["in_system_tokens_per_s"] or 0],
+        color=["C7", "C0"],
+    )
     a2.set_ylabel("generator tokens/s")
     a2.set_title(f"efficiency {_f(g['efficiency'])}")
     fig.tight_layout()

@@ -1,6 +1,6 @@
 """T_gen: the engine alone generating one step's batch (no Redis, no ledger). Prints JSON.
 
-    python -m bench.t_gen --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5
+python -m bench.t_gen --model DIR --prompts 16 --n 8 --max-tokens 32 --reps 5
 """
 
 from __future__ import annotations
@@ -39,8 +39,15 @@ def main() -> None:
     engine.close()
     t = statistics.median(times)
     with open(a.out, "w") as f:
-        json.dump({"t_gen_s": t, "times_s": times, "tokens": statistics.median(tokens),
-                   "tokens_per_s": statistics.median(tokens) / t}, f)
+        json.dump(
+            {
+                "t_gen_s": t,
+                "times_s": times,
+                "tokens": statistics.median(tokens),
+                "tokens_per_s": statistics.median(tokens) / t,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

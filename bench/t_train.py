@@ -34,14 +34,29 @@ def fake_batch(prompts: int, n: int, max_tokens: int, vocab: int, seed: int = 0)
         group = Group(f"b/g{g}", n)
         for i in range(n):
             r = Rollout(
-                job_id="bench", msg_id=f"b/g{g}/{i}", group_id=f"b/g{g}", policy_version=0, policy_version_max=0,
-                prompt_index=g, sample_index=i, group_size=n, generator_id="bench",
+                job_id="bench",
+                msg_id=f"b/g{g}/{i}",
+                group_id=f"b/g{g}",
+                policy_version=0,
+                policy_version_max=0,
+                prompt_index=g,
+                sample_index=i,
+                group_size=n,
+                generator_id="bench",
                 prompt_ids=pack_i32([1, *rng.integers(4, vocab, 6)]),
                 completion_ids=pack_i32(rng.integers(4, vocab, max_tokens)),
-                logprobs=pack_f32(-rng.random(max_tokens) * 3), completion="", answer="0",
+                logprobs=pack_f32(-rng.random(max_tokens) * 3),
+                completion="",
+                answer="0",
             )
-            group.samples[r.msg_id] = Scored(job_id="bench", msg_id=r.msg_id, group_id=r.group_id,
-                                             policy_version=0, rollout=r, reward=float(rng.integers(0, 2)))
+            group.samples[r.msg_id] = Scored(
+                job_id="bench",
+                msg_id=r.msg_id,
+                group_id=r.group_id,
+                policy_version=0,
+                rollout=r,
+                reward=float(rng.integers(0, 2)),
+            )
         groups.append(group)
     return groups
 
@@ -57,8 +72,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    spec = JobSpec(model_path=a.model, group_size=a.n, prompts_per_step=a.prompts,
-                   sampling={"max_tokens": a.max_tokens}, algorithm={"lr": 1e-6})
+    spec = JobSpec(
+        model_path=a.model,
+        group_size=a.n,
+        prompts_per_step=a.prompts,
+        sampling={"max_tokens": a.max_tokens},
+        algorithm={"lr": 1e-6},
+    )
     learner = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(a.prompts, a.n, a.max_tokens, learner.model.config.vocab_size))
     server = TcpWeightServer(keep=2)

@@ -133,9 +133,7 @@ def _memcpy(buf: np.ndarray, reps: int) -> list[float]:
     return times[1:]
 
 
-def bench_transfer(
-    sizes_mb: tuple[int, ...] = (10, 100, 1000), out_dir: str = "results"
-) -> dict[str, Any]:
+def bench_transfer(sizes_mb: tuple[int, ...] = (10, 100, 1000), out_dir: str = "results") -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")  # the receiver must not inherit this process's UCX state
     parent, child = ctx.Pipe()

@@ -53,8 +53,10 @@ def make_celery(settings: AdminSettings) -> Celery:
     """A Celery app for the admin queue (the worker's and the API's, which only sends)."""
     broker_url = settings.celery_broker_url or resolve_redis_url(settings.redis_url)[0]
     if "+cluster://" in broker_url.lower():
-        raise ValueError("Celery cannot use a Redis Cluster as its broker: set ADMIN_CELERY_BROKER_URL to a single "
-                         "Redis server for the admin queue (the job streams stay on the cluster)")
+        raise ValueError(
+            "Celery cannot use a Redis Cluster as its broker: set ADMIN_CELERY_BROKER_URL to a single "
+            "Redis server for the admin queue (the job streams stay on the cluster)"
+        )
     # No result backend: a task's state and result live in the ledger (`admin_tasks`), the source
     # of truth the API reads, so there is nothing for Celery to store or expire.
     app = Celery("asyncrl-admin", broker=broker_url)
@@ -68,8 +70,10 @@ def make_celery(settings: AdminSettings) -> Celery:
         accept_content=["json"],
         # Redelivery of an unacked task waits this long: it must exceed the longest task, or a
         # running evaluation would be handed to a second worker.
-        broker_transport_options={"global_keyprefix": settings.key_prefix,
-                                  "visibility_timeout": settings.visibility_timeout_s or settings.eval_timeout_s + 600},
+        broker_transport_options={
+            "global_keyprefix": settings.key_prefix,
+            "visibility_timeout": settings.visibility_timeout_s or settings.eval_timeout_s + 600,
+        },
         broker_connection_retry_on_startup=True,
         # the worker rides out a Redis outage (a restart from the AOF) however long it lasts, as
         # the services do up to REDIS_OUTAGE_S; Celery logs each reconnect attempt
@@ -127,9 +131,19 @@ def evaluate(ledger: Ledger, settings: AdminSettings, job_id: str, step: int) ->
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(spec.model_dump_json())
-        cmd = [sys.executable, "-m", "generator_svc.evaluate", "--checkpoint", ck["path"],
-               "--spec", str(spec_file), "--out", str(out_file),
-               "--max-model-len", str(settings.eval_max_model_len)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "generator_svc.evaluate",
+            "--checkpoint",
+            ck["path"],
+            "--spec",
+            str(spec_file),
+            "--out",
+            str(out_file),
+            "--max-model-len",
+            str(settings.eval_max_model_len),
+        ]
         log.info("evaluating %s step %d: %s", job_id, step, ck["path"])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=settings.eval_timeout_s)
@@ -140,8 +154,14 @@ def evaluate(ledger: Ledger, settings: AdminSettings, job_id: str, step: int) ->
             raise RuntimeError(f"evaluation exited with code {proc.returncode}:\n{tail}")
         result = json.loads(out_file.read_text())
     result.update(checkpoint=ck["path"], policy_version=ck["policy_version"], step=step)
-    eval_row: EvalArgs = {"job_id": job_id, "step": step, "vmin": ck["policy_version"], "vmax": ck["policy_version"],
-                "reward_mean": result["reward_mean"], "n": result["n"]}
+    eval_row: EvalArgs = {
+        "job_id": job_id,
+        "step": step,
+        "vmin": ck["policy_version"],
+        "vmax": ck["policy_version"],
+        "reward_mean": result["reward_mean"],
+        "n": result["n"],
+    }
     return result, eval_row
 
 
@@ -160,8 +180,7 @@ def export_destination(settings: AdminSettings, job_id: str, step: int, name: st
         rel = PurePosixPath(name)
         if rel.is_absolute() or not rel.parts or ".." in rel.parts or "\\" in name:
             raise ValueError(
-                f"export name {name!r} must be a relative folder name without '..'; exports go under "
-                "ADMIN_EXPORT_DIR"
+                f"export name {name!r} must be a relative folder name without '..'; exports go under ADMIN_EXPORT_DIR"
             )
     return Path(settings.export_dir).resolve() / rel
 
@@ -192,7 +211,9 @@ def _matches(dest: Path, manifest: dict) -> bool:
         found = json.loads((dest / EXPORT_MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    same = {k: found.get(k) for k in ("job_id", "step", "files")} == {k: manifest[k] for k in ("job_id", "step", "files")}
+    same = {k: found.get(k) for k in ("job_id", "step", "files")} == {
+        k: manifest[k] for k in ("job_id", "step", "files")
+    }
     return same and all(_sha256(dest / f) == digest for f, digest in manifest["files"].items())
 
 
@@ -216,8 +237,13 @@ def export(ledger: Ledger, settings: AdminSettings, job_id: str, step: int, name
     files = sorted(p for p in src.rglob("*") if p.is_file() and p.relative_to(src).parts[0] not in NOT_EXPORTED)
     if not any(p.name == "config.json" for p in files):
         raise FileNotFoundError(f"checkpoint {src} has no config.json: not an HF-format model")
-    manifest: dict[str, Any] = {"job_id": job_id, "step": step, "policy_version": ck["policy_version"], "source": str(src),
-                "files": {str(p.relative_to(src)): _sha256(p) for p in files}}
+    manifest: dict[str, Any] = {
+        "job_id": job_id,
+        "step": step,
+        "policy_version": ck["policy_version"],
+        "source": str(src),
+        "files": {str(p.relative_to(src)): _sha256(p) for p in files},
+    }
     result = {"path": str(dest), "files": len(files), "bytes": sum(p.stat().st_size for p in files)}
     if dest.exists():
         if _matches(dest, manifest):
@@ -243,7 +269,8 @@ def export(ledger: Ledger, settings: AdminSettings, job_id: str, step: int, name
 # A task message's arguments, checked as the stream boundary checks messages (shared.schema):
 # strict types, a job id without control characters, a step a ledger `integer` column can hold.
 _TASK_ARGS: TypeAdapter[tuple[str, int]] = TypeAdapter(
-    tuple[Annotated[Name, Field(min_length=1, max_length=128)], Annotated[int, Field(ge=0, le=INT32_MAX)]])
+    tuple[Annotated[Name, Field(min_length=1, max_length=128)], Annotated[int, Field(ge=0, le=INT32_MAX)]]
+)
 
 
 def task_args(job_id: Any, step: Any) -> tuple[str, int]:
@@ -299,8 +326,9 @@ def evaluate_checkpoint(self: Any, job_id: str, step: int) -> dict:
 @app.task(name=EXPORT, bind=True)
 def export_checkpoint(self: Any, job_id: str, step: int, name: str | None = None) -> dict:
     ledger = _get_ledger()
-    return run_task(ledger, self.request.id,
-                    lambda: (export(ledger, SETTINGS, *task_args(job_id, step), _export_name(name)), None))
+    return run_task(
+        ledger, self.request.id, lambda: (export(ledger, SETTINGS, *task_args(job_id, step), _export_name(name)), None)
+    )
 
 
 _EXPORT_NAME: TypeAdapter[str | None] = TypeAdapter(Annotated[Name, Field(min_length=1, max_length=1024)] | None)
@@ -315,8 +343,19 @@ def _export_name(name: Any) -> str | None:
 
 def main() -> None:
     """`python -m broker.admin`: a worker on the admin queue, one task at a time."""
-    app.worker_main(["worker", "-Q", SETTINGS.queue, "--concurrency", "1",
-                     "--loglevel", SETTINGS.log_level, "--hostname", f"admin@{os.uname().nodename}-{os.getpid()}"])
+    app.worker_main(
+        [
+            "worker",
+            "-Q",
+            SETTINGS.queue,
+            "--concurrency",
+            "1",
+            "--loglevel",
+            SETTINGS.log_level,
+            "--hostname",
+            f"admin@{os.uname().nodename}-{os.getpid()}",
+        ]
+    )
 
 
 if __name__ == "__main__":

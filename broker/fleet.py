@@ -72,8 +72,16 @@ def fail_everywhere(ledger: Ledger, streams: JobStreams, job_id: str, reason: st
     ended), and a `cancel` on its control stream, so every service serving it leaves it now."""
     if ledger.move_job(job_id, LIVE_STATES, "failed", error=reason[:2000]):
         log.error("job %s failed: %s", job_id, escape_control(reason))
-    streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("cancel", uuid.uuid4().hex[:8]),
-                                     policy_version=0, command="cancel", reason=reason[:500]))
+    streams.publish(
+        CONTROL,
+        Control(
+            job_id=job_id,
+            msg_id=control_id("cancel", uuid.uuid4().hex[:8]),
+            policy_version=0,
+            command="cancel",
+            reason=reason[:500],
+        ),
+    )
 
 
 class Beacon:
@@ -82,9 +90,16 @@ class Beacon:
 
     def __init__(self, redis: Any, prefix: str, role: str, service_id: str):
         self.redis, self.key, self.field = redis, f"{prefix}{FLEET_KEY}", f"{role}:{service_id}"
-        self.entry: dict[str, Any] = {"role": role, "id": service_id, "host": socket.gethostname(),
-                                      "pid": os.getpid(), "job": None, "state": "starting",
-                                      "since": time.time(), "jobs_served": 0}
+        self.entry: dict[str, Any] = {
+            "role": role,
+            "id": service_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": None,
+            "state": "starting",
+            "since": time.time(),
+            "jobs_served": 0,
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleet-beacon", daemon=True)
         self._thread.start()
@@ -146,15 +161,32 @@ def queue_view(ledger: Ledger, members: list[dict[str, Any]]) -> dict[str, Any]:
             why = "no trainer is up: start the fleet (python -m asyncrl.launch) or a trainer (python -m trainer_svc)"
         elif pos > len(idle):
             ahead = [j["id"] for j in running][: len(trainers)] if pos == 1 else [q["id"] for q in queued[: pos - 1]]
-            why = (f"job {ahead[0]} to end" if pos == 1 and ahead else f"{pos - 1} job(s) ahead of it")
+            why = f"job {ahead[0]} to end" if pos == 1 and ahead else f"{pos - 1} job(s) ahead of it"
         else:
             why = "a trainer to take it (now)"
-        out.append({"id": job["id"], "name": job["name"], "position": pos, "priority": job["priority"],
-                    "submitted_at": job["created_at"], "waiting_for": why})
+        out.append(
+            {
+                "id": job["id"],
+                "name": job["name"],
+                "position": pos,
+                "priority": job["priority"],
+                "submitted_at": job["created_at"],
+                "waiting_for": why,
+            }
+        )
     return {
-        "running": [{"id": j["id"], "name": j["name"], "state": j["state"], "step": j["step"],
-                     "steps": int(j["spec"].get("steps", 0)) if isinstance(j["spec"], dict) else 0,
-                     "priority": j["priority"], "started_at": j["started_at"]} for j in running],
+        "running": [
+            {
+                "id": j["id"],
+                "name": j["name"],
+                "state": j["state"],
+                "step": j["step"],
+                "steps": int(j["spec"].get("steps", 0)) if isinstance(j["spec"], dict) else 0,
+                "priority": j["priority"],
+                "started_at": j["started_at"],
+            }
+            for j in running
+        ],
         "queued": out,
         "trainers": len(trainers),
     }
@@ -192,8 +224,12 @@ class Fleet:
             yield self.open(job)
             return
         accept_drain()  # SIGTERM between jobs: exit at once, 0
-        log.info("%s serving the fleet's queue (redis %s, ledger %s)", self.role, redact_url(self.url),
-                 redact_url(self.settings.database_url))
+        log.info(
+            "%s serving the fleet's queue (redis %s, ledger %s)",
+            self.role,
+            redact_url(self.url),
+            redact_url(self.settings.database_url),
+        )
         while (nxt := self._next()) is not None:
             ctx = self.open(nxt)
             self.beacon.set("serving", nxt["id"])
@@ -204,8 +240,12 @@ class Fleet:
                 self.beacon.entry["jobs_served"] += 1
                 set_context(job_id=None, policy_version=None)
 
-    def serve(self, serve_job: Callable[[JobContext], str], job_faults: tuple[type[BaseException], ...] = (),
-              on_job_fault: Callable[[], None] | None = None) -> None:
+    def serve(
+        self,
+        serve_job: Callable[[JobContext], str],
+        job_faults: tuple[type[BaseException], ...] = (),
+        on_job_fault: Callable[[], None] | None = None,
+    ) -> None:
         """Run `serve_job` on each job of `jobs()` until SIGTERM: it returns the job's final control
         state ("terminating": this process was asked to stop, the job goes on). An exception of
         `job_faults` is the job's own fault (the job fails, `on_job_fault` runs); any other is
@@ -249,8 +289,14 @@ class Fleet:
         spec = JobSpec.model_validate(job["spec"])
         set_context(job_id=job["id"])
         s = self.settings
-        streams = JobStreams(self.redis, job["id"], prefix=s.stream_prefix, max_message_bytes=s.max_message_bytes,
-                             claim_idle_ms=s.claim_idle_ms, max_deliveries=s.max_deliveries)
+        streams = JobStreams(
+            self.redis,
+            job["id"],
+            prefix=s.stream_prefix,
+            max_message_bytes=s.max_message_bytes,
+            claim_idle_ms=s.claim_idle_ms,
+            max_deliveries=s.max_deliveries,
+        )
         streams.adopt_legacy_keys()
         log.info("serving job %s (%s)", job["id"], escape_control(spec.name))
         return JobContext(job["id"], spec, self.ledger, streams)

@@ -34,8 +34,8 @@ def job_summary(ledger: Ledger, job_id: str) -> dict[str, Any]:
 
     Keys: `job_id`, `state`, `error`, `steps` (count), `per_step` (one dict per step: `step` and
     STEP_METRICS, None where missing or not finite), `reward_per_step`, `held_out` ([step,
-    reward] of the first evaluation set), `eval_sets` (per set: step, reward, wall_s and the round's metrics), `staleness_histogram`,
-    `sample_status`, `generators`, `swap_latency_s_median|max`, `samples_per_s`, `tokens_per_s`,
+    reward] of the first evaluation set), `eval_sets` (per set: step, reward, wall_s and the round's metrics),
+    `staleness_histogram`, `sample_status`, `generators`, `swap_latency_s_median|max`, `samples_per_s`, `tokens_per_s`,
     `mean_step_s` (steady state: without the first step, which waits for the engines) and
     `guard_trips` (one line each).
     """
@@ -55,9 +55,14 @@ def job_summary(ledger: Ledger, job_id: str) -> dict[str, Any]:
         "per_step": per_step,
         "reward_per_step": [None if p["reward/mean"] is None else round(p["reward/mean"], 3) for p in per_step],
         "held_out": [(e["step"], round(e["reward_mean"], 3)) for e in evals if e["name"] == first_set],
-        "eval_sets": {name: [{"step": e["step"], "reward": round(e["reward_mean"], 3), "wall_s": e["wall_s"],
-                              **(e["metrics"] or {})} for e in evals if e["name"] == name]
-                      for name in dict.fromkeys(e["name"] for e in evals)},
+        "eval_sets": {
+            name: [
+                {"step": e["step"], "reward": round(e["reward_mean"], 3), "wall_s": e["wall_s"], **(e["metrics"] or {})}
+                for e in evals
+                if e["name"] == name
+            ]
+            for name in dict.fromkeys(e["name"] for e in evals)
+        },
         "staleness_histogram": ledger.staleness_histogram(job_id),
         "sample_status": ledger.status_counts(job_id),
         "generators": len({r["generator_id"] for r in ledger.generator_loads(job_id)}),

@@ -85,8 +85,9 @@ class OutageRetry(Retry):
                 if now - started >= self.outage_s:
                     OUTAGE_SECONDS.inc(now - started)
                     if self.outage_s > 0:
-                        log.error("redis unreachable for %.1f s (budget %.0f s): giving up", now - started,
-                                  self.outage_s)
+                        log.error(
+                            "redis unreachable for %.1f s (budget %.0f s): giving up", now - started, self.outage_s
+                        )
                     raise
                 time.sleep(min(self._backoff.compute(failures), max(0.0, started + self.outage_s - now)))
                 continue

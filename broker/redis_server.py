@@ -100,9 +100,23 @@ class EmbeddedRedis:
         self.dir = workdir or tempfile.mkdtemp(prefix="asyncrl-redis-")
         os.makedirs(self.dir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir, "--logfile", os.path.join(self.dir, "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+                "--logfile",
+                os.path.join(self.dir, "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + start_timeout_s
@@ -174,8 +188,15 @@ class LocalCluster:
     down), which is the failover the tests and bench/redis_cluster.py exercise.
     """
 
-    def __init__(self, masters: int = 3, replicas: int = 1, *, node_timeout_ms: int = 2000,
-                 workdir: str | None = None, start_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas: int = 1,
+        *,
+        node_timeout_ms: int = 2000,
+        workdir: str | None = None,
+        start_timeout_s: float = 30.0,
+    ):
         binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
         if binary is None or cli is None:
             raise RuntimeError("a local cluster needs Debian's redis-server and redis-cli (redis-tools) on PATH")
@@ -189,20 +210,52 @@ class LocalCluster:
                 d = os.path.join(self.dir, str(port))
                 os.makedirs(d, exist_ok=True)
                 self.procs[port] = subprocess.Popen(
-                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
-                     "--cluster-replica-validity-factor", "0",
-                     "--save", "", "--appendonly", "no", "--dir", d, "--logfile", os.path.join(d, "redis.log")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    [
+                        binary,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        str(node_timeout_ms),
+                        "--cluster-replica-validity-factor",
+                        "0",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        d,
+                        "--logfile",
+                        os.path.join(d, "redis.log"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             deadline = time.monotonic() + start_timeout_s
             for port in self.ports:
                 while not reachable(f"redis://127.0.0.1:{port}", 0.2):
                     if self.procs[port].poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"cluster node {port} did not start; see {self.dir}/{port}/redis.log")
                     time.sleep(0.05)
-            subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                            "--cluster-replicas", str(replicas), "--cluster-yes"],
-                           check=True, capture_output=True, timeout=start_timeout_s)
+            subprocess.run(
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{p}" for p in self.ports),
+                    "--cluster-replicas",
+                    str(replicas),
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=start_timeout_s,
+            )
             while not self.ok():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"cluster on {self.ports} did not reach cluster_state:ok")

@@ -19,6 +19,7 @@ from shared.schema import Control, Rollout
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class JobContext:
     job_id: str
@@ -41,8 +42,9 @@ def spec_problem(job: JobRow) -> str | None:
 
 def fail_job(ledger: Ledger, job: JobRow, reason: str) -> None:
     """Mark the job failed with `reason`, and say so in the log."""
-    log.error("job %s (%s) cannot run, marked failed: %s", job["id"], escape_control(str(job["name"])),
-              escape_control(reason))
+    log.error(
+        "job %s (%s) cannot run, marked failed: %s", job["id"], escape_control(str(job["name"])), escape_control(reason)
+    )
     ledger.set_job_state(job["id"], "failed", error=reason)
 
 

@@ -66,9 +66,17 @@ class ServiceLoop:
     `phases`, when given, times each read (a blocking one included) as the role's "read" phase.
     """
 
-    def __init__(self, streams: JobStreams, consumer: Consumer, handler: Handler, *, block_ms: int,
-                 exit_on: tuple[str, ...] = ("drain",), on_dead_letter: Callable[[str, str], None] | None = None,
-                 phases: Phases | None = None):
+    def __init__(
+        self,
+        streams: JobStreams,
+        consumer: Consumer,
+        handler: Handler,
+        *,
+        block_ms: int,
+        exit_on: tuple[str, ...] = ("drain",),
+        on_dead_letter: Callable[[str, str], None] | None = None,
+        phases: Phases | None = None,
+    ):
         self.streams, self.consumer, self.handler, self.block_ms = streams, consumer, handler, block_ms
         self.phases = phases
         if on_dead_letter is not None:
@@ -115,8 +123,9 @@ class ServiceLoop:
             self._resuming = bool(pending)
             if pending:
                 return pending  # suspect: alone in its batch
-        deliveries = self.streams.consume(self.consumer, count=self.handler.batch_size(self.control),
-                                          block_ms=min(self.block_ms, CONTROL_POLL_MS))
+        deliveries = self.streams.consume(
+            self.consumer, count=self.handler.batch_size(self.control), block_ms=min(self.block_ms, CONTROL_POLL_MS)
+        )
         while deliveries and (n := self.handler.more(deliveries)) > 0:
             got = self.streams.consume(self.consumer, count=n, block_ms=None)
             if not got:

@@ -116,8 +116,9 @@ def _check_samples(q: JobAudit, res: VerifyResult) -> None:
     """Per-sample invariants: status, trainer version, staleness, generation version order."""
     _check(res, "status_known", q.unknown_status(), f"samples with a status outside {SAMPLE_STATUSES}")
     _check(res, "used_has_version", q.used_without_version(), "used samples without a trainer version")
-    _check(res, "staleness", q.wrong_staleness(),
-           "used samples whose staleness is not trainer_version - gen_version_min")
+    _check(
+        res, "staleness", q.wrong_staleness(), "used samples whose staleness is not trainer_version - gen_version_min"
+    )
     _check(res, "gen_version_order", q.reversed_gen_versions(), "samples with gen_version_min > gen_version_max")
 
 
@@ -125,11 +126,19 @@ def _check_groups(q: JobAudit, res: VerifyResult, spec: JobSpec | None) -> None:
     """Used at most once, groups whole (complete when the stored spec gives its group_size)."""
     _check(res, "msg_id_unique", q.duplicate_msg_ids(), "msg_ids with more than one row")
     _check(res, "trained_once", q.trained_twice(), "(group_id, sample_index) pairs trained more than once")
-    _check(res, "group_one_step", q.split_groups(),
-           "training groups used in more than one step or split between trained and dropped")
+    _check(
+        res,
+        "group_one_step",
+        q.split_groups(),
+        "training groups used in more than one step or split between trained and dropped",
+    )
     if spec is not None and "group_size" in spec.model_fields_set:
-        _check(res, "group_complete", q.groups_not_of_size(spec.group_size),
-               f"trained groups without exactly group_size={spec.group_size} trained samples")
+        _check(
+            res,
+            "group_complete",
+            q.groups_not_of_size(spec.group_size),
+            f"trained groups without exactly group_size={spec.group_size} trained samples",
+        )
 
 
 def _check_steps(q: JobAudit, res: VerifyResult, steps: list[TrainStepRow], running: bool) -> None:
@@ -152,8 +161,12 @@ def _check_steps(q: JobAudit, res: VerifyResult, steps: list[TrainStepRow], runn
         total = sum(int(x) for x in claimed if x is not None)
         if total != per_version.get(v, 0):
             bad_steps.append(f"step {rows[0]['step']}: {total} samples, {per_version.get(v, 0)} trained rows at v{v}")
-    _check(res, "step_samples", Offenders(len(bad_steps), tuple(bad_steps[:_EXAMPLES])),
-           "train steps whose sample count differs from the trained rows")
+    _check(
+        res,
+        "step_samples",
+        Offenders(len(bad_steps), tuple(bad_steps[:_EXAMPLES])),
+        "train steps whose sample count differs from the trained rows",
+    )
     if no_metric:
         res.add(Finding("step_samples", "info", no_metric, "train steps without a 'samples' metric (not checked)"))
     orphans = sorted(v for v in per_version if v not in by_trained)
@@ -162,11 +175,21 @@ def _check_steps(q: JobAudit, res: VerifyResult, steps: list[TrainStepRow], runn
         pending = [v for v in orphans if v >= newest]
         orphans = [v for v in orphans if v < newest]
         if pending:
-            res.add(Finding("trained_has_step", "info", len(pending),
-                            "trainer versions with trained rows whose step is still being recorded",
-                            tuple(f"v{v}" for v in pending)))
-    _check(res, "trained_has_step", Offenders(len(orphans), tuple(f"v{v}" for v in orphans[:_EXAMPLES])),
-           "trainer versions with trained rows but no train step")
+            res.add(
+                Finding(
+                    "trained_has_step",
+                    "info",
+                    len(pending),
+                    "trainer versions with trained rows whose step is still being recorded",
+                    tuple(f"v{v}" for v in pending),
+                )
+            )
+    _check(
+        res,
+        "trained_has_step",
+        Offenders(len(orphans), tuple(f"v{v}" for v in orphans[:_EXAMPLES])),
+        "trainer versions with trained rows but no train step",
+    )
 
 
 def _check_loads(q: JobAudit, res: VerifyResult) -> None:
@@ -182,12 +205,22 @@ def _check_loads(q: JobAudit, res: VerifyResult) -> None:
         if missing:
             unloaded += k
             unloaded_ex.append(f"{g} v{missing[0]}")
-    _check(res, "gen_version_loaded", Offenders(unloaded, tuple(unloaded_ex[:_EXAMPLES])),
-           "trained samples whose generation version their generator never recorded loading")
+    _check(
+        res,
+        "gen_version_loaded",
+        Offenders(unloaded, tuple(unloaded_ex[:_EXAMPLES])),
+        "trained samples whose generation version their generator never recorded loading",
+    )
     if unknown_gens:
-        res.add(Finding("gen_version_loaded", "info", len(unknown_gens),
-                        "generators with trained samples but no recorded loads (not checked)",
-                        tuple(sorted(unknown_gens)[:_EXAMPLES])))
+        res.add(
+            Finding(
+                "gen_version_loaded",
+                "info",
+                len(unknown_gens),
+                "generators with trained samples but no recorded loads (not checked)",
+                tuple(sorted(unknown_gens)[:_EXAMPLES]),
+            )
+        )
 
 
 def verify(ledger: Ledger, job_id: str) -> VerifyResult:
@@ -228,8 +261,15 @@ def verify(ledger: Ledger, job_id: str) -> VerifyResult:
             msg += f"; nominal bound per trainer run {bound}"
         res.add(Finding("in_flight", "info", res.in_flight, msg))
     if res.lost:
-        res.add(Finding("lost", "info", res.lost, "samples Redis lost before they were used (a failover to a replica "
-                        "that had not received them), recorded by the trainer; never trained"))
+        res.add(
+            Finding(
+                "lost",
+                "info",
+                res.lost,
+                "samples Redis lost before they were used (a failover to a replica "
+                "that had not received them), recorded by the trainer; never trained",
+            )
+        )
     return res
 
 
@@ -256,7 +296,9 @@ def render(res: VerifyResult, console: Console) -> None:
     head = RichTable(title=f"ledger of job {res.job_id} ({res.job_state})", show_header=True)
     for col in ("samples", *SAMPLE_STATUSES, "in flight", "train steps"):
         head.add_column(col, justify="right")
-    head.add_row(str(res.total), *(str(res.counts.get(s, 0)) for s in SAMPLE_STATUSES), str(res.in_flight), str(res.steps))
+    head.add_row(
+        str(res.total), *(str(res.counts.get(s, 0)) for s in SAMPLE_STATUSES), str(res.in_flight), str(res.steps)
+    )
     console.print(head)
     table = RichTable(show_header=True)
     table.add_column("check")
@@ -266,7 +308,9 @@ def render(res: VerifyResult, console: Console) -> None:
         found = [f for f in res.violations if f.check == name]
         notes = [f for f in res.info if f.check == name]
         if found:
-            details = "; ".join(f"{f.count} {f.message}" + (f" (e.g. {', '.join(f.examples)})" if f.examples else "") for f in found)
+            details = "; ".join(
+                f"{f.count} {f.message}" + (f" (e.g. {', '.join(f.examples)})" if f.examples else "") for f in found
+            )
             table.add_row(name, "[red]FAIL[/red]", details)
         else:
             table.add_row(name, "[green]ok[/green]", "; ".join(f"{f.count} {f.message}" for f in notes))
@@ -282,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 when every invariant holds, 1 on violations, 2 when there is no such job."""
     parser = argparse.ArgumentParser(prog="python -m broker.verify", description="Check a job's ledger invariants.")
     parser.add_argument(
-        "--url", default=os.environ.get("DATABASE_URL", "sqlite:///runs/ledger.db"),
+        "--url",
+        default=os.environ.get("DATABASE_URL", "sqlite:///runs/ledger.db"),
         help="SQLAlchemy URL of the ledger (default: $DATABASE_URL, else sqlite:///runs/ledger.db)",
     )
     parser.add_argument("--job", help="job id (default: the newest job)")

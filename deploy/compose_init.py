@@ -51,8 +51,21 @@ def build_model(models: Path, warm_steps: int | None) -> Path:
     if not (warm / "config.json").exists():
         print(f"init: supervised warm start -> {warm}", flush=True)
         steps = ["--steps", str(warm_steps)] if warm_steps else []
-        subprocess.run([sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(warm),
-                        "--seed", "0", *steps], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.warmstart",
+                "--model",
+                str(base),
+                "--out",
+                str(warm),
+                "--seed",
+                "0",
+                *steps,
+            ],
+            check=True,
+        )
     return warm
 
 
@@ -67,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     api, page = args.api.rstrip("/"), args.page.rstrip("/")
     if os.environ.get("MODEL_DIR"):
-        print(f"init: MODEL_DIR is set ({os.environ['MODEL_DIR']}): no demo; submit your jobs to "
-              f"{page}/jobs, status page {page}/status", flush=True)
+        print(
+            f"init: MODEL_DIR is set ({os.environ['MODEL_DIR']}): no demo; submit your jobs to "
+            f"{page}/jobs, status page {page}/status",
+            flush=True,
+        )
         return 0
     token = os.environ.get("ASYNCRL_TOKEN", "").split(",")[0].strip()
     headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -52,16 +52,37 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # bf16 engine against the trainer's fp32 probe logprobs, as in deploy/compose.gpu.yml.
-GPU_ENV = {"GEN_DTYPE": "bfloat16", "GEN_GPU_MEMORY_UTILIZATION": "0.35", "GEN_ENFORCE_EAGER": "false",
-           "GEN_VERIFY_ATOL": "0.1", "TRAINER_DEVICE": "cuda"}
+GPU_ENV = {
+    "GEN_DTYPE": "bfloat16",
+    "GEN_GPU_MEMORY_UTILIZATION": "0.35",
+    "GEN_ENFORCE_EAGER": "false",
+    "GEN_VERIFY_ATOL": "0.1",
+    "TRAINER_DEVICE": "cuda",
+}
 
 
 def build_model(out: Path, layers: int, hidden: int, heads: int, intermediate: int) -> int:
     """Random-init Llama + character tokenizer (asyncrl.tiny_model); returns its parameter count."""
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "asyncrl.tiny_model", "--out", str(out), "--layers", str(layers),
-                        "--hidden", str(hidden), "--heads", str(heads), "--intermediate", str(intermediate)],
-                       check=True, cwd=REPO)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "asyncrl.tiny_model",
+                "--out",
+                str(out),
+                "--layers",
+                str(layers),
+                "--hidden",
+                str(hidden),
+                "--heads",
+                str(heads),
+                "--intermediate",
+                str(intermediate),
+            ],
+            check=True,
+            cwd=REPO,
+        )
     cfg = json.loads((out / "config.json").read_text())
     h, i, n, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     return n * (4 * h * h + 3 * h * i + 2 * h) + 2 * v * h + h
@@ -86,7 +107,10 @@ if __name__ == "__main__":
         times.append(time.perf_counter() - t0)
         toks.append(sum(len(s.completion_ids) for g in out for s in g))
     e.close()
-    print(json.dumps({{"t_gen_s": statistics.median(times), "tokens_per_s": statistics.median(toks) / statistics.median(times)}}))
+    print(json.dumps({{
+        "t_gen_s": statistics.median(times),
+        "tokens_per_s": statistics.median(toks) / statistics.median(times),
+    }}))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     if proc.returncode != 0:
@@ -111,9 +135,15 @@ def system(wd: Path, model: Path, spec: dict[str, Any]) -> dict[str, Any]:
     step_s = statistics.median(s["metrics"]["time/step_s"] for s in steady)
     tokens = statistics.median(s["metrics"]["tokens"] for s in steady)
     rate, _ = batch_rates(ledger.samples(run.job_id, kind="train"))
-    return {"mode": spec["mode"], "placement": spec.get("placement", "split"),
-            "max_tokens": spec["sampling"]["max_tokens"], "step_s": step_s, "tokens_per_step": tokens,
-            "system_tokens_per_s": tokens / step_s, "generator_tokens_per_s": rate}
+    return {
+        "mode": spec["mode"],
+        "placement": spec.get("placement", "split"),
+        "max_tokens": spec["sampling"]["max_tokens"],
+        "step_s": step_s,
+        "tokens_per_step": tokens,
+        "system_tokens_per_s": tokens / step_s,
+        "generator_tokens_per_s": rate,
+    }
 
 
 SLEEP_WAKE = """
@@ -145,7 +175,9 @@ if __name__ == "__main__":
     rows = []
     for _ in range(rounds):
         r = {}
-        t = time.perf_counter(); out = e.generate(prompts, sp, [8] * len(prompts)); r["generate_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out = e.generate(prompts, sp, [8] * len(prompts))
+        r["generate_s"] = time.perf_counter() - t
         free0 = torch.cuda.mem_get_info()[0]
         t = time.perf_counter(); e.sleep(); torch.cuda.synchronize(); r["sleep_s"] = time.perf_counter() - t
         r["freed_gib"] = (torch.cuda.mem_get_info()[0] - free0) / 2**30
@@ -169,8 +201,13 @@ if __name__ == "__main__":
 
 def sleep_wake(model: Path, max_tokens: int, rounds: int) -> dict[str, Any]:
     """The SLEEP_WAKE rounds in a child process (a fresh CUDA context); its JSON."""
-    proc = subprocess.run([sys.executable, "-c", SLEEP_WAKE, str(model), str(max_tokens), str(rounds)],
-                          capture_output=True, text=True, cwd=REPO, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", SLEEP_WAKE, str(model), str(max_tokens), str(rounds)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"sleep/wake run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -188,10 +225,20 @@ def _specs(a: argparse.Namespace, lengths: list[int]) -> dict[str, dict[str, Any
 
 
 def system_spec(mode: str, max_tokens: int, steps: int, **extra: Any) -> dict[str, Any]:
-    return {"name": f"gpu-{extra.get('placement', mode)}-{max_tokens}", "model_path": "MODEL", "mode": mode,
-            "steps": steps, "eval_every": 0, "group_size": 8, "prompts_per_step": 16, "generation_batch": 16,
-            "max_staleness": 1, "algorithm": {"lr": 1e-6}, "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
-            **extra}
+    return {
+        "name": f"gpu-{extra.get('placement', mode)}-{max_tokens}",
+        "model_path": "MODEL",
+        "mode": mode,
+        "steps": steps,
+        "eval_every": 0,
+        "group_size": 8,
+        "prompts_per_step": 16,
+        "generation_batch": 16,
+        "max_staleness": 1,
+        "algorithm": {"lr": 1e-6},
+        "sampling": {"temperature": 1.0, "max_tokens": max_tokens},
+        **extra,
+    }
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -208,8 +255,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--regime-steps", type=int, default=20, help="trainer steps per regime run")
     ap.add_argument("--trl-python", default=None, help="python of a CUDA TRL environment (regimes beside TRL)")
     ap.add_argument("--phases", default="sleep_wake,generator,system,regimes,broker", help="which phases, in order")
-    ap.add_argument("--timeout", type=float, default=420.0,
-                    help="seconds for the whole run: a phase that would start later is skipped")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=420.0,
+        help="seconds for the whole run: a phase that would start later is skipped",
+    )
     ap.add_argument("--dry-run", action="store_true", help="check the arguments, plan and job specs; run nothing")
     a = ap.parse_args(argv)
     try:
@@ -245,8 +296,16 @@ def dry_run(a: argparse.Namespace) -> dict[str, Any]:
             checks[name] = None
         except ValidationError as exc:
             checks[name] = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-    return {"dry_run": True, "phases": a.phases.split(","), "lengths": a.lengths, "timeout_s": a.timeout,
-            "steps": a.steps, "regime_steps": a.regime_steps, "trl_python": a.trl_python, "spec_errors": checks}
+    return {
+        "dry_run": True,
+        "phases": a.phases.split(","),
+        "lengths": a.lengths,
+        "timeout_s": a.timeout,
+        "steps": a.steps,
+        "regime_steps": a.regime_steps,
+        "trl_python": a.trl_python,
+        "spec_errors": checks,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,9 +331,18 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
-        "machine": {**machine(), "gpu": torch.cuda.get_device_name(0)}, "date": time.strftime("%Y-%m-%d"),
-        "model": {"layers": a.layers, "hidden": a.hidden, "params": params, "engine_dtype": "bfloat16",
-                  "trainer_dtype": "float32"}, "timeout_s": a.timeout, "phases": {}}
+        "machine": {**machine(), "gpu": torch.cuda.get_device_name(0)},
+        "date": time.strftime("%Y-%m-%d"),
+        "model": {
+            "layers": a.layers,
+            "hidden": a.hidden,
+            "params": params,
+            "engine_dtype": "bfloat16",
+            "trainer_dtype": "float32",
+        },
+        "timeout_s": a.timeout,
+        "phases": {},
+    }
 
     def phase(name: str, fn: Callable[[], Any]) -> None:
         left = a.timeout - (time.monotonic() - t0)
@@ -326,20 +394,35 @@ def main(argv: list[str] | None = None) -> None:
         rwd = wd / "regimes"
         rwd.mkdir(exist_ok=True)
         with environment(**GPU_ENV):
-            return {r.name: time_to_reward(rwd, p, trl_py, r, ("async",), trl_extra={"use_cpu": False})
-                    for r in (regime_short(rwd), regime_long(rwd, p.long_warm_steps))}
+            return {
+                r.name: time_to_reward(rwd, p, trl_py, r, ("async",), trl_extra={"use_cpu": False})
+                for r in (regime_short(rwd), regime_long(rwd, p.long_warm_steps))
+            }
 
     phase("regimes", regimes)
     phase("broker", lambda: bench_broker(wd, samples=50_000))
     sw = result.get("sleep_wake") or {}
     sysr = result.get("system") or {}
     result["colocated_switch_s"] = sw.get("switch_s")
-    result["colocated_over_sync"] = next((sysr[k]["step_s"] / sysr[s]["step_s"] for k in sysr if k.startswith("colocated")
-                                          for s in sysr if s.startswith("sync")
-                                          if sysr[k].get("step_s") and sysr[s].get("step_s")), None)
+    result["colocated_over_sync"] = next(
+        (
+            sysr[k]["step_s"] / sysr[s]["step_s"]
+            for k in sysr
+            if k.startswith("colocated")
+            for s in sysr
+            if s.startswith("sync")
+            if sysr[k].get("step_s") and sysr[s].get("step_s")
+        ),
+        None,
+    )
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(json.dumps({k: result.get(k) for k in ("model", "colocated_switch_s", "colocated_over_sync", "phases")},
-                     indent=2, default=str))
+    print(
+        json.dumps(
+            {k: result.get(k) for k in ("model", "colocated_switch_s", "colocated_over_sync", "phases")},
+            indent=2,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

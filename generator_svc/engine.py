@@ -84,8 +84,10 @@ def _eager_token_ranks() -> None:
 def check_quantization(quantization: str | None, *, cpu: bool) -> None:
     """Refuse an online quantization the device cannot run: fp8 needs a CUDA GPU."""
     if quantization is not None and cpu:
-        raise ValueError(f"quantization {quantization!r} needs a CUDA GPU; this vLLM runs on the CPU: "
-                         "unset generator.quantization (generator.dtype bfloat16 is the CPU's lower precision)")
+        raise ValueError(
+            f"quantization {quantization!r} needs a CUDA GPU; this vLLM runs on the CPU: "
+            "unset generator.quantization (generator.dtype bfloat16 is the CPU's lower precision)"
+        )
 
 
 class Engine:
@@ -118,16 +120,20 @@ class Engine:
         # crashed the engine with "CPU Generator does not use offset" once a call's prompts passed
         # the step's token budget (4096). Unchunked prefill never splits one, and a step's budget
         # of at least the context fits any prompt whole.
-        cpu = ({"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
-               if current_platform.is_cpu() else {})
+        cpu = (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+            if current_platform.is_cpu()
+            else {}
+        )
         # The options that depend on the set-up. With dtype and quantization, which vLLM types as
         # Literals: our settings carry them as str (quantization checked above, dtype by vLLM).
         options: dict[str, Any] = {"dtype": dtype, "quantization": quantization, **cpu}
         if in_process:
             options["distributed_executor_backend"] = "uni"
         if lora_rank:
-            options.update(enable_lora=True, max_loras=1,
-                           max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank))
+            options.update(
+                enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
+            )
 
         self._llm = LLM(
             model=model_path,
@@ -147,7 +153,9 @@ class Engine:
         self._lora_ids = 0  # vLLM caches adapters by int id: every load takes a new one
         self._lora_root = Path(tempfile.mkdtemp(prefix="asyncrl-lora-")) if lora_rank else None
 
-    def generate(self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]) -> list[list[Sample]]:
+    def generate(
+        self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]
+    ) -> list[list[Sample]]:
         """One blocking generate call. A prompt is token ids (generated from exactly as given) or
         text (tokenized by vLLM). Returns, per prompt, its n samples."""
         from vllm import SamplingParams as VSamplingParams
@@ -169,8 +177,9 @@ class Engine:
         ]
         from vllm.inputs import TokensPrompt
 
-        inputs: list[str | TokensPrompt] = [TokensPrompt(prompt_token_ids=list(x)) if isinstance(x, list) else x
-                                            for x in prompts]
+        inputs: list[str | TokensPrompt] = [
+            TokensPrompt(prompt_token_ids=list(x)) if isinstance(x, list) else x for x in prompts
+        ]
         outs = self._llm.generate(inputs, vparams, use_tqdm=False, lora_request=self._lora)
         result = []
         for out in outs:
@@ -178,8 +187,11 @@ class Engine:
             for c in out.outputs:
                 ids = list(c.token_ids)
                 # (a step without its logprobs leaves the count short: refused below)
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids, strict=False)
-                       if step is not None]
+                lps = [
+                    float(step[tok].logprob)
+                    for step, tok in zip(c.logprobs or [], ids, strict=False)
+                    if step is not None
+                ]
                 if len(lps) != len(ids):
                     raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
                 if out.prompt_token_ids is None:
@@ -188,7 +200,9 @@ class Engine:
             result.append(group)
         return result
 
-    def load_version(self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter | None = None) -> dict:
+    def load_version(
+        self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter | None = None
+    ) -> dict:
         """Pull, verify and swap in one version; then drop KV computed with the old weights.
 
         `adapter`: the version is a LoRA adapter: the worker writes it as a PEFT folder, vLLM
@@ -209,8 +223,10 @@ class Engine:
         from vllm.lora.request import LoRARequest
 
         if self._lora_root is None:
-            raise TransferError(f"policy v{manifest.version} is a LoRA adapter, but this engine was built "
-                                "without lora_rank (the job's spec has no lora)")
+            raise TransferError(
+                f"policy v{manifest.version} is a LoRA adapter, but this engine was built "
+                "without lora_rank (the job's spec has no lora)"
+            )
         self._lora_ids += 1
         path = self._lora_root / f"v{manifest.version}-{self._lora_ids}"
         res = self._llm.collective_rpc(
@@ -243,7 +259,8 @@ class Engine:
         out = self._llm.generate(
             [TokensPrompt(prompt_token_ids=list(token_ids))],
             VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
-            use_tqdm=False, lora_request=self._lora,
+            use_tqdm=False,
+            lora_request=self._lora,
         )[0]
         # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
         steps = out.prompt_logprobs

@@ -152,8 +152,12 @@ def turn_seed(seed: int | None, group_id: str, episode: int, turn: int) -> int |
 
 def row_of(group: PromptGroup) -> dict:
     """What an environment's `start` gets: the dataset row as the feeder sent it."""
-    return {"prompt": group.prompt, "answer": group.answer, "metadata": dict(group.metadata),
-            "prompt_index": group.prompt_index}
+    return {
+        "prompt": group.prompt,
+        "answer": group.answer,
+        "metadata": dict(group.metadata),
+        "prompt_index": group.prompt_index,
+    }
 
 
 def as_sample(ep: Episode) -> Sample | None:
@@ -162,18 +166,28 @@ def as_sample(ep: Episode) -> Sample | None:
     if not ep.prompt_ids or not ep.ids:
         return None
     reason = " ".join((ep.stop_reason or "").split())[:MAX_STOP_REASON] or None  # one line
-    return Sample(list(ep.prompt_ids), list(ep.ids), [float(x) for x in ep.logprobs], ep.final_text,
-                  ep.finish_reason, model_mask=bytes(ep.mask), turns=max(1, ep.num_turns), stop_reason=reason,
-                  env_metrics=ep.metrics())
+    return Sample(
+        list(ep.prompt_ids),
+        list(ep.ids),
+        [float(x) for x in ep.logprobs],
+        ep.final_text,
+        ep.finish_reason,
+        model_mask=bytes(ep.mask),
+        turns=max(1, ep.num_turns),
+        stop_reason=reason,
+        env_metrics=ep.metrics(),
+    )
 
 
 def _opening_too_long(ep: Episode, limits: EpisodeLimits) -> str:
     """What to do when an episode's opening alone fills its token budget."""
     if ep.stop_reason != "max_tokens" or not ep.prompt_ids:
         return ""
-    return (f" (the opening is {len(ep.prompt_ids)} tokens, limits.max_total_tokens {limits.max_total_tokens}: raise "
-            "it, the engine's context (GEN_MAX_MODEL_LEN, which caps it) or shorten the opening; the tools "
-            "environment's system prompt describes every tool offered)")
+    return (
+        f" (the opening is {len(ep.prompt_ids)} tokens, limits.max_total_tokens {limits.max_total_tokens}: raise "
+        "it, the engine's context (GEN_MAX_MODEL_LEN, which caps it) or shorten the opening; the tools "
+        "environment's system prompt describes every tool offered)"
+    )
 
 
 @dataclass
@@ -185,9 +199,15 @@ class Played:
     turns: int  # model turns
 
 
-def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimits, codec: Codec,
-               groups: Sequence[PromptGroup], keepalive: Callable[[], object] | None = None,
-               keepalive_s: float = 20.0) -> Played:
+def run_groups(
+    engine: Engine,
+    factory: EnvironmentFactory,
+    limits: EpisodeLimits,
+    codec: Codec,
+    groups: Sequence[PromptGroup],
+    keepalive: Callable[[], object] | None = None,
+    keepalive_s: float = 20.0,
+) -> Played:
     """Every group's n episodes, concurrently. A group with an episode that never reached a model
     turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all.
 
@@ -200,8 +220,12 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
 
         async def generate(context: list[int], room: int):  # type: ignore[no-untyped-def]
             nonlocal turn
-            params = g.sampling.model_copy(update={"max_tokens": max(1, min(room, g.sampling.max_tokens)),
-                                                   "seed": turn_seed(g.sampling.seed, g.group_id, i, turn)})
+            params = g.sampling.model_copy(
+                update={
+                    "max_tokens": max(1, min(room, g.sampling.max_tokens)),
+                    "seed": turn_seed(g.sampling.seed, g.group_id, i, turn),
+                }
+            )
             turn += 1
             s = await batcher.generate(context, params)
             return s.completion_ids, s.logprobs, s.finish_reason
@@ -225,8 +249,9 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
         # A worker thread per episode for sync environments' calls (run_episode's asyncio.to_thread):
         # asyncio's default pool has min(32, cores + 4), so on 2 cores 64 episodes' tool calls of
         # 50 ms ran 6 at a time, 11 rounds of 50 ms per turn. Threads start only as calls need them.
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
-            max_workers=max(1, min(batcher.active, MAX_ENV_THREADS)), thread_name_prefix="env-step"))
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=max(1, min(batcher.active, MAX_ENV_THREADS)), thread_name_prefix="env-step")
+        )
         pool = ThreadPoolExecutor(1, thread_name_prefix="keepalive") if keepalive is not None else None
         holder = None if pool is None else asyncio.create_task(keep(pool))
         try:
@@ -247,7 +272,10 @@ def run_groups(engine: Engine, factory: EnvironmentFactory, limits: EpisodeLimit
         eps = [next(flat) for _ in range(g.n)]
         samples = [as_sample(e) for e in eps]
         failed = next((e for e, s in zip(eps, samples, strict=True) if s is None), None)
-        out.append([s for s in samples if s is not None] if failed is None
-                   else f"episode {eps.index(failed)} of group {g.group_id} never reached a model turn: "
-                        f"{failed.stop_reason}" + _opening_too_long(failed, limits))
+        out.append(
+            [s for s in samples if s is not None]
+            if failed is None
+            else f"episode {eps.index(failed)} of group {g.group_id} never reached a model turn: "
+            f"{failed.stop_reason}" + _opening_too_long(failed, limits)
+        )
     return Played(out, batcher.calls, batcher.turns)

@@ -74,11 +74,18 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
     finally:
         engine.close()
     with scorer:
-        results = scorer.score_sync([
-            RewardInput(prompt=r.text, completion=sample.text, answer=problem.answer,
-                        metadata=problem.metadata, finish_reason=sample.finish_reason)
-            for problem, r, (sample,) in zip(test, rendered, outs, strict=True)
-        ])
+        results = scorer.score_sync(
+            [
+                RewardInput(
+                    prompt=r.text,
+                    completion=sample.text,
+                    answer=problem.answer,
+                    metadata=problem.metadata,
+                    finish_reason=sample.finish_reason,
+                )
+                for problem, r, (sample,) in zip(test, rendered, outs, strict=True)
+            ]
+        )
     rewards, tokens, statuses = [], 0, Counter(res.status for res in results)
     examples: list[dict[str, Any]] = []
     for problem, (sample,), res in zip(test, outs, results, strict=True):
@@ -87,9 +94,17 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
         rewards.append(r)
         tokens += len(sample.completion_ids)
         if len(examples) < EXAMPLES:
-            examples.append({"prompt_index": problem.index, "prompt": problem.prompt, "answer": problem.answer,
-                             "completion": sample.text, "reward": r, "reward_status": res.status,
-                             "reward_reason": res.reason})
+            examples.append(
+                {
+                    "prompt_index": problem.index,
+                    "prompt": problem.prompt,
+                    "answer": problem.answer,
+                    "completion": sample.text,
+                    "reward": r,
+                    "reward_status": res.status,
+                    "reward_reason": res.reason,
+                }
+            )
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "n": len(rewards),

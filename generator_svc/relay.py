@@ -154,7 +154,10 @@ class WeightRelay:
     def serves(self, ann: PolicyAnnouncement) -> str | None:
         """This relay's address if it serves `ann`'s version (verified), else None."""
         with self._lock:
-            held = (ann.trainer_run, ann.transport) == (self._run, self._transport) and ann.manifest.version in self._versions
+            held = (ann.trainer_run, ann.transport) == (
+                self._run,
+                self._transport,
+            ) and ann.manifest.version in self._versions
         return self._servers[ann.transport].address if held and ann.transport in self._servers else None
 
     # -- fetching -------------------------------------------------------------------------------
@@ -186,8 +189,11 @@ class WeightRelay:
                 ancestors = [a for a in ancestors if a in members]
                 waited = time.monotonic() - t0
                 source = pick_source(
-                    ancestors, {a: self._state(members[a], ann) for a in ancestors}, failed,
-                    wait_idle=waited < self.cfg.idle_wait_s, wait_coming=waited < self.cfg.coming_wait_s,
+                    ancestors,
+                    {a: self._state(members[a], ann) for a in ancestors},
+                    failed,
+                    wait_idle=waited < self.cfg.idle_wait_s,
+                    wait_coming=waited < self.cfg.coming_wait_s,
                 )
                 if source is None:
                     time.sleep(self.cfg.poll_s)
@@ -217,8 +223,13 @@ class WeightRelay:
                     if source == TRAINER:
                         raise
                     failed[source] = f"{type(exc).__name__}: {exc}"
-                    log.warning("relay %s: v%d from %s failed (%s); routing around it", self.id, m.version,
-                                source, failed[source])
+                    log.warning(
+                        "relay %s: v%d from %s failed (%s); routing around it",
+                        self.id,
+                        m.version,
+                        source,
+                        failed[source],
+                    )
                 finally:
                     client.close()
         finally:
@@ -226,13 +237,20 @@ class WeightRelay:
                 self._fetching = self._streaming = None
         server.serve(m, buf)
         with self._lock:
-            self._versions = ([v for v in self._versions if v != m.version] + [m.version])[-self.cfg.keep:]
+            self._versions = ([v for v in self._versions if v != m.version] + [m.version])[-self.cfg.keep :]
             self._served_at = {v: t for v, t in self._served_at.items() if v in self._versions}
             self._served_at[m.version] = time.time()
         self.beat()
         got = Fetched(m.version, buf, source or "trainer", time.monotonic() - t0, failed)
-        log.info("relay %s: serving v%d (%.1f MB) from %s after %.2fs%s", self.id, m.version, m.total_bytes / 1e6,
-                 got.source, got.seconds, f"; routed around {sorted(failed)}" if failed else "")
+        log.info(
+            "relay %s: serving v%d (%.1f MB) from %s after %.2fs%s",
+            self.id,
+            m.version,
+            m.total_bytes / 1e6,
+            got.source,
+            got.seconds,
+            f"; routed around {sorted(failed)}" if failed else "",
+        )
         return got
 
     def close(self) -> None:
@@ -253,8 +271,9 @@ class RelayFollower:
     def __init__(self, relay: WeightRelay, streams: JobStreams):
         self.relay = relay
         # its own JobStreams over the same (thread-safe) client: reads keep per-instance state
-        self.streams = JobStreams(streams.r, streams.job_id, prefix=streams.prefix,
-                                  max_message_bytes=streams.max_message_bytes)
+        self.streams = JobStreams(
+            streams.r, streams.job_id, prefix=streams.prefix, max_message_bytes=streams.max_message_bytes
+        )
         self._cond = threading.Condition()
         self._failed: dict[tuple[str, int], str] = {}
         self._stop = threading.Event()
@@ -267,8 +286,11 @@ class RelayFollower:
         latest = self.streams.latest(POLICY, PolicyAnnouncement)
         last_id, newest = ("0", None) if latest is None else latest
         while not self._stop.is_set():
-            if newest is not None and self.relay.serves(newest) is None \
-                    and (newest.trainer_run, newest.manifest.version) not in self._failed:
+            if (
+                newest is not None
+                and self.relay.serves(newest) is None
+                and (newest.trainer_run, newest.manifest.version) not in self._failed
+            ):
                 with self._cond:
                     self._handling = newest
                 try:
@@ -285,7 +307,11 @@ class RelayFollower:
                 time.sleep(0.5)
                 continue
             for m in msgs:  # the newest by arrival: a restarted trainer's versions win (as PolicyFollower)
-                if newest is None or m.manifest.version > newest.manifest.version or m.trainer_run != newest.trainer_run:
+                if (
+                    newest is None
+                    or m.manifest.version > newest.manifest.version
+                    or m.trainer_run != newest.trainer_run
+                ):
                     newest = m
 
     def address_for(self, ann: PolicyAnnouncement, timeout_s: float) -> str | None:
@@ -320,17 +346,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default=RelayConfig.host)
     p.add_argument("--keep", type=int, default=RelayConfig.keep)
     p.add_argument("--ttl", type=float, default=RelayConfig.ttl_s, help="seconds without a heartbeat: a dead relay")
-    p.add_argument("--idle-wait", type=float, default=RelayConfig.idle_wait_s,
-                   help="seconds to wait for an ancestor that has not started on a version")
-    p.add_argument("--store-and-forward", action="store_true",
-                   help="pass a version on only once all of it verified (default: each chunk once it verified)")
-    p.add_argument("--uplink-mbps", type=float, default=0.0,
-                   help="emulated uplink of this relay's server in MB/s (0: none; benchmarks only)")
+    p.add_argument(
+        "--idle-wait",
+        type=float,
+        default=RelayConfig.idle_wait_s,
+        help="seconds to wait for an ancestor that has not started on a version",
+    )
+    p.add_argument(
+        "--store-and-forward",
+        action="store_true",
+        help="pass a version on only once all of it verified (default: each chunk once it verified)",
+    )
+    p.add_argument(
+        "--uplink-mbps",
+        type=float,
+        default=0.0,
+        help="emulated uplink of this relay's server in MB/s (0: none; benchmarks only)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s relay %(message)s")
-    cfg = RelayConfig(fanout=a.fanout, host=a.host, keep=a.keep, ttl_s=a.ttl, beat_s=min(1.0, a.ttl / 3),
-                      idle_wait_s=a.idle_wait, stream=not a.store_and_forward,
-                      uplink_bytes_per_s=a.uplink_mbps * 1e6 if a.uplink_mbps > 0 else None)
+    cfg = RelayConfig(
+        fanout=a.fanout,
+        host=a.host,
+        keep=a.keep,
+        ttl_s=a.ttl,
+        beat_s=min(1.0, a.ttl / 3),
+        idle_wait_s=a.idle_wait,
+        stream=not a.store_and_forward,
+        uplink_bytes_per_s=a.uplink_mbps * 1e6 if a.uplink_mbps > 0 else None,
+    )
     streams = JobStreams(connect(a.redis), a.job, prefix=a.prefix)
     follower = RelayFollower(WeightRelay(streams, a.id, cfg), streams)
     done = threading.Event()

@@ -89,9 +89,18 @@ class WeightVerificationError(RuntimeError):
 class PolicyFollower:
     """Tracks `{job}:policy` and keeps the engine on the newest announced version."""
 
-    def __init__(self, streams: JobStreams, engine: Engine, ledger: GeneratorLedger, generator_id: str,
-                 verify_atol: float = 1e-3, load_retries: int = 2, metrics: GeneratorMetrics | None = None,
-                 relay: RelayFollower | None = None, relay_wait_s: float = 180.0):
+    def __init__(
+        self,
+        streams: JobStreams,
+        engine: Engine,
+        ledger: GeneratorLedger,
+        generator_id: str,
+        verify_atol: float = 1e-3,
+        load_retries: int = 2,
+        metrics: GeneratorMetrics | None = None,
+        relay: RelayFollower | None = None,
+        relay_wait_s: float = 180.0,
+    ):
         self.streams, self.engine, self.ledger, self.generator_id = streams, engine, ledger, generator_id
         # relay fan-out (generator_svc/relay.py): the engine loads from this generator's own relay
         self.relay, self.relay_wait_s = relay, relay_wait_s
@@ -112,13 +121,17 @@ class PolicyFollower:
 
     def poll(self, block_ms: int | None = None) -> None:
         with self.metrics.phases.span("policy_poll"):
-            self.last_id, msgs = self.streams.read_broadcast(POLICY, self.last_id, PolicyAnnouncement,
-                                                             block_ms=block_ms)
+            self.last_id, msgs = self.streams.read_broadcast(
+                POLICY, self.last_id, PolicyAnnouncement, block_ms=block_ms
+            )
         for m in msgs:
             # A restarted trainer (new run id) may count versions from wherever its checkpoint left
             # them, even lower than ours: its announcements win by arrival order, not by number.
-            if (self.newest is None or m.manifest.version > self.newest.manifest.version
-                    or m.trainer_run != self.newest.trainer_run):
+            if (
+                self.newest is None
+                or m.manifest.version > self.newest.manifest.version
+                or m.trainer_run != self.newest.trainer_run
+            ):
                 self.newest = m
 
     def admission_version(self, groups: Sequence[PromptGroup]) -> int:
@@ -178,8 +191,10 @@ class PolicyFollower:
         """Heartbeat hash entry: which version this generator serves, since when, and that it lives."""
         if force or time.monotonic() - self._last_beat >= every_s:
             with self.metrics.phases.span("heartbeat"):
-                self.streams.heartbeat(self.generator_id, {"version": self.version, "loaded_at": self.loaded_at,
-                                                           "fingerprint": self.fingerprint})
+                self.streams.heartbeat(
+                    self.generator_id,
+                    {"version": self.version, "loaded_at": self.loaded_at, "fingerprint": self.fingerprint},
+                )
             self._last_beat = time.monotonic()
 
     def _load(self, ann: PolicyAnnouncement) -> None:
@@ -198,8 +213,13 @@ class PolicyFollower:
                 gap = self._probe_gap(ann)
             if gap <= self.verify_atol:
                 break
-            log.error("policy v%d: probe logprobs differ by %.3g (> %.3g) after the swap (attempt %d)",
-                      v, gap, self.verify_atol, attempt + 1)
+            log.error(
+                "policy v%d: probe logprobs differ by %.3g (> %.3g) after the swap (attempt %d)",
+                v,
+                gap,
+                self.verify_atol,
+                attempt + 1,
+            )
         else:
             raise WeightVerificationError(
                 f"policy v{v}: the weights in the engine do not reproduce the trainer's probe "
@@ -218,7 +238,13 @@ class PolicyFollower:
         self.metrics.loaded(v, res["total_s"])
         log.info(
             "loaded policy v%d (%.1f MB) fetch %.3fs load %.3fs total %.3fs; probe gap %.2g; engine fingerprint %s",
-            v, res["bytes"] / 1e6, res["fetch_s"], res["load_s"], res["total_s"], gap, fingerprint,
+            v,
+            res["bytes"] / 1e6,
+            res["fetch_s"],
+            res["load_s"],
+            res["total_s"],
+            gap,
+            fingerprint,
         )
 
     def _probe_gap(self, ann: PolicyAnnouncement) -> float:
@@ -264,8 +290,9 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
     ]
 
 
-def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: list, version: int, generator_id: str,
-                   streams: JobStreams) -> list[tuple[str, list[Rollout]]]:
+def entry_rollouts(
+    units: list[tuple[Delivery, list[PromptGroup]]], results: list, version: int, generator_id: str, streams: JobStreams
+) -> list[tuple[str, list[Rollout]]]:
     """Each entry's rollouts from the engine's samples (`results`, one list per group in `units`
     order, or a string: why the group's episodes cannot be used, generator_svc/episodes.py). A
     group whose output is not a valid rollout (a NaN or positive logprob: a broken engine) or whose
@@ -285,7 +312,9 @@ def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: lis
                     made += rollouts_for(g, result, version, generator_id)
                     continue
                 except ValidationError as exc:
-                    why = f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
+                    why = (
+                        f"group {g.group_id}: the engine's output is not a valid rollout: {exc.errors()[0].get('msg')}"
+                    )
                     code = "invalid_output"
             _dead_group(streams, d, why[:2000], code, message=g)
             if not isinstance(d.message, EvalRound):
@@ -298,8 +327,9 @@ def entry_rollouts(units: list[tuple[Delivery, list[PromptGroup]]], results: lis
     return out
 
 
-def _dead_group(streams: JobStreams, d: Delivery, why: str, code: str, raw: bytes = b"",
-                message: PromptGroup | None = None) -> None:
+def _dead_group(
+    streams: JobStreams, d: Delivery, why: str, code: str, raw: bytes = b"", message: PromptGroup | None = None
+) -> None:
     """Dead-letter one group of entry `d`: a training group's entry with it (acked), an evaluation
     problem alone (its round's entry stays for the others)."""
     group = None if isinstance(d.message, EvalRound) else GROUP_GENERATORS
@@ -329,7 +359,9 @@ def too_long_reason(prompt_tokens: int, max_model_len: int) -> str | None:
 
 
 def reject_too_long(
-    deliveries: list[Delivery], count_tokens: Callable[[Sequence[str]], list[int]], max_model_len: int,
+    deliveries: list[Delivery],
+    count_tokens: Callable[[Sequence[str]], list[int]],
+    max_model_len: int,
     streams: JobStreams,
 ) -> list[tuple[Delivery, list[PromptGroup]]]:
     """Each delivery with the prompt groups to generate for it (an evaluation round is one entry
@@ -395,15 +427,25 @@ def probe_atol(setting: float, dtype: str, quantization: str | None) -> float:
 
 # config.json keys that do not change what the engine computes (names, bookkeeping); the rest
 # (architecture, sizes, vocabulary, special token ids, rope) must match for the engine to be kept.
-_CONFIG_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
-                             "initializer_range", "name_or_path"})
+_CONFIG_IGNORED = frozenset(
+    {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "initializer_range", "name_or_path"}
+)
 # Files the engine's tokenizer, chat template and generation defaults come from.
-_TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "chat_template*",
-                    "added_tokens.json", "generation_config.json")
+_TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",
+    "chat_template*",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
-def engine_key(model_path: str, *, dtype: str, quantization: str | None, lora_rank: int | None,
-               sleep_mode: bool) -> str:
+def engine_key(
+    model_path: str, *, dtype: str, quantization: str | None, lora_rank: int | None, sleep_mode: bool
+) -> str:
     """What an engine built for a job must share with the next job's for the generator to keep it:
     the model's architecture (config.json, less the keys in _CONFIG_IGNORED), its tokenizer, chat
     template and generation defaults (those files' bytes), the engine's dtype, quantization and
@@ -446,11 +488,17 @@ class Engines:
         s, spec = self.settings, ctx.spec
         dtype = spec.generator.engine_dtype(s.dtype)
         lora_rank = None if spec.lora is None else spec.lora.rank
-        key = engine_key(spec.model_path, dtype=dtype, quantization=spec.generator.quantization,
-                         lora_rank=lora_rank, sleep_mode=turns)
+        key = engine_key(
+            spec.model_path,
+            dtype=dtype,
+            quantization=spec.generator.quantization,
+            lora_rank=lora_rank,
+            sleep_mode=turns,
+        )
         if self.engine is not None and key == self.key:
-            log.info("keeping the engine (%s): job %s's model is compatible; its weights come by the swap",
-                     key, ctx.job_id)
+            log.info(
+                "keeping the engine (%s): job %s's model is compatible; its weights come by the swap", key, ctx.job_id
+            )
             return self.engine
         self.close()
         t0 = time.perf_counter()
@@ -485,16 +533,21 @@ class JobUnusable(RuntimeError):
 def run(settings: GeneratorSettings) -> None:
     """Serve jobs (broker.fleet: JOB_ID's one job, else the fleet's queue) with one kept engine."""
     # vLLM's import needs no job: done first, it overlaps the API's start and the job's submission
-    log.info("engine: vllm imported in %.2fs", prepare_engine(kv_cache_gib=settings.kv_cache_gib,
-                                                               in_process=settings.engine_in_process))
+    log.info(
+        "engine: vllm imported in %.2fs",
+        prepare_engine(kv_cache_gib=settings.kv_cache_gib, in_process=settings.engine_in_process),
+    )
     registry = serve_metrics(settings.metrics_port, "generator")
     set_context(generator_id=settings.generator_id)
     fleet = Fleet(settings, "generator", settings.generator_id)
     engines = Engines(settings)
     try:
         # a model that failed its swap leaves an engine no one verified: the next job builds anew
-        fleet.serve(lambda ctx: serve_job(settings, ctx, engines, registry),
-                    job_faults=(JobUnusable, WeightVerificationError), on_job_fault=engines.close)
+        fleet.serve(
+            lambda ctx: serve_job(settings, ctx, engines, registry),
+            job_faults=(JobUnusable, WeightVerificationError),
+            on_job_fault=engines.close,
+        )
     finally:
         engines.close()
         fleet.close()
@@ -515,16 +568,31 @@ def serve_job(settings: GeneratorSettings, ctx: JobContext, engines: Engines, re
             raise JobUnusable(f"the engine cannot serve model {ctx.spec.model_path!r}: {exc}") from exc
         relay = start_relay(settings, ctx.streams)
         try:
-            policy = PolicyFollower(ctx.streams, engine, ctx.ledger, settings.generator_id,
-                                    probe_atol(settings.verify_atol, dtype, gen.quantization),
-                                    settings.load_retries, metrics, relay, settings.relay_wait_s)
+            policy = PolicyFollower(
+                ctx.streams,
+                engine,
+                ctx.ledger,
+                settings.generator_id,
+                probe_atol(settings.verify_atol, dtype, gen.quantization),
+                settings.load_retries,
+                metrics,
+                relay,
+                settings.relay_wait_s,
+            )
             try:
                 handler = Generation(settings, ctx, consumer, engine, policy, metrics, Turns(engine, turns))
             except Exception as exc:
                 raise JobUnusable(f"the job's tokenizer or environment cannot be loaded: {exc}") from exc
             # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
-            loop = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
-                               on_dead_letter=metrics.dead_letter, phases=metrics.phases)
+            loop = ServiceLoop(
+                ctx.streams,
+                consumer,
+                handler,
+                block_ms=settings.block_ms,
+                exit_on=("drain",),
+                on_dead_letter=metrics.dead_letter,
+                phases=metrics.phases,
+            )
             policy.ended = loop.ended
             log.info("generator %s ready", consumer.name)
             state = loop.run()
@@ -540,8 +608,9 @@ def start_relay(settings: GeneratorSettings, streams: JobStreams) -> RelayFollow
     the background from the moment it is announced; None with relays off."""
     if settings.relay_fanout == 0:
         return None
-    cfg = RelayConfig(fanout=settings.relay_fanout, host=settings.relay_host,
-                      advertise_host=settings.relay_advertise_host)
+    cfg = RelayConfig(
+        fanout=settings.relay_fanout, host=settings.relay_host, advertise_host=settings.relay_advertise_host
+    )
     return RelayFollower(WeightRelay(streams, settings.generator_id, cfg), streams)
 
 
@@ -549,8 +618,16 @@ class Generation:
     """The generator's handler (broker.service.Handler): one generate call per batch of prompt
     entries, at one policy version no older than any of its groups was fed at."""
 
-    def __init__(self, settings: GeneratorSettings, ctx: JobContext, consumer: Consumer, engine: Engine,
-                 policy: PolicyFollower, metrics: GeneratorMetrics, turns: Turns | None = None):
+    def __init__(
+        self,
+        settings: GeneratorSettings,
+        ctx: JobContext,
+        consumer: Consumer,
+        engine: Engine,
+        policy: PolicyFollower,
+        metrics: GeneratorMetrics,
+        turns: Turns | None = None,
+    ):
         self.settings, self.streams, self.consumer = settings, ctx.streams, consumer
         self.ledger: GeneratorLedger = ctx.ledger
         self.engine, self.policy, self.metrics = engine, policy, metrics
@@ -561,8 +638,11 @@ class Generation:
         self.count = self.default_batch
         # multi-turn episodes (generator_svc/episodes.py), when the job runs an environment
         self.environment = ctx.spec.environment
-        self.codec = (None if self.environment is None
-                      else episode_codec(ctx.spec.model_path, ctx.spec.chat_template, ctx.spec.chat_template_kwargs))
+        self.codec = (
+            None
+            if self.environment is None
+            else episode_codec(ctx.spec.model_path, ctx.spec.chat_template, ctx.spec.chat_template_kwargs)
+        )
         # imported once, at start-up: an environment that fails to import fails the service naming why
         self.make_env = None if self.environment is None else load_environment(self.environment)
 
@@ -605,8 +685,11 @@ class Generation:
             published = self.streams.publish_if_owned(self.consumer, ROLLOUTS, per_entry)
         rollouts = [r for (_, rs), ok in zip(per_entry, published, strict=True) if ok for r in rs]
         if not all(published):  # reclaimed by another replica meanwhile: its copy is the one
-            log.warning("%d of %d entries were taken over by another generator; not published",
-                        published.count(False), len(units))
+            log.warning(
+                "%d of %d entries were taken over by another generator; not published",
+                published.count(False),
+                len(units),
+            )
         self._record(rollouts, len(groups), dt)
 
     def _generate(self, groups: list[PromptGroup], entry_ids: list[str]) -> list:
@@ -615,15 +698,25 @@ class Generation:
         play, the batch's prompt entries (`entry_ids`) are kept claimed: touched three times per
         claim_idle_ms, so no other generator takes over a batch that outlasts it (episodes.py)."""
         if self.environment is None:
-            return self.engine.generate([g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
-                                        [g.sampling for g in groups], [g.n for g in groups])
+            return self.engine.generate(
+                [g.prompt_array().tolist() if g.prompt_ids else g.prompt for g in groups],
+                [g.sampling for g in groups],
+                [g.n for g in groups],
+            )
         assert self.codec is not None and self.make_env is not None
         # an episode's context can never exceed the engine's (vLLM refuses the whole call otherwise)
-        limits = self.environment.limits.model_copy(update={"max_total_tokens": min(
-            self.environment.limits.max_total_tokens, self.settings.max_model_len)})
-        played = run_groups(self.engine, self.make_env, limits, self.codec, groups,
-                            keepalive=lambda: self.streams.touch(self.consumer, entry_ids),
-                            keepalive_s=self.streams.claim_idle_ms / 3000)
+        limits = self.environment.limits.model_copy(
+            update={"max_total_tokens": min(self.environment.limits.max_total_tokens, self.settings.max_model_len)}
+        )
+        played = run_groups(
+            self.engine,
+            self.make_env,
+            limits,
+            self.codec,
+            groups,
+            keepalive=lambda: self.streams.touch(self.consumer, entry_ids),
+            keepalive_s=self.streams.claim_idle_ms / 3000,
+        )
         self.metrics.episodes(played.turns, played.calls)
         return played.samples
 
@@ -637,5 +730,12 @@ class Generation:
             log.error("ledger refused sample %s: %s", rollouts[i].msg_id, why)
         ntok = sum(r.num_completion_tokens for r in rollouts)
         self.metrics.generated(len(rollouts), ntok, dt)
-        log.info("v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
-                 self.policy.version, groups, len(rollouts), ntok, dt, ntok / max(dt, 1e-9))
+        log.info(
+            "v%d: %d groups, %d samples, %d tokens in %.2fs (%.0f tok/s)",
+            self.policy.version,
+            groups,
+            len(rollouts),
+            ntok,
+            dt,
+            ntok / max(dt, 1e-9),
+        )

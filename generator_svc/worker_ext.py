@@ -148,12 +148,31 @@ class WeightSyncExtension:
         t1 = time.perf_counter()
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.contiguous() for name, t in tensors_from_buffer(buf, m)}, str(out / "adapter_model.safetensors"))
-        (out / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "r": a.rank, "lora_alpha": a.alpha, "target_modules": list(a.target_modules),
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None}))
-        return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "bytes": m.total_bytes}
+        save_file(
+            {name: t.contiguous() for name, t in tensors_from_buffer(buf, m)}, str(out / "adapter_model.safetensors")
+        )
+        (out / "adapter_config.json").write_text(
+            json.dumps(
+                {
+                    "peft_type": "LORA",
+                    "r": a.rank,
+                    "lora_alpha": a.alpha,
+                    "target_modules": list(a.target_modules),
+                    "bias": "none",
+                    "fan_in_fan_out": False,
+                    "use_rslora": False,
+                    "use_dora": False,
+                    "modules_to_save": None,
+                }
+            )
+        )
+        return {
+            "ok": True,
+            "version": m.version,
+            "fetch_s": t1 - t0,
+            "load_s": time.perf_counter() - t1,
+            "bytes": m.total_bytes,
+        }
 
     def asyncrl_adapter_fingerprint(self, path: str) -> str:
         """xxh3 of the loaded adapter's file (the tensors vLLM read)."""

@@ -52,20 +52,31 @@ from shared.settings import RewardSettings
 log = logging.getLogger(__name__)
 
 
-async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -> list[tuple[RewardScorer, RewardResult]]:
+async def score(
+    scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]
+) -> list[tuple[RewardScorer, RewardResult]]:
     """Each rollout's result and the scorer (and so the failure policy) that gave it; the rollouts
     of different rewards are scored concurrently."""
     keys = [r.eval_set if r.eval_set in scorers else "" for r in rollouts]
     groups = {k: [i for i, key in enumerate(keys) if key == k] for k in dict.fromkeys(keys)}
-    done = await asyncio.gather(*(
-        scorers[k].score([
-            RewardInput(prompt=rollouts[i].prompt, completion=rollouts[i].completion, answer=rollouts[i].answer,
-                        metadata=rollouts[i].metadata, finish_reason=rollouts[i].finish_reason,
-                        episode=rollouts[i].env_metrics)
-            for i in idx
-        ])
-        for k, idx in groups.items()
-    ))
+    done = await asyncio.gather(
+        *(
+            scorers[k].score(
+                [
+                    RewardInput(
+                        prompt=rollouts[i].prompt,
+                        completion=rollouts[i].completion,
+                        answer=rollouts[i].answer,
+                        metadata=rollouts[i].metadata,
+                        finish_reason=rollouts[i].finish_reason,
+                        episode=rollouts[i].env_metrics,
+                    )
+                    for i in idx
+                ]
+            )
+            for k, idx in groups.items()
+        )
+    )
     out: dict[int, tuple[RewardScorer, RewardResult]] = {}
     for (k, idx), results in zip(groups.items(), done, strict=True):
         out.update({i: (scorers[k], res) for i, res in zip(idx, results, strict=True)})
@@ -75,39 +86,66 @@ async def score(scorers: dict[str, RewardScorer], rollouts: Sequence[Rollout]) -
 DUPLICATE = "duplicate_msg_id"  # trainer_svc.feeder ignores dead letters with this code
 
 
-def record_generated(streams: JobStreams, ledger: RewardLedger, deliveries: list[Delivery[Rollout]]) -> list[Delivery[Rollout]]:
+def record_generated(
+    streams: JobStreams, ledger: RewardLedger, deliveries: list[Delivery[Rollout]]
+) -> list[Delivery[Rollout]]:
     """Write the batch's ledger rows (status `generated`, msg_id keyed: a no-op for rows the
     generator wrote). A rollout whose row the database refuses is dead-lettered with the database's
     reason; returns the others."""
     _, refused = write_isolating(ledger.record_generated, [sample_row(d.message) for d in deliveries])
     for i, why in refused.items():
         d = deliveries[i]
-        streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"the ledger refused the sample: {why}",
-                            code="ledger_rejected", message=d.message)
+        streams.dead_letter(
+            ROLLOUTS,
+            GROUP_REWARDERS,
+            d.entry_id,
+            f"the ledger refused the sample: {why}",
+            code="ledger_rejected",
+            message=d.message,
+        )
     return [d for i, d in enumerate(deliveries) if i not in refused]
 
 
-def record_scored(streams: JobStreams, ledger: RewardLedger, batch: list[tuple[Delivery[Rollout], Scored]]) -> list[tuple[Delivery[Rollout], Scored]]:
+def record_scored(
+    streams: JobStreams, ledger: RewardLedger, batch: list[tuple[Delivery[Rollout], Scored]]
+) -> list[tuple[Delivery[Rollout], Scored]]:
     """Record the rewards; returns the (entry, message) pairs to publish. Dead-lettered instead: a
     sample the database refuses (its reason), and a second entry of a msg_id already scored."""
     # "entry": the source of the reward, so a retry of this entry (its publish lost to a crash)
     # counts as this entry's scoring, and another entry with the msg_id does not.
-    rows = [(s.msg_id, s.reward, s.reward_status,
-             {"components": dict(s.details), "reason": s.reward_reason, "entry": f"{ROLLOUTS}/{d.entry_id}"})
-            for d, s in batch]
+    rows = [
+        (
+            s.msg_id,
+            s.reward,
+            s.reward_status,
+            {"components": dict(s.details), "reason": s.reward_reason, "entry": f"{ROLLOUTS}/{d.entry_id}"},
+        )
+        for d, s in batch
+    ]
     done, refused = write_isolating(ledger.record_scored_ids, rows)
     mine = set().union(*done)
     out = []
     for i, (d, s) in enumerate(batch):
         if i in refused:
-            streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, f"the ledger refused the reward: {refused[i]}",
-                                code="ledger_rejected", message=d.message)
+            streams.dead_letter(
+                ROLLOUTS,
+                GROUP_REWARDERS,
+                d.entry_id,
+                f"the ledger refused the reward: {refused[i]}",
+                code="ledger_rejected",
+                message=d.message,
+            )
         elif s.msg_id in mine:
             out.append((d, s))
         else:
-            streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id,
-                                f"msg_id {s.msg_id} is already scored: another entry carried it first", code=DUPLICATE,
-                                message=d.message)
+            streams.dead_letter(
+                ROLLOUTS,
+                GROUP_REWARDERS,
+                d.entry_id,
+                f"msg_id {s.msg_id} is already scored: another entry carried it first",
+                code=DUPLICATE,
+                message=d.message,
+            )
     return out
 
 
@@ -179,8 +217,9 @@ def run(settings: RewardSettings) -> None:
         fleet.close()
 
 
-def serve_job(settings: RewardSettings, ctx: JobContext, scorers: Scorers, loop: asyncio.AbstractEventLoop,
-              registry) -> str:
+def serve_job(
+    settings: RewardSettings, ctx: JobContext, scorers: Scorers, loop: asyncio.AbstractEventLoop, registry
+) -> str:
     """Score one job's rollouts until it ends; returns the final control state (ServiceLoop.run)."""
     with job_registry(registry) as reg:
         metrics = RewardMetrics(reg, ctx.job_id)
@@ -191,12 +230,24 @@ def serve_job(settings: RewardSettings, ctx: JobContext, scorers: Scorers, loop:
         consumer = Consumer(ROLLOUTS, GROUP_REWARDERS, settings.consumer_id, Rollout)
         handler = Scoring(ctx.streams, ctx.ledger, consumer, job_scorers, loop, metrics, settings.batch)
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
-        service = ServiceLoop(ctx.streams, consumer, handler, block_ms=settings.block_ms, exit_on=("drain",),
-                              on_dead_letter=metrics.dead_letter, phases=metrics.phases)  # malformed, oversized, too often delivered
+        service = ServiceLoop(
+            ctx.streams,
+            consumer,
+            handler,
+            block_ms=settings.block_ms,
+            exit_on=("drain",),
+            on_dead_letter=metrics.dead_letter,
+            phases=metrics.phases,
+        )  # malformed, oversized, too often delivered
         main = job_scorers[""]
-        log.info("reward %s ready (%s, on_failure %s, %d workers%s)", consumer.name, main.description,
-                 main.on_failure, settings.workers,
-                 "".join(f"; eval set {k}: {s.description}" for k, s in job_scorers.items() if k))
+        log.info(
+            "reward %s ready (%s, on_failure %s, %d workers%s)",
+            consumer.name,
+            main.description,
+            main.on_failure,
+            settings.workers,
+            "".join(f"; eval set {k}: {s.description}" for k, s in job_scorers.items() if k),
+        )
         state = service.run()
         log.info("reward %s stopping (%s)", consumer.name, state)
         return state
@@ -206,8 +257,16 @@ class Scoring:
     """The reward service's handler (broker.service.Handler): scores a batch of rollouts at once,
     a slow or hung sample costing its own time budget, not the others'."""
 
-    def __init__(self, streams: JobStreams, ledger: RewardLedger, consumer: Consumer, scorers: dict[str, RewardScorer],
-                 loop: asyncio.AbstractEventLoop, metrics: RewardMetrics, batch: int):
+    def __init__(
+        self,
+        streams: JobStreams,
+        ledger: RewardLedger,
+        consumer: Consumer,
+        scorers: dict[str, RewardScorer],
+        loop: asyncio.AbstractEventLoop,
+        metrics: RewardMetrics,
+        batch: int,
+    ):
         self.streams, self.ledger, self.consumer = streams, ledger, consumer
         self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch
 
@@ -232,8 +291,11 @@ class Scoring:
         # score: the whole batch at once
         with phases.span("score"):
             results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))
-            batch = [(d, s) for d, (scorer, res) in zip(todo, results, strict=True)
-                     if (s := self._scored(d, scorer, res)) is not None]
+            batch = [
+                (d, s)
+                for d, (scorer, res) in zip(todo, results, strict=True)
+                if (s := self._scored(d, scorer, res)) is not None
+            ]
         # ledger + publish + ack: publish and ack as one atomic step, only while this consumer still
         # holds the entry (a replica that reclaimed it meanwhile publishes its own copy)
         with phases.span("ledger"):
@@ -277,11 +339,25 @@ class Scoring:
             self._dead(d, f"{what} is not finite", "non_finite_reward")
             return None
         if not res.ok:
-            log.warning("reward %s on %s: %s (reward %s under on_failure %s)", res.status, r.msg_id, res.reason,
-                        reward, scorer.on_failure)
-        return Scored(job_id=r.job_id, msg_id=r.msg_id, group_id=r.group_id, policy_version=r.policy_version,
-                      rollout=r, reward=reward, details=details, reward_status=res.status,
-                      reward_reason=clean_text(res.reason)[:MAX_REASON])
+            log.warning(
+                "reward %s on %s: %s (reward %s under on_failure %s)",
+                res.status,
+                r.msg_id,
+                res.reason,
+                reward,
+                scorer.on_failure,
+            )
+        return Scored(
+            job_id=r.job_id,
+            msg_id=r.msg_id,
+            group_id=r.group_id,
+            policy_version=r.policy_version,
+            rollout=r,
+            reward=reward,
+            details=details,
+            reward_status=res.status,
+            reward_reason=clean_text(res.reason)[:MAX_REASON],
+        )
 
     def _dead(self, d: Delivery[Rollout], reason: str, code: str) -> None:
         self.streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, reason, code=code, message=d.message)

@@ -8,6 +8,7 @@ bash scripts/services.sh
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 export TEST_POSTGRES_URL=${TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/mypy shared broker generator_svc reward_svc trainer_svc asyncrl
 set +e
 # Benchmarks run end to end (-m bench) are for bench/, not CI: pytest -m bench runs them.

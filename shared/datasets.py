@@ -70,8 +70,14 @@ ARITHMETIC_N_TEST = 100
 
 Format = Literal["jsonl", "json", "parquet", "csv", "save_to_disk"]
 FORMATS: tuple[str, ...] = ("jsonl", "json", "parquet", "csv", "save_to_disk")
-_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
-             ".pq": "parquet", ".csv": "csv"}
+_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+}
 # Files that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` write at the top of the folder.
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 ROLES = ("system", "user", "assistant")
@@ -97,17 +103,14 @@ def template_fields(template: str) -> list[str]:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
         raise ValueError(
-            f"prompt_template does not parse as a str.format template ({e}); write a literal "
-            "brace as '{{' or '}}'"
+            f"prompt_template does not parse as a str.format template ({e}); write a literal brace as '{{{{' or '}}}}'"
         ) from None
     for _literal, name, _spec, conversion in parsed:
         if name is None:
             continue
         top = re.split(r"[.\[]", name, maxsplit=1)[0]
         if not top or top.isdigit():
-            raise ValueError(
-                f"prompt_template uses a positional field {{{name}}}; name a column, e.g. {{question}}"
-            )
+            raise ValueError(f"prompt_template uses a positional field {{{name}}}; name a column, e.g. {{question}}")
         if "." in name:
             raise ValueError(
                 f"prompt_template field {{{name}}} uses attribute access; name a column "
@@ -125,41 +128,56 @@ class DatasetSource(_Strict):
     """One local dataset: a file or a saved folder, with its share of the training mixture."""
 
     path: PrintableStr = Field(
-        ..., min_length=1, max_length=4096,
+        ...,
+        min_length=1,
+        max_length=4096,
         description="Local file (.jsonl, .json, .parquet, .csv) or a folder written by `datasets`' "
         "save_to_disk. A relative path resolves against the current directory of the process that "
         "loads it (the trainer's or the evaluator's), not against the spec file.",
     )
     format: Format | None = Field(
-        None, description=f"One of {', '.join(FORMATS)}; None infers it from the file's suffix, or "
+        None,
+        description=f"One of {', '.join(FORMATS)}; None infers it from the file's suffix, or "
         "`save_to_disk` for a folder holding dataset_info.json, state.json or dataset_dict.json.",
     )
     split: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="The split of a DatasetDict folder to read (e.g. 'train'); may be left out "
         "when the folder holds a single split. Only for save_to_disk folders.",
     )
     weight: float | None = Field(
-        None, gt=0.0, le=1e6,
+        None,
+        gt=0.0,
+        le=1e6,
         description="Relative share of the training list (training datasets only). Give every "
         "training dataset a weight or none: with none, each contributes all its rows; with "
         "weights, n_train rows are split in proportion and a dataset smaller than its share is "
         "repeated.",
     )
     name: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="Label in Problem.source and logs; defaults to the path (with ':split').",
     )
     prompt_field: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="This dataset's prompt column; None: the task's prompt_field.",
     )
     answer_field: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="This dataset's answer column; None: the task's answer_field.",
     )
     prompt_template: str | None = Field(
-        None, min_length=1, max_length=100_000,
+        None,
+        min_length=1,
+        max_length=100_000,
         description="This dataset's prompt template (str.format over its columns); None: the task's.",
     )
 
@@ -192,69 +210,94 @@ class TaskSpec(_Strict):
         "Left out: `dataset` when files are given, else `arithmetic`.",
     )
     path: PrintableStr | None = Field(
-        None, min_length=1, max_length=4096,
+        None,
+        min_length=1,
+        max_length=4096,
         description="Shorthand for datasets=[{path}]: one local training file or saved folder "
         "(relative paths resolve against the loading process's current directory).",
     )
     test_path: PrintableStr | None = Field(
-        None, min_length=1, max_length=4096,
+        None,
+        min_length=1,
+        max_length=4096,
         description="Shorthand for test=[{path}]: a held-out file; else a seeded split of the training rows.",
     )
     datasets: list[DatasetSource] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Training datasets, mixed by their weights (see DatasetSource.weight).",
     )
     test: list[DatasetSource] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Held-out datasets, concatenated in order; none: a seeded split of the "
         "training rows (n_test or test_fraction), disjoint by prompt.",
     )
     prompt_field: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="Column holding the prompt text; None: the preset's ('question' for gsm8k, "
         "else 'prompt'). Not with prompt_template or messages_field.",
     )
     answer_field: PrintableStr | None = Field(
-        "answer", min_length=1, max_length=200,
+        "answer",
+        min_length=1,
+        max_length=200,
         description="Column holding the reference answer (numbers become strings); null: no "
         "reference answer (Problem.answer is ''), for rewards that need none.",
     )
     messages_field: PrintableStr | None = Field(
-        None, min_length=1, max_length=200,
+        None,
+        min_length=1,
+        max_length=200,
         description="Column holding chat messages (a list of {role, content}, ending with a user "
         "turn) instead of a prompt column.",
     )
     system_prompt: str | None = Field(
-        None, min_length=1, max_length=100_000,
+        None,
+        min_length=1,
+        max_length=100_000,
         description="System turn put before each problem's user turn (Problem.messages); a row "
         "whose messages already start with a system turn keeps its own.",
     )
     prompt_template: str | None = Field(
-        None, min_length=1, max_length=100_000,
+        None,
+        min_length=1,
+        max_length=100_000,
         description="Python str.format template over the row's columns building the user text, "
         "e.g. 'Q: {question}\\nA:' (literal braces doubled). Replaces prompt_field.",
     )
     n_train: int | None = Field(
-        None, ge=1, le=10_000_000,
-        description="Training problems; None: every training row (arithmetic: 300, drawn from its "
-        "generated pool).",
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Training problems; None: every training row (arithmetic: 300, drawn from its generated pool).",
     )
     n_test: int | None = Field(
-        None, ge=1, le=100_000,
+        None,
+        ge=1,
+        le=100_000,
         description=f"Held-out problems; None: {DEFAULT_SPLIT_N_TEST} split off the training rows, "
         f"or the first {DEFAULT_MAX_TEST} rows of the test datasets (a warning says when it cuts).",
     )
     test_fraction: float | None = Field(
-        None, gt=0.0, lt=1.0,
+        None,
+        gt=0.0,
+        lt=1.0,
         description="Share of the (deduplicated) training rows held out, instead of n_test; only "
         "when no test datasets are given.",
     )
     max_bytes: int = Field(
-        DEFAULT_MAX_BYTES, ge=1, le=1 << 40,
+        DEFAULT_MAX_BYTES,
+        ge=1,
+        le=1 << 40,
         description="Largest file or saved folder read, in bytes (default 2 GiB), checked before opening.",
     )
     max_rows: int = Field(
-        DEFAULT_MAX_ROWS, ge=1, le=1_000_000_000,
+        DEFAULT_MAX_ROWS,
+        ge=1,
+        le=1_000_000_000,
         description="Most rows read from one file or folder (default 10M).",
     )
 
@@ -297,24 +340,31 @@ class TaskSpec(_Strict):
             raise ValueError("give task.n_test or task.test_fraction, not both")
         if self.test_fraction is not None and (self.test_path or self.test):
             raise ValueError(
-                "task.test_fraction splits the training rows, but test datasets are given; use "
-                "task.n_test to cut them"
+                "task.test_fraction splits the training rows, but test datasets are given; use task.n_test to cut them"
             )
         weighted = [d.weight is not None for d in self.datasets]
         if any(weighted) and not all(weighted):
-            raise ValueError("give every dataset in task.datasets a weight, or none (each then contributes all its rows)")
+            raise ValueError(
+                "give every dataset in task.datasets a weight, or none (each then contributes all its rows)"
+            )
         if any(d.weight is not None for d in self.test):
             raise ValueError("weight applies to training datasets; remove it from task.test")
         if self.messages_field is not None:
             text_fields = [k for k in ("prompt_field", "prompt_template") if getattr(self, k) is not None]
-            text_fields += [f"{k} of {d.label}" for d in [*self.datasets, *self.test]
-                            for k in ("prompt_field", "prompt_template") if getattr(d, k) is not None]
+            text_fields += [
+                f"{k} of {d.label}"
+                for d in [*self.datasets, *self.test]
+                for k in ("prompt_field", "prompt_template")
+                if getattr(d, k) is not None
+            ]
             if text_fields:
                 raise ValueError(
                     f"task.messages_field reads the prompt from chat messages: remove {', '.join(text_fields)}"
                 )
         if self.prompt_field is not None and self.prompt_template is not None:
-            raise ValueError("give task.prompt_field or task.prompt_template, not both (the template names its columns)")
+            raise ValueError(
+                "give task.prompt_field or task.prompt_template, not both (the template names its columns)"
+            )
         return self
 
     def train_sources(self) -> list[DatasetSource]:
@@ -354,7 +404,9 @@ def _check_size(label: str, size: int, spec: TaskSpec) -> None:
 
 def _check_rows(label: str, n: int, spec: TaskSpec) -> None:
     if n > spec.max_rows:
-        raise DatasetError(f"{label} has {n} rows, over task.max_rows={spec.max_rows}; raise task.max_rows or cut the file")
+        raise DatasetError(
+            f"{label} has {n} rows, over task.max_rows={spec.max_rows}; raise task.max_rows or cut the file"
+        )
     if n == 0:
         raise DatasetError(f"{label} has no rows")
 
@@ -363,15 +415,21 @@ def _stat(path: Path, label: str) -> os.stat_result:
     try:
         return os.stat(path)  # stat never opens: a FIFO or device is rejected before any read
     except FileNotFoundError:
-        where = "" if path.is_absolute() else f" (relative paths resolve against the current directory: {path.absolute()})"
+        where = (
+            "" if path.is_absolute() else f" (relative paths resolve against the current directory: {path.absolute()})"
+        )
         raise DatasetError(f"{label} does not exist{where}") from None
     except OSError as e:
         raise DatasetError(f"{label} cannot be read: {e.strerror}") from None
 
 
 def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return what
     return "not a regular file"
@@ -626,11 +684,13 @@ def _messages(row: Mapping[str, Any], field: str) -> list[dict[str, str]]:
     if field not in row or value is None:
         raise _RowError(f"field {field!r} (messages) is missing or null; the row's columns are: {_columns(row)}")
     if not isinstance(value, (list, tuple)) or not value:
-        raise _RowError(f"field {field!r} (messages) must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+        raise _RowError(
+            f"field {field!r} (messages) must be a non-empty list of {{role, content}}, got {type(value).__name__}"
+        )
     out = []
     for k, m in enumerate(value):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise _RowError(f"field {field!r} (messages) item {k}: expected {{\"role\": str, \"content\": str}}")
+            raise _RowError(f'field {field!r} (messages) item {k}: expected {{"role": str, "content": str}}')
         if m["role"] not in ROLES:
             raise _RowError(f"field {field!r} (messages) item {k}: role {m['role']!r} is not one of {', '.join(ROLES)}")
         out.append({"role": m["role"], "content": m["content"]})
@@ -687,7 +747,8 @@ class _FieldMap:
             for col in self.template_cols:
                 if row.get(col) is None:
                     raise _RowError(
-                        f"field {col!r} (used by prompt_template) is missing or null; the row's columns are: {_columns(row)}"
+                        f"field {col!r} (used by prompt_template) is missing or null; "
+                        f"the row's columns are: {_columns(row)}"
                     )
             try:
                 prompt = self.template.format_map(row)
@@ -717,8 +778,14 @@ class _FieldMap:
             if not answer:
                 raise _RowError(f"field {f!r} (answer) is empty (set answer_field to null if the reward needs none)")
         metadata = {k: _plain(v, k) for k, v in row.items() if k not in used}
-        return Problem(index=index, prompt=prompt, answer=answer, metadata=metadata,
-                       messages=tuple(messages) if messages is not None else None, source=source)
+        return Problem(
+            index=index,
+            prompt=prompt,
+            answer=answer,
+            metadata=metadata,
+            messages=tuple(messages) if messages is not None else None,
+            source=source,
+        )
 
 
 def _problems(table: _Table, spec: TaskSpec, preset: Preset) -> list[Problem]:
@@ -741,8 +808,7 @@ def _same(text: str) -> str:
 
 
 def _file_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
-    return ([_open_table(s, spec) for s in spec.train_sources()],
-            [_open_table(s, spec) for s in spec.test_sources()])
+    return ([_open_table(s, spec) for s in spec.train_sources()], [_open_table(s, spec) for s in spec.test_sources()])
 
 
 def _arithmetic_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
@@ -782,8 +848,9 @@ def _key(p: Problem) -> tuple[str, str]:
     return p.prompt, json.dumps(p.messages) if p.messages else ""
 
 
-def _split(groups: list[list[Problem]], names: Sequence[str], spec: TaskSpec, rng: random.Random
-           ) -> tuple[list[list[Problem]], list[Problem]]:
+def _split(
+    groups: list[list[Problem]], names: Sequence[str], spec: TaskSpec, rng: random.Random
+) -> tuple[list[list[Problem]], list[Problem]]:
     """Hold out problems from the pooled training rows: repeated prompts dropped first (the first
     occurrence stays), so no prompt is in both splits; then a seeded shuffle."""
     seen: set[tuple[str, str]] = set()
@@ -821,8 +888,9 @@ def _quotas(n: int, shares: Sequence[float]) -> list[int]:
     return q
 
 
-def _mix(groups: list[list[Problem]], names: Sequence[str], weights: Sequence[float | None],
-         n_train: int | None) -> list[Problem]:
+def _mix(
+    groups: list[list[Problem]], names: Sequence[str], weights: Sequence[float | None], n_train: int | None
+) -> list[Problem]:
     """The training list: each dataset's share of ``n_train`` taken from the front of its
     (shuffled) rows, repeated when the share is larger, then interleaved evenly so that every
     stretch of the list has the mixture's proportions."""
@@ -888,8 +956,12 @@ def load_task(spec: TaskSpec, seed: int) -> tuple[list[Problem], list[Problem]]:
         if n_test > len(held):
             raise DatasetError(f"n_test={n_test} but the test data ({test_names}) has {len(held)} usable problems")
         if spec.n_test is None and len(held) > n_test:
-            log.warning("test data %s has %d problems; evaluating the first %d (set task.n_test to choose)",
-                        test_names, len(held), n_test)
+            log.warning(
+                "test data %s has %d problems; evaluating the first %d (set task.n_test to choose)",
+                test_names,
+                len(held),
+                n_test,
+            )
         test = held[:n_test]
         _warn_overlap(groups, test)
     else:
@@ -917,4 +989,3 @@ def _warn_overlap(groups: list[list[Problem]], test: list[Problem]) -> None:
     both = sum(_key(p) in held for g in groups for p in g)
     if both:
         log.warning("%d training problems also appear in the test data (same prompt)", both)
-

@@ -78,7 +78,8 @@ def run_service(service: str, settings_cls: type[BaseSettings], target: str) -> 
     """Parse settings from the environment, set up logging, import `module:function` and run it.
 
     Exit codes: 0 done, drained after SIGTERM, or the job is over (`JobOver`, logged as an
-    error); 1 failed (logged with traceback); 2 bad placement variables (logged); 130 interrupted (SIGINT, or SIGTERM before the loop ran).
+    error); 1 failed (logged with traceback); 2 bad placement variables (logged); 130 interrupted (SIGINT, or SIGTERM
+    before the loop ran).
     """
     try:
         placed = place_self(target.split(".")[0])

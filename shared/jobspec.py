@@ -20,8 +20,18 @@ from shared.spectypes import PrintableStr, SpecModel, refuse_nul
 from shared.staleness_bound import groups_in_flight, start_bound
 from shared.tracking import TrackingSink
 
-__all__ = ["REWARDS", "TASKS", "EvalSetSpec", "JobPatch", "JobSpec", "RewardSpec", "TaskSpec", "TrackingSpec",
-           "format_validation_error", "stored_spec"]
+__all__ = [
+    "REWARDS",
+    "TASKS",
+    "EvalSetSpec",
+    "JobPatch",
+    "JobSpec",
+    "RewardSpec",
+    "TaskSpec",
+    "TrackingSpec",
+    "format_validation_error",
+    "stored_spec",
+]
 
 # Names of the trainer's registries (trainer_svc.algorithms); a test keeps the two in step.
 Advantage = Literal["grpo", "group_mean", "rloo"]
@@ -55,13 +65,19 @@ class SamplingSpec(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
     max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
     stop: list[Annotated[str, Field(max_length=1000)]] = Field(
-        default_factory=list, max_length=64,
+        default_factory=list,
+        max_length=64,
         description="Stop strings (vLLM): a completion ends at the first one; the text the reward sees ends there "
-                    "(the string itself excluded unless include_stop_str_in_output). E.g. [\"\\n\"] for one-line answers.")
+        '(the string itself excluded unless include_stop_str_in_output). E.g. ["\\n"] for one-line answers.',
+    )
     stop_token_ids: list[Annotated[int, Field(le=MAX_TOKEN_ID)]] = Field(
-        default_factory=list, max_length=64,
-        description="Token ids that end a completion besides the model's EOS (e.g. a chat model's end-of-turn token).")
-    min_tokens: int = Field(0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion.")
+        default_factory=list,
+        max_length=64,
+        description="Token ids that end a completion besides the model's EOS (e.g. a chat model's end-of-turn token).",
+    )
+    min_tokens: int = Field(
+        0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion."
+    )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the completion text.")
 
     @model_validator(mode="after")
@@ -84,97 +100,156 @@ class AlgorithmSpec(_Strict):
         "grpo", description="Advantage estimator: grpo (group z-score), group_mean (AIPO / Dr.GRPO), rloo."
     )
     loss: Loss = Field(
-        "aipo", description="Policy loss: aipo (truncated IS), ppo_clip (low/high clip), gspo (sequence ratio), reinforce (no correction)."
+        "aipo",
+        description="Policy loss: aipo (truncated IS), ppo_clip (low/high clip), "
+        "gspo (sequence ratio), reinforce (no correction).",
     )
     aggregation: Aggregation = Field(
         "token-mean", description="How per-token losses are averaged over the global batch."
     )
     rho: float = Field(2.0, ge=1.0, le=1e6, description="AIPO truncation: importance weight min(pi/mu, rho).")
     clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="ppo_clip: ratio clipped below at 1 - clip_low.")
-    clip_high: float = Field(0.28, gt=0.0, le=10.0, description="ppo_clip: ratio clipped above at 1 + clip_high (DAPO clip-higher).")
+    clip_high: float = Field(
+        0.28, gt=0.0, le=10.0, description="ppo_clip: ratio clipped above at 1 + clip_high (DAPO clip-higher)."
+    )
     gspo_clip_low: float = Field(3e-4, gt=0.0, lt=1.0, description="gspo: sequence ratio clipped below at 1 - this.")
     gspo_clip_high: float = Field(4e-4, gt=0.0, le=10.0, description="gspo: sequence ratio clipped above at 1 + this.")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the frozen initial policy; 0 disables it.")
+    kl_coef: float = Field(
+        0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the frozen initial policy; 0 disables it."
+    )
     entropy_coef: float = Field(
-        0.0, ge=0.0, le=100.0, description="Entropy bonus: the loss minus this x the entropy of the policy's next-token "
-                                           "distribution at the model's tokens, averaged like the policy loss "
-                                           "(`aggregation`); 0 disables it (the entropy is then a metric only).")
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="Entropy bonus: the loss minus this x the entropy of the policy's next-token "
+        "distribution at the model's tokens, averaged like the policy loss "
+        "(`aggregation`); 0 disables it (the entropy is then a metric only).",
+    )
     staleness_lr: bool = Field(
         False, description="Divide the step size by max(1, mean staleness of the batch) (Zhang et al. 2016)."
     )
     lr: float = Field(
-        1e-6, gt=0.0, le=1.0, description="AdamW peak learning rate (1e-6 suits billion-parameter models; tiny ones "
-                                          "take 1e-4): the lr of every step with lr_schedule constant and no warm-up.")
+        1e-6,
+        gt=0.0,
+        le=1.0,
+        description="AdamW peak learning rate (1e-6 suits billion-parameter models; tiny ones "
+        "take 1e-4): the lr of every step with lr_schedule constant and no warm-up.",
+    )
     lr_schedule: LrScheduleName = Field(
-        "constant", description="The lr by step (trainer_svc/algorithms.py lr_at): after the warm-up, constant keeps "
-                                "lr; linear and cosine (half a cosine) decay from lr at step warmup_steps to "
-                                "min_lr_ratio x lr at the last step. A live lr (PATCH) replaces lr from the next step "
-                                "on: the schedule goes on by step, scaled by new lr / old lr; a resume continues it "
-                                "at its step.")
+        "constant",
+        description="The lr by step (trainer_svc/algorithms.py lr_at): after the warm-up, constant keeps "
+        "lr; linear and cosine (half a cosine) decay from lr at step warmup_steps to "
+        "min_lr_ratio x lr at the last step. A live lr (PATCH) replaces lr from the next step "
+        "on: the schedule goes on by step, scaled by new lr / old lr; a resume continues it "
+        "at its step.",
+    )
     warmup_steps: int = Field(
-        0, ge=0, le=MAX_STEPS, description="Linear warm-up: step t <= warmup_steps trains at lr x t / warmup_steps "
-                                           "(step 1 at lr / warmup_steps, never 0); 0: none. At most `steps`.")
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Linear warm-up: step t <= warmup_steps trains at lr x t / warmup_steps "
+        "(step 1 at lr / warmup_steps, never 0); 0: none. At most `steps`.",
+    )
     min_lr_ratio: float = Field(
-        0.0, ge=0.0, le=1.0, description="linear, cosine: the last step's lr as a fraction of lr (0: the last step "
-                                         "makes no update).")
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="linear, cosine: the last step's lr as a fraction of lr (0: the last step makes no update).",
+    )
     betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
-        (0.9, 0.999), description="AdamW (beta1, beta2): decay rates of the gradient's first and second moment estimates.")
-    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon, added to the root of the second moment estimate.")
+        (0.9, 0.999),
+        description="AdamW (beta1, beta2): decay rates of the gradient's first and second moment estimates.",
+    )
+    eps: float = Field(
+        1e-8, gt=0.0, le=1.0, description="AdamW epsilon, added to the root of the second moment estimate."
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, le=1e6, description="Gradient clipping by global norm.")
     micro_batch_size: int = Field(
-        64, ge=1, le=1_000_000, description="Gradient accumulation, in samples: one optimizer step covers the step's "
-                                            "whole batch (prompts_per_step x group_size samples), run as "
-                                            "forward/backward passes of at most this many samples each (per rank; "
-                                            "with packing, micro_batch_tokens decides instead) "
-                                            "whose gradients add up. The loss is normalised over the whole batch, so "
-                                            "the update does not depend on it: only memory and speed do.")
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Gradient accumulation, in samples: one optimizer step covers the step's "
+        "whole batch (prompts_per_step x group_size samples), run as "
+        "forward/backward passes of at most this many samples each (per rank; "
+        "with packing, micro_batch_tokens decides instead) "
+        "whose gradients add up. The loss is normalised over the whole batch, so "
+        "the update does not depend on it: only memory and speed do.",
+    )
     packing: bool = Field(
-        False, description="Sequence packing: each forward/backward pass is one row of whole samples back to back "
-                           "(at most micro_batch_tokens tokens, first-fit decreasing; micro_batch_size is not used), "
-                           "position ids restarting for each sample and attention confined to it (a block-diagonal "
-                           "causal mask on CPU, varlen flash attention with attn_implementation flash_attention_2), "
-                           "instead of rows padded to the longest sample. Same loss and gradients within float "
-                           "rounding; no compute spent on padding. The trainer checks at start-up that the model "
-                           "confines attention this way (transformers >= 5) and refuses to start otherwise. Off by "
-                           "default: the padded path is what the rest of the tests and results were measured with.")
+        False,
+        description="Sequence packing: each forward/backward pass is one row of whole samples back to back "
+        "(at most micro_batch_tokens tokens, first-fit decreasing; micro_batch_size is not used), "
+        "position ids restarting for each sample and attention confined to it (a block-diagonal "
+        "causal mask on CPU, varlen flash attention with attn_implementation flash_attention_2), "
+        "instead of rows padded to the longest sample. Same loss and gradients within float "
+        "rounding; no compute spent on padding. The trainer checks at start-up that the model "
+        "confines attention this way (transformers >= 5) and refuses to start otherwise. Off by "
+        "default: the padded path is what the rest of the tests and results were measured with.",
+    )
     micro_batch_tokens: int = Field(
-        8192, ge=1, le=10_000_000, description="With packing: the token budget (prompt + completion tokens) of one "
-                                                "packed forward/backward pass per rank; a sample longer than it gets "
-                                                "a pass of its own. Memory and speed only, as for micro_batch_size.")
+        8192,
+        ge=1,
+        le=10_000_000,
+        description="With packing: the token budget (prompt + completion tokens) of one "
+        "packed forward/backward pass per rank; a sample longer than it gets "
+        "a pass of its own. Memory and speed only, as for micro_batch_size.",
+    )
     logprob_chunk_tokens: int = Field(
-        0, ge=0, le=1_000_000, description="Memory: > 0 computes the policy's per-token logprobs (and entropy) over "
-                                           "this many sequence positions at a time, each chunk's head, log-softmax and "
-                                           "gather checkpointed, so the micro-batch's full-vocabulary float32 logits "
-                                           "never exist at once (same values and gradients; the backward recomputes "
-                                           "the head). 0: unchunked. Unsharded HF models with a linear head; others "
-                                           "(and FSDP2 ranks) run unchunked.")
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Memory: > 0 computes the policy's per-token logprobs (and entropy) over "
+        "this many sequence positions at a time, each chunk's head, log-softmax and "
+        "gather checkpointed, so the micro-batch's full-vocabulary float32 logits "
+        "never exist at once (same values and gradients; the backward recomputes "
+        "the head). 0: unchunked. Unsharded HF models with a linear head; others "
+        "(and FSDP2 ranks) run unchunked.",
+    )
     gradient_checkpointing: bool = Field(
-        False, description="Memory: activation checkpointing of the policy's decoder layers (HF "
-                           "gradient_checkpointing_enable, non-reentrant): the backward recomputes each layer's "
-                           "forward instead of keeping its activations. Same loss and gradients; slower.")
+        False,
+        description="Memory: activation checkpointing of the policy's decoder layers (HF "
+        "gradient_checkpointing_enable, non-reentrant): the backward recomputes each layer's "
+        "forward instead of keeping its activations. Same loss and gradients; slower.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="The trainer's compute precision. float32: everything in float32. bfloat16: mixed "
-                               "precision: float32 master weights, gradients and AdamW state, the forward (policy "
-                               "and reference) under torch.autocast to bfloat16 (CPU or CUDA autocast; FSDP2 on "
-                               "CUDA also all-gathers bfloat16 parameters), logprobs and the loss in float32 from "
-                               "the bfloat16 logits. The cost shows as the step metric mismatch_kl.")
+        "float32",
+        description="The trainer's compute precision. float32: everything in float32. bfloat16: mixed "
+        "precision: float32 master weights, gradients and AdamW state, the forward (policy "
+        "and reference) under torch.autocast to bfloat16 (CPU or CUDA autocast; FSDP2 on "
+        "CUDA also all-gathers bfloat16 parameters), logprobs and the loss in float32 from "
+        "the bfloat16 logits. The cost shows as the step metric mismatch_kl.",
+    )
     cpu_offload: bool = Field(
-        False, description="Memory, with several trainer ranks (FSDP2, torchrun): keep the sharded parameters, "
-                           "gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy), the optimizer step "
-                           "on CPU. No effect with one rank.")
+        False,
+        description="Memory, with several trainer ranks (FSDP2, torchrun): keep the sharded parameters, "
+        "gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy), the optimizer step "
+        "on CPU. No effect with one rank.",
+    )
     dynamic_sampling: bool = Field(
-        False, description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
-                           "batch from new groups; each drop is recorded in the ledger with its reason.")
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards all equal (no gradient) and fill the "
+        "batch from new groups; each drop is recorded in the ledger with its reason.",
+    )
     dynamic_sampling_max_drops: int = Field(
-        4, ge=0, le=1000, description="Per step, at most this many batches' worth of groups are dropped for "
-                                      "dynamic sampling; after that all-equal groups are trained (a task the policy "
-                                      "always or never solves would otherwise stall the job).")
+        4,
+        ge=0,
+        le=1000,
+        description="Per step, at most this many batches' worth of groups are dropped for "
+        "dynamic sampling; after that all-equal groups are trained (a task the policy "
+        "always or never solves would otherwise stall the job).",
+    )
     overlong: Literal["keep", "mask", "penalty"] = Field(
-        "keep", description="Samples cut at max_tokens (finish_reason length): keep them as they are, mask them from "
-                            "the loss (DAPO over-long filtering), or add DAPO's soft length penalty to their reward.")
+        "keep",
+        description="Samples cut at max_tokens (finish_reason length): keep them as they are, mask them from "
+        "the loss (DAPO over-long filtering), or add DAPO's soft length penalty to their reward.",
+    )
     overlong_buffer: int = Field(
-        4, ge=1, le=32768, description="penalty: the penalty ramps from 0 at max_tokens - this to -overlong_penalty at max_tokens.")
+        4,
+        ge=1,
+        le=32768,
+        description="penalty: the penalty ramps from 0 at max_tokens - this to -overlong_penalty at max_tokens.",
+    )
     overlong_penalty: float = Field(1.0, ge=0.0, le=100.0, description="penalty: its size at max_tokens.")
 
 
@@ -187,9 +262,11 @@ class LoraSpec(_Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
     target_modules: list[Annotated[str, Field(pattern=LORA_MODULE)]] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1, max_length=64,
+        min_length=1,
+        max_length=64,
         description="Names of the linear layers that get adapters (Llama-style names by default); a name the "
-                    "model lacks fails the trainer at start.")
+        "model lacks fails the trainer at start.",
+    )
 
     def adapter(self) -> LoraAdapter:
         """The adapter's description on the wire (PolicyAnnouncement.lora)."""
@@ -198,15 +275,19 @@ class LoraSpec(_Strict):
 
 class GeneratorSpec(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
-        None, description="vLLM's dtype for this job's engines (auto: vLLM's choice for the checkpoint); "
-                          "unset: the generator's GEN_DTYPE setting (float32 by default, which keeps behaviour "
-                          "logprobs equal to the trainer's on CPU). Lower precision is faster on a GPU and shows as "
-                          "the trainer's mismatch_kl; the post-swap probe check is loosened to at least 0.1 (0.5 with fp8).")
+        None,
+        description="vLLM's dtype for this job's engines (auto: vLLM's choice for the checkpoint); "
+        "unset: the generator's GEN_DTYPE setting (float32 by default, which keeps behaviour "
+        "logprobs equal to the trainer's on CPU). Lower precision is faster on a GPU and shows as "
+        "the trainer's mismatch_kl; the post-swap probe check is loosened to at least 0.1 (0.5 with fp8).",
+    )
     quantization: Literal["fp8"] | None = Field(
-        None, description="vLLM's online quantization of the weights (fp8, as LlamaRL does for generation): CUDA "
-                          "only (the CPU build refuses it when the engine starts); the trainer's weights stay "
-                          "unquantized, and each swap hands them to vLLM's reload_weights, which quantizes them "
-                          "as it loads.")
+        None,
+        description="vLLM's online quantization of the weights (fp8, as LlamaRL does for generation): CUDA "
+        "only (the CPU build refuses it when the engine starts); the trainer's weights stay "
+        "unquantized, and each swap hands them to vLLM's reload_weights, which quantizes them "
+        "as it loads.",
+    )
 
     def engine_dtype(self, default: str) -> str:
         """The dtype the engine is built with: this spec's, else the generator's setting `default`."""
@@ -239,28 +320,50 @@ class GuardSpec(_Strict):
 
     enabled: bool = Field(True, description="Check every update before it is published; false turns the guard off.")
     max_is: float = Field(
-        100.0, gt=1.0, le=MAX_SCALE, description="Trip when the largest importance weight the loss applies (after AIPO's truncation or "
-                                   "a clip; the raw pi/mu for reinforce, which applies none) exceeds this.")
+        100.0,
+        gt=1.0,
+        le=MAX_SCALE,
+        description="Trip when the largest importance weight the loss applies (after AIPO's truncation or "
+        "a clip; the raw pi/mu for reinforce, which applies none) exceeds this.",
+    )
     min_ess: float = Field(
-        0.05, ge=0.0, le=1.0, description="Trip when the normalised ESS of the importance weights the loss applies (raw "
-                                          "for reinforce) falls below this: a few tokens carry the whole update.")
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="Trip when the normalised ESS of the importance weights the loss applies (raw "
+        "for reinforce) falls below this: a few tokens carry the whole update.",
+    )
     reward_window: int = Field(5, ge=1, le=10_000, description="Steps in the rolling reward mean.")
     reward_drop: float = Field(
-        0.5, gt=0.0, le=1.0, description="Trip when the window mean falls below (1 - this) x the best window mean...")
-    min_best_reward: float = Field(0.2, ge=-MAX_SCALE, le=MAX_SCALE, description="...once the best window mean reached this (there was a signal to lose).")
+        0.5, gt=0.0, le=1.0, description="Trip when the window mean falls below (1 - this) x the best window mean..."
+    )
+    min_best_reward: float = Field(
+        0.2,
+        ge=-MAX_SCALE,
+        le=MAX_SCALE,
+        description="...once the best window mean reached this (there was a signal to lose).",
+    )
     reward_false_alarm: float = Field(
-        0.001, gt=0.0, lt=0.5, description="...and by more than the reward noise explains: the chance that a healthy run "
-                                           "at a steady, noisy reward trips anyway (sets the noise margin, guard.py "
-                                           "reward_margin; smaller: a wider margin).")
+        0.001,
+        gt=0.0,
+        lt=0.5,
+        description="...and by more than the reward noise explains: the chance that a healthy run "
+        "at a steady, noisy reward trips anyway (sets the noise margin, guard.py "
+        "reward_margin; smaller: a wider margin).",
+    )
     on_no_checkpoint: Literal["lower_lr", "initial", "fail"] = Field(
-        "lower_lr", description="A trip with no checkpoint to roll back to (checkpoint_every 0, or none from before the "
-                                "collapse): lower_lr keeps the current policy and lowers the lr (a non-finite update "
-                                "fails the job: its weights are unusable); initial restarts from the initial model; "
-                                "fail fails the job. A reward that fell from the job's first steps trusts only the "
-                                "initial model: the job restarts from it unless this is fail. Every trip is recorded "
-                                "and shown either way.")
+        "lower_lr",
+        description="A trip with no checkpoint to roll back to (checkpoint_every 0, or none from before the "
+        "collapse): lower_lr keeps the current policy and lowers the lr (a non-finite update "
+        "fails the job: its weights are unusable); initial restarts from the initial model; "
+        "fail fails the job. A reward that fell from the job's first steps trusts only the "
+        "initial model: the job restarts from it unless this is fail. Every trip is recorded "
+        "and shown either way.",
+    )
     lr_factor: float = Field(0.5, gt=0.0, lt=1.0, description="The lr after a trip, relative to before.")
-    max_trips: int = Field(3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason.")
+    max_trips: int = Field(
+        3, ge=0, le=1000, description="More trips than this in one job: the job fails with the reason."
+    )
 
 
 class TrackingSpec(_Strict):
@@ -270,15 +373,20 @@ class TrackingSpec(_Strict):
     TRAINER_TRACKING adds sinks for every job."""
 
     sinks: list[TrackingSink] = Field(
-        default_factory=list, max_length=3,
+        default_factory=list,
+        max_length=3,
         description="Metric sinks: tensorboard (event files), mlflow (a run in the trainer's MLflow store, a local "
-                    "file store by default), wandb (a W&B run, offline unless the trainer says online). Each needs "
-                    "its package (pip install asyncrl[tracking]); empty: none.")
+        "file store by default), wandb (a W&B run, offline unless the trainer says online). Each needs "
+        "its package (pip install asyncrl[tracking]); empty: none.",
+    )
     project: str = Field(
-        "asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,128}$",
-        description="The W&B project, the MLflow experiment and the TensorBoard folder the run goes under.")
+        "asyncrl",
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="The W&B project, the MLflow experiment and the TensorBoard folder the run goes under.",
+    )
     run_name: PrintableStr | None = Field(
-        None, min_length=1, max_length=128, description="The run's display name; unset: <job name>-<job id>.")
+        None, min_length=1, max_length=128, description="The run's display name; unset: <job name>-<job id>."
+    )
 
     @model_validator(mode="after")
     def _unique_sinks(self) -> TrackingSpec:
@@ -291,7 +399,9 @@ class EvalSamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (one completion per problem is enough).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     n: int = Field(1, ge=1, le=1024, description="Samples per problem: n > 1 gives mean@n, pass@k and maj@n.")
-    max_tokens: int | None = Field(None, ge=1, le=32768, description="Completion length; unset: the job's sampling.max_tokens.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=32768, description="Completion length; unset: the job's sampling.max_tokens."
+    )
 
 
 class EvalSetSpec(_Strict):
@@ -300,18 +410,28 @@ class EvalSetSpec(_Strict):
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Unique name (letters, digits, _ . -).")
     dataset: DatasetSource | None = Field(
-        None, description="Problems of this set, read like the task's datasets (field mapping and prompt template "
-                          "of `task`); unset: the task's held-out split.")
+        None,
+        description="Problems of this set, read like the task's datasets (field mapping and prompt template "
+        "of `task`); unset: the task's held-out split.",
+    )
     max_problems: int | None = Field(None, ge=1, le=1_000_000, description="Evaluate only the first N problems.")
     # RewardSpec is an Annotated union that typing cannot union with None again: null = unset
     reward: RewardSpec = Field(None, description="Reward of this set; unset: the job's reward.")  # type: ignore[assignment]
     sampling: EvalSamplingSpec = Field(default_factory=EvalSamplingSpec, description="How this set is sampled.")
     every: int | None = Field(
-        None, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at the start and the end); unset: the job's eval_every.")
+        None,
+        ge=0,
+        le=MAX_STEPS,
+        description="Evaluate every N steps (0: only at the start and the end); unset: the job's eval_every.",
+    )
     pass_k: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
-        default_factory=list, max_length=16,
-        description="k values of pass@k (each <= sampling.n); unset: 1 and n. Reported when n > 1.")
-    pass_threshold: float = Field(1.0, ge=-MAX_SCALE, le=MAX_SCALE, description="A sample passes (pass@k, maj@n) when its reward reaches this.")
+        default_factory=list,
+        max_length=16,
+        description="k values of pass@k (each <= sampling.n); unset: 1 and n. Reported when n > 1.",
+    )
+    pass_threshold: float = Field(
+        1.0, ge=-MAX_SCALE, le=MAX_SCALE, description="A sample passes (pass@k, maj@n) when its reward reaches this."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -334,37 +454,50 @@ class EvalSetSpec(_Strict):
 
 class JobSpec(_Strict):
     name: PrintableStr = Field(
-        "job", min_length=1, max_length=200, description="Human-readable job name (printable: no control characters).")
+        "job", min_length=1, max_length=200, description="Human-readable job name (printable: no control characters)."
+    )
     model_path: PrintableStr = Field(
-        ..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded).")
+        ..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded)."
+    )
     task: TaskSpec = Field(default_factory=TaskSpec, description="Where prompts and reference answers come from.")
     chat_template: Literal["auto", "on", "off"] = Field(
-        "auto", description="Render prompts with the tokenizer's chat template (system prompt, user turn, generation "
-                            "prompt): auto when the tokenizer has one, on (an error if it has none), off (plain text).")
+        "auto",
+        description="Render prompts with the tokenizer's chat template (system prompt, user turn, generation "
+        "prompt): auto when the tokenizer has one, on (an error if it has none), off (plain text).",
+    )
     chat_template_kwargs: dict[Annotated[PrintableStr, Field(min_length=1, max_length=200)], TemplateValue] = Field(
-        default_factory=dict, max_length=64, description="Extra chat-template variables, e.g. {\"enable_thinking\": false}.")
+        default_factory=dict,
+        max_length=64,
+        description='Extra chat-template variables, e.g. {"enable_thinking": false}.',
+    )
     reward: RewardSpec = Field(
-        "exact_match", description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards)."
+        "exact_match",
+        description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards).",
     )
     environment: EnvironmentSpec | None = Field(
-        None, description="Multi-turn episodes: the environment each training rollout runs in (a built-in such as "
-                          "tools, or a user's class by import path), with its limits; the model's turns and the "
-                          "environment's replies are kept as token ids and only the model's are trained on. "
-                          "Unset: one completion per prompt, as with single_turn.")
+        None,
+        description="Multi-turn episodes: the environment each training rollout runs in (a built-in such as "
+        "tools, or a user's class by import path), with its limits; the model's turns and the "
+        "environment's replies are kept as token ids and only the model's are trained on. "
+        "Unset: one completion per prompt, as with single_turn.",
+    )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
     lora: LoraSpec | None = Field(
-        None, description="Train LoRA adapters instead of every weight; unset: full fine-tuning.")
+        None, description="Train LoRA adapters instead of every weight; unset: full fine-tuning."
+    )
     generator: GeneratorSpec = Field(default_factory=GeneratorSpec, description="The generators' engine precision.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="How training rollouts are sampled.")
     mode: Literal["async", "sync"] = Field(
         "async", description="async overlaps generation and training within max_staleness; sync waits (staleness 0)."
     )
     placement: Literal["split", "colocated"] = Field(
-        "split", description="split: generators and trainer on their own cores or GPUs, overlapping (async) or "
-                             "not (sync); colocated: they share every core and GPU and take turns, each phase using "
-                             "all of them (GPU: the engine sleeps and the trainer's state is offloaded to host memory "
-                             "while the other runs). Colocated alternates, so it is sync only: mode defaults to sync "
-                             "with it, and async with it is refused.")
+        "split",
+        description="split: generators and trainer on their own cores or GPUs, overlapping (async) or "
+        "not (sync); colocated: they share every core and GPU and take turns, each phase using "
+        "all of them (GPU: the engine sleeps and the trainer's state is offloaded to host memory "
+        "while the other runs). Colocated alternates, so it is sync only: mode defaults to sync "
+        "with it, and async with it is refused.",
+    )
     max_staleness: int = Field(
         1, ge=0, le=64, description="Drop samples generated more than this many policy versions ago (async only)."
     )
@@ -374,25 +507,46 @@ class JobSpec(_Strict):
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (the GRPO group).")
     prompts_per_step: int = Field(16, ge=1, le=100_000, description="Prompt groups in one optimizer step.")
     steps: int = Field(100, ge=1, le=MAX_STEPS, description="Optimizer steps to run.")
-    eval_every: int = Field(10, ge=0, le=MAX_STEPS, description="Evaluate on the held-out set every N steps (0: only at the start and the end).")
+    eval_every: int = Field(
+        10,
+        ge=0,
+        le=MAX_STEPS,
+        description="Evaluate on the held-out set every N steps (0: only at the start and the end).",
+    )
     eval_sets: list[EvalSetSpec] = Field(
-        default_factory=list, max_length=32,
-        description="Named evaluation sets; unset: one set `held_out`, the task's held-out split, greedy, every eval_every steps.")
+        default_factory=list,
+        max_length=32,
+        description="Named evaluation sets; unset: one set `held_out`, the task's held-out split, "
+        "greedy, every eval_every steps.",
+    )
     generation_batch: int | None = Field(
-        None, ge=1, le=100_000, description="Prompt groups per generate call (counted in samples: held-out groups of one sample fill it together); unset: the generator's GEN_BATCH_GROUPS."
+        None,
+        ge=1,
+        le=100_000,
+        description="Prompt groups per generate call (counted in samples: held-out groups of one sample fill it "
+        "together); unset: the generator's GEN_BATCH_GROUPS.",
     )
     checkpoint_every: int = Field(
-        0, ge=0, le=MAX_STEPS, description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops)."
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops).",
     )
     guard: GuardSpec = Field(
-        default_factory=GuardSpec, description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip."
+        default_factory=GuardSpec,
+        description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip.",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     priority: int = Field(
-        0, ge=-100, le=100, description="Place in the fleet's queue: a higher priority runs first; first in, first "
-                                       "out among equal priorities. Never preempts a running job.")
+        0,
+        ge=-100,
+        le=100,
+        description="Place in the fleet's queue: a higher priority runs first; first in, first "
+        "out among equal priorities. Never preempts a running job.",
+    )
     tracking: TrackingSpec = Field(
-        default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, MLflow, W&B (none by default).")
+        default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, MLflow, W&B (none by default)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -407,8 +561,10 @@ class JobSpec(_Strict):
         async (generation overlapping the step on the same devices) is refused."""
         if isinstance(data, dict) and data.get("placement") == "colocated":
             if data.get("mode", "sync") != "sync":
-                raise ValueError(f"placement colocated alternates generation and training, so it needs mode sync "
-                                 f"(got mode {data['mode']!r}): use mode sync, or placement split for async")
+                raise ValueError(
+                    f"placement colocated alternates generation and training, so it needs mode sync "
+                    f"(got mode {data['mode']!r}): use mode sync, or placement split for async"
+                )
             if data.get("adaptive_staleness") is not None:
                 raise ValueError("placement colocated is sync: adaptive_staleness (an async bound) does not apply")
             data = {**data, "mode": "sync"}
@@ -417,15 +573,19 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _overlong_buffer(self) -> JobSpec:
         if self.algorithm.overlong == "penalty" and self.algorithm.overlong_buffer > self.sampling.max_tokens:
-            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
-                             f"sampling.max_tokens ({self.sampling.max_tokens})")
+            raise ValueError(
+                f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must not exceed "
+                f"sampling.max_tokens ({self.sampling.max_tokens})"
+            )
         return self
 
     @model_validator(mode="after")
     def _warmup_within_steps(self) -> JobSpec:
         if self.algorithm.warmup_steps > self.steps:
-            raise ValueError(f"algorithm.warmup_steps ({self.algorithm.warmup_steps}) must not exceed steps "
-                             f"({self.steps}): the lr would never reach algorithm.lr")
+            raise ValueError(
+                f"algorithm.warmup_steps ({self.algorithm.warmup_steps}) must not exceed steps "
+                f"({self.steps}): the lr would never reach algorithm.lr"
+            )
         return self
 
     @model_validator(mode="after")
@@ -493,7 +653,8 @@ def _leave_out(data: dict[str, Any], loc: tuple[int | str, ...]) -> bool:
     node: Any = data
     for part in loc:
         holds = (isinstance(node, dict) and part in node) or (
-            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        )
         if not holds:
             break
         found, node = (node, part), node[part]
@@ -508,8 +669,12 @@ class JobPatch(_Strict):
     """The knobs that may change while a job runs; services apply them at their next step."""
 
     lr: float | None = Field(
-        None, gt=0.0, le=1.0, description="New peak learning rate (algorithm.lr): the schedule goes on by step, "
-                                          "scaled by new lr / old lr; a step's metric `lr` is the lr it trained with.")
+        None,
+        gt=0.0,
+        le=1.0,
+        description="New peak learning rate (algorithm.lr): the schedule goes on by step, "
+        "scaled by new lr / old lr; a step's metric `lr` is the lr it trained with.",
+    )
     max_staleness: int | None = Field(None, ge=0, le=64, description="New staleness bound k (async jobs).")
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature of new rollouts.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass of new rollouts.")
@@ -546,7 +711,10 @@ def format_validation_error(exc: Exception) -> list[dict]:
         field = ".".join(str(p) for p in loc)
         msg = e.get("msg", "invalid")
         if e.get("type") == "json_invalid":
-            field, msg = "", f"the request body is not valid JSON ({e.get('ctx', {}).get('error', msg)}); send a JSON object"
+            field, msg = (
+                "",
+                f"the request body is not valid JSON ({e.get('ctx', {}).get('error', msg)}); send a JSON object",
+            )
         elif e.get("type") == "extra_forbidden":
             msg = f"unknown field '{field}'; remove it or check its spelling"
         elif e.get("type") == "missing":

@@ -54,8 +54,9 @@ def setup_logging(service: str, level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ctx)
     handler.setFormatter(
-        _OneRecordFormatter("%(asctime)s %(levelname)s service=%(service)s %(ctx)s %(name)s: %(message)s",
-                            defaults={"service": service})
+        _OneRecordFormatter(
+            "%(asctime)s %(levelname)s service=%(service)s %(ctx)s %(name)s: %(message)s", defaults={"service": service}
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

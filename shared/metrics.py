@@ -35,8 +35,26 @@ _SLOW_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, fl
 
 
 # One step's phases: a Redis round trip or a ledger transaction (~0.1-5 ms) up to a generate call.
-_PHASE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 120,
-                  float("inf"))
+_PHASE_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    30,
+    120,
+    float("inf"),
+)
 
 # The phases each role times (Phases.span), in the order a step passes through them. A span of
 # another name is refused: label values must stay few, and a reader relies on these.
@@ -44,8 +62,19 @@ PHASES: Mapping[str, tuple[str, ...]] = {
     # read: the consumer read (blocking while there is no input); policy_poll: reading the policy
     # stream; fetch: pull + verify the chunks; swap: reload into the engine; verify: the probe's
     # logprobs; fingerprint: hash of the engine's weights; load_ledger: the load's ledger row.
-    "generator": ("read", "policy_poll", "fetch", "swap", "verify", "fingerprint", "load_ledger", "generate",
-                  "publish", "ledger", "heartbeat"),
+    "generator": (
+        "read",
+        "policy_poll",
+        "fetch",
+        "swap",
+        "verify",
+        "fingerprint",
+        "load_ledger",
+        "generate",
+        "publish",
+        "ledger",
+        "heartbeat",
+    ),
     "reward": ("read", "ledger_generated", "score", "ledger", "publish"),
     # wait: from the top of the step until a whole batch is in hand (read, assemble and feed are
     # inside it); learner_step, guard: the optimizer step and the collapse guard's check;
@@ -53,8 +82,23 @@ PHASES: Mapping[str, tuple[str, ...]] = {
     # announce: the version's ledger row and its announcement; ledger: the step's ledger writes;
     # tracking: the step's metrics to the job's TensorBoard / MLflow / W&B run; ack: acks and
     # stream trims.
-    "trainer": ("wait", "read", "assemble", "feed", "learner_step", "guard", "snapshot", "probe", "flatten",
-                "checksum", "serve", "announce", "ledger", "tracking", "ack"),
+    "trainer": (
+        "wait",
+        "read",
+        "assemble",
+        "feed",
+        "learner_step",
+        "guard",
+        "snapshot",
+        "probe",
+        "flatten",
+        "checksum",
+        "serve",
+        "announce",
+        "ledger",
+        "tracking",
+        "ack",
+    ),
 }
 
 
@@ -70,8 +114,13 @@ class Phases:
         if role not in PHASES:
             raise ValueError(f"unknown role {role!r}; valid: {sorted(PHASES)}")
         self.role, self._names = role, frozenset(PHASES[role])
-        hist = Histogram(f"asyncrl_{role}_phase_seconds", f"Wall time of one phase of the {role}'s step (one span).",
-                         ["job_id", "phase"], buckets=_PHASE_BUCKETS, registry=_registry(registry))
+        hist = Histogram(
+            f"asyncrl_{role}_phase_seconds",
+            f"Wall time of one phase of the {role}'s step (one span).",
+            ["job_id", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=_registry(registry),
+        )
         self._h = {name: hist.labels(job_id, name) for name in PHASES[role]}
         self.last: dict[str, float] = {}
 
@@ -123,8 +172,16 @@ def phase_summary(exposition: str) -> list[dict[str, float | str]]:
     for key in sorted(acc, key=lambda k: order.get(k, len(order))):
         n, total = acc[key].get("count", 0.0), acc[key].get("sum", 0.0)
         if n:
-            out.append({"role": key[0], "phase": key[1], "count": n, "total_s": total, "mean_s": total / n,
-                        "median_s": _bucket_quantile(sorted(buckets.get(key, [])), 0.5)})
+            out.append(
+                {
+                    "role": key[0],
+                    "phase": key[1],
+                    "count": n,
+                    "total_s": total,
+                    "mean_s": total / n,
+                    "median_s": _bucket_quantile(sorted(buckets.get(key, [])), 0.5),
+                }
+            )
     return out
 
 
@@ -178,9 +235,7 @@ def serve_metrics(port: int, service: str, host: str | None = None) -> Collector
     # A registry per process, not the global default: no process/platform collectors mixed in,
     # and tests can run several services' metrics side by side.
     registry = CollectorRegistry()
-    Info("asyncrl_service", "Which asyncrl service this process runs.", registry=registry).info(
-        {"service": service}
-    )
+    Info("asyncrl_service", "Which asyncrl service this process runs.", registry=registry).info({"service": service})
     if host is None:
         from shared.settings import CommonSettings  # the environment, read only when serving
 
@@ -211,12 +266,12 @@ class GeneratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, job_id: str = "") -> None:
         r = _registry(registry)
         labels = ["job_id"]
-        self._samples = Counter(
-            "asyncrl_generator_samples", "Completions generated.", labels, registry=r
-        ).labels(job_id)
-        self._tokens = Counter(
-            "asyncrl_generator_tokens", "Completion tokens generated.", labels, registry=r
-        ).labels(job_id)
+        self._samples = Counter("asyncrl_generator_samples", "Completions generated.", labels, registry=r).labels(
+            job_id
+        )
+        self._tokens = Counter("asyncrl_generator_tokens", "Completion tokens generated.", labels, registry=r).labels(
+            job_id
+        )
         self._generate_s = Histogram(
             "asyncrl_generator_generate_seconds",
             "Wall time of one generate call (a batch of prompt groups).",
@@ -241,8 +296,10 @@ class GeneratorMetrics:
             "asyncrl_generator_model_turns", "Model turns of multi-turn episodes.", labels, registry=r
         ).labels(job_id)
         self._turn_calls = Counter(
-            "asyncrl_generator_turn_calls", "Engine calls of multi-turn episodes (turns per call: the batching).",
-            labels, registry=r,
+            "asyncrl_generator_turn_calls",
+            "Engine calls of multi-turn episodes (turns per call: the batching).",
+            labels,
+            registry=r,
         ).labels(job_id)
         self._job_id = job_id
         self._dead = _dead_letters(r, "generator")
@@ -275,17 +332,17 @@ class RewardMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, job_id: str = "") -> None:
         r = _registry(registry)
         self._job_id = job_id
-        self._scored = Counter(
-            "asyncrl_reward_scored", "Rollouts scored.", ["job_id"], registry=r
-        ).labels(job_id)
+        self._scored = Counter("asyncrl_reward_scored", "Rollouts scored.", ["job_id"], registry=r).labels(job_id)
         self._mean = Gauge(
             "asyncrl_reward_mean", "reward/mean of the last scored batch.", ["job_id"], registry=r
         ).labels(job_id)
         self._dead = _dead_letters(r, "reward")
         self.phases = Phases("reward", r, job_id)
         self._status = Counter(
-            "asyncrl_reward_status", "Rollouts by reward status (ok, timeout, error), dropped ones included.",
-            ["job_id", "status"], registry=r,
+            "asyncrl_reward_status",
+            "Rollouts by reward status (ok, timeout, error), dropped ones included.",
+            ["job_id", "status"],
+            registry=r,
         )
 
     def scored(self, rewards: list[float]) -> None:
@@ -325,15 +382,12 @@ class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, job_id: str = "") -> None:
         r = _registry(registry)
         labels = ["job_id"]
-        self._step = Gauge(
-            "asyncrl_trainer_step", "Last completed step.", labels, registry=r
-        ).labels(job_id)
+        self._step = Gauge("asyncrl_trainer_step", "Last completed step.", labels, registry=r).labels(job_id)
         self._version = Gauge(
             "asyncrl_trainer_policy_version", "Newest published policy version.", labels, registry=r
         ).labels(job_id)
         self._gauges = {
-            key: Gauge(name, doc, labels, registry=r).labels(job_id)
-            for name, (key, doc) in self.GAUGES.items()
+            key: Gauge(name, doc, labels, registry=r).labels(job_id) for name, (key, doc) in self.GAUGES.items()
         }
         self._dropped = Counter(
             "asyncrl_trainer_dropped",

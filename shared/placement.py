@@ -141,8 +141,10 @@ def plan_placement(
         if text:
             picked = parse_cpuset(text)
             if not set(picked) <= set(cores):
-                raise ValueError(f"{OVERRIDE[role]}={text}: cores {sorted(set(picked) - set(cores))} are not "
-                                 f"available (this process may use {cpuset(cores)})")
+                raise ValueError(
+                    f"{OVERRIDE[role]}={text}: cores {sorted(set(picked) - set(cores))} are not "
+                    f"available (this process may use {cpuset(cores)})"
+                )
             share[role] = picked
     free = [c for c in cores if not any(c in s for s in share.values())] or cores
     if "reward" in present and "reward" not in share and len(cores) >= 4:
@@ -177,8 +179,9 @@ def plan_placement(
             e["OMP_NUM_THREADS"] = "1"
         if gpus and "CUDA_VISIBLE_DEVICES" not in env and kind in ("generator", "trainer"):
             if gpus >= len(gens) + 1 and mode == "split":
-                e["CUDA_VISIBLE_DEVICES"] = (str(gens.index(name)) if kind == "generator"
-                                             else ",".join(str(i) for i in range(len(gens), gpus)))
+                e["CUDA_VISIBLE_DEVICES"] = (
+                    str(gens.index(name)) if kind == "generator" else ",".join(str(i) for i in range(len(gens), gpus))
+                )
             else:
                 e["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))  # shared: co-located
         out[name] = Placement(frozenset(mine), e)
@@ -207,8 +210,12 @@ def self_name(role: str, replica: int | None) -> str:
     return f"generator-{replica or 0}" if role == "generator" else role
 
 
-def place_self(module: str, environ: MutableMapping[str, str] | None = None,
-               cores: Sequence[int] | None = None, gpus: int | None = None) -> Placement | None:
+def place_self(
+    module: str,
+    environ: MutableMapping[str, str] | None = None,
+    cores: Sequence[int] | None = None,
+    gpus: int | None = None,
+) -> Placement | None:
     """Give this process its share of the node: the same plan the launcher makes, for the roles
     the environment says run on this node (`PlacementSettings`), applied to this process only:
     its affinity (`os.sched_setaffinity`) and its thread variables in `environ` (os.environ).
@@ -234,8 +241,7 @@ def place_self(module: str, environ: MutableMapping[str, str] | None = None,
     cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     if gpus is None:
         gpus = gpu_count() if role != "reward" and "CUDA_VISIBLE_DEVICES" not in environ else 0
-    plan = plan_placement(node_services(sorted(roles), s.generators, s.replica), cores, environ, gpus,
-                          mode=s.placement)
+    plan = plan_placement(node_services(sorted(roles), s.generators, s.replica), cores, environ, gpus, mode=s.placement)
     mine = plan[self_name(role, s.replica)]
     apply(mine, environ)
     return mine

@@ -51,8 +51,10 @@ def uses_chat(tokenizer: Tokenizer, mode: ChatMode) -> bool:
     """
     has = bool(getattr(tokenizer, "chat_template", None))
     if mode == "on" and not has:
-        raise ValueError("chat_template is 'on' but the model's tokenizer has no chat template; "
-                         "add one to tokenizer_config.json (chat_template) or set chat_template to 'auto'/'off'")
+        raise ValueError(
+            "chat_template is 'on' but the model's tokenizer has no chat template; "
+            "add one to tokenizer_config.json (chat_template) or set chat_template to 'auto'/'off'"
+        )
     return has and mode != "off"
 
 
@@ -64,8 +66,14 @@ def messages_of(prompt: str, messages: Sequence[Mapping[str, Any]] | None) -> li
     return [{"role": "user", "content": prompt}]
 
 
-def render(tokenizer: Tokenizer, prompt: str, messages: Sequence[Mapping[str, Any]] | None = None, *,
-           chat: bool, chat_kwargs: Mapping[str, Any] | None = None) -> Rendered:
+def render(
+    tokenizer: Tokenizer,
+    prompt: str,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    chat: bool,
+    chat_kwargs: Mapping[str, Any] | None = None,
+) -> Rendered:
     """The prompt as text and token ids (see the module docstring).
 
     Args:
@@ -85,8 +93,9 @@ def render(tokenizer: Tokenizer, prompt: str, messages: Sequence[Mapping[str, An
     return Rendered(text, list(tokenizer(text, add_special_tokens=False)["input_ids"]))
 
 
-def renderer(tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mapping[str, Any] | None = None
-             ) -> Callable[[Problem], Rendered]:
+def renderer(
+    tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mapping[str, Any] | None = None
+) -> Callable[[Problem], Rendered]:
     """`render` for the problems of a job (its `chat_template` and `chat_template_kwargs`): what
     the feeder, the offline evaluation and the warm start all call, so they render alike."""
     chat = uses_chat(tokenizer, mode)

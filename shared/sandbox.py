@@ -201,23 +201,60 @@ def sandbox_python() -> str:
 # seccomp: classic BPF over struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]}
 # (linux/seccomp.h, linux/filter.h). Syscall numbers from the kernel's unistd tables.
 _DENIED_SYSCALLS = (
-    "execve", "execveat", "ptrace", "process_vm_readv", "process_vm_writev", "add_key",
-    "request_key", "keyctl", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
-    "io_uring_enter", "io_uring_register",
+    "execve",
+    "execveat",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "add_key",
+    "request_key",
+    "keyctl",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
 )
 _SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
-    "x86_64": (0xC000003E, {  # AUDIT_ARCH_X86_64, arch/x86/entry/syscalls/syscall_64.tbl
-        "execve": 59, "execveat": 322, "ptrace": 101, "process_vm_readv": 310,
-        "process_vm_writev": 311, "add_key": 248, "request_key": 249, "keyctl": 250, "bpf": 321,
-        "perf_event_open": 298, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
-        "io_uring_register": 427,
-    }),
-    "aarch64": (0xC00000B7, {  # AUDIT_ARCH_AARCH64, include/uapi/asm-generic/unistd.h
-        "execve": 221, "execveat": 281, "ptrace": 117, "process_vm_readv": 270,
-        "process_vm_writev": 271, "add_key": 217, "request_key": 218, "keyctl": 219, "bpf": 280,
-        "perf_event_open": 241, "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426,
-        "io_uring_register": 427,
-    }),
+    "x86_64": (
+        0xC000003E,
+        {  # AUDIT_ARCH_X86_64, arch/x86/entry/syscalls/syscall_64.tbl
+            "execve": 59,
+            "execveat": 322,
+            "ptrace": 101,
+            "process_vm_readv": 310,
+            "process_vm_writev": 311,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "bpf": 321,
+            "perf_event_open": 298,
+            "userfaultfd": 323,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {  # AUDIT_ARCH_AARCH64, include/uapi/asm-generic/unistd.h
+            "execve": 221,
+            "execveat": 281,
+            "ptrace": 117,
+            "process_vm_readv": 270,
+            "process_vm_writev": 271,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "bpf": 280,
+            "perf_event_open": 241,
+            "userfaultfd": 282,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
+        },
+    ),
 }
 _BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 _RET_KILL_PROCESS, _RET_ERRNO, _RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
@@ -310,8 +347,16 @@ def _bwrap_argv(python: str, limits: Limits, code_fd: int) -> list[str]:
     """bwrap's command line: namespaces, the read-only binds the interpreter needs, private tmpfs."""
     prefix = os.path.dirname(os.path.dirname(python))  # <prefix>/bin/python3.X
     argv = [
-        _BWRAP, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-        "--as-pid-1", "--new-session", "--clearenv", "--cap-drop", "ALL",
+        _BWRAP,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--as-pid-1",
+        "--new-session",
+        "--clearenv",
+        "--cap-drop",
+        "ALL",
     ]
     binds = [python, *(d for d in (f"{prefix}/lib", "/usr/lib", "/usr/lib64") if os.path.isdir(d))]
     for src in dict.fromkeys(binds):
@@ -323,10 +368,33 @@ def _bwrap_argv(python: str, limits: Limits, code_fd: int) -> list[str]:
             argv += ["--ro-bind", top, top]
     size = str(limits.tmpfs_bytes)
     argv += [
-        "--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
-        "--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp",
-        "--size", size, "--tmpfs", _WORKDIR, "--perms", "0444", "--file", str(code_fd), f"{_WORKDIR}/main.py",
-        "--chdir", _WORKDIR, "--remount-ro", "/",
+        "--proc",
+        "/proc",
+        "--remount-ro",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        size,
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        size,
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        size,
+        "--tmpfs",
+        _WORKDIR,
+        "--perms",
+        "0444",
+        "--file",
+        str(code_fd),
+        f"{_WORKDIR}/main.py",
+        "--chdir",
+        _WORKDIR,
+        "--remount-ro",
+        "/",
     ]
     return argv
 
@@ -420,8 +488,14 @@ def _run(code: str, limits: Limits, uid: int | None, guard: bool, confined: bool
             argv, cwd = runner, workdir
         t0 = time.monotonic()
         proc = subprocess.Popen(
-            argv, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, pass_fds=pass_fds, start_new_session=True,
+            argv,
+            cwd=cwd,
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
+            start_new_session=True,
             # RLIMIT_NPROC counts every process of the uid: only safe for a uid of the run's own.
             preexec_fn=_preexec(limits, uid, nproc=uid is not None),
         )

@@ -286,11 +286,21 @@ class EvalRound(Message):
     def groups(self) -> list[PromptGroup]:
         """The round as prompt groups, one per problem (what the generator generates)."""
         return [
-            PromptGroup(job_id=self.job_id, msg_id=eval_group_id(self.group_id, it.prompt_index),
-                        group_id=eval_group_id(self.group_id, it.prompt_index), policy_version=self.policy_version,
-                        purpose="eval", prompt_index=it.prompt_index, prompt=it.prompt, prompt_ids=it.prompt_ids,
-                        answer=it.answer, metadata=it.metadata, eval_set=self.eval_set, n=self.n,
-                        sampling=self.sampling)
+            PromptGroup(
+                job_id=self.job_id,
+                msg_id=eval_group_id(self.group_id, it.prompt_index),
+                group_id=eval_group_id(self.group_id, it.prompt_index),
+                policy_version=self.policy_version,
+                purpose="eval",
+                prompt_index=it.prompt_index,
+                prompt=it.prompt,
+                prompt_ids=it.prompt_ids,
+                answer=it.answer,
+                metadata=it.metadata,
+                eval_set=self.eval_set,
+                n=self.n,
+                sampling=self.sampling,
+            )
             for it in self.items
         ]
 
@@ -347,14 +357,18 @@ class Rollout(Message):
                 raise ValueError(f"logprobs[{i}] is {float(lp[i])!r}: a behaviour logprob is finite and <= 0")
         if self.model_mask:
             if len(self.model_mask) != len(self.completion_ids) // 4:
-                raise ValueError(f"model_mask holds {len(self.model_mask)} bytes for {self.num_completion_tokens} "
-                                 "completion tokens; there must be one per token (1: the model's, 0: the environment's)")
+                raise ValueError(
+                    f"model_mask holds {len(self.model_mask)} bytes for {self.num_completion_tokens} "
+                    "completion tokens; there must be one per token (1: the model's, 0: the environment's)"
+                )
             if not set(self.model_mask) <= {0, 1}:
                 raise ValueError("model_mask holds a byte other than 0 (environment token) and 1 (model token)")
             env = self.model_mask_array() == 0
             if env.any() and bool(np.any(self.logprob_array()[env] != 0.0)):
-                raise ValueError("an environment token (model_mask 0) has a behaviour logprob other than 0.0: "
-                                 "the model did not sample it")
+                raise ValueError(
+                    "an environment token (model_mask 0) has a behaviour logprob other than 0.0: "
+                    "the model did not sample it"
+                )
         if self.sample_index >= self.group_size:
             raise ValueError(f"sample_index {self.sample_index} is outside a group of {self.group_size}")
         if self.policy_version > self.policy_version_max:
@@ -444,7 +458,9 @@ class Manifest(BaseModel):
         # before anything is allocated.
         for t in self.tensors:
             if t.offset + t.nbytes > self.total_bytes:
-                raise ValueError(f"tensor {t.name} ends at byte {t.offset + t.nbytes}, past total_bytes {self.total_bytes}")
+                raise ValueError(
+                    f"tensor {t.name} ends at byte {t.offset + t.nbytes}, past total_bytes {self.total_bytes}"
+                )
         want = -(-self.total_bytes // self.chunk_bytes)
         if len(self.chunk_checksums) != want:
             raise ValueError(
@@ -479,7 +495,9 @@ class PolicyAnnouncement(Message):
     manifest: Manifest
     transport: Name = Field(max_length=64)  # transport name, e.g. "tcp"
     address: Name = Field(max_length=1024)  # transport-specific endpoint, e.g. "127.0.0.1:5555"
-    trainer_run: Name = Field("", max_length=128)  # id of the trainer process that published it; a new one means a restart
+    trainer_run: Name = Field(
+        "", max_length=128
+    )  # id of the trainer process that published it; a new one means a restart
     probe_ids: bytes = b""  # int32 LE, (P,)
     probe_logprobs: bytes = b""  # float32 LE, (P-1,): log p(probe[t+1] | probe[:t+1])
     # The trainer's staleness bound k when it published this version: generators admit training
@@ -503,7 +521,8 @@ class Control(Message):
     reason: Text = Field("", max_length=4000)
     # "set": live knobs (JobPatch fields)
     settings: dict[Annotated[Name, Field(max_length=64)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
 
 # any consumer -> {job}:dead
@@ -561,12 +580,18 @@ M = TypeVar("M", bound=Message)
 @overload
 def decode(raw: bytes, expected: type[M], *, max_bytes: int = ..., max_elements: int = ...) -> M: ...
 @overload
-def decode(raw: bytes, expected: tuple[type[Message], ...] | None = None, *, max_bytes: int = ...,
-           max_elements: int = ...) -> Message: ...
+def decode(
+    raw: bytes, expected: tuple[type[Message], ...] | None = None, *, max_bytes: int = ..., max_elements: int = ...
+) -> Message: ...
 
 
-def decode(raw: Any, expected: type[Message] | tuple[type[Message], ...] | None = None, *,
-           max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Message:
+def decode(
+    raw: Any,
+    expected: type[Message] | tuple[type[Message], ...] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> Message:
     """Decode and validate one message of the `expected` kind (or one of several). Raises
     DecodeError with a reason; never unpickles.
 
@@ -579,9 +604,16 @@ def decode(raw: Any, expected: type[Message] | tuple[type[Message], ...] | None 
     budget = _Budget(max_elements)
     try:
         body = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
-            max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN, max_ext_len=0,
-            list_hook=budget.list_hook, object_hook=budget.object_hook,
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
+            list_hook=budget.list_hook,
+            object_hook=budget.object_hook,
         )
     except _TooManyValues:
         raise DecodeError(

@@ -48,7 +48,10 @@ class CommonSettings(BaseSettings):
     )
     log_level: str = Field("INFO", validation_alias=AliasChoices("LOG_LEVEL", "log_level"))
     redis_outage_s: float = Field(
-        600.0, gt=0, le=86_400, allow_inf_nan=False,
+        600.0,
+        gt=0,
+        le=86_400,
+        allow_inf_nan=False,
         validation_alias=AliasChoices("REDIS_OUTAGE_S", "redis_outage_s"),
         description="Seconds a Redis command keeps retrying through an outage before the service gives up.",
     )
@@ -78,25 +81,46 @@ class PlacementSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", frozen=True)
 
     placement: Literal["split", "colocated", "off"] = Field(
-        "split", validation_alias=AliasChoices("NODE_PLACEMENT", "placement"),
+        "split",
+        validation_alias=AliasChoices("NODE_PLACEMENT", "placement"),
         description="split: each role its own cores; colocated: generators and trainer share every core and GPU "
-        "(jobs with placement colocated); off: do not place (the launcher did, or you pin by hand).")
+        "(jobs with placement colocated); off: do not place (the launcher did, or you pin by hand).",
+    )
     roles: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, validation_alias=AliasChoices("NODE_ROLES", "roles"),
+        default_factory=list,
+        validation_alias=AliasChoices("NODE_ROLES", "roles"),
         description="Roles on this node, comma-separated (generator,reward,trainer); unset: the service does "
-        "not place itself (compose and the systemd units set it).")
-    generators: int = Field(1, ge=1, le=1024, validation_alias=AliasChoices("NODE_GENERATORS", "generators"),
-                            description="Generator replicas on this node.")
+        "not place itself (compose and the systemd units set it).",
+    )
+    generators: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        validation_alias=AliasChoices("NODE_GENERATORS", "generators"),
+        description="Generator replicas on this node.",
+    )
     replica: int | None = Field(
-        None, ge=0, validation_alias=AliasChoices("GEN_REPLICA", "replica"),
+        None,
+        ge=0,
+        validation_alias=AliasChoices("GEN_REPLICA", "replica"),
         description="This generator's replica index on its node (0..NODE_GENERATORS-1); unset: it shares the "
-        "generators' whole share with any other replica.")
-    gen_cpus: str | None = Field(None, validation_alias=AliasChoices("GEN_CPUS", "gen_cpus"),
-                                 description="Cores of the generators (a cpuset list such as 0-3,8), replacing their share.")
-    trainer_cpus: str | None = Field(None, validation_alias=AliasChoices("TRAINER_CPUS", "trainer_cpus"),
-                                     description="Cores of the trainer, replacing its share.")
-    reward_cpus: str | None = Field(None, validation_alias=AliasChoices("REWARD_CPUS", "reward_cpus"),
-                                    description="Cores of the reward service, replacing its share.")
+        "generators' whole share with any other replica.",
+    )
+    gen_cpus: str | None = Field(
+        None,
+        validation_alias=AliasChoices("GEN_CPUS", "gen_cpus"),
+        description="Cores of the generators (a cpuset list such as 0-3,8), replacing their share.",
+    )
+    trainer_cpus: str | None = Field(
+        None,
+        validation_alias=AliasChoices("TRAINER_CPUS", "trainer_cpus"),
+        description="Cores of the trainer, replacing its share.",
+    )
+    reward_cpus: str | None = Field(
+        None,
+        validation_alias=AliasChoices("REWARD_CPUS", "reward_cpus"),
+        description="Cores of the reward service, replacing its share.",
+    )
 
     @field_validator("roles", mode="before")
     @classmethod
@@ -111,9 +135,15 @@ class PlacementSettings(BaseSettings):
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> PlacementSettings:
         """These settings from `environ` (os.environ or a copy of it)."""
-        keys = {"NODE_PLACEMENT": "placement", "NODE_ROLES": "roles", "NODE_GENERATORS": "generators",
-                "GEN_REPLICA": "replica", "GEN_CPUS": "gen_cpus", "TRAINER_CPUS": "trainer_cpus",
-                "REWARD_CPUS": "reward_cpus"}
+        keys = {
+            "NODE_PLACEMENT": "placement",
+            "NODE_ROLES": "roles",
+            "NODE_GENERATORS": "generators",
+            "GEN_REPLICA": "replica",
+            "GEN_CPUS": "gen_cpus",
+            "TRAINER_CPUS": "trainer_cpus",
+            "REWARD_CPUS": "reward_cpus",
+        }
         return cls.model_validate({f: environ[k] for k, f in keys.items() if environ.get(k, "") != ""})
 
 
@@ -121,30 +151,48 @@ class GeneratorSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="GEN_", extra="ignore", frozen=True)
 
     generator_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
-    batch_groups: int = Field(16, ge=1, description="Prompt groups per generate call, counted in samples (groups x group size: a held-out round's one-sample groups fill a call together).")
+    batch_groups: int = Field(
+        16,
+        ge=1,
+        description="Prompt groups per generate call, counted in samples "
+        "(groups x group size: a held-out round's one-sample groups fill a call together).",
+    )
     gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="vLLM memory fraction (CPU: of NUMA RAM).")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int = Field(256, ge=16, description="Context length given to vLLM.")
     dtype: str = Field("float32", description="Engine dtype; float32 keeps behaviour logprobs exact on CPU.")
     enforce_eager: bool = Field(True, description="Skip graph capture (faster start on CPU).")
     engine_in_process: bool = Field(
-        True, description="Run vLLM's engine core and worker in the generator process (fast start); false for tensor parallelism.")
+        True,
+        description="Run vLLM's engine core and worker in the generator process (fast start); "
+        "false for tensor parallelism.",
+    )
     metrics_port: int = Field(0, ge=0, description="Prometheus port; 0 disables.")
     verify_atol: float = Field(
         1e-3, gt=0, description="Max |logprob| gap on the policy's probe after a swap (fp32: 1e-3; bf16: ~0.1)."
     )
     load_retries: int = Field(2, ge=0, description="Re-fetch and reload this often before a swap counts as failed.")
     relay_fanout: int = Field(
-        0, ge=0, le=64,
+        0,
+        ge=0,
+        le=64,
         description="Relay fan-out of weights (ARCHITECTURE.md, 'Weights: relay fan-out'): 0 fetches every version "
         "from the trainer (N copies leave the trainer per version); k >= 1 makes the generators a tree with k "
         "children per relay, the first (by id) fetching from the trainer: one copy leaves the trainer. Each "
-        "generator then serves what it verified; set the same k on every generator of a job.")
-    relay_host: str = Field("127.0.0.1", description="Interface this generator's relay server listens on (relay_fanout > 0).")
-    relay_advertise_host: str | None = Field(None, description="Host other generators reach the relay at; default relay_host.")
+        "generator then serves what it verified; set the same k on every generator of a job.",
+    )
+    relay_host: str = Field(
+        "127.0.0.1", description="Interface this generator's relay server listens on (relay_fanout > 0)."
+    )
+    relay_advertise_host: str | None = Field(
+        None, description="Host other generators reach the relay at; default relay_host."
+    )
     relay_wait_s: float = Field(
-        180.0, gt=0, description="Longest wait for this generator's relay to hold a version before the engine "
-        "fetches it from the trainer itself.")
+        180.0,
+        gt=0,
+        description="Longest wait for this generator's relay to hold a version before the engine "
+        "fetches it from the trainer itself.",
+    )
 
 
 class RewardSettings(CommonSettings):
@@ -153,7 +201,9 @@ class RewardSettings(CommonSettings):
     consumer_id: str = Field(default_factory=_default_worker_id, description="Consumer name; unique per replica.")
     batch: int = Field(256, ge=1, description="Rollouts read per XREADGROUP.")
     workers: int = Field(
-        2, ge=0, le=256,
+        2,
+        ge=0,
+        le=256,
         description="Worker processes for sync Python rewards and the built-ins (shared.rewards.pool): a call over "
         "its time budget is killed with its worker, which is replaced. 0 runs them in threads of the service "
         "instead, where a hung call can only be abandoned, still running.",
@@ -165,7 +215,9 @@ class TrainerSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINER_", extra="ignore", frozen=True)
 
     consumer_id: str = Field(default_factory=_default_worker_id)
-    transport: str = Field("ucx", description="Weight transport: ucx (shared memory, RDMA, NVLink) or tcp (plain sockets, the fallback).")
+    transport: str = Field(
+        "ucx", description="Weight transport: ucx (shared memory, RDMA, NVLink) or tcp (plain sockets, the fallback)."
+    )
     bind_host: str = Field("127.0.0.1", description="Interface the weight server listens on.")
     bind_port: int = Field(0, ge=0, le=65535, description="Weight server port; 0 picks a free one.")
     advertise_host: str | None = Field(None, description="Host generators connect to; default bind_host.")
@@ -176,17 +228,25 @@ class TrainerSettings(CommonSettings):
     metrics_port: int = Field(0, ge=0)
     # NoDecode: a comma-separated string in the environment, not a JSON list
     tracking: Annotated[tuple[TrackingSink, ...], NoDecode] = Field(
-        (), description="Metric sinks for every job this trainer runs, comma-separated (tensorboard, mlflow, wandb), "
-        "besides those its spec names (tracking.sinks).")
+        (),
+        description="Metric sinks for every job this trainer runs, comma-separated (tensorboard, mlflow, wandb), "
+        "besides those its spec names (tracking.sinks).",
+    )
     tracking_dir: str = Field(
-        "runs/tracking", description="Where the sinks write: <dir>/tensorboard/<project>/<job id>, <dir>/mlruns "
-        "(MLflow's file store), <dir>/wandb.")
+        "runs/tracking",
+        description="Where the sinks write: <dir>/tensorboard/<project>/<job id>, <dir>/mlruns "
+        "(MLflow's file store), <dir>/wandb.",
+    )
     mlflow_uri: str | None = Field(
-        None, description="MLflow tracking URI (e.g. sqlite:///mlflow.db, http://host:5000); unset: the file store "
-        "<tracking_dir>/mlruns.")
+        None,
+        description="MLflow tracking URI (e.g. sqlite:///mlflow.db, http://host:5000); unset: the file store "
+        "<tracking_dir>/mlruns.",
+    )
     wandb_mode: Literal["offline", "online"] = Field(
-        "offline", description="W&B mode: offline writes the run under <tracking_dir>/wandb and needs no network or "
-        "login (`wandb sync` uploads it later); online needs WANDB_API_KEY and the network.")
+        "offline",
+        description="W&B mode: offline writes the run under <tracking_dir>/wandb and needs no network or "
+        "login (`wandb sync` uploads it later); online needs WANDB_API_KEY and the network.",
+    )
 
     @field_validator("tracking", mode="before")
     @classmethod
@@ -202,12 +262,16 @@ class BrokerSettings(CommonSettings):
     host: str = Field("127.0.0.1", description="API bind address.")
     port: int = Field(8000, ge=1, le=65535, description="API port.")
     max_body_bytes: int = Field(
-        1 << 20, ge=1024, le=1 << 30,
+        1 << 20,
+        ge=1024,
+        le=1 << 30,
         description="Largest request body the API reads (a job spec is a few KiB); a larger one is a 413 "
         "before any of it is parsed.",
     )
     metrics_max_jobs: int = Field(
-        50, ge=0, le=1000,
+        50,
+        ge=0,
+        le=1000,
         description="/metrics carries per-job gauges for at most this many unfinished jobs (running, "
         "paused or stopping ones first, then the newest submitted); 0 leaves them out.",
     )
@@ -222,8 +286,7 @@ class BrokerSettings(CommonSettings):
     read_only_tokens: Annotated[tuple[str, ...], NoDecode] = Field(
         (),
         repr=False,
-        description="Bearer tokens allowed only GET requests, comma-separated "
-        "(BROKER_READ_ONLY_TOKENS).",
+        description="Bearer tokens allowed only GET requests, comma-separated (BROKER_READ_ONLY_TOKENS).",
     )
     token_file: Path | None = Field(
         None,
@@ -240,9 +303,7 @@ class BrokerSettings(CommonSettings):
             return value  # pydantic rejects it with its own message
         tokens = tuple(t.strip() for t in value if t.strip())
         if any(len(t.split()) != 1 for t in tokens):
-            raise ValueError(
-                "a bearer token cannot contain whitespace; separate tokens with commas"
-            )
+            raise ValueError("a bearer token cannot contain whitespace; separate tokens with commas")
         return tokens
 
 

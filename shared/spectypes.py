@@ -34,8 +34,7 @@ def _printable(value: str) -> str:
     m = CONTROL_CHARS.search(value)
     if m is not None:
         raise ValueError(
-            f"contains the control character {m.group()!r} at position {m.start()}; "
-            "use printable text only"
+            f"contains the control character {m.group()!r} at position {m.start()}; use printable text only"
         )
     return value
 
@@ -88,10 +87,13 @@ def refuse_nul(title: str, data: Any) -> None:
     """
     details: list[InitErrorDetails] = []
     for loc, text in _nul_locations(data):
-        details.append(InitErrorDetails(
-            type=PydanticCustomError("nul_character", "contains a NUL character (\\u0000); remove it"),
-            loc=loc, input=text[:100],
-        ))
+        details.append(
+            InitErrorDetails(
+                type=PydanticCustomError("nul_character", "contains a NUL character (\\u0000); remove it"),
+                loc=loc,
+                input=text[:100],
+            )
+        )
         if len(details) == MAX_NUL_LISTED:
             break
     if details:

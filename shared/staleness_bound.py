@@ -54,8 +54,9 @@ def admission_floor(train_version: int, bound: int) -> int:
     return train_version - bound
 
 
-def min_generation_version(fed_version: int, train_version: int | None, bound: int | None,
-                           newest: int | None = None) -> int:
+def min_generation_version(
+    fed_version: int, train_version: int | None, bound: int | None, newest: int | None = None
+) -> int:
     """The policy version a generator must hold before generating a training group: at least the
     version it was fed at (sync mode relies on it), and at least the group's admission floor under
     the trainer's current bound when the group and the trainer say what those are. The floor is

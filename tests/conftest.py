@@ -42,4 +42,3 @@ def fresh_postgres_database() -> Iterator[str]:
 def postgres_database() -> Callable[[], AbstractContextManager[str]]:
     """A factory of fresh databases, usable from fixtures of any scope: `with postgres_database() as url`."""
     return fresh_postgres_database
-

@@ -1,7 +1,7 @@
 """results/hostile.json: the hostile-input suite's figures, merged by the tests that measure them.
 
-    from hostile_results import record_hostile   # tests/ is on sys.path
-    record_hostile(good_lost=0, good_dead_lettered=0, service_exits=0, peak_rss_mib=212.0)
+from hostile_results import record_hostile   # tests/ is on sys.path
+record_hostile(good_lost=0, good_dead_lettered=0, service_exits=0, peak_rss_mib=212.0)
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ def named_paths(text: str) -> set[str]:
 
 def test_named_paths_parser() -> None:
     assert named_paths("see `broker/ledger/` and `shared/ids.py`, not `k` or `{job}:dead`") == {
-        "broker/ledger/", "shared/ids.py"}
+        "broker/ledger/",
+        "shared/ids.py",
+    }
 
 
 def test_every_path_in_the_architecture_exists() -> None:
@@ -29,6 +31,11 @@ def test_every_path_in_the_architecture_exists() -> None:
 
 def test_no_module_cites_a_file_outside_the_repository() -> None:
     outside = re.compile(r"DESIGN\.md|STYLE\.md|\bSTYLE \d|shared/notes/|shared/reference/")
-    found = [f"{p.relative_to(REPO)}:{i}" for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if outside.search(line)]
+    found = [
+        f"{p.relative_to(REPO)}:{i}"
+        for pkg in PACKAGES
+        for p in sorted((REPO / pkg).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if outside.search(line)
+    ]
     assert not found, f"cite ARCHITECTURE.md (or nothing) instead: {found}"

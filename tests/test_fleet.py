@@ -37,8 +37,17 @@ class Fleet:
     tmp: Path
 
     def submit(self, name: str, steps: int = 2, **extra: Any) -> str:
-        spec = {"name": name, "model_path": str(self.model), "steps": steps, "group_size": 4, "prompts_per_step": 4,
-                "eval_every": 0, "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}, **extra}
+        spec = {
+            "name": name,
+            "model_path": str(self.model),
+            "steps": steps,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 0,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+            **extra,
+        }
         r = httpx.post(f"{self.api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         assert r.json()["state"] == "queued"
@@ -75,15 +84,27 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     port = _free_port()
     db_url = f"sqlite:///{tmp / 'ledger.db'}"
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"fleet-{uuid.uuid4().hex[:8]}:",
-           "BROKER_PORT": str(port), "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "REWARD_WORKERS": "1",
-           "PYTHONUNBUFFERED": "1", "TRAINER_CHECKPOINT_DIR": str(tmp / "checkpoints")}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": f"fleet-{uuid.uuid4().hex[:8]}:",
+        "BROKER_PORT": str(port),
+        "GEN_GENERATOR_ID": "gen-0",
+        "TRAINER_THREADS": "1",
+        "REWARD_WORKERS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(tmp / "checkpoints"),
+    }
     env.pop("JOB_ID", None)
     sup = Supervisor(tmp / "logs", env)
     api = f"http://127.0.0.1:{port}"
     try:
-        for name, module in (("broker", "broker"), ("generator", "generator_svc"), ("reward", "reward_svc"),
-                             ("trainer", "trainer_svc")):
+        for name, module in (
+            ("broker", "broker"),
+            ("generator", "generator_svc"),
+            ("reward", "reward_svc"),
+            ("trainer", "trainer_svc"),
+        ):
             sup.start(name, module)
         deadline = time.monotonic() + 120
         while True:

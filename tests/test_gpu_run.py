@@ -42,6 +42,7 @@ def test_runner_records_each_outcome_and_rewrites_the_results_after_every_phase(
     runner.phase("transfer", ok)
     saved = json.loads((tmp_path / "gpu.json").read_text())
     assert saved["phases"]["transfer"]["status"] == "done" and saved["figures"]["transfer"] == {"gbps": 1.5}
+
     def part():
         raise g.PartFailed("ucx_to_device: 3 chunks differ from the manifest", {"tcp": {"gbps": 2.0}})
 
@@ -52,30 +53,69 @@ def test_runner_records_each_outcome_and_rewrites_the_results_after_every_phase(
     runner.phase("packing", lambda: (_ for _ in ()).throw(AssertionError("must not run")))
     saved = json.loads((tmp_path / "gpu.json").read_text())
     status = {n: r["status"] for n, r in saved["phases"].items()}
-    assert status == {"machine": "done", "transfer": "done", "trainer": "failed", "engine": "not_run",
-                      "offload": "failed", "packing": "skipped"}
+    assert status == {
+        "machine": "done",
+        "transfer": "done",
+        "trainer": "failed",
+        "engine": "not_run",
+        "offload": "failed",
+        "packing": "skipped",
+    }
     assert saved["figures"]["offload"] == {"tcp": {"gbps": 2.0}}  # what it measured before failing stays
     assert saved["phases"]["trainer"]["error"] == "RuntimeError: CUDA error: out of memory"
     assert "broken" in saved["phases"]["trainer"]["traceback"]
     md = (tmp_path / "gpu.md").read_text()
-    for text in ("NVIDIA H200", "Driver Version: 580", "RuntimeError: CUDA error: out of memory",
-                 "ModuleNotFoundError: No module named 'vllm'", "vLLM cannot travel here", "| packing | skipped |",
-                 "ucx_to_device: 3 chunks differ from the manifest", "- tcp: gbps 2",
-                 "- gbps: 1.5"):
+    for text in (
+        "NVIDIA H200",
+        "Driver Version: 580",
+        "RuntimeError: CUDA error: out of memory",
+        "ModuleNotFoundError: No module named 'vllm'",
+        "vLLM cannot travel here",
+        "| packing | skipped |",
+        "ucx_to_device: 3 chunks differ from the manifest",
+        "- tcp: gbps 2",
+        "- gbps: 1.5",
+    ):
         assert text in md
 
 
 def test_the_trainer_transfer_and_publish_paths_run_on_cpu(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "deploy" / "gpu_run.py"), "--device", "cpu", "--tiny",
-                           "--max-tokens", "16", "--transfer-gb", "0.004", "--phases", "model,trainer,offload,transfer,publish",
-                           "--before", str(ROOT / "trainer_svc" / "weights.py"), "--workdir", str(tmp_path / "wd"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "deploy" / "gpu_run.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--max-tokens",
+            "16",
+            "--transfer-gb",
+            "0.004",
+            "--phases",
+            "model,trainer,offload,transfer,publish",
+            "--before",
+            str(ROOT / "trainer_svc" / "weights.py"),
+            "--workdir",
+            str(tmp_path / "wd"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((out / "gpu.json").read_text())
     status = {n: r["status"] for n, r in res["phases"].items()}
-    assert status == {"model": "done", "trainer": "done", "offload": "not_run", "transfer": "done",
-                      "publish": "done"}, res["phases"]
+    assert status == {
+        "model": "done",
+        "trainer": "done",
+        "offload": "not_run",
+        "transfer": "done",
+        "publish": "done",
+    }, res["phases"]
     tr = res["figures"]["trainer"]
     for dtype in ("bfloat16", "float32"):
         # timed after a full-size warm-up step (first-use costs made the GPU's first bf16 step look 2x

@@ -40,17 +40,36 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_p
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
     port, prefix = _free_port(), f"guard-{uuid.uuid4().hex[:8]}:"
     ckpts = tmp_path / "checkpoints"
-    sup = Supervisor(tmp_path / "logs", {
-        "REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-        "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "TRAINER_CHECKPOINT_DIR": str(ckpts)})
+    sup = Supervisor(
+        tmp_path / "logs",
+        {
+            "REDIS_URL": redis_url,
+            "DATABASE_URL": db_url,
+            "STREAM_PREFIX": prefix,
+            "BROKER_PORT": str(port),
+            "GEN_GENERATOR_ID": "gen-0",
+            "TRAINER_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TRAINER_CHECKPOINT_DIR": str(ckpts),
+        },
+    )
     api = f"http://127.0.0.1:{port}"
-    spec = {"name": "guard-live", "model_path": str(model), "mode": "async", "max_staleness": 1, "steps": STEPS,
-            "group_size": 8, "prompts_per_step": 8, "eval_every": 0, "checkpoint_every": EVERY,
-            "algorithm": {"lr": LR}, "sampling": {"max_tokens": 8},
-            # "initial": this test is about the roll-back, and a collapse this early has no checkpoint
-            # before it (the default, lower_lr, would keep the collapsed policy and go on)
-            "guard": {"reward_window": 3, "min_best_reward": 0.1, "max_trips": 8, "on_no_checkpoint": "initial"}}
+    spec = {
+        "name": "guard-live",
+        "model_path": str(model),
+        "mode": "async",
+        "max_staleness": 1,
+        "steps": STEPS,
+        "group_size": 8,
+        "prompts_per_step": 8,
+        "eval_every": 0,
+        "checkpoint_every": EVERY,
+        "algorithm": {"lr": LR},
+        "sampling": {"max_tokens": 8},
+        # "initial": this test is about the roll-back, and a collapse this early has no checkpoint
+        # before it (the default, lower_lr, would keep the collapsed policy and go on)
+        "guard": {"reward_window": 3, "min_best_reward": 0.1, "max_trips": 8, "on_no_checkpoint": "initial"},
+    }
     ledger = Ledger(db_url)
     try:
         sup.start("broker", "broker")
@@ -100,5 +119,7 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_p
     assert steps == list(range(1, STEPS + 1))  # every step number once, the redone ones included
     result = verify(ledger, job_id)
     assert result.ok, [v.message for v in result.violations]
-    print(f"\nguard trips {[t['kind'] for t in trips]} at steps {[t['step'] for t in trips]} -> rolled back to "
-          f"{[t['rolled_back_to_step'] for t in trips]}, lr {[t['lr'] for t in trips]}; rewards per step {rewards}")
+    print(
+        f"\nguard trips {[t['kind'] for t in trips]} at steps {[t['step'] for t in trips]} -> rolled back to "
+        f"{[t['rolled_back_to_step'] for t in trips]}, lr {[t['lr'] for t in trips]}; rewards per step {rewards}"
+    )

@@ -62,10 +62,22 @@ RSS_HEADROOM_MIB = (3 * (MAX_READ_BYTES + MAX_MESSAGE_BYTES) + 16 * MIB + 2 * MA
 
 def good_rollout(job: str, i: int) -> Rollout:
     return Rollout(
-        job_id=job, msg_id=f"{job}/good/{i}", group_id=f"{job}/good/{i}", policy_version=1, policy_version_max=1,
-        prompt_index=i, sample_index=0, group_size=1, generator_id="gen-0", prompt_ids=pack_i32([1, 2, 3]),
-        completion_ids=pack_i32([4, 5]), logprobs=pack_f32([-0.25, -1.5]), completion=f"{i}",
-        answer=f"{i}" if i % 2 else "no", prompt=f"say {i}", temperature=1.0,
+        job_id=job,
+        msg_id=f"{job}/good/{i}",
+        group_id=f"{job}/good/{i}",
+        policy_version=1,
+        policy_version_max=1,
+        prompt_index=i,
+        sample_index=0,
+        group_size=1,
+        generator_id="gen-0",
+        prompt_ids=pack_i32([1, 2, 3]),
+        completion_ids=pack_i32([4, 5]),
+        logprobs=pack_f32([-0.25, -1.5]),
+        completion=f"{i}",
+        answer=f"{i}" if i % 2 else "no",
+        prompt=f"say {i}",
+        temperature=1.0,
     )
 
 
@@ -132,21 +144,35 @@ def install_db_poison(ledger: Ledger) -> None:
     data_exception (SQLSTATE 22000, a DataError)."""
     with ledger.engine.begin() as conn:
         if ledger.engine.dialect.name == "sqlite":
-            conn.execute(text(
-                "CREATE TRIGGER hostile_row BEFORE INSERT ON samples WHEN NEW.completion LIKE '%POISON-ROW%' "
-                "BEGIN SELECT RAISE(ABORT, 'hostile test: this row is refused'); END"))
-            conn.execute(text(
-                "CREATE TRIGGER hostile_score BEFORE UPDATE ON samples "
-                "WHEN NEW.status = 'scored' AND NEW.completion LIKE '%POISON-SCORE%' "
-                "BEGIN SELECT RAISE(ABORT, 'hostile test: this reward is refused'); END"))
+            conn.execute(
+                text(
+                    "CREATE TRIGGER hostile_row BEFORE INSERT ON samples WHEN NEW.completion LIKE '%POISON-ROW%' "
+                    "BEGIN SELECT RAISE(ABORT, 'hostile test: this row is refused'); END"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER hostile_score BEFORE UPDATE ON samples "
+                    "WHEN NEW.status = 'scored' AND NEW.completion LIKE '%POISON-SCORE%' "
+                    "BEGIN SELECT RAISE(ABORT, 'hostile test: this reward is refused'); END"
+                )
+            )
         else:
-            conn.execute(text(
-                "CREATE FUNCTION hostile_poison() RETURNS trigger AS $$ BEGIN "
-                "IF NEW.completion LIKE '%POISON-ROW%' OR (NEW.status = 'scored' AND NEW.completion LIKE "
-                "'%POISON-SCORE%') THEN RAISE EXCEPTION 'hostile test: this row is refused' USING ERRCODE = '22000'; "
-                "END IF; RETURN NEW; END $$ LANGUAGE plpgsql"))
-            conn.execute(text("CREATE TRIGGER hostile_poison BEFORE INSERT OR UPDATE ON samples "
-                              "FOR EACH ROW EXECUTE FUNCTION hostile_poison()"))
+            conn.execute(
+                text(
+                    "CREATE FUNCTION hostile_poison() RETURNS trigger AS $$ BEGIN "
+                    "IF NEW.completion LIKE '%POISON-ROW%' OR (NEW.status = 'scored' AND NEW.completion LIKE "
+                    "'%POISON-SCORE%') THEN RAISE EXCEPTION 'hostile test: this row is refused' "
+                    "USING ERRCODE = '22000'; "
+                    "END IF; RETURN NEW; END $$ LANGUAGE plpgsql"
+                )
+            )
+            conn.execute(
+                text(
+                    "CREATE TRIGGER hostile_poison BEFORE INSERT OR UPDATE ON samples "
+                    "FOR EACH ROW EXECUTE FUNCTION hostile_poison()"
+                )
+            )
 
 
 # -- the service as a subprocess -------------------------------------------------------------------
@@ -177,8 +203,9 @@ class Service:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
-        self.proc = subprocess.Popen([sys.executable, "-m", "reward_svc"], cwd=SERVICE_ROOT, env=self.env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "reward_svc"], cwd=SERVICE_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
         self.starts += 1
 
@@ -205,8 +232,9 @@ class Service:
     def drain(self, streams: JobStreams, job: str) -> int | None:
         assert self.proc is not None
         self.watch()
-        streams.publish(CONTROL, Control(job_id=job, msg_id=f"end-{uuid.uuid4().hex[:6]}", policy_version=0,
-                                         command="drain"))
+        streams.publish(
+            CONTROL, Control(job_id=job, msg_id=f"end-{uuid.uuid4().hex[:6]}", policy_version=0, command="drain")
+        )
         try:
             return self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -238,10 +266,22 @@ def open_setup(url: str, tmp_path: Path, *, batch: int = 8) -> Setup:
     ledger.create_job(job, "hostile", JobSpec(model_path="/nonexistent").model_dump(mode="json"), state="running")
     streams = JobStreams(connect(REDIS_URL), job, prefix=prefix, max_message_bytes=MAX_MESSAGE_BYTES)
     streams.ensure_group(ROLLOUTS, GROUP_REWARDERS)
-    env = {**os.environ, "PYTHONPATH": str(SERVICE_ROOT), "REDIS_URL": REDIS_URL, "DATABASE_URL": url,
-           "JOB_ID": job, "STREAM_PREFIX": prefix, "MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-           "REWARD_CONSUMER_ID": "rw-0", "REWARD_BATCH": str(batch), "REWARD_BLOCK_MS": "100",
-           "REWARD_WORKERS": "0", "REWARD_JOB_WAIT_S": "30", "REWARD_MAX_DELIVERIES": "5", "LOG_LEVEL": "INFO"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(SERVICE_ROOT),
+        "REDIS_URL": REDIS_URL,
+        "DATABASE_URL": url,
+        "JOB_ID": job,
+        "STREAM_PREFIX": prefix,
+        "MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+        "REWARD_CONSUMER_ID": "rw-0",
+        "REWARD_BATCH": str(batch),
+        "REWARD_BLOCK_MS": "100",
+        "REWARD_WORKERS": "0",
+        "REWARD_JOB_WAIT_S": "30",
+        "REWARD_MAX_DELIVERIES": "5",
+        "LOG_LEVEL": "INFO",
+    }
     return Setup(job, ledger, streams, Service(env, tmp_path / f"reward-{job}.log"))
 
 
@@ -278,8 +318,9 @@ def outcome(s: Setup, good: dict[str, str], bad: dict[str, str]) -> dict[str, An
         "good_dead_lettered": sum(eid in dead for eid in good),
         "poisons": len(bad),
         "poisons_dead_lettered": sum(eid in dead and bool(dead[eid].reason) for eid in bad),
-        "poisons_published": sum(n for m, n in published.items() if m in poison_msg_ids or
-                                 (m is not None and "/poison/" in m)),
+        "poisons_published": sum(
+            n for m, n in published.items() if m in poison_msg_ids or (m is not None and "/poison/" in m)
+        ),
         "dead_codes": {bad[eid]: dead[eid].code for eid in bad if eid in dead},
         "pending": s.streams.pending_count(ROLLOUTS, GROUP_REWARDERS),
         "exits": list(s.service.exits),
@@ -296,8 +337,9 @@ def all_read(s: Setup) -> bool:
     return group["last-delivered-id"] == last and group["pending"] == 0
 
 
-def run_burst(url: str, tmp_path: Path, *, n_good: int = 20, kills: int = 2, only: str | None = None,
-              timeout_s: float = 120) -> dict:
+def run_burst(
+    url: str, tmp_path: Path, *, n_good: int = 20, kills: int = 2, only: str | None = None, timeout_s: float = 120
+) -> dict:
     """Good rollouts with every poison (or `only` that one, in the middle) between them, in
     kills + 1 waves, the service SIGKILLed with entries pending after each wave but the last.
     Returns `outcome`'s figures."""
@@ -340,8 +382,9 @@ def run_burst(url: str, tmp_path: Path, *, n_good: int = 20, kills: int = 2, onl
         s.ledger.close()
 
 
-def run_memory(url: str, tmp_path: Path, *, big: int = 10, big_mib: int = 50, near: int = 4,
-               timeout_s: float = 180) -> dict:
+def run_memory(
+    url: str, tmp_path: Path, *, big: int = 10, big_mib: int = 50, near: int = 4, timeout_s: float = 180
+) -> dict:
     """Ten 50 MB entries, both bombs and four entries just under the limit, between good rollouts,
     read by a consumer allowed 64 entries a read. Returns the consumer's idle and peak RSS."""
     s = open_setup(url, tmp_path, batch=64)
@@ -374,8 +417,12 @@ def run_memory(url: str, tmp_path: Path, *, big: int = 10, big_mib: int = 50, ne
         _wait(lambda: all_read(s), s.service, timeout_s, every_s=0.05)
         rc = s.service.drain(s.streams, s.job)
         out = outcome(s, good, bad)
-        out.update(drain_rc=rc, idle_rss_mib=round(idle, 1), idle_peak_rss_mib=round(idle_peak, 1),
-                   bound_mib=round(idle + RSS_HEADROOM_MIB, 1))
+        out.update(
+            drain_rc=rc,
+            idle_rss_mib=round(idle, 1),
+            idle_peak_rss_mib=round(idle_peak, 1),
+            bound_mib=round(idle + RSS_HEADROOM_MIB, 1),
+        )
         return out
     finally:
         s.streams.delete_all()
@@ -393,8 +440,12 @@ def test_poison_burst_costs_no_good_rollout(ledger_url: str, tmp_path: Path) -> 
     out = run_burst(ledger_url, tmp_path)
     print(out)
     unplanned = [rc for rc in out["exits"] if rc != -signal.SIGKILL]
-    record_hostile(good_lost=out["good"] - out["good_scored"], good_dead_lettered=out["good_dead_lettered"],
-                   service_exits=len(unplanned), peak_rss_mib=out["peak_rss_mib"])
+    record_hostile(
+        good_lost=out["good"] - out["good_scored"],
+        good_dead_lettered=out["good_dead_lettered"],
+        service_exits=len(unplanned),
+        peak_rss_mib=out["peak_rss_mib"],
+    )
     assert unplanned == [] and out["drain_rc"] == 0, out
     assert out["good_scored"] == out["good_published_once"] == out["good"], out
     assert out["good_published_extra"] == 0 and out["good_dead_lettered"] == 0, out
@@ -404,9 +455,22 @@ def test_poison_burst_costs_no_good_rollout(ledger_url: str, tmp_path: Path) -> 
     assert codes["ledger_refuses_row"] == codes["ledger_refuses_score"] == "ledger_rejected", codes
     assert codes["duplicate_msg_id"] == "duplicate_msg_id", codes
     assert codes["oversized"] == codes["msgpack_bomb_nested"] == codes["msgpack_bomb_flat"] == "oversized", codes
-    assert {codes[k] for k in ("nul_in_completion", "nan_logprob", "inf_logprob", "positive_logprob",
-                               "inf_temperature", "negative_token_id", "version_order", "bool_as_int",
-                               "str_as_int", "policy_version_2**63", "prompt_index_2**31")} == {"invalid"}, codes
+    assert {
+        codes[k]
+        for k in (
+            "nul_in_completion",
+            "nan_logprob",
+            "inf_logprob",
+            "positive_logprob",
+            "inf_temperature",
+            "negative_token_id",
+            "version_order",
+            "bool_as_int",
+            "str_as_int",
+            "policy_version_2**63",
+            "prompt_index_2**31",
+        )
+    } == {"invalid"}, codes
     assert codes["bool_schema_version"] == "schema_version", codes
 
 
@@ -418,9 +482,13 @@ def test_consumer_memory_is_bounded(tmp_path: Path) -> None:
     out = run_memory(f"sqlite:///{tmp_path}/ledger.db", tmp_path)
     print(out)
     unplanned = [rc for rc in out["exits"] if rc != -signal.SIGKILL]
-    record_hostile(good_lost=out["good"] - out["good_scored"], good_dead_lettered=out["good_dead_lettered"],
-                   service_exits=len(unplanned), peak_rss_mib=out["peak_rss_mib"],
-                   reward_consumer_rss={k: out[k] for k in ("idle_rss_mib", "peak_rss_mib", "bound_mib")})
+    record_hostile(
+        good_lost=out["good"] - out["good_scored"],
+        good_dead_lettered=out["good_dead_lettered"],
+        service_exits=len(unplanned),
+        peak_rss_mib=out["peak_rss_mib"],
+        reward_consumer_rss={k: out[k] for k in ("idle_rss_mib", "peak_rss_mib", "bound_mib")},
+    )
     assert unplanned == [] and out["drain_rc"] == 0, out
     assert out["good_scored"] == out["good"] and out["good_dead_lettered"] == 0, out
     assert out["poisons_dead_lettered"] == out["poisons"], out
@@ -431,9 +499,21 @@ def test_consumer_memory_is_bounded(tmp_path: Path) -> None:
 
 
 def sample_rows(job: str, n: int) -> list[dict]:
-    return [{"msg_id": f"{job}/s{i}", "job_id": job, "group_id": f"{job}/g", "sample_index": i, "prompt_index": 0,
-             "generator_id": "gen", "gen_version_min": 0, "num_prompt_tokens": 1, "num_completion_tokens": 1,
-             "completion": f"c{i}"} for i in range(n)]
+    return [
+        {
+            "msg_id": f"{job}/s{i}",
+            "job_id": job,
+            "group_id": f"{job}/g",
+            "sample_index": i,
+            "prompt_index": 0,
+            "generator_id": "gen",
+            "gen_version_min": 0,
+            "num_prompt_tokens": 1,
+            "num_completion_tokens": 1,
+            "completion": f"c{i}",
+        }
+        for i in range(n)
+    ]
 
 
 def test_a_refused_row_is_isolated_and_the_rest_written(ledger_url: str) -> None:
@@ -447,7 +527,9 @@ def test_a_refused_row_is_isolated_and_the_rest_written(ledger_url: str) -> None
         done, refused = write_isolating(ledger.record_generated, rows)
         assert sum(done) == 8 and sorted(refused) == [2, 7]
         assert all(("out of range" in why or "too large" in why) for why in refused.values()), refused
-        assert {r["msg_id"] for r in ledger.samples("iso")} == {r["msg_id"] for i, r in enumerate(rows) if i not in (2, 7)}
+        assert {r["msg_id"] for r in ledger.samples("iso")} == {
+            r["msg_id"] for i, r in enumerate(rows) if i not in (2, 7)
+        }
         if ledger.engine.dialect.name == "postgresql":
             nul = sample_rows("nul", 3)
             nul[1]["completion"] = "a\x00b"
@@ -478,7 +560,10 @@ def test_a_second_entry_of_a_scored_sample_is_not_scored_again(ledger_url: str) 
     try:
         ledger.record_generated(sample_rows("dup", 2))
         first = ("dup/s0", 1.0, "ok", {"entry": "rollouts/1-0"})
-        assert ledger.record_scored_ids([first, ("dup/s1", 0.0, "ok", {"entry": "rollouts/1-1"})]) == {"dup/s0", "dup/s1"}
+        assert ledger.record_scored_ids([first, ("dup/s1", 0.0, "ok", {"entry": "rollouts/1-1"})]) == {
+            "dup/s0",
+            "dup/s1",
+        }
         assert ledger.record_scored_ids([first]) == {"dup/s0"}  # the same entry again: its publish was lost
         assert ledger.record_scored_ids([("dup/s0", 0.5, "ok", {"entry": "rollouts/9-0"})]) == set()  # another entry
         assert ledger.record_scored_ids([("dup/s0", 0.5)]) == set()
@@ -491,8 +576,14 @@ def test_admin_task_arguments_are_checked() -> None:
     from broker.admin import task_args
 
     assert task_args("job-1", 3) == ("job-1", 3)
-    for job_id, step, why in [("j", True, "step"), ("j", "3", "step"), ("j", 2**31, "step"), ("j", -1, "step"),
-                              ("j\x00", 1, "job_id"), (7, 1, "job_id")]:
+    for job_id, step, why in [
+        ("j", True, "step"),
+        ("j", "3", "step"),
+        ("j", 2**31, "step"),
+        ("j", -1, "step"),
+        ("j\x00", 1, "job_id"),
+        (7, 1, "job_id"),
+    ]:
         with pytest.raises(ValueError, match=f"invalid task argument {why}"):
             task_args(job_id, step)
 
@@ -505,7 +596,9 @@ def test_trainer_dead_letters_token_ids_outside_its_vocabulary() -> None:
     r = good_rollout("v", 1).model_copy(update={"completion_ids": pack_i32([4, 50_000])})
     s = Scored(job_id="v", msg_id=r.msg_id, group_id=r.group_id, policy_version=1, rollout=r, reward=1.0)
     assert out_of_vocab(s, 50_001) is None
-    assert "rollout.completion_ids[1] is 50000, outside the model's vocabulary of 50000" in (out_of_vocab(s, 50_000) or "")
+    assert "rollout.completion_ids[1] is 50000, outside the model's vocabulary of 50000" in (
+        out_of_vocab(s, 50_000) or ""
+    )
 
 
 def test_generator_dead_letters_a_group_the_engine_botched() -> None:
@@ -518,13 +611,27 @@ def test_generator_dead_letters_a_group_the_engine_botched() -> None:
     js = JobStreams(connect(REDIS_URL), job, prefix=f"test-{uuid.uuid4().hex[:8]}:")
     try:
         js.ensure_group(PROMPTS, GROUP_GENERATORS)
-        groups = [PromptGroup(job_id=job, msg_id=f"{job}/g{i}", group_id=f"{job}/g{i}", policy_version=0,
-                              prompt_index=i, prompt="1+1=", answer="2", n=1, sampling=SamplingParams()) for i in range(2)]
+        groups = [
+            PromptGroup(
+                job_id=job,
+                msg_id=f"{job}/g{i}",
+                group_id=f"{job}/g{i}",
+                policy_version=0,
+                prompt_index=i,
+                prompt="1+1=",
+                answer="2",
+                n=1,
+                sampling=SamplingParams(),
+            )
+            for i in range(2)
+        ]
         ids = js.publish_many(PROMPTS, groups)
         js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), block_ms=None)
         units = [(Delivery(eid, g), [g]) for eid, g in zip(ids, groups, strict=True)]
-        sample = lambda lp, text: Sample(prompt_ids=[1], completion_ids=[2], logprobs=[lp],  # noqa: E731
-                                         text=text, finish_reason="stop")
+
+        def sample(lp: float, text: str) -> Sample:
+            return Sample(prompt_ids=[1], completion_ids=[2], logprobs=[lp], text=text, finish_reason="stop")
+
         out = entry_rollouts(units, [[sample(float("nan"), "2")], [sample(-0.1, "2\x00\x1b")]], 0, "gen-0", js)
         assert [(eid, [r.completion for r in rs]) for eid, rs in out] == [(ids[1], ["2\ufffd\ufffd"])]
         (dead,) = js.dead_letters()

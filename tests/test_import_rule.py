@@ -107,8 +107,9 @@ def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, set[str]]:
         graph[name] = set()
         for imported in imported_modules(path, root):
             parts = imported.split(".")  # `from pkg.mod import f` names pkg.mod.f: its module is pkg.mod
-            owner = next((".".join(parts[:n]) for n in range(len(parts), 0, -1)
-                          if ".".join(parts[:n]) in modules), None)
+            owner = next(
+                (".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None
+            )
             if owner is not None and owner != name:
                 graph[name].add(owner)
     return graph
@@ -157,9 +158,11 @@ def private_imports(path: Path, root: Path = REPO) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.ImportFrom):
             source = import_source(node, path, root)
-            found += [f"{path.relative_to(root)}:{node.lineno} from {source} import {alias.name}"
-                      for alias in node.names
-                      if alias.name.startswith("_") and not alias.name.startswith("__") and source != me]
+            found += [
+                f"{path.relative_to(root)}:{node.lineno} from {source} import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.startswith("__") and source != me
+            ]
     return found
 
 
@@ -213,7 +216,9 @@ def test_cycle_and_private_name_finders(tmp_path: Path) -> None:
         (tmp_path / "bench" / name).write_text(text)
     paths = sorted((tmp_path / "bench").glob("*.py"))
     graph = import_graph(paths, tmp_path)
-    assert graph["bench.a"] == {"bench.b"} and graph["bench.b"] == {"bench", "bench.c"} and graph["bench.d"] == {"bench.e"}
+    assert (
+        graph["bench.a"] == {"bench.b"} and graph["bench.b"] == {"bench", "bench.c"} and graph["bench.d"] == {"bench.e"}
+    )
     assert import_cycles(graph) == [["bench.a", "bench.b", "bench.c"], ["bench.d", "bench.e"]]
     assert import_cycles({"x": {"y"}, "y": set()}) == []
     found = [f for p in paths for f in private_imports(p, tmp_path)]
@@ -225,13 +230,16 @@ def test_no_import_cycle_in_the_tools(package: str) -> None:
     graph = import_graph(python_files(package))
     assert not import_cycles(graph), (
         f"modules of {package} import one another in a cycle (move what they share to a module both "
-        f"import): {import_cycles(graph)}")
+        f"import): {import_cycles(graph)}"
+    )
 
 
 def test_no_private_name_is_imported_from_another_module() -> None:
     found = [f for where in PRIVATE_SCANNED for path in python_files(where) for f in private_imports(path)]
-    assert not found, ("a private name imported from another module (make it public where it is defined, "
-                       "or move it):\n" + "\n".join(found))
+    assert not found, (
+        "a private name imported from another module (make it public where it is defined, "
+        "or move it):\n" + "\n".join(found)
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -251,8 +259,12 @@ def started_modules(path: Path) -> set[str]:
         if isinstance(node, (ast.List, ast.Tuple)):
             items = node.elts
             for a, b in zip(items, items[1:], strict=False):
-                if (isinstance(a, ast.Constant) and a.value == "-m"
-                        and isinstance(b, ast.Constant) and isinstance(b.value, str)):
+                if (
+                    isinstance(a, ast.Constant)
+                    and a.value == "-m"
+                    and isinstance(b, ast.Constant)
+                    and isinstance(b.value, str)
+                ):
                     found.add(b.value)
     return found
 
@@ -296,8 +308,6 @@ def test_light_packages_import_without_torch_or_vllm() -> None:
         "heavy = sorted(m for m in ('torch', 'vllm') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"heavy modules imported: {proc.stdout.strip()}"

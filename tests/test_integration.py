@@ -37,7 +37,9 @@ ASYNCRL = str(Path(sys.executable).with_name("asyncrl"))  # the console script i
 def tiny_model(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )  # vLLM CPU attention needs head_dim >= 32
 
 
 def _backend(name: str) -> str:
@@ -77,16 +79,26 @@ def _inject_malformed(streams: JobStreams, job_id: str) -> int:
     return 5
 
 
-@pytest.mark.parametrize("mode, db_url", [("async", _backend("postgresql")), ("sync", _backend("sqlite"))],
-                         indirect=["db_url"])
+@pytest.mark.parametrize(
+    "mode, db_url", [("async", _backend("postgresql")), ("sync", _backend("sqlite"))], indirect=["db_url"]
+)
 def test_full_loop_as_processes(tmp_path, tiny_model, db_url, mode):
     sup, api, redis_url, prefix = _stack(tmp_path, db_url, "it")
     k = 1
     try:
         _start_broker(sup, api)
-        spec = {"name": f"it-{mode}", "model_path": str(tiny_model), "mode": mode, "max_staleness": k,
-                "steps": STEPS, "group_size": 4, "prompts_per_step": 4, "eval_every": 2,
-                "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}
+        spec = {
+            "name": f"it-{mode}",
+            "model_path": str(tiny_model),
+            "mode": mode,
+            "max_staleness": k,
+            "steps": STEPS,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 2,
+            "task": {"n_train": 64, "n_test": 16},
+            "sampling": {"max_tokens": 8},
+        }
         if mode == "async":  # the adaptive bound runs inside the loop and is logged per step
             spec["adaptive_staleness"] = {"k_min": 0, "k_max": k, "metric": "ess", "threshold": 0.5}
         r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
@@ -204,14 +216,29 @@ def test_job_control_through_the_cli_and_admin_tasks(tmp_path, tiny_model, db_ur
     try:
         _start_broker(sup, api)
         # Tiny steps take ~20 ms here: the job must outlast the test, which stops it.
-        spec = {"name": "live", "model_path": str(tiny_model), "steps": 1_000_000, "group_size": 4,
-                "prompts_per_step": 4, "eval_every": 0, "checkpoint_every": 50, "max_staleness": 1, "task": {"n_train": 64, "n_test": 8},
-                "sampling": {"max_tokens": 8}, "algorithm": {"lr": 1e-4}}
+        spec = {
+            "name": "live",
+            "model_path": str(tiny_model),
+            "steps": 1_000_000,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 0,
+            "checkpoint_every": 50,
+            "max_staleness": 1,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+            "algorithm": {"lr": 1e-4},
+        }
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         job_id = json.loads(cli("submit", str(tmp_path / "spec.json"), "--json"))["id"]
         # The live progress view runs for the whole job and must end by itself when the job stops.
-        watcher = subprocess.Popen([ASYNCRL, "status", job_id, "--watch", "--interval", "0.5"], env=cli_env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watcher = subprocess.Popen(
+            [ASYNCRL, "status", job_id, "--watch", "--interval", "0.5"],
+            env=cli_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
             sup.start(name, module, {"JOB_ID": job_id})
         sup.start("admin", "broker.admin")
@@ -285,9 +312,18 @@ def test_two_generators_share_one_jobs_prompts(tmp_path, tiny_model):
     ledger = Ledger(db_url)
     try:
         _start_broker(sup, api)
-        spec = {"name": "two-gens", "model_path": str(tiny_model), "mode": "sync", "steps": STEPS, "group_size": 4,
-                "prompts_per_step": 4, "eval_every": 0, "generation_batch": 1,
-                "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}}
+        spec = {
+            "name": "two-gens",
+            "model_path": str(tiny_model),
+            "mode": "sync",
+            "steps": STEPS,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 0,
+            "generation_batch": 1,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+        }
         job_id = httpx.post(f"{api}/jobs", json=spec, timeout=30).json()["id"]
         for i in range(2):
             sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
@@ -336,9 +372,19 @@ def test_two_async_generators_drop_nothing_for_staleness(tmp_path, tiny_model):
     steps = 8
     try:
         _start_broker(sup, api)
-        spec = {"name": "admission", "model_path": str(tiny_model), "mode": "async", "max_staleness": 1,
-                "steps": steps, "group_size": 4, "prompts_per_step": 4, "eval_every": 0, "generation_batch": 2,
-                "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}}
+        spec = {
+            "name": "admission",
+            "model_path": str(tiny_model),
+            "mode": "async",
+            "max_staleness": 1,
+            "steps": steps,
+            "group_size": 4,
+            "prompts_per_step": 4,
+            "eval_every": 0,
+            "generation_batch": 2,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+        }
         job_id = httpx.post(f"{api}/jobs", json=spec, timeout=30).json()["id"]
         for i in range(2):
             sup.start(f"generator-{i}", "generator_svc", {"JOB_ID": job_id, "GEN_GENERATOR_ID": f"gen-{i}"})
@@ -391,12 +437,22 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
         _start_broker(sup, api)
         # a turn ends at a digit or lowercase letter (ids 4..39 of the tiny tokenizer): "stop", so
         # the episode goes on to the environment instead of ending cut at max_tokens
-        spec = {"name": "multi-turn", "model_path": str(tiny_model), "mode": "async", "steps": steps,
-                "group_size": 4, "prompts_per_step": 2, "eval_every": 0,
-                "task": {"n_train": 32, "n_test": 4}, "reward": "exact_match",
-                "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
-                "environment": {"name": f"{env_file}:SandboxedEcho",
-                                "limits": {"max_turns": 3, "max_total_tokens": 200, "step_timeout_s": 20}}}
+        spec = {
+            "name": "multi-turn",
+            "model_path": str(tiny_model),
+            "mode": "async",
+            "steps": steps,
+            "group_size": 4,
+            "prompts_per_step": 2,
+            "eval_every": 0,
+            "task": {"n_train": 32, "n_test": 4},
+            "reward": "exact_match",
+            "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
+            "environment": {
+                "name": f"{env_file}:SandboxedEcho",
+                "limits": {"max_turns": 3, "max_total_tokens": 200, "step_timeout_s": 20},
+            },
+        }
         resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert resp.status_code in (200, 201), resp.text
         job_id = resp.json()["id"]
@@ -407,8 +463,9 @@ def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
         sup.stop_all()
     trained = [s for s in ledger.samples(job_id, kind="train", limit=10_000) if s["status"] == "trained"]
     assert len(trained) == steps * 2 * 4
-    assert all(s["turns"] == 3 and s["stop_reason"] == "done" for s in trained), \
-        [(s["turns"], s["stop_reason"]) for s in trained][:5]
+    assert all(s["turns"] == 3 and s["stop_reason"] == "done" for s in trained), [
+        (s["turns"], s["stop_reason"]) for s in trained
+    ][:5]
     # two tool replies per episode, each several tokens; the model's tokens are the rest
     assert all(s["num_env_tokens"] >= 2 and s["num_completion_tokens"] - s["num_env_tokens"] >= 3 for s in trained)
     steps_rows = ledger.train_steps(job_id)
@@ -433,17 +490,28 @@ def test_a_job_is_tracked_in_tensorboard_mlflow_and_wandb(tmp_path, tiny_model, 
     ledger, steps, track = Ledger(db_url), 4, tmp_path / "tracking"
     try:
         _start_broker(sup, api)
-        spec = {"name": "tracked", "model_path": str(tiny_model), "steps": steps, "group_size": 4,
-                "prompts_per_step": 2, "eval_every": 2, "task": {"n_train": 32, "n_test": 4},
-                "sampling": {"max_tokens": 8}, "tracking": {"sinks": ["tensorboard", "mlflow", "wandb"]}}
+        spec = {
+            "name": "tracked",
+            "model_path": str(tiny_model),
+            "steps": steps,
+            "group_size": 4,
+            "prompts_per_step": 2,
+            "eval_every": 2,
+            "task": {"n_train": 32, "n_test": 4},
+            "sampling": {"max_tokens": 8},
+            "tracking": {"sinks": ["tensorboard", "mlflow", "wandb"]},
+        }
         resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert resp.status_code == 201, resp.text
         job_id = resp.json()["id"]
         # a live knob, set before the trainer starts: it applies it (and tracks it) before step 1
         assert httpx.patch(f"{api}/jobs/{job_id}", json={"lr": 5e-6}, timeout=30).status_code == 200
         wandb_home = {v: str(tmp_path / v.lower()) for v in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
-        for name, module, env in (("generator", "generator_svc", {}), ("reward", "reward_svc", {}),
-                                  ("trainer", "trainer_svc", {"TRAINER_TRACKING_DIR": str(track), **wandb_home})):
+        for name, module, env in (
+            ("generator", "generator_svc", {}),
+            ("reward", "reward_svc", {}),
+            ("trainer", "trainer_svc", {"TRAINER_TRACKING_DIR": str(track), **wandb_home}),
+        ):
             sup.start(name, module, {"JOB_ID": job_id, **env})
         _wait_finished(sup, ledger, job_id)
         assert sup.wait_all(60, exclude=("broker",)), "services did not exit after the job finished"
@@ -488,11 +556,19 @@ def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     prefix = f"{tag}-{uuid.uuid4().hex[:8]}:"
     port = _free_port()
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-           # the API enqueues and the admin worker consumes under the same prefix
-           "ADMIN_KEY_PREFIX": f"{prefix}admin:", "ADMIN_EXPORT_DIR": str(tmp_path / "exports")}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "BROKER_PORT": str(port),
+        "GEN_GENERATOR_ID": "gen-0",
+        "TRAINER_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        # the API enqueues and the admin worker consumes under the same prefix
+        "ADMIN_KEY_PREFIX": f"{prefix}admin:",
+        "ADMIN_EXPORT_DIR": str(tmp_path / "exports"),
+    }
     return Supervisor(tmp_path / "logs", env), f"http://127.0.0.1:{port}", redis_url, prefix
 
 

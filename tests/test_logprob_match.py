@@ -83,10 +83,7 @@ def test_vllm_logprobs_match_trainer(tmp_path: Path) -> None:
                 temperature=t,
             )
         diffs = torch.cat(
-            [
-                (o - torch.tensor(r["logprobs"], dtype=torch.float32)).abs()
-                for o, r in zip(ours, records, strict=True)
-            ]
+            [(o - torch.tensor(r["logprobs"], dtype=torch.float32)).abs() for o, r in zip(ours, records, strict=True)]
         )
         print(
             f"temperature {t}: logprob |vLLM - trainer| over {diffs.numel()} tokens: "
@@ -99,12 +96,16 @@ def test_vllm_logprobs_match_trainer(tmp_path: Path) -> None:
         # float32 engine: bfloat16's 8-bit mantissa in the matmuls moves logprobs by ~1e-3 on this
         # model (bench/precision.py measures it at 13M parameters); bounds with ~10x room
         with torch.no_grad(), autocast("cpu", "bfloat16")():
-            ours16 = sequence_logprobs(model, [r["prompt_ids"] for r in records],
-                                       [r["completion_ids"] for r in records], temperature=t)
-        diffs16 = torch.cat([(o - torch.tensor(r["logprobs"], dtype=torch.float32)).abs()
-                             for o, r in zip(ours16, records, strict=True)])
-        print(f"temperature {t}: bfloat16 trainer |vLLM - trainer| mean {diffs16.mean().item():.3g} "
-              f"max {diffs16.max().item():.3g}")
+            ours16 = sequence_logprobs(
+                model, [r["prompt_ids"] for r in records], [r["completion_ids"] for r in records], temperature=t
+            )
+        diffs16 = torch.cat(
+            [(o - torch.tensor(r["logprobs"], dtype=torch.float32)).abs() for o, r in zip(ours16, records, strict=True)]
+        )
+        print(
+            f"temperature {t}: bfloat16 trainer |vLLM - trainer| mean {diffs16.mean().item():.3g} "
+            f"max {diffs16.max().item():.3g}"
+        )
         assert 0 < diffs16.max().item() <= 5e-2  # > 0: autocast did change the numerics
         assert diffs16.mean().item() <= 1e-2
 

@@ -56,28 +56,43 @@ def _episodes_with_engine(model_dir: str) -> list[dict]:
 
     engine = Engine(model_dir, seed=0, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    codec = PlainCodec(tokenize=lambda t: tok.encode(t, add_special_tokens=False),
-                       decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                       tokenize_prompt=lambda t: tok.encode(t))
+    codec = PlainCodec(
+        tokenize=lambda t: tok.encode(t, add_special_tokens=False),
+        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        tokenize_prompt=lambda t: tok.encode(t),
+    )
     seeds = iter(range(10_000))
 
     async def generate(context: list[int], room: int):  # type: ignore[no-untyped-def]
         # a turn ends at a digit or a lowercase letter (ids 4..39 of the tiny tokenizer, ~1/3 of the
         # vocabulary under a random model): "stop", never cut at max_tokens, so the episode goes on
-        params = SamplingParams(temperature=TEMPERATURE, max_tokens=min(room, 40), seed=next(seeds),
-                                stop_token_ids=list(range(4, 40)))
+        params = SamplingParams(
+            temperature=TEMPERATURE, max_tokens=min(room, 40), seed=next(seeds), stop_token_ids=list(range(4, 40))
+        )
         [[s]] = engine.generate([list(context)], [params], [1])
         return s.completion_ids, s.logprobs, s.finish_reason
 
     async def play() -> list:
         limits = EpisodeLimits(max_turns=TURNS, max_total_tokens=200)
-        return [await run_episode(Answering(), {"prompt": p}, generate, codec, limits)
-                for p in PROMPTS for _ in range(EPISODES_PER_PROMPT)]
+        return [
+            await run_episode(Answering(), {"prompt": p}, generate, codec, limits)
+            for p in PROMPTS
+            for _ in range(EPISODES_PER_PROMPT)
+        ]
 
     episodes = asyncio.run(play())
     engine.close()
-    return [{"prompt_ids": e.prompt_ids, "ids": e.ids, "mask": e.mask, "logprobs": e.logprobs,
-             "turns": e.num_turns, "stop_reason": e.stop_reason} for e in episodes]
+    return [
+        {
+            "prompt_ids": e.prompt_ids,
+            "ids": e.ids,
+            "mask": e.mask,
+            "logprobs": e.logprobs,
+            "turns": e.num_turns,
+            "stop_reason": e.stop_reason,
+        }
+        for e in episodes
+    ]
 
 
 @pytest.mark.integration
@@ -95,23 +110,49 @@ def test_multiturn_episode_logprobs_match_and_env_tokens_carry_nothing(tmp_path:
 
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     out_json = tmp_path / "episodes.json"
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out_json)], capture_output=True, text=True,
-                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(model_dir), str(out_json)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        timeout=600,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     episodes = json.loads(out_json.read_text())
     assert len(episodes) == len(PROMPTS) * EPISODES_PER_PROMPT
-    assert all(e["turns"] == TURNS and e["stop_reason"] == "done" for e in episodes), \
-        [(e["turns"], e["stop_reason"]) for e in episodes]
+    assert all(e["turns"] == TURNS and e["stop_reason"] == "done" for e in episodes), [
+        (e["turns"], e["stop_reason"]) for e in episodes
+    ]
     assert all(0 in e["mask"] and 1 in e["mask"] for e in episodes)  # both kinds of token in each
 
     # The episodes as the generator will publish them, and as the trainer batches them.
     samples = [
-        Scored(job_id="j", msg_id=f"j/g{i}/0", group_id=f"j/g{i}", policy_version=0, reward=float(i % 2),
-               rollout=Rollout(job_id="j", msg_id=f"j/g{i}/0", group_id=f"j/g{i}", policy_version=0,
-                               policy_version_max=0, prompt_index=0, sample_index=0, group_size=1, generator_id="g",
-                               prompt_ids=pack_i32(e["prompt_ids"]), completion_ids=pack_i32(e["ids"]),
-                               logprobs=pack_f32(e["logprobs"]), model_mask=bytes(e["mask"]), turns=e["turns"],
-                               completion="", answer="", temperature=TEMPERATURE))
+        Scored(
+            job_id="j",
+            msg_id=f"j/g{i}/0",
+            group_id=f"j/g{i}",
+            policy_version=0,
+            reward=float(i % 2),
+            rollout=Rollout(
+                job_id="j",
+                msg_id=f"j/g{i}/0",
+                group_id=f"j/g{i}",
+                policy_version=0,
+                policy_version_max=0,
+                prompt_index=0,
+                sample_index=0,
+                group_size=1,
+                generator_id="g",
+                prompt_ids=pack_i32(e["prompt_ids"]),
+                completion_ids=pack_i32(e["ids"]),
+                logprobs=pack_f32(e["logprobs"]),
+                model_mask=bytes(e["mask"]),
+                turns=e["turns"],
+                completion="",
+                answer="",
+                temperature=TEMPERATURE,
+            ),
+        )
         for i, e in enumerate(episodes)
     ]
     batch = TrainBatch.of(samples, torch.tensor([[s.reward] for s in samples]))
@@ -128,8 +169,10 @@ def test_multiturn_episode_logprobs_match_and_env_tokens_carry_nothing(tmp_path:
         ours = token_logprobs(model, ids, attn, temp)
     on_model = mask.bool()
     diffs = (ours - behaviour)[on_model].abs()
-    print(f"multi-turn logprob |vLLM - trainer| over {diffs.numel()} model tokens: "
-          f"mean {diffs.mean().item():.3g} max {diffs.max().item():.3g}; {int(env.sum())} environment tokens")
+    print(
+        f"multi-turn logprob |vLLM - trainer| over {diffs.numel()} model tokens: "
+        f"mean {diffs.mean().item():.3g} max {diffs.max().item():.3g}; {int(env.sum())} environment tokens"
+    )
     assert diffs.numel() == sum(sum(e["mask"]) for e in episodes)
     assert diffs.mean().item() <= 1e-3 and diffs.max().item() <= 1e-2
     # environment tokens: no loss mask and no behaviour logprob ...

@@ -37,31 +37,53 @@ def test_own_task_with_plugin_reward_chat_template_and_two_eval_sets(tmp_path):
     from asyncrl.tiny_model import CHAT_TEMPLATE, build_tiny_model
     from shared.prompts import renderer
 
-    model = build_tiny_model(tmp_path / "chat-model", layers=2, hidden=64, heads=2, intermediate=128,
-                             chat_template=CHAT_TEMPLATE)
+    model = build_tiny_model(
+        tmp_path / "chat-model", layers=2, hidden=64, heads=2, intermediate=128, chat_template=CHAT_TEMPLATE
+    )
     rows = [{"q": f"{a}-{b}=", "target": str(a - b), "level": a // 10} for a in range(10, 40) for b in range(0, 10, 3)]
     (tmp_path / "mytask.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "hard.jsonl").write_text("".join(json.dumps({"q": f"{a}-{a // 2}=", "target": str(a - a // 2),
-                                                             "level": 9}) + "\n" for a in range(50, 56)))
+    (tmp_path / "hard.jsonl").write_text(
+        "".join(
+            json.dumps({"q": f"{a}-{a // 2}=", "target": str(a - a // 2), "level": 9}) + "\n" for a in range(50, 56)
+        )
+    )
     plugin = tmp_path / "user_code" / "my_rewards.py"
     plugin.parent.mkdir()
     plugin.write_text(REWARD_FILE)
     sup, api, _redis_url, _prefix = _stack(tmp_path, f"sqlite:///{tmp_path / 'ledger.db'}", "own")
     spec = {
-        "name": "own-task", "model_path": str(model), "mode": "async", "max_staleness": 1, "steps": 4,
-        "group_size": 4, "prompts_per_step": 4, "eval_every": 2,
-        "task": {"datasets": [{"path": str(tmp_path / "mytask.jsonl")}], "prompt_field": "q",
-                 "answer_field": "target", "system_prompt": "Answer with the number only.", "n_test": 8},
+        "name": "own-task",
+        "model_path": str(model),
+        "mode": "async",
+        "max_staleness": 1,
+        "steps": 4,
+        "group_size": 4,
+        "prompts_per_step": 4,
+        "eval_every": 2,
+        "task": {
+            "datasets": [{"path": str(tmp_path / "mytask.jsonl")}],
+            "prompt_field": "q",
+            "answer_field": "target",
+            "system_prompt": "Answer with the number only.",
+            "n_test": 8,
+        },
         "reward": f"{plugin}:score",
         "sampling": {"max_tokens": 8, "stop": ["\n"]},
-        "eval_sets": [{"name": "held_out"},
-                      {"name": "hard", "dataset": {"path": str(tmp_path / "hard.jsonl")},
-                       "sampling": {"n": 4, "temperature": 1.0}, "pass_k": [1, 2, 4]}],
+        "eval_sets": [
+            {"name": "held_out"},
+            {
+                "name": "hard",
+                "dataset": {"path": str(tmp_path / "hard.jsonl")},
+                "sampling": {"n": 4, "temperature": 1.0},
+                "pass_k": [1, 2, 4],
+            },
+        ],
     }
     try:
         _start_broker(sup, api)
-        bad = httpx.post(f"{api}/jobs", json={**spec, "eval_sets": [{"name": "x", "sampling": {"n": 2}, "pass_k": [3]}]},
-                         timeout=30)
+        bad = httpx.post(
+            f"{api}/jobs", json={**spec, "eval_sets": [{"name": "x", "sampling": {"n": 2}, "pass_k": [3]}]}, timeout=30
+        )
         assert bad.status_code == 422 and "pass_k" in bad.text
         r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
@@ -82,8 +104,9 @@ def test_own_task_with_plugin_reward_chat_template_and_two_eval_sets(tmp_path):
             assert e["policy_version_min"] == e["policy_version_max"], e  # one policy per round, async too
             assert e["wall_s"] is not None and e["wall_s"] >= 0
         hard = [e for e in evals if e["name"] == "hard"]
-        assert all(set(e["metrics"]) == {"mean@4", "pass@1", "pass@2", "pass@4", "maj@4"} and e["n"] == 24
-                   for e in hard)
+        assert all(
+            set(e["metrics"]) == {"mean@4", "pass@1", "pass@2", "pass@4", "maj@4"} and e["n"] == 24 for e in hard
+        )
         assert all(e["n"] == 8 and e["metrics"] is None for e in evals if e["name"] == "held_out")
         samples = ledger.samples(job_id)
         assert {s["reward_status"] for s in samples if s["status"] in ("trained", "evaluated")} == {"ok"}

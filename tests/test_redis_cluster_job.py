@@ -23,18 +23,21 @@ pytestmark = [pytest.mark.redis_cluster, pytest.mark.integration, pytest.mark.sl
 def tiny_model(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128,
-                            seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )
 
 
 def test_a_job_on_a_cluster_rides_out_its_primary_s_failover(tmp_path, tiny_model):
     res = cluster_job(tmp_path, tiny_model, steps=6, fail_over=True, gap_s=20.0)
     assert res["state"] == "finished" and res["steps"] == 6, res
     fo = res["failover"]
-    print(f"failover after step {fo['steps_before']}: partitioned {fo['partitioned_s']} s, promoted in "
-          f"{fo['promoted_after_s']} s, entries lost {fo['entries_lost']}, XADDs lost {fo['xadds_lost']}, "
-          f"samples lost for good {res['failover_samples_lost']}, verify lost {res['verify']['lost']}, "
-          f"in flight {res['verify']['in_flight']}")
+    print(
+        f"failover after step {fo['steps_before']}: partitioned {fo['partitioned_s']} s, promoted in "
+        f"{fo['promoted_after_s']} s, entries lost {fo['entries_lost']}, XADDs lost {fo['xadds_lost']}, "
+        f"samples lost for good {res['failover_samples_lost']}, verify lost {res['verify']['lost']}, "
+        f"in flight {res['verify']['in_flight']}"
+    )
     assert fo["replica_port"] != fo["primary_port"] and fo["steps_before"] >= 2
     # the partition made the primary alone hold writes, and the failover lost them
     assert sum(fo["xadds_lost"].values()) > 0 and sum(fo["entries_lost"].values()) > 0, fo

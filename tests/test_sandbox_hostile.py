@@ -229,7 +229,15 @@ def test_only_the_interpreter_is_mounted() -> None:
         "print(sorted({line.split()[4] for line in open('/proc/self/mountinfo')}))\n"
     )
     python = sandbox_python()
-    allowed = ("/usr/lib", "/proc", "/dev", "/tmp", "/sandbox", python, f"{os.path.dirname(os.path.dirname(python))}/lib")
+    allowed = (
+        "/usr/lib",
+        "/proc",
+        "/dev",
+        "/tmp",
+        "/sandbox",
+        python,
+        f"{os.path.dirname(os.path.dirname(python))}/lib",
+    )
     with bypass("mounts-and-fds"):
         res = sandboxed(code, guard=False)
         fds, mounts = (ast.literal_eval(line) for line in res.stdout.splitlines())

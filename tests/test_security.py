@@ -24,8 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("shared", "broker", "generator_svc", "reward_svc", "trainer_svc", "asyncrl", "bench")
 
 PICKLING_MODULES = {
-    "pickle", "cPickle", "_pickle", "cloudpickle", "dill", "joblib", "marshal", "shelve", "copyreg",
-    "multiprocessing", "torch.multiprocessing",
+    "pickle",
+    "cPickle",
+    "_pickle",
+    "cloudpickle",
+    "dill",
+    "joblib",
+    "marshal",
+    "shelve",
+    "copyreg",
+    "multiprocessing",
+    "torch.multiprocessing",
 }
 SQL_CALLS = {"execute", "executemany", "executescript", "exec_driver_sql", "text"}
 LITERAL_ONLY = {"exec_driver_sql", "text"}
@@ -84,8 +93,14 @@ def _built_at_run_time(node: ast.AST) -> bool:
     if isinstance(node, ast.JoinedStr):
         return True
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.Add)):
-        return any(isinstance(s, (ast.Constant, ast.JoinedStr)) and not isinstance(getattr(s, "value", ""), (int, float))
-                   for s in (node.left, node.right)) or _built_at_run_time(node.left) or _built_at_run_time(node.right)
+        return (
+            any(
+                isinstance(s, (ast.Constant, ast.JoinedStr)) and not isinstance(getattr(s, "value", ""), (int, float))
+                for s in (node.left, node.right)
+            )
+            or _built_at_run_time(node.left)
+            or _built_at_run_time(node.right)
+        )
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("format", "join")
 
 
@@ -154,7 +169,9 @@ class _Scanner(ast.NodeVisitor):
         if full.endswith("read_pickle") or full.endswith("ProcessPoolExecutor"):
             self.hit(node, full)
         attr = full.rsplit(".", 1)[-1]
-        is_sa_text = attr == "text" and (full == "sqlalchemy.text" or full.startswith("sqlalchemy.") or full == "sa.text")
+        is_sa_text = attr == "text" and (
+            full == "sqlalchemy.text" or full.startswith("sqlalchemy.") or full == "sa.text"
+        )
         if attr in SQL_CALLS and (attr != "text" or is_sa_text) and node.args:
             sql = node.args[0]
             if _built_at_run_time(sql):
@@ -187,7 +204,7 @@ def test_no_pickle_and_only_bound_sql_parameters() -> None:
 
 
 def test_the_scanner_finds_what_it_should(tmp_path) -> None:
-    src = '''
+    src = """
 import pickle
 import cloudpickle as cp
 from dill import loads
@@ -208,17 +225,26 @@ def f(conn, user, cur):
     cur.execute("SELECT {}".format(user))
     conn.execute(text(user))
     app = dict(task_serializer="pickle")
-'''
+"""
     p = tmp_path / "bad.py"
     p.write_text(src)
     s = _Scanner("bad.py")
     s.visit(ast.parse(src))
     rules = sorted(h.rule for h in s.hits)
-    assert rules == sorted([
-        "import pickle", "import cloudpickle", "import dill", "import multiprocessing",
-        "torch.load without weights_only=True", "torch.load without weights_only=True",
-        "numpy.load(allow_pickle=True)",
-        "sql built at run time: text", "sql built at run time: exec_driver_sql",
-        "sql built at run time: execute", "sql built at run time: execute",
-        "text() with a non-literal argument", "names the 'pickle' serializer",
-    ]), rules
+    assert rules == sorted(
+        [
+            "import pickle",
+            "import cloudpickle",
+            "import dill",
+            "import multiprocessing",
+            "torch.load without weights_only=True",
+            "torch.load without weights_only=True",
+            "numpy.load(allow_pickle=True)",
+            "sql built at run time: text",
+            "sql built at run time: exec_driver_sql",
+            "sql built at run time: execute",
+            "sql built at run time: execute",
+            "text() with a non-literal argument",
+            "names the 'pickle' serializer",
+        ]
+    ), rules

@@ -76,10 +76,7 @@ def _write_jsonl(path: Path, rows: list[object]) -> Path:
 
 
 def _gsm8k_rows(n: int) -> list[dict[str, str]]:
-    return [
-        {"question": f"Tom has {i} apples. How many?", "answer": f"He has {i}.\n#### {i}"}
-        for i in range(n)
-    ]
+    return [{"question": f"Tom has {i} apples. How many?", "answer": f"He has {i}.\n#### {i}"} for i in range(n)]
 
 
 def load_gsm8k_file(path: Path) -> list[Problem]:
@@ -198,9 +195,5 @@ def test_extract_answer(text: str, expected: str | None) -> None:
 
 
 def test_shared_tasks_imports_without_heavy_deps() -> None:
-    code = (
-        "import sys, shared.tasks; "
-        "bad = {'torch', 'vllm', 'transformers'} & set(sys.modules); "
-        "assert not bad, bad"
-    )
+    code = "import sys, shared.tasks; bad = {'torch', 'vllm', 'transformers'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)

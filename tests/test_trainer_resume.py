@@ -39,8 +39,9 @@ STEPS, P, N, N_TEST, EVAL_EVERY, CKPT_EVERY, KILL_AFTER = 6, 4, 4, 8, 3, 2, 3
 def tiny_model(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )  # vLLM CPU attention needs head_dim >= 32
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +49,51 @@ def db_url(tmp_path_factory):
     return os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.db'}"
 
 
-def _run(tmp_path, db_url: str, model, mode: str, kill: bool, algorithm: dict | None = None,
-         lr_knob: float | None = None) -> dict:
+def _run(
+    tmp_path, db_url: str, model, mode: str, kill: bool, algorithm: dict | None = None, lr_knob: float | None = None
+) -> dict:
     """One job with its own generator, reward and trainer processes; with `kill`, the trainer is
     SIGKILLed once step KILL_AFTER is in the ledger and started again. `lr_knob`: a live lr set
     (a PATCH's control message) before the trainer starts, so it applies from step 1, before any
     checkpoint. Returns what the test compares."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     tag = f"rs-{mode}-{'kill' if kill else 'ref'}"
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": f"{tag}-{uuid.uuid4().hex[:8]}:",
-           "GEN_GENERATOR_ID": "gen-0", "TRAINER_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / tag / "checkpoints")}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": f"{tag}-{uuid.uuid4().hex[:8]}:",
+        "GEN_GENERATOR_ID": "gen-0",
+        "TRAINER_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(tmp_path / tag / "checkpoints"),
+    }
     sup = Supervisor(tmp_path / tag / "logs", env)
     ledger = Ledger(db_url)
-    spec = JobSpec.model_validate({
-        "name": tag, "model_path": str(model), "mode": mode, "max_staleness": 1, "steps": STEPS, "group_size": N,
-        "prompts_per_step": P, "eval_every": EVAL_EVERY, "checkpoint_every": CKPT_EVERY,
-        "task": {"n_train": 64, "n_test": N_TEST}, "sampling": {"max_tokens": 8}, "algorithm": algorithm or {}})
+    spec = JobSpec.model_validate(
+        {
+            "name": tag,
+            "model_path": str(model),
+            "mode": mode,
+            "max_staleness": 1,
+            "steps": STEPS,
+            "group_size": N,
+            "prompts_per_step": P,
+            "eval_every": EVAL_EVERY,
+            "checkpoint_every": CKPT_EVERY,
+            "task": {"n_train": 64, "n_test": N_TEST},
+            "sampling": {"max_tokens": 8},
+            "algorithm": algorithm or {},
+        }
+    )
     job_id = f"{tag}-{uuid.uuid4().hex[:8]}"
     ledger.create_job(job_id, tag, spec.model_dump(mode="json"))
     if lr_knob is not None:
-        JobStreams(connect(redis_url), job_id, prefix=env["STREAM_PREFIX"]).publish(CONTROL, Control(
-            job_id=job_id, msg_id=control_id("set", "lr"), policy_version=0, command="set", settings={"lr": lr_knob}))
+        JobStreams(connect(redis_url), job_id, prefix=env["STREAM_PREFIX"]).publish(
+            CONTROL,
+            Control(
+                job_id=job_id, msg_id=control_id("set", "lr"), policy_version=0, command="set", settings={"lr": lr_knob}
+            ),
+        )
     out: dict = {"job_id": job_id}
     killed = None
 
@@ -120,8 +144,10 @@ def _run(tmp_path, db_url: str, model, mode: str, kill: bool, algorithm: dict | 
         out["redone"] = [int(s) for s in m.group(3).split(",") if s.strip()]
         out["reproduced"] = [int(s) for s in re.findall(r"re-done step (\d+) reproduces", log)]
         out["ckpt"] = [(float(a), float(b)) for a, b in re.findall(r"checkpoint .*: ([\d.]+) MB in ([\d.]+)s", log)]
-    out["trained"] = {(s["trainer_version"] + 1, group_seq(s["group_id"]), s["prompt_index"], s["sample_index"])
-                      for s in ledger.samples(job_id, status="trained")}
+    out["trained"] = {
+        (s["trainer_version"] + 1, group_seq(s["group_id"]), s["prompt_index"], s["sample_index"])
+        for s in ledger.samples(job_id, status="trained")
+    }
     out["counts"] = ledger.status_counts(job_id)
     out["steps"] = ledger.train_steps(job_id)
     out["samples"] = ledger.samples(job_id)
@@ -173,15 +199,19 @@ def test_sync_resume_trains_exactly_what_an_uninterrupted_run_trains(tmp_path, t
     lrs = [s["metrics"]["lr"] for s in got["steps"]]
     assert lrs == [s["metrics"]["lr"] for s in ref["steps"]]
     assert lrs == pytest.approx(EXPECTED_LR, rel=1e-5)
-    print(f"\nsync resume: killed after step {got['killed_after']} (checkpoint {got['checkpoint_at_kill']}), "
-          f"re-done {got['redone']}, trainer boot to resumed {got['boot_s']:.1f}s, kill to next new step "
-          f"{got['kill_to_next_step_s']:.1f}s, checkpoints (MB, s) {got['ckpt']}; trained sets equal: "
-          f"{len(got['trained'])} samples")
+    print(
+        f"\nsync resume: killed after step {got['killed_after']} (checkpoint {got['checkpoint_at_kill']}), "
+        f"re-done {got['redone']}, trainer boot to resumed {got['boot_s']:.1f}s, kill to next new step "
+        f"{got['kill_to_next_step_s']:.1f}s, checkpoints (MB, s) {got['ckpt']}; trained sets equal: "
+        f"{len(got['trained'])} samples"
+    )
 
 
 def test_async_resume_accounts_for_every_sample(tmp_path, tiny_model, db_url):
     got = _run(tmp_path, db_url, tiny_model, "async", kill=True)
     _accounting(got, k=1)
     assert got["reproduced"] == got["redone"]
-    print(f"\nasync resume: killed after step {got['killed_after']}, re-done {got['redone']}, "
-          f"kill to next new step {got['kill_to_next_step_s']:.1f}s, counts {got['counts']}")
+    print(
+        f"\nasync resume: killed after step {got['killed_after']}, re-done {got['redone']}, "
+        f"kill to next new step {got['kill_to_next_step_s']:.1f}s, counts {got['counts']}"
+    )

@@ -1,4 +1,5 @@
-"""`python -m trainer_svc`: the trainer service, configured from the environment (see shared.settings.TrainerSettings)."""
+"""`python -m trainer_svc`: the trainer service, configured from the environment (see
+shared.settings.TrainerSettings)."""
 
 import logging
 import os

@@ -70,9 +70,7 @@ class BatchNorm:
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0 or self.num_seqs < 1 or self.max_len < 1:
-            raise ValueError(
-                f"BatchNorm needs num_tokens >= 0, num_seqs >= 1, max_len >= 1; got {self}"
-            )
+            raise ValueError(f"BatchNorm needs num_tokens >= 0, num_seqs >= 1, max_len >= 1; got {self}")
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], max_len: int) -> BatchNorm:
@@ -235,8 +233,13 @@ def reinforce_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     """
     mask = inp.mask.to(inp.logprobs.dtype)
     per_token = -inp.advantages[:, None] * inp.logprobs
-    return TokenLoss(per_token, {"is/truncated_sum": torch.zeros((), dtype=inp.logprobs.dtype),
-                                 **applied_weight_sums(torch.ones_like(mask), mask)})
+    return TokenLoss(
+        per_token,
+        {
+            "is/truncated_sum": torch.zeros((), dtype=inp.logprobs.dtype),
+            **applied_weight_sums(torch.ones_like(mask), mask),
+        },
+    )
 
 
 def ppo_clip_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
@@ -288,9 +291,7 @@ def gspo_loss(inp: LossInputs, cfg: LossConfig) -> TokenLoss:
     per_seq = -torch.min(s * adv, clipped * adv)  # (B,)
     per_token = per_seq[:, None].expand_as(mask)
     sd = s.detach()
-    active = ((adv > 0) & (sd > 1.0 + cfg.gspo_clip_high)) | (
-        (adv < 0) & (sd < 1.0 - cfg.gspo_clip_low)
-    )
+    active = ((adv > 0) & (sd > 1.0 + cfg.gspo_clip_high)) | ((adv < 0) & (sd < 1.0 - cfg.gspo_clip_low))
     active_sum = (active & (lengths > 0)).to(mask.dtype).sum()
     applied = applied_weight_sums(sd * (~active).to(mask.dtype), (lengths > 0).to(mask.dtype))
     return TokenLoss(per_token, {"is/truncated_seq_sum": active_sum, **applied})
@@ -348,17 +349,13 @@ def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm) ->
     return (per_token * mask).sum() / max(norm.num_tokens, 1)
 
 
-def _seq_mean_token_mean(
-    per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm
-) -> torch.Tensor:
+def _seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm) -> torch.Tensor:
     """(1/N_seqs) sum_i (1/|y_i|) sum_t l_it (GRPO, arXiv 2402.03300 eq. 3)."""
     lengths = mask.sum(dim=1).clamp(min=1.0)  # an empty sequence contributes 0, not 0/0
     return ((per_token * mask).sum(dim=1) / lengths).sum() / norm.num_seqs
 
 
-def _seq_mean_token_sum_norm(
-    per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm
-) -> torch.Tensor:
+def _seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, norm: BatchNorm) -> torch.Tensor:
     """sum_{i,t} l_it / (max_len * N_seqs): Dr. GRPO's constant normaliser (arXiv 2503.20783)."""
     return (per_token * mask).sum() / (norm.max_len * norm.num_seqs)
 
@@ -370,9 +367,7 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, BatchNorm], torch.
 }
 
 
-def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: BatchNorm
-) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: BatchNorm) -> torch.Tensor:
     """Reduce a micro-batch's per-token loss (B, T) with global-batch denominators to a scalar.
 
     Summing the results over the micro-batches of a step gives the global-batch loss exactly.
@@ -412,13 +407,13 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, norm: BatchNorm) -> LossOutput
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
     elif cfg.kl_coef > 0:
-        raise ValueError(
-            "kl_coef > 0 needs LossInputs.ref_logprobs from the frozen reference model"
-        )
+        raise ValueError("kl_coef > 0 needs LossInputs.ref_logprobs from the frozen reference model")
     if cfg.entropy_coef > 0:
         if inp.entropy is None or not inp.entropy.requires_grad:
-            raise ValueError("entropy_coef > 0 needs LossInputs.entropy with grad "
-                             "(logprobs.token_logprobs_and_entropy(..., entropy_grad=True))")
+            raise ValueError(
+                "entropy_coef > 0 needs LossInputs.entropy with grad "
+                "(logprobs.token_logprobs_and_entropy(..., entropy_grad=True))"
+            )
         per_token = per_token - cfg.entropy_coef * inp.entropy
     loss = aggregate(per_token, mask, cfg.aggregation, norm)
 
@@ -523,8 +518,9 @@ class LrSchedule:
     def from_spec(cls, spec: Any) -> LrSchedule:
         """From a `shared.jobspec.JobSpec` (read by attribute name)."""
         a = spec.algorithm
-        return cls(lr=a.lr, name=a.lr_schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
-                   steps=spec.steps)
+        return cls(
+            lr=a.lr, name=a.lr_schedule, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio, steps=spec.steps
+        )
 
 
 # name -> the fraction of (1 - min_lr_ratio) decayed at progress p in [0, 1] after the warm-up

@@ -78,7 +78,9 @@ class TrainBatch:
         """Each sample's model-sampled completion tokens: the loss's token counts (an environment's
         tokens in a multi-turn episode are not the model's to learn)."""
         off = _offsets(self.completion_lens)
-        return [int(self.model_mask[o : o + int(n)].sum()) for o, n in zip(off, self.completion_lens.tolist(), strict=True)]
+        return [
+            int(self.model_mask[o : o + int(n)].sum()) for o, n in zip(off, self.completion_lens.tolist(), strict=True)
+        ]
 
     def with_rewards(self, rewards: torch.Tensor) -> TrainBatch:
         """The same samples with other (G, n) rewards (the over-long treatment's)."""
@@ -100,8 +102,9 @@ class TrainBatch:
 
     # --- one micro-batch -----------------------------------------------------------------------
 
-    def micro_batch(self, lo: int, hi: int, pad_id: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def micro_batch(
+        self, lo: int, hi: int, pad_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Samples [lo, hi) as model inputs: input_ids (b, L), attention_mask (b, L), behaviour
         logprobs (b, L-1), completion mask (b, L-1) and temperatures (b,), with L the longest
         prompt + completion of these rows; right-padded like `logprobs.pad_batch`. The completion
@@ -143,12 +146,12 @@ class TrainBatch:
         start = 0
         for k, i in enumerate(indices):
             p, c = plens[k], clens[k]
-            pieces += [self.prompt_tokens[p_off[i]: p_off[i] + p], self.completion_tokens[c_off[i]: c_off[i] + c]]
+            pieces += [self.prompt_tokens[p_off[i] : p_off[i] + p], self.completion_tokens[c_off[i] : c_off[i] + c]]
             temps.append(self.temperatures[i].expand(p + c))
             # the row's token start + j (j in [p, p + c)) is scored at shifted position start + j - 1
             index[k, :c] = torch.arange(start + p - 1, start + p + c - 1)
-            behaviour[k, :c] = self.behaviour_logprobs[c_off[i]: c_off[i] + c]
-            mask[k, :c] = self.model_mask[c_off[i]: c_off[i] + c]
+            behaviour[k, :c] = self.behaviour_logprobs[c_off[i] : c_off[i] + c]
+            mask[k, :c] = self.model_mask[c_off[i] : c_off[i] + c]
             start += p + c
         ids = torch.cat(pieces).to(torch.long)
         return PackedMicroBatch(
@@ -158,7 +161,9 @@ class TrainBatch:
             # position t scores token t + 1 of the same sample; a sample's last position scores the
             # next sample's first token, which no index points at
             temperatures=torch.cat(temps)[None, :-1].to(torch.float32),
-            index=index, behaviour_logprobs=behaviour, mask=mask,
+            index=index,
+            behaviour_logprobs=behaviour,
+            mask=mask,
         )
 
 

@@ -95,8 +95,10 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda{i}"] = s
     py_version, py_state, py_gauss = random.getstate()
-    scalars = {"python": [py_version, list(py_state), py_gauss],
-               "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]}
+    scalars = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
+    }
     return tensors, scalars
 
 
@@ -133,8 +135,14 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fh.fileno())
 
 
-def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[str, Any], state: dict[str, Any],
-         model_state: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+def save(
+    final: Path,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer | dict[str, Any],
+    state: dict[str, Any],
+    model_state: dict[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
     """Write one checkpoint atomically; returns {"bytes", "seconds"}. An existing committed
     checkpoint at `final` is kept as it is (a step is saved once).
 
@@ -152,8 +160,12 @@ def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[
         spec = lora_spec(model)
         full = model_state if model_state is not None else model.state_dict()
         model.get_base_model().save_pretrained(tmp, state_dict=lora.merged_state(full, spec))
-        lora.write_adapter(tmp / lora.ADAPTER_DIR, {lora.adapter_name(k): v for k, v in full.items() if ".lora_" in k},
-                           spec, str(model.peft_config[lora.ADAPTER_NAME].base_model_name_or_path or ""))
+        lora.write_adapter(
+            tmp / lora.ADAPTER_DIR,
+            {lora.adapter_name(k): v for k, v in full.items() if ".lora_" in k},
+            spec,
+            str(model.peft_config[lora.ADAPTER_NAME].base_model_name_or_path or ""),
+        )
     else:
         model.save_pretrained(tmp, state_dict=model_state)
     tokenizer.save_pretrained(tmp)
@@ -164,8 +176,16 @@ def save(final: Path, model, tokenizer, optimizer: torch.optim.Optimizer | dict[
     torch.save(tensors, sd / "rng.pt")
     (sd / "trainer.json").write_text(json.dumps({"format": FORMAT, **state, "rng": scalars}))
     _fsync_tree(tmp)
-    _write_json(tmp / COMMIT, {"format": FORMAT, "job_id": state.get("job_id"), "step": state["step"],
-                               "policy_version": state["policy_version"], "trainer_state": STATE_DIR})
+    _write_json(
+        tmp / COMMIT,
+        {
+            "format": FORMAT,
+            "job_id": state.get("job_id"),
+            "step": state["step"],
+            "policy_version": state["policy_version"],
+            "trainer_state": STATE_DIR,
+        },
+    )
     shutil.rmtree(final, ignore_errors=True)  # an uncommitted leftover of a crashed save
     os.replace(tmp, final)
     fd = os.open(final.parent, os.O_RDONLY)
@@ -325,8 +345,10 @@ def plan_resume(root: str | Path, job_id: str, ledger: TrainerLedger) -> Resume 
         keep = {g for g in flying if sample_id(g, 0) not in used} | replayed
         feeder["in_flight"] = sorted(keep, key=group_seq)
         # [step, eval set] per open round (a bare step: the default set, from journals before named sets)
-        opened = {r: (v, "held_out") if isinstance(v, int) else (int(v[0]), str(v[1]))
-                  for r, v in feeder["open_evals"].items()}
+        opened = {
+            r: (v, "held_out") if isinstance(v, int) else (int(v[0]), str(v[1]))
+            for r, v in feeder["open_evals"].items()
+        }
         feeder["open_evals"] = {r: [st, name] for r, (st, name) in opened.items() if (name, st) not in eval_steps}
         eval_steps |= {(name, st) for st, name in opened.values()}
     checksums = {v["version"]: v["checksum"] for v in ledger.policy_versions(job_id)}
@@ -337,9 +359,15 @@ def plan_resume(root: str | Path, job_id: str, ledger: TrainerLedger) -> Resume 
 
 
 def _like(streams: JobStreams, claim_idle_ms: int) -> JobStreams:
-    return JobStreams(streams.r, streams.job_id, prefix=streams.prefix, max_message_bytes=streams.max_message_bytes,
-                      claim_idle_ms=claim_idle_ms, max_deliveries=streams.max_deliveries,
-                      max_read_bytes=streams.max_read_bytes)
+    return JobStreams(
+        streams.r,
+        streams.job_id,
+        prefix=streams.prefix,
+        max_message_bytes=streams.max_message_bytes,
+        claim_idle_ms=claim_idle_ms,
+        max_deliveries=streams.max_deliveries,
+        max_read_bytes=streams.max_read_bytes,
+    )
 
 
 def singleton_consumer(streams: JobStreams) -> JobStreams:

@@ -24,9 +24,9 @@ Who does what with N ranks:
 What is sharded (FSDP2, one `fully_shard` unit per decoder layer plus the root): parameters,
 gradients and AdamW state, 1/N per rank. Each rank computes the loss on its contiguous share of
 the global batch (in micro-batches of samples, or packed to a token budget: every rank packs every
-rank's share alike, so all know the most passes any needs); the normalisation stays global (`BatchNorm` from every sample's length), and
-each rank scales its loss by N before backward because the gradient reduce-scatter averages over
-ranks, so the summed update equals the single-process update. (FSDP2's
+rank's share alike, so all know the most passes any needs); the normalisation stays global
+(`BatchNorm` from every sample's length), and each rank scales its loss by N before backward because the gradient
+reduce-scatter averages over ranks, so the summed update equals the single-process update. (FSDP2's
 `set_gradient_divide_factor(1.0)` would say "sum" directly, but it reduces with PREMUL_SUM, and
 gloo raises "Cannot use ReduceOp.PREMUL_SUM with Gloo".) FSDP2 runs on CPU with gloo (checked
 with torch 2.13: forward, backward, clip_grad_norm_, full state-dict gather and rank-0 broadcast
@@ -167,6 +167,7 @@ class Ranks:
         is every sample's prompt + completion), as global sample indices, padded with None to the
         count of the rank with the most. Every rank holds every length (the step's announcement
         carries the whole batch), so each computes every rank's packing: no collective needed."""
+
         def bins(rank: int) -> list[list[int]]:
             lo, hi = Ranks(rank, self.world_size).shard(len(lengths))
             return [[lo + i for i in b] for b in first_fit_decreasing(lengths[lo:hi], budget)]
@@ -182,8 +183,10 @@ class Ranks:
             return dict(sums)
         keys = sorted(sums)
         out: dict[str, float] = {}
-        for op, names in ((dist.ReduceOp.MAX, [k for k in keys if k.endswith("max")]),
-                          (dist.ReduceOp.SUM, [k for k in keys if not k.endswith("max")])):
+        for op, names in (
+            (dist.ReduceOp.MAX, [k for k in keys if k.endswith("max")]),
+            (dist.ReduceOp.SUM, [k for k in keys if not k.endswith("max")]),
+        ):
             t = torch.tensor([sums[k] for k in names], dtype=torch.float64, device=self._comm)
             dist.all_reduce(t, op=op)
             out.update(zip(names, t.cpu().tolist(), strict=True))
@@ -210,8 +213,10 @@ class Ranks:
         layer_types = set(getattr(model, "_no_split_modules", None) or ())
         layers = [m for m in model.modules() if type(m).__name__ in layer_types]
         if not layers:
-            raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
-                             "FSDP2 needs one unit per layer")
+            raise ValueError(
+                f"{type(model).__name__} names no decoder layer class (_no_split_modules); "
+                "FSDP2 needs one unit per layer"
+            )
         mp = {} if mp_policy is None else {"mp_policy": mp_policy}
         for layer in layers:
             fully_shard(layer, offload_policy=policy, **mp)
@@ -235,8 +240,11 @@ class Ranks:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, dict(state) if self.is_main else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        set_model_state_dict(
+            model,
+            dict(state) if self.is_main else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state in `optimizer.state_dict()` layout (params by index in
@@ -250,17 +258,24 @@ class Ranks:
         )
 
         # one optimizer: its state dict's layout (torch's type allows a list, for several)
-        by_name = cast(dict[str, Any], get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+        by_name = cast(
+            dict[str, Any],
+            get_optimizer_state_dict(
+                model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ),
+        )
         if not self.is_main:
             return {}
         # the optimizer's own order: the parameters it updates (LoRA: the adapters only)
         index = {name: i for i, (name, _) in enumerate(_trained(model))}
-        return {"state": {index[n]: s for n, s in by_name["state"].items()},
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+        return {
+            "state": {index[n]: s for n, s in by_name["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]],
+        }
 
-    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                             state: Mapping[str, Any] | None) -> None:
+    def load_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any] | None
+    ) -> None:
         """Rank 0's state (`optimizer.state_dict()` layout; None: empty) into every rank's
         optimizer. Every rank must pass None or not-None alike (rank 0 announces which)."""
         if state is None:
@@ -277,10 +292,13 @@ class Ranks:
         by_name: dict[str, Any] = {}
         if self.is_main:
             names = [name for name, _ in _trained(model)]
-            by_name = {"state": {names[i]: s for i, s in state["state"].items()},
-                       "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, by_name,
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            by_name = {
+                "state": {names[i]: s for i, s in state["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+            }
+        set_optimizer_state_dict(
+            model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
 
 
 def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

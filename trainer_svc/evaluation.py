@@ -46,8 +46,9 @@ class Round:
     settled: set[str] = field(default_factory=set)  # problem group ids dead-lettered or lost
 
 
-def build_sets(spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
-               ) -> dict[str, EvalSet]:
+def build_sets(
+    spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
+) -> dict[str, EvalSet]:
     """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
     items and its sampling (the job's stop rules, the set's temperature, n and length)."""
     out = {}
@@ -55,10 +56,20 @@ def build_sets(spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render:
         items = []
         for p in problems[es.name]:
             r = render(p)
-            items.append(EvalItem(prompt_index=p.index, prompt=r.text, prompt_ids=pack_i32(r.ids), answer=p.answer,
-                                  metadata=dict(p.metadata)))
-        sampling = spec.sampling.params(temperature=es.sampling.temperature, top_p=es.sampling.top_p,
-                                        max_tokens=es.sampling.max_tokens or spec.sampling.max_tokens)
+            items.append(
+                EvalItem(
+                    prompt_index=p.index,
+                    prompt=r.text,
+                    prompt_ids=pack_i32(r.ids),
+                    answer=p.answer,
+                    metadata=dict(p.metadata),
+                )
+            )
+        sampling = spec.sampling.params(
+            temperature=es.sampling.temperature,
+            top_p=es.sampling.top_p,
+            max_tokens=es.sampling.max_tokens or spec.sampling.max_tokens,
+        )
         out[es.name] = EvalSet(es, items, sampling)
     return out
 
@@ -69,9 +80,16 @@ class Evaluator:
     `started` holds (set, step) pairs whose round was fed, by this trainer run or a predecessor
     (a resumed trainer must not feed a round twice, nor wait for one that was recorded)."""
 
-    def __init__(self, spec: JobSpec, sets: dict[str, EvalSet], feeder: Feeder, streams: JobStreams,
-                 ledger: TrainerLedger,
-                 job_id: str, tracking: Tracking | None = None):
+    def __init__(
+        self,
+        spec: JobSpec,
+        sets: dict[str, EvalSet],
+        feeder: Feeder,
+        streams: JobStreams,
+        ledger: TrainerLedger,
+        job_id: str,
+        tracking: Tracking | None = None,
+    ):
         self.spec, self.sets, self.feeder, self.streams, self.ledger = spec, sets, feeder, streams, ledger
         self.job_id, self.tracking = job_id, tracking or Tracking()
         self.rounds: dict[str, Round] = {}
@@ -122,16 +140,22 @@ class Evaluator:
         rnd = self.rounds[rid]
         es = self.sets[rnd.name]
         arrived = {g.group_id for g in rnd.groups}
-        out = [(gid, rnd.name, it.prompt_index, len(unpack_i32(it.prompt_ids)), es.spec.sampling.n)
-               for it in es.items
-               if (gid := eval_group_id(rid, it.prompt_index)) not in alive | arrived | rnd.settled]
+        out = [
+            (gid, rnd.name, it.prompt_index, len(unpack_i32(it.prompt_ids)), es.spec.sampling.n)
+            for it in es.items
+            if (gid := eval_group_id(rid, it.prompt_index)) not in alive | arrived | rnd.settled
+        ]
         rnd.settled.update(o[0] for o in out)
         rnd.expected -= len(out)
         if out and not rnd.groups and rnd.expected <= 0:
             del self.rounds[rid]
             self.feeder.eval_done(rid)
-            log.warning("eval %s (%s) after step %d: lost by Redis before it was generated; not measured",
-                        rid, rnd.name, rnd.step)
+            log.warning(
+                "eval %s (%s) after step %d: lost by Redis before it was generated; not measured",
+                rid,
+                rnd.name,
+                rnd.step,
+            )
         return out
 
     def record_complete(self, version: int) -> None:
@@ -153,18 +177,38 @@ class Evaluator:
                 per_problem.append(([s.rollout.completion for s in samples], [s.reward for s in samples]))
                 for s in samples:
                     versions.add(s.rollout.policy_version)
-                    used.append({"msg_id": s.msg_id, "status": "evaluated", "trainer_version": version,
-                                 "staleness": staleness(version, s.rollout.policy_version)})
+                    used.append(
+                        {
+                            "msg_id": s.msg_id,
+                            "status": "evaluated",
+                            "trainer_version": version,
+                            "staleness": staleness(version, s.rollout.policy_version),
+                        }
+                    )
                 entries += g.entries
             n = len(per_problem[0][1])
             metrics = round_metrics(per_problem, es.ks, es.pass_threshold)
             episodes = episode_means([s.rollout.env_metrics for g in rnd.groups for s in g.samples.values()])
             figures = {**metrics, **episodes} if n > 1 or episodes else None
             self.ledger.record_used(used)
-            self.ledger.record_eval(self.job_id, rnd.step, min(versions), max(versions), metrics[f"mean@{n}"],
-                                    len(used), name=rnd.name, metrics=figures)
+            self.ledger.record_eval(
+                self.job_id,
+                rnd.step,
+                min(versions),
+                max(versions),
+                metrics[f"mean@{n}"],
+                len(used),
+                name=rnd.name,
+                metrics=figures,
+            )
             self.tracking.eval(rnd.step, rnd.name, metrics[f"mean@{n}"], figures)
             self.streams.ack(SCORED, GROUP_TRAINERS, entries)
-            log.info("eval %s (%s) after step %d: reward %.3f %s (policy version %s)", rid, rnd.name, rnd.step,
-                     metrics[f"mean@{n}"], {k: round(v, 3) for k, v in metrics.items() if not k.startswith("mean@")},
-                     "..".join(map(str, sorted({min(versions), max(versions)}))))
+            log.info(
+                "eval %s (%s) after step %d: reward %.3f %s (policy version %s)",
+                rid,
+                rnd.name,
+                rnd.step,
+                metrics[f"mean@{n}"],
+                {k: round(v, 3) for k, v in metrics.items() if not k.startswith("mean@")},
+                "..".join(map(str, sorted({min(versions), max(versions)}))),
+            )

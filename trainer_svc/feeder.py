@@ -50,7 +50,12 @@ class Feeder:
     knows exactly what its predecessor fed (trainer_svc.checkpoint.FeedJournal)."""
 
     def __init__(
-        self, streams: JobStreams, spec: JobSpec, train: Sequence[Problem], render: Render, run_id: str = "",
+        self,
+        streams: JobStreams,
+        spec: JobSpec,
+        train: Sequence[Problem],
+        render: Render,
+        run_id: str = "",
         journal: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.streams = streams
@@ -78,10 +83,15 @@ class Feeder:
     def state(self) -> dict[str, Any]:
         """Everything needed to continue feeding where this feeder is (JSON-safe)."""
         return {
-            "seq": self.seq, "epochs": self.epochs, "cursor": self.cursor, "eval_rounds": self.eval_rounds,
-            "in_flight": sorted(self.in_flight, key=group_seq), "open_evals": dict(self.open_evals),
+            "seq": self.seq,
+            "epochs": self.epochs,
+            "cursor": self.cursor,
+            "eval_rounds": self.eval_rounds,
+            "in_flight": sorted(self.in_flight, key=group_seq),
+            "open_evals": dict(self.open_evals),
             "fed": {g: self.fed[g] for g in sorted(self.in_flight & self.fed.keys(), key=group_seq)},
-            "temperature": self.temperature, "top_p": self.top_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -98,8 +108,10 @@ class Feeder:
         self.in_flight = set(state["in_flight"])
         self.fed = {str(g): [int(x) for x in v] for g, v in state.get("fed", {}).items()}  # journals before it: none
         # [step, eval set]; a bare step is a round of the default set (journals before named sets)
-        self.open_evals = {str(k): [int(v), "held_out"] if isinstance(v, int) else [int(v[0]), str(v[1])]
-                           for k, v in state["open_evals"].items()}
+        self.open_evals = {
+            str(k): [int(v), "held_out"] if isinstance(v, int) else [int(v[0]), str(v[1])]
+            for k, v in state["open_evals"].items()
+        }
         self.temperature = float(state["temperature"])
         self.top_p = float(state["top_p"])
 
@@ -167,17 +179,28 @@ class Feeder:
     def eval_done(self, rnd: str) -> None:
         self.open_evals.pop(rnd, None)
 
-    def feed_eval(self, version: int, step: int, eval_set: str, items: Sequence[EvalItem], n: int,
-                  sampling: SamplingParams) -> str:
+    def feed_eval(
+        self, version: int, step: int, eval_set: str, items: Sequence[EvalItem], n: int, sampling: SamplingParams
+    ) -> str:
         """Feed one evaluation round of `eval_set` (its problems as rendered `items`, `n` samples
         each) for the policy after `step`, as one entry (shared.schema.EvalRound); returns the
         round's id (see `eval_round`)."""
         rnd = eval_round_id(self.prefix, self.eval_rounds)
         self.eval_rounds += 1
         self.open_evals[rnd] = [step, eval_set]
-        self.streams.publish(PROMPTS, EvalRound(job_id=self.streams.job_id, msg_id=rnd, group_id=rnd,
-                                                policy_version=version, eval_set=eval_set, n=n, sampling=sampling,
-                                                items=list(items)))
+        self.streams.publish(
+            PROMPTS,
+            EvalRound(
+                job_id=self.streams.job_id,
+                msg_id=rnd,
+                group_id=rnd,
+                policy_version=version,
+                eval_set=eval_set,
+                n=n,
+                sampling=sampling,
+                items=list(items),
+            ),
+        )
         if self.journal is not None:
             self.journal(self.state())
         return rnd
@@ -278,7 +301,10 @@ class DeadMember:
 # The payload each stream's dead letters carry (the entry's raw bytes), and how to read a group
 # member out of it.
 _DEAD_KINDS: dict[str, tuple[type[Message], ...]] = {
-    PROMPTS: (PromptGroup, EvalRound), ROLLOUTS: (Rollout,), SCORED: (Scored,)}
+    PROMPTS: (PromptGroup, EvalRound),
+    ROLLOUTS: (Rollout,),
+    SCORED: (Scored,),
+}
 
 
 # Dead-letter codes that lose no group member: the reward service's second entry of a msg_id it

@@ -41,8 +41,9 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
     path = path or spec.model_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora_spec = spec.lora if adapters else None
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(spec.model_path if lora_spec is not None else path,
-                                                                  dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        spec.model_path if lora_spec is not None else path, dtype=torch.float32
+    )
     model = model.to(device)
     if lora_spec is not None:
         model = lora.wrap(model, lora_spec, spec.seed)
@@ -60,8 +61,10 @@ def shape_overlong(batch: TrainBatch, spec: JobSpec) -> tuple[torch.Tensor, torc
     if a.overlong == "mask":
         keep = (~cut).to(torch.float32)
     elif a.overlong == "penalty":
-        rewards = rewards + (overlong_penalty(batch.completion_lens, spec.sampling.max_tokens, a.overlong_buffer,
-                                              a.overlong_penalty) * cut).view_as(rewards)
+        rewards = rewards + (
+            overlong_penalty(batch.completion_lens, spec.sampling.max_tokens, a.overlong_buffer, a.overlong_penalty)
+            * cut
+        ).view_as(rewards)
     return rewards, keep
 
 
@@ -107,12 +110,15 @@ class Learner:
         # holding parameters FSDP2 does not know (KeyError in get_optimizer_state_dict).
         if a.packing:
             check_packing(model)
-        self.model = self.ranks.wrap(model, cpu_offload=a.cpu_offload, mp_policy=mixed_precision_policy(device, a.dtype))
+        self.model = self.ranks.wrap(
+            model, cpu_offload=a.cpu_offload, mp_policy=mixed_precision_policy(device, a.dtype)
+        )
         self.autocast = autocast(device, a.dtype)  # the forward's precision; weights stay float32
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # LoRA: the adapters only (the frozen base has no optimizer state at all)
-        self.optimizer = torch.optim.AdamW([p for _, p in lora.trainable(self.model)], lr=a.lr, betas=a.betas, eps=a.eps,
-                                           weight_decay=a.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in lora.trainable(self.model)], lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay
+        )
         self.advantage_fn = lookup(ADVANTAGE_ESTIMATORS, a.advantage, "advantage estimator")
         self.cfg = LossConfig.from_spec(a)
         self.lr = a.lr  # the step size when `step` is given none (the loop gives the schedule's)
@@ -136,13 +142,17 @@ class Learner:
         # packed to a token budget); None pads the count to that of the busiest rank (every FSDP
         # forward is a collective) and contributes no gradient.
         a = spec.algorithm
-        parts = (self.ranks.packed_micro_batches(batch.sample_lengths(), a.micro_batch_tokens) if a.packing
-                 else self.ranks.micro_batches(len(batch), a.micro_batch_size))
+        parts = (
+            self.ranks.packed_micro_batches(batch.sample_lengths(), a.micro_batch_tokens)
+            if a.packing
+            else self.ranks.micro_batches(len(batch), a.micro_batch_size)
+        )
         for part in parts:
             sums = accumulate(sums, self._backward(batch, advantages, norm, part))
         sums = self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
-        grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                                    spec.algorithm.max_grad_norm)))
+        grad_norm = float(
+            full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
+        )
         lr = self.lr * lr_scale if lr is None else lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -159,8 +169,9 @@ class Learner:
             "samples": float(len(batch)),
         }
 
-    def _backward(self, batch: TrainBatch, advantages: torch.Tensor, norm: BatchNorm,
-                  part: tuple[int, int] | list[int] | None) -> dict[str, float]:
+    def _backward(
+        self, batch: TrainBatch, advantages: torch.Tensor, norm: BatchNorm, part: tuple[int, int] | list[int] | None
+    ) -> dict[str, float]:
         """Loss and backward of samples [lo, hi) of `batch` (`part`), or of the samples listed,
         packed into one row (trainer_svc/packing.py); None: a padding micro-batch that
         contributes no gradient. Returns its metric sums."""
@@ -168,8 +179,14 @@ class Learner:
         unpack: Callable[[torch.Tensor], torch.Tensor]
         if isinstance(part, list) or (part is None and self.spec.algorithm.packing):
             mb = batch.packed_micro_batch(part or [0]).to(self.device)
-            ids, attn, pos, temp, behaviour, mask = (mb.input_ids, None, mb.position_ids, mb.temperatures,
-                                                     mb.behaviour_logprobs, mb.mask)
+            ids, attn, pos, temp, behaviour, mask = (
+                mb.input_ids,
+                None,
+                mb.position_ids,
+                mb.temperatures,
+                mb.behaviour_logprobs,
+                mb.mask,
+            )
             adv, unpack = advantages[mb.samples.cpu()].to(self.device), mb.unpack
         else:
             lo, hi = part or (0, 1)
@@ -179,9 +196,15 @@ class Learner:
         # each sample's own sampling temperature: the behaviour policy it was drawn from
         chunk = self.spec.algorithm.logprob_chunk_tokens
         with self.autocast():
-            logprobs, entropy = token_logprobs_and_entropy(self.model, ids, attn, temp,
-                                                           entropy_grad=self.cfg.entropy_coef > 0,
-                                                           chunk_tokens=chunk, position_ids=pos)
+            logprobs, entropy = token_logprobs_and_entropy(
+                self.model,
+                ids,
+                attn,
+                temp,
+                entropy_grad=self.cfg.entropy_coef > 0,
+                chunk_tokens=chunk,
+                position_ids=pos,
+            )
         logprobs, entropy = unpack(logprobs), unpack(entropy)  # packed: back to one row per sample
         ref = None
         if self.ref_model is not None:
@@ -219,7 +242,9 @@ class Learner:
             state = (lora.read_adapter(Path(path) / lora.ADAPTER_DIR) if path else self.initial_adapter) if main else {}
             lora.load_adapter_state(self.model, state or {}, main)
         elif weights:
-            self.ranks.load_model_state(self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {})
+            self.ranks.load_model_state(
+                self.model, checkpoint.read_weights(path or self.spec.model_path) if main else {}
+            )
         optimizer = None if path is None else checkpoint.read_optimizer(Path(path)) if main else {}
         self.ranks.load_optimizer_state(self.model, self.optimizer, optimizer)
 

@@ -82,8 +82,9 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
 
-def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.Tensor,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def _scaled_logits(
+    model, input_ids, attention_mask, temperature: float | torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """logits[:, :-1] / temperature, in float32; temperature a scalar, per row (B,) or per
     position (B, L-1)."""
     t = _temperature(temperature)
@@ -91,8 +92,9 @@ def _scaled_logits(model, input_ids, attention_mask, temperature: float | torch.
     return _divide(logits, t)  # (B, L-1, V)
 
 
-def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy: bool,
-                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _logprobs_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, entropy: bool, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs (B, n) of `targets` (B, n, 1) and optionally the entropy (B, n) from
     scaled float32 logits (B, n, V); the entropy keeps its graph only with `entropy_grad`."""
     lse = torch.logsumexp(logits, dim=-1)  # (B, n)
@@ -115,9 +117,16 @@ def _chunkable(model: torch.nn.Module) -> bool:
     return not any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy: bool,
-             entropy_grad: bool, position_ids: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _chunked(
+    model,
+    input_ids,
+    attention_mask,
+    temperature,
+    chunk: int,
+    entropy: bool,
+    entropy_grad: bool,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """`_logprobs_entropy` without full-vocabulary logits for the whole sequence: the final hidden
     states once, then the head, log-softmax and gather over `chunk` positions at a time; with
     autograd each chunk is checkpointed (its (B, chunk, V) logits are recomputed in the backward,
@@ -141,8 +150,8 @@ def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy:
     grad = torch.is_grad_enabled()
     lps, ents = [], []
     for s in range(0, hidden.shape[1], chunk):
-        h, tgt = hidden[:, s:s + chunk], targets[:, s:s + chunk]
-        tc = t[:, s:s + chunk] if t.ndim == 2 else t  # per-position temperatures follow the chunk
+        h, tgt = hidden[:, s : s + chunk], targets[:, s : s + chunk]
+        tc = t[:, s : s + chunk] if t.ndim == 2 else t  # per-position temperatures follow the chunk
         if grad:
             lp, ent = torch.utils.checkpoint.checkpoint(piece, h, tgt, tc, use_reentrant=False)
         else:
@@ -152,14 +161,20 @@ def _chunked(model, input_ids, attention_mask, temperature, chunk: int, entropy:
     return torch.cat(lps, dim=1), (torch.cat(ents, dim=1) if entropy else None)
 
 
-def _compute(model, input_ids, attention_mask, temperature, chunk_tokens: int, entropy: bool,
-             entropy_grad: bool, position_ids: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _compute(
+    model,
+    input_ids,
+    attention_mask,
+    temperature,
+    chunk_tokens: int,
+    entropy: bool,
+    entropy_grad: bool,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
     if chunk_tokens and _chunkable(model):
-        got = _chunked(model, input_ids, attention_mask, temperature, chunk_tokens, entropy, entropy_grad,
-                       position_ids)
+        got = _chunked(model, input_ids, attention_mask, temperature, chunk_tokens, entropy, entropy_grad, position_ids)
         if got is not None:
             return got
     logits = _scaled_logits(model, input_ids, attention_mask, temperature, position_ids)
@@ -231,8 +246,9 @@ def token_logprobs_and_entropy(
         float32 in nats, detached unless `entropy_grad`; both meaningless at padding (mask with
         ``completion_mask``).
     """
-    logprobs, entropy = _compute(model, input_ids, attention_mask, temperature, chunk_tokens, True, entropy_grad,
-                                 position_ids)
+    logprobs, entropy = _compute(
+        model, input_ids, attention_mask, temperature, chunk_tokens, True, entropy_grad, position_ids
+    )
     assert entropy is not None
     return logprobs, entropy
 
@@ -258,8 +274,6 @@ def sequence_logprobs(
     """
     input_ids, attention_mask, completion_mask = pad_batch(prompt_ids, completion_ids, pad_id)
     device = next(model.parameters()).device
-    logprobs = token_logprobs(
-        model, input_ids.to(device), attention_mask.to(device), temperature
-    )  # (B, L-1)
+    logprobs = token_logprobs(model, input_ids.to(device), attention_mask.to(device), temperature)  # (B, L-1)
     mask = completion_mask.to(device).bool()
     return [row[m] for row, m in zip(logprobs, mask, strict=True)]

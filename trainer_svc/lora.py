@@ -31,8 +31,14 @@ def wrap(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch.nn.Modu
 
     torch.manual_seed(seed)  # A's initialisation: every rank and every restart builds the same one
     # peft types lora_alpha int; it takes a float (scaling = lora_alpha / r)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,  # type: ignore[arg-type]
-                        target_modules=list(spec.target_modules), bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -74,8 +80,10 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]
     if is_main:
         want = {adapter_name(n) for n, _ in params}
         if set(state) != want:
-            raise ValueError(f"adapter tensors {sorted(set(state) ^ want)[:4]}... do not match the model's adapters "
-                             f"(rank, targets or base model differ)")
+            raise ValueError(
+                f"adapter tensors {sorted(set(state) ^ want)[:4]}... do not match the model's adapters "
+                f"(rank, targets or base model differ)"
+            )
     with torch.no_grad():
         for name, p in params:
             if isinstance(d := p.data, DTensor):
@@ -109,10 +117,21 @@ def merged_state(peft_state: Mapping[str, torch.Tensor], spec: LoraSpec) -> dict
 
 def adapter_config(spec: LoraSpec, base_model: str) -> dict:
     """adapter_config.json as PEFT writes it: what vLLM and `PeftModel.from_pretrained` read."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-            "target_modules": list(spec.target_modules), "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
 
 
 def write_adapter(path: Path, state: Mapping[str, torch.Tensor], spec: LoraSpec, base_model: str) -> None:

@@ -25,8 +25,9 @@ class Offload:
         self.to_host_s = self.to_device_s = 0.0  # the last move's cost
 
     @classmethod
-    def for_job(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str,
-                placement: str, world_size: int = 1) -> Offload:
+    def for_job(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str, placement: str, world_size: int = 1
+    ) -> Offload:
         """On for a co-located job on a GPU with one trainer rank (sharded ranks keep their
         shards on the device: moving FSDP's sharded parameters is not done here)."""
         return cls(model, optimizer, device, takes_turns(placement, device) and world_size == 1)

@@ -90,9 +90,20 @@ class PackedMicroBatch:
     mask: torch.Tensor  # (b, C) float32: 1 where the model sampled the token (model_mask), 0 past C_k
 
     def to(self, device: str | torch.device) -> PackedMicroBatch:
-        return PackedMicroBatch(*(t.to(device) for t in (self.samples, self.input_ids, self.position_ids,
-                                                         self.temperatures, self.index, self.behaviour_logprobs,
-                                                         self.mask)))
+        return PackedMicroBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.samples,
+                    self.input_ids,
+                    self.position_ids,
+                    self.temperatures,
+                    self.index,
+                    self.behaviour_logprobs,
+                    self.mask,
+                )
+            )
+        )
 
     def unpack(self, shifted: torch.Tensor) -> torch.Tensor:
         """(1, L-1) per-position values (logprobs, entropy) -> (b, C), one row per sample's
@@ -132,5 +143,6 @@ def check_packing(model: torch.nn.Module) -> float:
         raise ValueError(
             f"{type(model).__name__} (attention {getattr(model.config, '_attn_implementation', '?')}) does not "
             f"confine attention to packed samples: their logits differ from unpacked by {err:.3g} (ignoring the "
-            f"reset would differ by {ignored:.3g}); set algorithm.packing to false")
+            f"reset would differ by {ignored:.3g}); set algorithm.packing to false"
+        )
     return err

@@ -70,7 +70,9 @@ class Parts:
     scored_in: JobStreams  # the scored stream without idle reclaim (checkpoint.singleton_consumer)
     resume: checkpoint.Resume | None
     tracking: Tracking  # the job's TensorBoard / MLflow / W&B run, if any (trainer_svc/tracking.py)
-    held: list[str] = field(default_factory=list)  # scored entries of trained steps, acked once a checkpoint covers them
+    held: list[str] = field(
+        default_factory=list
+    )  # scored entries of trained steps, acked once a checkpoint covers them
     t_boot: float = field(default_factory=time.perf_counter)
 
     @property
@@ -79,8 +81,16 @@ class Parts:
         return Consumer(SCORED, GROUP_TRAINERS, self.settings.consumer_id, Scored)
 
     @classmethod
-    def build(cls, settings: TrainerSettings, job_id: str, spec: JobSpec, ledger: TrainerLedger,
-              streams: JobStreams, ranks: Ranks, registry: CollectorRegistry | None = None) -> Parts:
+    def build(
+        cls,
+        settings: TrainerSettings,
+        job_id: str,
+        spec: JobSpec,
+        ledger: TrainerLedger,
+        streams: JobStreams,
+        ranks: Ranks,
+        registry: CollectorRegistry | None = None,
+    ) -> Parts:
         t_boot = time.perf_counter()
         if settings.threads:
             torch.set_num_threads(settings.threads)
@@ -91,11 +101,17 @@ class Parts:
         learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)
         log.info("trainer: model loaded in %.2fs", time.perf_counter() - t_boot)
         if not spec.checkpoint_every:
-            log.warning("checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
-                        "and Redis holds every trained sample until the job ends")
+            log.warning(
+                "checkpoint_every is 0: a restarted trainer re-does every step from the initial model, "
+                "and Redis holds every trained sample until the job ends"
+            )
         train_set, test_set = load_task(spec.task, spec.seed)
-        eval_problems = {es.name: (test_set if es.dataset is None else load_source(es.dataset, spec.task, spec.seed))
-                         [: es.max_problems] for es in spec.evaluation_sets()}
+        eval_problems = {
+            es.name: (test_set if es.dataset is None else load_source(es.dataset, spec.task, spec.seed))[
+                : es.max_problems
+            ]
+            for es in spec.evaluation_sets()
+        }
         # prompts rendered once (chat template or plain text) and carried as token ids from here on
         render = renderer(learner.tokenizer, spec.chat_template, spec.chat_template_kwargs)
         for stream, group in ((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)):
@@ -106,22 +122,55 @@ class Parts:
         # continues from the journal, and the run id keeps them apart from any group a predecessor fed
         # after its last journal write. The predecessor's in-flight groups keep their ids.
         run_id = uuid.uuid4().hex[:8]
-        feeder = Feeder(streams, spec, train_set, render, run_id,
-                        journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write)
+        feeder = Feeder(
+            streams,
+            spec,
+            train_set,
+            render,
+            run_id,
+            journal=checkpoint.FeedJournal(settings.checkpoint_dir, job_id).write,
+        )
         tracking = Tracking.open(settings, job_id, spec, resume.step if resume else 0)
         evaluator = Evaluator(spec, build_sets(spec, eval_problems, render), feeder, streams, ledger, job_id, tracking)
         guard = CollapseGuard(spec.guard, spec.algorithm.loss)
         control = ControlWatcher(streams)
-        state = LoopState(run_id, learner.lr, StalenessBound(spec), guard, feeder, control.settings,
-                          schedule=LrSchedule.from_spec(spec))
+        state = LoopState(
+            run_id,
+            learner.lr,
+            StalenessBound(spec),
+            guard,
+            feeder,
+            control.settings,
+            schedule=LrSchedule.from_spec(spec),
+        )
         server = make_server(
-            settings.transport, host=settings.bind_host, port=settings.bind_port,
-            keep=settings.keep_versions, advertise_host=settings.advertise_host,
+            settings.transport,
+            host=settings.bind_host,
+            port=settings.bind_port,
+            keep=settings.keep_versions,
+            advertise_host=settings.advertise_host,
         )
         log.info("trainer: ready in %.2fs (model, data, prompts, weight server)", time.perf_counter() - t_boot)
-        return cls(settings, spec, job_id, ledger, streams, ranks, prom, learner, state, feeder, evaluator,
-                   TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size), control, server,
-                   checkpoint.singleton_consumer(streams), resume, tracking, t_boot=t_boot)
+        return cls(
+            settings,
+            spec,
+            job_id,
+            ledger,
+            streams,
+            ranks,
+            prom,
+            learner,
+            state,
+            feeder,
+            evaluator,
+            TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size),
+            control,
+            server,
+            checkpoint.singleton_consumer(streams),
+            resume,
+            tracking,
+            t_boot=t_boot,
+        )
 
     def take_over(self) -> int:
         """Continue where a predecessor stopped: its feeder state and replayed steps, every entry it
@@ -210,10 +259,20 @@ class Parts:
         """Serve and announce the current version; (seconds, checksum)."""
         with self.prom.phases.span("snapshot"):  # the probe's forward included
             snapshot = self.learner.snapshot()
-        return publish_weights(self.learner.model, self.state.version, self.server, self.streams, self.ledger,
-                               self.job_id, self.settings.keep_versions, self.state.run_id, snapshot,
-                               self.prom.phases, max_staleness=self.state.bound.k,
-                               lora=None if self.spec.lora is None else self.spec.lora.adapter())
+        return publish_weights(
+            self.learner.model,
+            self.state.version,
+            self.server,
+            self.streams,
+            self.ledger,
+            self.job_id,
+            self.settings.keep_versions,
+            self.state.run_id,
+            snapshot,
+            self.prom.phases,
+            max_staleness=self.state.bound.k,
+            lora=None if self.spec.lora is None else self.spec.lora.adapter(),
+        )
 
     def compare_redone(self, checksum: str) -> None:
         """A resume's re-done step against what its predecessor published (equal on CPU, bit for bit)."""
@@ -223,8 +282,14 @@ class Parts:
         if before == checksum:
             log.info("re-done step %d reproduces version %d (checksum %s)", st.step, st.version, checksum)
         else:
-            log.warning("re-done step %d gives version %d checksum %s, the predecessor published %s "
-                        "(non-deterministic kernels?)", st.step, st.version, checksum, before)
+            log.warning(
+                "re-done step %d gives version %d checksum %s, the predecessor published %s "
+                "(non-deterministic kernels?)",
+                st.step,
+                st.version,
+                checksum,
+                before,
+            )
 
     def roll_back(self, rb: RollBack) -> bool:
         """Carry out a collapse guard trip: the policy the plan trusts (none: what
@@ -241,16 +306,27 @@ class Parts:
             raise RuntimeError(f"collapse guard: {rb.reason} at step {rb.step}; {rb.plan.note}")
         if rb.redo:
             back_to = rb.back_to
-            self.learner.restore(checkpoint.step_dir(self.settings.checkpoint_dir, self.job_id, back_to)
-                                 if back_to else None)
+            self.learner.restore(
+                checkpoint.step_dir(self.settings.checkpoint_dir, self.job_id, back_to) if back_to else None
+            )
         state.lr *= self.spec.guard.lr_factor
         if rb.kind == "is_blowup":
             state.bound.tighten()
-        change |= {"rolled_back_to_step": rb.plan.step, "discarded_steps": list(range(rb.back_to + 1, rb.step)),
-                   "lr": state.lr, "max_staleness": state.bound.k}
+        change |= {
+            "rolled_back_to_step": rb.plan.step,
+            "discarded_steps": list(range(rb.back_to + 1, rb.step)),
+            "lr": state.lr,
+            "max_staleness": state.bound.k,
+        }
         self._record_trip(rb.step, change)
-        log.error("collapse guard: %s at step %d; %s; lr %.3g, staleness bound %d",
-                  rb.reason, rb.step, rb.plan.note, state.lr, state.bound.k)
+        log.error(
+            "collapse guard: %s at step %d; %s; lr %.3g, staleness bound %d",
+            rb.reason,
+            rb.step,
+            rb.plan.note,
+            state.lr,
+            state.bound.k,
+        )
         return rb.redo
 
     def _record_trip(self, step: int, change: dict[str, Any]) -> None:
@@ -270,7 +346,9 @@ class Parts:
         if control.state == "terminating":  # SIGTERM: a restart of this process, not the user's stop
             if st.step > 0:
                 self.checkpoint()
-            log.info("trainer terminated at step %d (version %d), checkpointed; the job stays running", st.step, st.version)
+            log.info(
+                "trainer terminated at step %d (version %d), checkpointed; the job stays running", st.step, st.version
+            )
             self.server.close()
             return
         if control.state == "cancelled":  # immediate: no final evaluation, nothing more published
@@ -290,7 +368,15 @@ class Parts:
             self.sink.settle_lost(st.version, every=True)
         ledger.move_job(job_id, LIVE_STATES, "finished" if st.step >= self.spec.steps else "stopped")
         # The job is over for every service of it: generators and rewarders exit on this.
-        self.streams.publish(CONTROL, Control(job_id=job_id, msg_id=control_id("end", str(st.step)), policy_version=st.version,
-                                           command="drain", reason=f"trainer finished at step {st.step}"))
+        self.streams.publish(
+            CONTROL,
+            Control(
+                job_id=job_id,
+                msg_id=control_id("end", str(st.step)),
+                policy_version=st.version,
+                command="drain",
+                reason=f"trainer finished at step {st.step}",
+            ),
+        )
         log.info("trainer done at step %d (version %d)", st.step, st.version)
         self.server.close()

@@ -28,7 +28,7 @@ AUTOCAST: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bf
 
 
 def device_type(device: str | torch.device) -> str:
-    """"cpu" or "cuda" (the autocast device type) of a device string such as "cuda:1"."""
+    """ "cpu" or "cuda" (the autocast device type) of a device string such as "cuda:1"."""
     return torch.device(device).type
 
 

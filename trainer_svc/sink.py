@@ -129,8 +129,16 @@ def dead_streak_limit(spec: JobSpec) -> int:
 
 
 class TrainSink:
-    def __init__(self, spec: JobSpec, streams: JobStreams, ledger: TrainerLedger, feeder: Feeder, evaluator: Evaluator,
-                 guard: CollapseGuard, vocab_size: int):
+    def __init__(
+        self,
+        spec: JobSpec,
+        streams: JobStreams,
+        ledger: TrainerLedger,
+        feeder: Feeder,
+        evaluator: Evaluator,
+        guard: CollapseGuard,
+        vocab_size: int,
+    ):
         self.spec, self.streams, self.ledger, self.feeder, self.evaluator = spec, streams, ledger, feeder, evaluator
         self.guard, self.vocab_size = guard, vocab_size
         self.assembler = GroupAssembler()
@@ -155,11 +163,13 @@ class TrainSink:
         for d in deliveries:
             why = out_of_vocab(d.message, self.vocab_size)
             if why is not None:  # dead-lettered, and its group settled now (as the dead letter would)
-                self.streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why, code="token_out_of_vocab",
-                                         message=d.message)
+                self.streams.dead_letter(
+                    SCORED, GROUP_TRAINERS, d.entry_id, why, code="token_out_of_vocab", message=d.message
+                )
                 r = d.message.rollout
-                g = self.assembler.mark_dead(DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose,
-                                                        f"token_out_of_vocab: {why}"))
+                g = self.assembler.mark_dead(
+                    DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, f"token_out_of_vocab: {why}")
+                )
                 if g is not None:
                     self._settle_dead(g, version)
                 continue
@@ -186,8 +196,9 @@ class TrainSink:
             if not self.evaluator.add(g):
                 self._settle_unknown(g, version, "eval round not started by a trainer run this one resumed from")
         elif g.group_id not in self.feeder.in_flight:
-            self._settle_unknown(g, version, "not in flight for this trainer run (fed by a predecessor after its last "
-                                 "journal write)")
+            self._settle_unknown(
+                g, version, "not in flight for this trainer run (fed by a predecessor after its last journal write)"
+            )
         else:
             self.ready[g.group_id] = g
             self.dead_streak.clear()
@@ -195,8 +206,10 @@ class TrainSink:
     def _settle_unknown(self, g: Group, version: int, why: str) -> None:
         """A complete group this run did not feed (or a round it did not start): dropped with the
         reason, or, when it is a late copy of a sample already used, only acked."""
-        record_used(self.ledger, [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
-                                  for m in g.samples])  # record_used leaves used samples as they are
+        record_used(
+            self.ledger,
+            [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why} for m in g.samples],
+        )  # record_used leaves used samples as they are
         self.streams.ack(SCORED, GROUP_TRAINERS, g.entries)
         log.warning("group %s: %s", g.group_id, why)
 
@@ -204,8 +217,10 @@ class TrainSink:
         """A group with a dead-lettered member (or a dead prompt group) can never be used whole:
         its samples are dropped with the reason, and its feeder or eval slot is freed."""
         why = ("dead-lettered: " + "; ".join(sorted(set(g.dead.values()))))[:1000]
-        record_used(self.ledger, [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why}
-                                  for m in g.msg_ids])  # rows not written (nothing generated) change nothing
+        record_used(
+            self.ledger,
+            [{"msg_id": m, "status": "dropped", "trainer_version": version, "drop_reason": why} for m in g.msg_ids],
+        )  # rows not written (nothing generated) change nothing
         self.streams.ack(SCORED, GROUP_TRAINERS, g.entries)
         if g.purpose == "eval":
             self.evaluator.dead(g)
@@ -228,8 +243,10 @@ class TrainSink:
             return
         counts = collections.Counter(self.dead_streak)
         reasons = "; ".join(f"{n} x {why}" for why, n in counts.most_common(3))
-        raise RuntimeError(f"the last {len(self.dead_streak)} training groups were all dead-lettered and none "
-                           f"completed, so the job cannot make progress: {reasons}"[:2000])
+        raise RuntimeError(
+            f"the last {len(self.dead_streak)} training groups were all dead-lettered and none "
+            f"completed, so the job cannot make progress: {reasons}"[:2000]
+        )
 
     # --- what Redis lost -----------------------------------------------------------------------
 
@@ -268,13 +285,17 @@ class TrainSink:
         # groups are not looked for): of that stream only the rest is read (it also holds trained
         # entries until a checkpoint)
         prompts = self.streams.group_ids(PROMPTS)  # a round's entry there: none of its problems is lost
-        traces = prompts | self.streams.group_ids(ROLLOUTS) | self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
+        traces = (
+            prompts | self.streams.group_ids(ROLLOUTS) | self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
+        )
         traces |= self.assembler.open.keys()
         if self.pending is not None:
             traces |= {g.group_id for g in self.pending.groups}
         self.poll_dead(version)
         groups = sorted((g for g in wanted if g not in traces and g in self.feeder.in_flight), key=group_seq)
-        lost: list[tuple[str, str | None, int, int, int, int]] = []  # (group id, eval set, prompt index, prompt tokens, n, fed at)
+        lost: list[
+            tuple[str, str | None, int, int, int, int]
+        ] = []  # (group id, eval set, prompt index, prompt tokens, n, fed at)
         for g in groups:
             index, fed_at, tokens = self.feeder.fed.get(g, [-1, version, 0])  # unknown: fed by a journal before `fed`
             lost.append((g, None, index, tokens, self.spec.group_size, fed_at))
@@ -290,24 +311,49 @@ class TrainSink:
         self.evaluator.record_complete(version)  # rounds whose missing problems were all lost
         if lost:
             self._record_lost(lost, version)
-            log.warning("Redis lost %d training groups %s and %d evaluation problems before they were used: recorded "
-                        "lost in the ledger, their slots freed", len(groups), groups[:5], problems)
+            log.warning(
+                "Redis lost %d training groups %s and %d evaluation problems before they were used: recorded "
+                "lost in the ledger, their slots freed",
+                len(groups),
+                groups[:5],
+                problems,
+            )
         return len(groups) + problems
 
     def _record_lost(self, lost: list[tuple], version: int) -> None:
         """Ledger rows of lost samples: written for those never generated, moved to `lost` from
         generated or scored for the rest (used ones stay as they are)."""
-        why = ("lost by Redis: no stream held its prompt, rollouts or scored samples any more (a failover to a "
-               "replica that had not received them); never used")
-        rows: list[SampleIn] = [{"msg_id": m, "job_id": self.streams.job_id, "group_id": g, "sample_index": i,
-                 "kind": "train" if eval_set is None else "eval", "eval_set": eval_set, "prompt_index": index,
-                 "generator_id": "", "gen_version_min": fed_at, "num_prompt_tokens": tokens,
-                 "num_completion_tokens": 0, "completion": "", "status": "lost", "drop_reason": why,
-                 "trainer_version": version, "staleness": staleness(version, fed_at)}
-                for g, eval_set, index, tokens, n, fed_at in lost for i, m in enumerate(sample_ids(g, n))]
+        why = (
+            "lost by Redis: no stream held its prompt, rollouts or scored samples any more (a failover to a "
+            "replica that had not received them); never used"
+        )
+        rows: list[SampleIn] = [
+            {
+                "msg_id": m,
+                "job_id": self.streams.job_id,
+                "group_id": g,
+                "sample_index": i,
+                "kind": "train" if eval_set is None else "eval",
+                "eval_set": eval_set,
+                "prompt_index": index,
+                "generator_id": "",
+                "gen_version_min": fed_at,
+                "num_prompt_tokens": tokens,
+                "num_completion_tokens": 0,
+                "completion": "",
+                "status": "lost",
+                "drop_reason": why,
+                "trainer_version": version,
+                "staleness": staleness(version, fed_at),
+            }
+            for g, eval_set, index, tokens, n, fed_at in lost
+            for i, m in enumerate(sample_ids(g, n))
+        ]
         self.ledger.record_generated(rows)
-        record_used(self.ledger, [{"msg_id": r["msg_id"], "status": "lost", "trainer_version": version,
-                                   "drop_reason": why} for r in rows])
+        record_used(
+            self.ledger,
+            [{"msg_id": r["msg_id"], "status": "lost", "trainer_version": version, "drop_reason": why} for r in rows],
+        )
 
     # --- a resume's replayed steps -------------------------------------------------------------
 
@@ -328,7 +374,8 @@ class TrainSink:
             raise RuntimeError(
                 f"cannot resume exactly: steps {sorted(self.replay)} trained {len(missing)} groups after the last "
                 f"checkpoint whose samples are no longer pending in Redis (first: {missing[0]}); Redis lost them "
-                "or they were dead-lettered after too many deliveries")
+                "or they were dead-lettered after too many deliveries"
+            )
 
     # --- out -----------------------------------------------------------------------------------
 
@@ -355,7 +402,7 @@ class TrainSink:
                 break
             g = self.ready.pop(gid, None)
             if g is None:  # its turn, still being generated or scored: wait for it, up to a point
-                if self._overdue(gid, order[i + 1:]):
+                if self._overdue(gid, order[i + 1 :]):
                     continue
                 break
             self.overtaken_since.pop(gid, None)
@@ -365,8 +412,15 @@ class TrainSink:
                 b.groups.append(g)
                 continue
             for s in g.samples.values():
-                b.dropped.append({"msg_id": s.msg_id, "status": "dropped", "trainer_version": b.version,
-                                  "staleness": staleness(b.version, g.gen_version_min), "drop_reason": why})
+                b.dropped.append(
+                    {
+                        "msg_id": s.msg_id,
+                        "status": "dropped",
+                        "trainer_version": b.version,
+                        "staleness": staleness(b.version, g.gen_version_min),
+                        "drop_reason": why,
+                    }
+                )
             b.drop_entries += g.entries
             self.feeder.done(g.group_id)
         if len(b.groups) < want:
@@ -400,8 +454,12 @@ class TrainSink:
             return False
         if gid not in self.trained_around:
             self.trained_around.add(gid)
-            log.warning("group %s: still missing %.1fs after later groups were ready (its generator may have died); "
-                        "training around it", gid, now - since)
+            log.warning(
+                "group %s: still missing %.1fs after later groups were ready (its generator may have died); "
+                "training around it",
+                gid,
+                now - since,
+            )
         return True
 
     def _turn_order(self, b: Batch) -> list[str]:
@@ -414,15 +472,23 @@ class TrainSink:
         """Why group `g` may not join batch `b` (counting a dynamic-sampling drop), or None."""
         a = self.spec.algorithm
         gone = self.guard.gone({s.rollout.policy_version for s in g.samples.values()})
-        flat = (b.redo is None and a.dynamic_sampling and not gone
-                and b.filtered < a.dynamic_sampling_max_drops * self.spec.prompts_per_step
-                and bool(no_signal(torch.tensor([[s.reward for s in g.samples.values()]]))[0]))
+        flat = (
+            b.redo is None
+            and a.dynamic_sampling
+            and not gone
+            and b.filtered < a.dynamic_sampling_max_drops * self.spec.prompts_per_step
+            and bool(no_signal(torch.tensor([[s.reward for s in g.samples.values()]]))[0])
+        )
         if is_fresh(b.version, g.gen_version_min, b.bound) and not gone and not flat:
             return None
         b.filtered += flat
-        return (f"generated by policy version {min(gone)}, rolled back" if gone
-                else "dynamic sampling: every reward of the group is equal (no gradient)" if flat
-                else f"staleness > {b.bound}")
+        return (
+            f"generated by policy version {min(gone)}, rolled back"
+            if gone
+            else "dynamic sampling: every reward of the group is equal (no gradient)"
+            if flat
+            else f"staleness > {b.bound}"
+        )
 
     def dropped_any(self) -> bool:
         """Whether filling the batch begun has dropped groups (their feeder slots are free)."""

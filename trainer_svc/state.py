@@ -55,8 +55,16 @@ class LoopState:
     def save(self) -> dict[str, Any]:
         """The checkpoint's trainer state (JSON): step, policy_version, run_id, k, adaptive, lr,
         knobs, feeder, guard."""
-        return {"step": self.step, "policy_version": self.version, "run_id": self.run_id, **self.bound.state(),
-                "lr": self.lr, "knobs": dict(self.knobs), "feeder": self.feeder.state(), "guard": self.guard.state()}
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "run_id": self.run_id,
+            **self.bound.state(),
+            "lr": self.lr,
+            "knobs": dict(self.knobs),
+            "feeder": self.feeder.state(),
+            "guard": self.guard.state(),
+        }
 
     def restore(self, saved: dict[str, Any]) -> dict[str, float]:
         """The inverse of `save`, except for what a new process has of its own: its run id, and
@@ -75,8 +83,9 @@ class LoopState:
         self.guard.checkpointed(self.step)
         final = checkpoint.step_dir(root, job_id, self.step)
         weights, optimizer = learner.full_state()
-        stats = checkpoint.save(final, learner.model, learner.tokenizer, optimizer, {"job_id": job_id, **self.save()},
-                                model_state=weights)
+        stats = checkpoint.save(
+            final, learner.model, learner.tokenizer, optimizer, {"job_id": job_id, **self.save()}, model_state=weights
+        )
         ledger.record_checkpoint(job_id, self.step, self.version, str(final.resolve()))
         log.info("checkpoint %s: %.1f MB in %.2fs", final, stats["bytes"] / 1e6, stats["seconds"])
         return final

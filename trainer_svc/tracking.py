@@ -92,8 +92,9 @@ class TensorBoardTracker:
 
         self.path = run.dir / "tensorboard" / run.project / run.key
         # purge_step: TensorBoard hides what an earlier trainer wrote from this step on (the re-done steps)
-        self.writer = SummaryWriter(str(self.path), purge_step=run.start_step + 1 if run.start_step else None,
-                                    flush_secs=30)
+        self.writer = SummaryWriter(
+            str(self.path), purge_step=run.start_step + 1 if run.start_step else None, flush_secs=30
+        )
         self.writer.add_text("config", f"```json\n{json.dumps(config, indent=1, sort_keys=True)}\n```", run.start_step)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -101,7 +102,9 @@ class TensorBoardTracker:
             self.writer.add_scalar(k, v, step)
 
     def change(self, step: int, kind: str, change: Mapping[str, Any]) -> None:
-        self.writer.add_text(f"changes/{kind}", f"```json\n{json.dumps(change, sort_keys=True, default=str)}\n```", step)
+        self.writer.add_text(
+            f"changes/{kind}", f"```json\n{json.dumps(change, sort_keys=True, default=str)}\n```", step
+        )
 
     def close(self, ok: bool) -> None:
         self.writer.close()
@@ -135,7 +138,7 @@ class MlflowTracker:
         # params cannot change once logged: a resumed run keeps its first (the spec's live knobs are changes)
         params = [Param(self._key(k), _text(v, 6000)) for k, v in _flat(config).items() if self._key(k) not in have]
         for i in range(0, len(params), 100):
-            client.log_batch(self.run_id, params=params[i:i + 100])
+            client.log_batch(self.run_id, params=params[i : i + 100])
 
     @staticmethod
     def _key(name: str) -> str:
@@ -146,7 +149,7 @@ class MlflowTracker:
         ts = int(time.time() * 1000)
         batch = [self._metric(self._key(k), v, ts, step) for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def change(self, step: int, kind: str, change: Mapping[str, Any]) -> None:
         self.client.set_tag(self.run_id, f"change.{step:06d}.{kind}", _text(dict(change), 8000))
@@ -165,10 +168,25 @@ class WandbTracker:
         import wandb
 
         run.dir.mkdir(parents=True, exist_ok=True)
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True,
-                                  save_code=False, x_save_requirements=False)
-        self.run = wandb.init(mode=mode, dir=str(run.dir), project=run.project, name=run.name, id=run.key,
-                              resume="allow", config=dict(config), reinit="create_new", settings=settings)
+        settings = wandb.Settings(
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            disable_git=True,
+            save_code=False,
+            x_save_requirements=False,
+        )
+        self.run = wandb.init(
+            mode=mode,
+            dir=str(run.dir),
+            project=run.project,
+            name=run.name,
+            id=run.key,
+            resume="allow",
+            config=dict(config),
+            reinit="create_new",
+            settings=settings,
+        )
         self.run.define_metric(self.STEP)
         self.run.define_metric("*", step_metric=self.STEP)
 
@@ -206,8 +224,13 @@ class Tracking:
         chosen = list(dict.fromkeys([*spec.tracking.sinks, *settings.tracking]))
         if not chosen:
             return cls()
-        run = RunInfo(job_id, spec.tracking.project, spec.tracking.run_name or f"{spec.name}-{job_id}",
-                      Path(settings.tracking_dir), start_step)
+        run = RunInfo(
+            job_id,
+            spec.tracking.project,
+            spec.tracking.run_name or f"{spec.name}-{job_id}",
+            Path(settings.tracking_dir),
+            start_step,
+        )
         config = {"job_id": job_id, **spec.model_dump(mode="json")}
         openers, trackers = _openers(settings), dict[str, Tracker]()
         for name in chosen:
@@ -215,8 +238,13 @@ class Tracking:
             try:
                 trackers[name] = openers[name](run, config)
             except Exception as exc:  # a missing package, a bad URI, a full disk: the job trains on
-                log.warning("tracking: %s left out, it did not open (%s: %s)%s", name, type(exc).__name__, exc,
-                            " - pip install asyncrl[tracking]" if isinstance(exc, ImportError) else "")
+                log.warning(
+                    "tracking: %s left out, it did not open (%s: %s)%s",
+                    name,
+                    type(exc).__name__,
+                    exc,
+                    " - pip install asyncrl[tracking]" if isinstance(exc, ImportError) else "",
+                )
                 continue
             log.info("tracking: %s opened in %.2fs", name, time.perf_counter() - t0)
         return cls(trackers)
@@ -227,8 +255,12 @@ class Tracking:
                 call(tracker)
             except Exception as exc:
                 if name not in self.failures:
-                    log.warning("tracking: %s failed (%s: %s); training goes on, later failures are counted",
-                                name, type(exc).__name__, exc)
+                    log.warning(
+                        "tracking: %s failed (%s: %s); training goes on, later failures are counted",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                    )
                 self.failures[name] = self.failures.get(name, 0) + 1
 
     def step(self, step: int, metrics: Mapping[str, Any]) -> None:

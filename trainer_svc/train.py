@@ -100,13 +100,22 @@ def _train(p: Parts) -> None:
     ledger.move_job(job_id, LIVE_STATES, "running")
     p.publish()
     # co-located on a GPU: the trainer's state sits in host memory while generators generate
-    offload = Offload.for_job(p.learner.model, p.learner.optimizer, p.learner.device, spec.placement,
-                              p.ranks.world_size)
+    offload = Offload.for_job(
+        p.learner.model, p.learner.optimizer, p.learner.device, spec.placement, p.ranks.world_size
+    )
     offload.to_host()
     if p.resume is not None:
-        log.info("resumed from %s at step %d (version %d) in %.1fs: re-doing steps %s; %d groups in flight, "
-                 "%d pending entries taken over", p.resume.checkpoint or "the initial model", st.step, st.version,
-                 time.perf_counter() - p.t_boot, sorted(p.resume.replay), len(p.feeder.in_flight), taken)
+        log.info(
+            "resumed from %s at step %d (version %d) in %.1fs: re-doing steps %s; %d groups in flight, "
+            "%d pending entries taken over",
+            p.resume.checkpoint or "the initial model",
+            st.step,
+            st.version,
+            time.perf_counter() - p.t_boot,
+            sorted(p.resume.replay),
+            len(p.feeder.in_flight),
+            taken,
+        )
     if st.step == 0:
         p.evaluator.start_due(0, st.version)
     while st.step < spec.steps:
@@ -183,8 +192,16 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
     acks what it may."""
     spec, st, phases, stale = p.spec, p.state, p.prom.phases, batch.staleness
     t_ledger = time.perf_counter()
-    used: list[UsedItem] = [{"msg_id": s.msg_id, "status": "trained", "trainer_version": batch.version, "staleness": age,
-             "drop_reason": overlong_reason(s, spec)} for s, age in zip(batch.samples, stale, strict=True)]
+    used: list[UsedItem] = [
+        {
+            "msg_id": s.msg_id,
+            "status": "trained",
+            "trainer_version": batch.version,
+            "staleness": age,
+            "drop_reason": overlong_reason(s, spec),
+        }
+        for s, age in zip(batch.samples, stale, strict=True)
+    ]
     with phases.span("ledger"):
         changed = record_used(p.ledger, used + batch.dropped)
     # Samples the ledger already had as used: a re-done step's own (expected), else trained twice.
@@ -219,8 +236,16 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
         p.held += p.sink.release(batch)
         p.streams.trim_acked_many(((PROMPTS, GROUP_GENERATORS), (ROLLOUTS, GROUP_REWARDERS), (SCORED, GROUP_TRAINERS)))
     log.info(
-        "step %d: reward %.3f loss %.4f is_mean %.3f ess %.3f stale mean %.2f max %d dropped %d | wait %.2fs train %.2fs",
-        st.step, metrics["reward/mean"], metrics["loss"], metrics["is/mean"], metrics["is/ess"],
-        metrics["off_policy/mean"], int(metrics["off_policy/max"]), len(batch.dropped), metrics["time/wait_s"],
+        "step %d: reward %.3f loss %.4f is_mean %.3f ess %.3f stale mean %.2f max %d dropped %d "
+        "| wait %.2fs train %.2fs",
+        st.step,
+        metrics["reward/mean"],
+        metrics["loss"],
+        metrics["is/mean"],
+        metrics["is/ess"],
+        metrics["off_policy/mean"],
+        int(metrics["off_policy/max"]),
+        len(batch.dropped),
+        metrics["time/wait_s"],
         metrics["time/train_s"],
     )

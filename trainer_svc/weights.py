@@ -67,7 +67,8 @@ class HostStaging:
     it keeps the last `keep` versions, so a ring of keep + 1 would not overwrite a kept version,
     but it would overwrite one whose send is still in flight just after the server dropped it
     (`TcpWeightServer._send` holds a memoryview of it): that generator would receive the next
-    version's bytes under this one's manifest, a fetch that fails its checksums. A lease that lives longer than expected costs one more
+    version's bytes under this one's manifest, a fetch that fails its checksums.
+    A lease that lives longer than expected costs one more
     buffer, never a corrupted version. Over ucx the host copy only feeds the checksum and is
     dropped before the next version: one buffer.
     """
@@ -136,9 +137,15 @@ def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[flo
 
 
 def publish_weights(
-    model: torch.nn.Module, version: int, server: WeightServer, streams: JobStreams, ledger: TrainerLedger, job_id: str,
+    model: torch.nn.Module,
+    version: int,
+    server: WeightServer,
+    streams: JobStreams,
+    ledger: TrainerLedger,
+    job_id: str,
     keep: int,
-    run_id: str = "", snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
+    run_id: str = "",
+    snapshot: tuple[Mapping[str, torch.Tensor], tuple[list[int], list[float]]] | None = None,
     phases: Phases | None = None,
     max_staleness: int | None = None,
     lora: LoraAdapter | None = None,
@@ -149,6 +156,7 @@ def publish_weights(
     both from `model`. `phases`: times flatten, checksum, serve and announce. `max_staleness`: the
     staleness bound now, announced with the version (generators admit training groups by it).
     `lora`: the weights are this LoRA adapter's tensors only (`Learner.snapshot` of a LoRA job)."""
+
     def span(name: str):
         return phases.span(name) if phases is not None else nullcontext()
 
@@ -170,9 +178,17 @@ def publish_weights(
         streams.publish(
             POLICY,
             PolicyAnnouncement(
-                job_id=job_id, msg_id=policy_version_id(job_id, version), policy_version=version,
-                manifest=manifest, transport=server.name, address=server.address, trainer_run=run_id,
-                probe_ids=pack_i32(probe_ids), probe_logprobs=pack_f32(probe_lp), max_staleness=max_staleness, lora=lora,
+                job_id=job_id,
+                msg_id=policy_version_id(job_id, version),
+                policy_version=version,
+                manifest=manifest,
+                transport=server.name,
+                address=server.address,
+                trainer_run=run_id,
+                probe_ids=pack_i32(probe_ids),
+                probe_logprobs=pack_f32(probe_lp),
+                max_staleness=max_staleness,
+                lora=lora,
             ),
         )
         # A version older than the ones the server still holds cannot be fetched: drop its announcement.

@@ -124,19 +124,26 @@ class HeldOut:
         finally:
             tok.padding_side = side
         with torch.no_grad():
-            out = m.generate(**batch, do_sample=False, max_new_tokens=self.max_tokens,
-                             pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id, *self.stop_ids])
-        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = m.generate(
+                **batch,
+                do_sample=False,
+                max_new_tokens=self.max_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=[tok.eos_token_id, *self.stop_ids],
+            )
+        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         m.train(was_training)
-        return sum(self.score(t, p["answer"], p.get("metadata", {}))
-                   for t, p in zip(texts, self.test, strict=True)) / len(self.test)
+        return sum(
+            self.score(t, p["answer"], p.get("metadata", {})) for t, p in zip(texts, self.test, strict=True)
+        ) / len(self.test)
 
     def evaluate(self, m: Any, step: int) -> None:
         t0 = time.time()
         reward = self.reward(m)
         # Seconds of training since launch: evaluation time so far is not TRL's to pay.
-        self.curve.append({"step": step, "t_s": t0 - self.t_launch - self.eval_s, "reward": reward,
-                           "wall_s": t0 - self.t_launch})
+        self.curve.append(
+            {"step": step, "t_s": t0 - self.t_launch - self.eval_s, "reward": reward, "wall_s": t0 - self.t_launch}
+        )
         self.eval_s += time.time() - t0
 
 
@@ -160,9 +167,14 @@ def callback(cfg: dict[str, Any], held_out: HeldOut, clock: dict[str, Any], trai
 
         def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
             if logs and "reward" in logs:
-                train_log.append({"step": state.global_step, "reward": float(logs["reward"]),
-                                  "t_s": time.time() - t_launch - held_out.eval_s,
-                                  "completion_length": logs.get("completions/mean_length")})
+                train_log.append(
+                    {
+                        "step": state.global_step,
+                        "reward": float(logs["reward"]),
+                        "t_s": time.time() - t_launch - held_out.eval_s,
+                        "completion_length": logs.get("completions/mean_length"),
+                    }
+                )
 
     return Callback()
 
@@ -226,10 +238,20 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         """TRL reward function: the dataset's columns arrive as keyword arguments."""
         return [score(c, a, json.loads(m)) for c, a, m in zip(completions, answer, metadata, strict=True)]
 
-    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"],
-                                  "metadata": json.dumps(p.get("metadata", {}))} for p in cfg["train"]])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(cfg), train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[callback(cfg, held_out, clock, train_log)])
+    dataset = Dataset.from_list(
+        [
+            {"prompt": p["prompt"], "answer": p["answer"], "metadata": json.dumps(p.get("metadata", {}))}
+            for p in cfg["train"]
+        ]
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=grpo_config(cfg),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback(cfg, held_out, clock, train_log)],
+    )
     trainer.train()
     return {
         "trl_version": trl.__version__,
@@ -239,8 +261,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "curve": held_out.curve,
         "train_reward": train_log,
         "startup_s": clock["first_step_start"],
-        "completion_tokens_median": _median([x["completion_length"] for x in train_log
-                                             if x.get("completion_length") is not None]),
+        "completion_tokens_median": _median(
+            [x["completion_length"] for x in train_log if x.get("completion_length") is not None]
+        ),
         "eval_s_total": held_out.eval_s,
         "wall_s": time.time() - t_launch,
         "steps": int(cfg["steps"]),

@@ -59,8 +59,7 @@ def load_token_file(path: Path) -> list[tuple[str, Role]]:
             raise ValueError(f"{path}:{n}: the word after the token must be `ro` or nothing")
         else:
             raise ValueError(
-                f"{path}:{n}: expected `TOKEN` (read-write) or `TOKEN ro` (read-only), "
-                f"got {len(fields)} words"
+                f"{path}:{n}: expected `TOKEN` (read-write) or `TOKEN ro` (read-only), got {len(fields)} words"
             )
     return entries
 
@@ -77,16 +76,12 @@ def configured_tokens(settings: BrokerSettings) -> dict[str, Role]:
         from_file = load_token_file(settings.token_file)
         if not from_file:
             # An empty file must not silently leave the API open.
-            raise ValueError(
-                f"token file {settings.token_file} has no token; add one or unset BROKER_TOKEN_FILE"
-            )
+            raise ValueError(f"token file {settings.token_file} has no token; add one or unset BROKER_TOKEN_FILE")
         entries += from_file
     tokens: dict[str, Role] = {}
     for token, role in entries:
         if tokens.setdefault(token, role) != role:
-            raise ValueError(
-                "a token is configured both read-write and read-only; give each token one role"
-            )
+            raise ValueError("a token is configured both read-write and read-only; give each token one role")
     return tokens
 
 

@@ -66,8 +66,9 @@ def send_control(
 ) -> None:
     """Tell every service of the job (`streams`: its control stream), record who did it, move the
     job's state."""
-    msg = Control(job_id=job_id, msg_id=control_id(command, uuid.uuid4().hex[:8]), policy_version=0,
-                  command=command, **extra)  # type: ignore[arg-type]
+    msg = Control(
+        job_id=job_id, msg_id=control_id(command, uuid.uuid4().hex[:8]), policy_version=0, command=command, **extra
+    )  # type: ignore[arg-type]
     streams.publish(CONTROL, msg)
     ledger.record_change(job_id, actor, {"command": command, **extra})
     if state is not None:

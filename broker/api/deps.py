@@ -38,8 +38,12 @@ def request_redis(url: str) -> redis.Redis | RedisCluster:
     a quick 503 rather than a request thread held for seconds (services use broker.streams.connect,
     which rides outages out). A cluster URL (`redis+cluster://`) gives redis-py's cluster client."""
     if is_cluster_url(url):
-        return RedisCluster.from_url(plain_url(url), socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-                                     socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+        return RedisCluster.from_url(
+            plain_url(url),
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
     return redis.Redis.from_url(
         url,
         socket_timeout=REDIS_SOCKET_TIMEOUT_S,

@@ -43,8 +43,10 @@ def control_in_target(scope: Scope) -> str | None:
     for where, text in (("path", scope.get("path", "")), ("query", query)):
         m = CONTROL_CHARS.search(text)
         if m is not None:
-            return (f"the URL's {where} holds the control character {escape_control(m.group())} "
-                    f"(%{ord(m.group()):02X} when percent-encoded); remove it")
+            return (
+                f"the URL's {where} holds the control character {escape_control(m.group())} "
+                f"(%{ord(m.group()):02X} when percent-encoded); remove it"
+            )
     return None
 
 
@@ -87,8 +89,7 @@ class EdgeGuard:
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
     def _too_large(self, what: str) -> Rejection:
-        return (413, f"the request body {what}; the limit is {self.max_body_bytes} bytes "
-                     "(BROKER_MAX_BODY_BYTES)", {})
+        return (413, f"the request body {what}; the limit is {self.max_body_bytes} bytes (BROKER_MAX_BODY_BYTES)", {})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -58,7 +58,10 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for the error answers a route gives."""
     out: dict[int | str, dict[str, Any]] = {}
     for code in codes:
-        entry: dict[str, Any] = {"model": ValidationErrorBody if code == 422 else ErrorBody, "description": _TEXTS[code]}
+        entry: dict[str, Any] = {
+            "model": ValidationErrorBody if code == 422 else ErrorBody,
+            "description": _TEXTS[code],
+        }
         if code in (401, 403):
             entry["headers"] = _CHALLENGE
         out[code] = entry
@@ -67,8 +70,10 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def errors_body(what: str, fields: list[dict]) -> dict[str, Any]:
     """A 422 body: at most MAX_ERRORS_LISTED fields, each text cut short, and the rest counted."""
-    listed = [{"field": f["field"][:MAX_FIELD_CHARS], "message": f["message"][:MAX_MESSAGE_CHARS]}
-              for f in fields[:MAX_ERRORS_LISTED]]
+    listed = [
+        {"field": f["field"][:MAX_FIELD_CHARS], "message": f["message"][:MAX_MESSAGE_CHARS]}
+        for f in fields[:MAX_ERRORS_LISTED]
+    ]
     summary = "; ".join(f"{f['field'] or 'body'}: {f['message']}" for f in listed)
     body: dict[str, Any] = {"error": f"{what}: {summary}", "fields": listed}
     if len(fields) > len(listed):
@@ -90,14 +95,17 @@ async def _redis_down(_req: Request, exc: Exception) -> JSONResponse:
 
 
 async def _ledger_down(_req: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(status_code=503, content={
-        "error": f"the ledger database is unreachable or busy ({type(exc).__name__}); retry later"})
+    return JSONResponse(
+        status_code=503,
+        content={"error": f"the ledger database is unreachable or busy ({type(exc).__name__}); retry later"},
+    )
 
 
 async def _unstorable(_req: Request, _exc: Exception) -> JSONResponse:
     # The edge and the models refuse what the ledger cannot store; this is the backstop.
-    return JSONResponse(status_code=422, content={"error": "a value in the request cannot be stored in the ledger",
-                                                  "fields": []})
+    return JSONResponse(
+        status_code=422, content={"error": "a value in the request cannot be stored in the ledger", "fields": []}
+    )
 
 
 async def _http(_req: Request, exc: Exception) -> JSONResponse:

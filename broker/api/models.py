@@ -57,8 +57,9 @@ class QueuedJob(BaseModel):
     position: int = Field(..., description="1: the next job a trainer takes.")
     priority: int
     submitted_at: datetime
-    waiting_for: str = Field(..., description="What it waits for: the running job to end, the jobs ahead of it, "
-                                              "or a trainer (none is up).")
+    waiting_for: str = Field(
+        ..., description="What it waits for: the running job to end, the jobs ahead of it, or a trainer (none is up)."
+    )
 
 
 class RunningJob(BaseModel):
@@ -137,7 +138,9 @@ class JobStatus(BaseModel):
     step: int
     error: str | None = Field(..., description="Why the job failed.")
     created_at: datetime
-    started_at: datetime | None = Field(..., description="When a trainer first started it: eval `wall_s` counts from here.")
+    started_at: datetime | None = Field(
+        ..., description="When a trainer first started it: eval `wall_s` counts from here."
+    )
     spec: StoredSpec
     last_metrics: Metrics | None = Field(..., description="The last train step's metrics; null before the first.")
     evals: list[EvalRecord]
@@ -154,16 +157,20 @@ class JobReport(BaseModel):
     error: str | None
     steps: int = Field(..., description="Train steps recorded.")
     per_step: list[dict[str, int | float | None]] = Field(
-        ..., description="Per step: `step`, reward/mean, off_policy/mean|max|dropped (null: missing or not finite).")
+        ..., description="Per step: `step`, reward/mean, off_policy/mean|max|dropped (null: missing or not finite)."
+    )
     reward_per_step: list[float | None]
     held_out: list[list[int | float]] = Field(..., description="[step, reward] of the first evaluation set.")
     eval_sets: dict[str, list[dict[str, Any]]] = Field(
-        ..., description="Per evaluation set: each round's step, reward, wall_s and metrics (pass@k, ...).")
+        ..., description="Per evaluation set: each round's step, reward, wall_s and metrics (pass@k, ...)."
+    )
     staleness_histogram: dict[int, int] = Field(..., description="Trained samples by staleness.")
     sample_status: dict[str, int] = Field(..., description="Samples by status.")
     generators: int = Field(..., description="Generators that loaded a policy version of the job.")
-    swap_latency_s_median: float | None = Field(..., description="Seconds from a version's publication until every "
-                                                                 "generator serves it (versions after the first).")
+    swap_latency_s_median: float | None = Field(
+        ...,
+        description="Seconds from a version's publication until every generator serves it (versions after the first).",
+    )
     swap_latency_s_max: float | None
     samples_per_s: float = Field(..., description="Steady state: every step but the first (it waits for the engines).")
     tokens_per_s: float
@@ -225,7 +232,7 @@ class ChangeRecord(BaseModel):
     id: int
     job_id: str
     actor: str = Field(..., description="`rw token <sha256 prefix>`, `anonymous`, or the service that did it.")
-    changes: dict[str, Any] = Field(..., description="The command and its settings, e.g. {\"command\": \"pause\"}.")
+    changes: dict[str, Any] = Field(..., description='The command and its settings, e.g. {"command": "pause"}.')
     created_at: datetime
 
 

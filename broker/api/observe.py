@@ -44,21 +44,15 @@ class JobCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        step = GaugeMetricFamily(
-            "asyncrl_job_step", "Last completed trainer step.", labels=["job_id"]
-        )
-        reward = GaugeMetricFamily(
-            "asyncrl_job_reward_mean", "reward/mean of the last train step.", labels=["job_id"]
-        )
+        step = GaugeMetricFamily("asyncrl_job_step", "Last completed trainer step.", labels=["job_id"])
+        reward = GaugeMetricFamily("asyncrl_job_reward_mean", "reward/mean of the last train step.", labels=["job_id"])
         staleness = GaugeMetricFamily(
             "asyncrl_job_staleness_mean",
             "off_policy/mean of the last train step.",
             labels=["job_id"],
         )
         # A gauge: a status's count falls as samples move on (generated -> scored -> trained).
-        samples = GaugeMetricFamily(
-            "asyncrl_samples", "Samples in the ledger by status.", labels=["job_id", "status"]
-        )
+        samples = GaugeMetricFamily("asyncrl_samples", "Samples in the ledger by status.", labels=["job_id", "status"])
         tasks = GaugeMetricFamily(
             "asyncrl_admin_tasks", "Admin tasks (Celery) by kind and state.", labels=["kind", "state"]
         )
@@ -96,7 +90,9 @@ class RequestMetrics:
             "asyncrl_http_requests", "Job API requests.", ["method", "route", "status"], registry=self.registry
         )
         self.request_seconds = Histogram(
-            "asyncrl_http_request_duration_seconds", "Job API request latency.", ["method", "route"],
+            "asyncrl_http_request_duration_seconds",
+            "Job API request latency.",
+            ["method", "route"],
             registry=self.registry,
         )
         self.registry.register(JobCollector(ledger, max_jobs))
@@ -116,7 +112,8 @@ class RequestMetrics:
             # The route template, not the path: job ids and 404 probes must not multiply series.
             # A request the edge refused never reached the router: match its route here.
             matched: Any = request.scope.get("route") or next(
-                (r for r in request.app.router.routes if r.matches(request.scope)[0] is Match.FULL), None)
+                (r for r in request.app.router.routes if r.matches(request.scope)[0] is Match.FULL), None
+            )
             route = getattr(matched, "path", "<unmatched>")
             self.requests_total.labels(request.method, route, str(status)).inc()
             self.request_seconds.labels(request.method, route).observe(time.perf_counter() - start)

@@ -16,9 +16,7 @@ __all__ = ["AdminTaskRepository"]
 
 
 class AdminTaskRepository(Repository):
-    def create_admin_task(
-        self, task_id: str, job_id: str, kind: str, params: dict[str, Any], actor: str
-    ) -> bool:
+    def create_admin_task(self, task_id: str, job_id: str, kind: str, params: dict[str, Any], actor: str) -> bool:
         """Record a submitted admin task as `queued`; False (nothing changed) if the id exists.
 
         Raises:
@@ -27,8 +25,16 @@ class AdminTaskRepository(Repository):
         check_one_of(kind, ADMIN_TASK_KINDS, "admin task kind")
         stmt = (
             self._db.insert(admin_tasks_t)
-            .values(id=task_id, job_id=job_id, kind=kind, params=params, state="queued", actor=actor,
-                    attempts=0, created_at=utcnow())
+            .values(
+                id=task_id,
+                job_id=job_id,
+                kind=kind,
+                params=params,
+                state="queued",
+                actor=actor,
+                attempts=0,
+                created_at=utcnow(),
+            )
             .on_conflict_do_nothing(index_elements=["id"])
             .returning(admin_tasks_t.c.id)
         )
@@ -71,8 +77,7 @@ class AdminTaskRepository(Repository):
                 s.execute(
                     update(admin_tasks_t)
                     .where(admin_tasks_t.c.id == task_id)
-                    .values(state="running", attempts=admin_tasks_t.c.attempts + 1,
-                            started_at=utcnow(), error=None)
+                    .values(state="running", attempts=admin_tasks_t.c.attempts + 1, started_at=utcnow(), error=None)
                 )
             return cast(AdminTaskRow, dict(row))
 

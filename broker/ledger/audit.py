@@ -86,8 +86,7 @@ class JobAudit:
 
     def duplicate_msg_ids(self) -> Offenders:
         """msg_ids with more than one row."""
-        return self._groups(select(_c.msg_id).where(self._mine).group_by(_c.msg_id)
-                            .having(func.count() > 1))
+        return self._groups(select(_c.msg_id).where(self._mine).group_by(_c.msg_id).having(func.count() > 1))
 
     def trained_twice(self) -> Offenders:
         """(group_id, sample_index) pairs trained more than once."""

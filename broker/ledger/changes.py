@@ -16,8 +16,7 @@ __all__ = ["ChangeRepository"]
 class ChangeRepository(Repository):
     def record_change(self, job_id: str, actor: str, changes: dict[str, Any]) -> None:
         """Append an audit record: `actor` did `changes` (e.g. {"lr": 1e-5} or {"command": "pause"})."""
-        stmt = insert(job_changes_t).values(job_id=job_id, actor=actor, changes=changes,
-                                            created_at=utcnow())
+        stmt = insert(job_changes_t).values(job_id=job_id, actor=actor, changes=changes, created_at=utcnow())
         with self._db.write() as s:
             s.execute(stmt)
 

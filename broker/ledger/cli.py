@@ -16,9 +16,7 @@ log = logging.getLogger(__name__)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m broker.ledger upgrade [--url URL] [--revision REV]`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m broker.ledger", description="Ledger database maintenance."
-    )
+    parser = argparse.ArgumentParser(prog="python -m broker.ledger", description="Ledger database maintenance.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("upgrade", help="migrate the ledger database to a revision (default head)")
     up.add_argument(

@@ -127,9 +127,7 @@ class Database:
         self.url = _normalise_url(url)
         self.dialect = self.url.get_dialect().name
         if self.dialect not in _INSERTS:
-            raise ValueError(
-                f"unsupported ledger backend {self.dialect!r}; valid: {', '.join(sorted(_INSERTS))}"
-            )
+            raise ValueError(f"unsupported ledger backend {self.dialect!r}; valid: {', '.join(sorted(_INSERTS))}")
         kwargs: dict[str, Any] = {"json_serializer": _json_dumps}
         if self.dialect == "postgresql":
             # Long-lived services outlive server restarts and idle-connection reaping.

@@ -37,8 +37,7 @@ class EvalRepository(Repository):
         """
         check_one_of(source, EVAL_SOURCES, "eval source")
         with self._db.write() as s:
-            s.execute(eval_upsert(self._db, job_id, step, vmin, vmax, reward_mean, n, source, name,
-                                  metrics, wall_s))
+            s.execute(eval_upsert(self._db, job_id, step, vmin, vmax, reward_mean, n, source, name, metrics, wall_s))
 
     def evals(self, job_id: str, source: str | None = None) -> list[EvalRow]:
         """A job's evaluations ordered by step (pipeline before checkpoint within a step)."""
@@ -51,8 +50,16 @@ class EvalRepository(Repository):
 
 
 def eval_upsert(
-    db: Database, job_id: str, step: int, vmin: int, vmax: int, reward_mean: float, n: int,
-    source: str = "pipeline", name: str = "held_out", metrics: dict[str, Any] | None = None,
+    db: Database,
+    job_id: str,
+    step: int,
+    vmin: int,
+    vmax: int,
+    reward_mean: float,
+    n: int,
+    source: str = "pipeline",
+    name: str = "held_out",
+    metrics: dict[str, Any] | None = None,
     wall_s: float | None = None,
 ) -> Any:
     """The upsert statement of `EvalRepository.record_eval` (its arguments, `source` checked by
@@ -80,7 +87,6 @@ def eval_upsert(
         index_elements=["job_id", "step", "source", "name"],
         set_={
             c: ins.excluded[c]
-            for c in ("policy_version_min", "policy_version_max", "reward_mean", "n", "metrics", "wall_s",
-                      "created_at")
+            for c in ("policy_version_min", "policy_version_max", "reward_mean", "n", "metrics", "wall_s", "created_at")
         },
     )

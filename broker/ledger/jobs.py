@@ -62,8 +62,11 @@ class JobRepository(Repository):
     def queue(self) -> list[JobRow]:
         """The queued jobs in the order a trainer takes them: higher priority first, then first
         in, first out."""
-        stmt = (select(jobs_t).where(jobs_t.c.state == "queued")
-                .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id))
+        stmt = (
+            select(jobs_t)
+            .where(jobs_t.c.state == "queued")
+            .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id)
+        )
         with self._db.read() as s:
             return [cast(JobRow, dict(r)) for r in s.execute(stmt).mappings()]
 
@@ -74,9 +77,12 @@ class JobRepository(Repository):
         claim racing a cancel, exactly one wins; a loser tries the next head."""
         while True:
             with self._db.read() as s:
-                head = s.execute(select(jobs_t.c.id).where(jobs_t.c.state == "queued")
-                                 .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id)
-                                 .limit(1)).scalar()
+                head = s.execute(
+                    select(jobs_t.c.id)
+                    .where(jobs_t.c.state == "queued")
+                    .order_by(jobs_t.c.priority.desc(), jobs_t.c.created_at, jobs_t.c.id)
+                    .limit(1)
+                ).scalar()
             if head is None:
                 return None
             if self.move_job(head, ("queued",), "running"):
@@ -88,8 +94,11 @@ class JobRepository(Repository):
         from_states = tuple(from_states)
         for st in (*from_states, state):
             check_one_of(st, JOB_STATES, "job state")
-        stmt = (update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.state.in_(from_states))
-                .values(state=state, error=error, updated_at=utcnow()))
+        stmt = (
+            update(jobs_t)
+            .where(jobs_t.c.id == job_id, jobs_t.c.state.in_(from_states))
+            .values(state=state, error=error, updated_at=utcnow())
+        )
         with self._db.write() as s:
             return bool(s.connection().execute(stmt).rowcount)
 
@@ -121,8 +130,7 @@ class JobRepository(Repository):
     def mark_job_started(self, job_id: str) -> None:
         """Set the job's start time to now unless a trainer already started it (a restart keeps
         the first start: wall-clock curves count from there)."""
-        stmt = (update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.started_at.is_(None))
-                .values(started_at=utcnow()))
+        stmt = update(jobs_t).where(jobs_t.c.id == job_id, jobs_t.c.started_at.is_(None)).values(started_at=utcnow())
         with self._db.write() as s:
             s.execute(stmt)
 
@@ -153,7 +161,5 @@ def _update_job(db: Database, job_id: str, **values: Any) -> None:
 def job_started_at(db: Database, job_id: str) -> datetime | None:
     """When a trainer first started the job (None before, or for an unknown job)."""
     with db.read() as s:
-        started: datetime | None = s.execute(
-            select(jobs_t.c.started_at).where(jobs_t.c.id == job_id)
-        ).scalar()
+        started: datetime | None = s.execute(select(jobs_t.c.started_at).where(jobs_t.c.id == job_id)).scalar()
     return started

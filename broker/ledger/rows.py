@@ -157,9 +157,7 @@ class SampleRow(_SampleRequired):
 
 # (msg_id, reward) or (msg_id, reward, reward_status, reward_details): reward_status one of
 # REWARD_STATUSES (default "ok"), reward_details a JSON-safe dict or None.
-ScoredItem = (
-    tuple[str, float] | tuple[str, float, str] | tuple[str, float, str, dict[str, Any] | None]
-)
+ScoredItem = tuple[str, float] | tuple[str, float, str] | tuple[str, float, str, dict[str, Any] | None]
 
 
 class _UsedRequired(TypedDict):

@@ -99,9 +99,13 @@ class SampleRepository(Repository):
         stmt = (
             update(samples_t)
             .where(samples_t.c.msg_id == bindparam("b_msg_id"), samples_t.c.status == "generated")
-            .values(reward=bindparam("b_reward"), reward_status=bindparam("b_reward_status"),
-                    reward_details=bindparam("b_reward_details", type_=JSON), status="scored",
-                    scored_at=utcnow())
+            .values(
+                reward=bindparam("b_reward"),
+                reward_status=bindparam("b_reward_status"),
+                reward_details=bindparam("b_reward_details", type_=JSON),
+                status="scored",
+                scored_at=utcnow(),
+            )
         )
         params = [_scored_params(item) for item in sorted(items, key=lambda it: it[0])]
         source = {p["b_msg_id"]: (p["b_reward_details"] or {}).get("entry") for p in params}
@@ -132,7 +136,7 @@ class SampleRepository(Repository):
 
     def samples(
         self, job_id: str, *, limit: int | None = None, offset: int = 0, **filters: Unpack[SampleFilters]
-) -> list[SampleRow]:
+    ) -> list[SampleRow]:
         """A job's samples in insertion order (row id, so pages are stable), optionally filtered.
 
         Bounds are inclusive; a bound on trainer_version, staleness or reward excludes samples
@@ -158,11 +162,7 @@ class SampleRepository(Repository):
 
     def status_counts(self, job_id: str) -> dict[str, int]:
         """Number of a job's samples per status (statuses with none are absent)."""
-        stmt = (
-            select(samples_t.c.status, func.count())
-            .where(samples_t.c.job_id == job_id)
-            .group_by(samples_t.c.status)
-        )
+        stmt = select(samples_t.c.status, func.count()).where(samples_t.c.job_id == job_id).group_by(samples_t.c.status)
         with self._db.read() as s:
             return {status: int(n) for status, n in s.execute(stmt)}
 
@@ -236,8 +236,7 @@ def _scored_params(item: ScoredItem) -> dict[str, Any]:
     status = item[2] if len(item) > 2 else "ok"
     check_one_of(status, REWARD_STATUSES, "reward status")
     details = json_safe(item[3]) if len(item) > 3 and item[3] else None
-    return {"b_msg_id": msg_id, "b_reward": reward, "b_reward_status": status,
-            "b_reward_details": details}
+    return {"b_msg_id": msg_id, "b_reward": reward, "b_reward_status": status, "b_reward_details": details}
 
 
 def _scorable(s: Session, source: dict[str, Any], *, lock: bool) -> set[str]:
@@ -251,8 +250,9 @@ def _scorable(s: Session, source: dict[str, Any], *, lock: bool) -> set[str]:
             found = found.with_for_update()
         for msg_id, status, details in s.execute(found):
             entry = source[msg_id]
-            if status == "generated" or (status == "scored" and entry is not None
-                                         and isinstance(details, dict) and details.get("entry") == entry):
+            if status == "generated" or (
+                status == "scored" and entry is not None and isinstance(details, dict) and details.get("entry") == entry
+            ):
                 moving.add(msg_id)
     return moving
 
@@ -265,9 +265,7 @@ def _used_params(item: UsedItem) -> dict[str, Any]:
     """
     unknown = item.keys() - _USED_KEYS
     if unknown or "msg_id" not in item or "status" not in item:
-        raise ValueError(
-            f"used item {item!r}: needs msg_id and status, allowed keys {sorted(_USED_KEYS)}"
-        )
+        raise ValueError(f"used item {item!r}: needs msg_id and status, allowed keys {sorted(_USED_KEYS)}")
     check_one_of(item["status"], USED_STATUSES, "used status")
     return {
         "b_msg_id": item["msg_id"],

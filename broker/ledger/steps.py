@@ -42,17 +42,15 @@ class StepRepository(Repository):
             s.execute(stmt)
             if job_step:
                 done = s.connection().execute(
-                    update(jobs_t).where(jobs_t.c.id == job_id).values(step=step, updated_at=utcnow()))
+                    update(jobs_t).where(jobs_t.c.id == job_id).values(step=step, updated_at=utcnow())
+                )
                 if done.rowcount == 0:
                     raise LookupError(f"no job {job_id!r} in the ledger")
 
     def last_train_step(self, job_id: str) -> TrainStepRow | None:
         """The job's newest train step, or None before the first."""
         stmt = (
-            select(train_steps_t)
-            .where(train_steps_t.c.job_id == job_id)
-            .order_by(train_steps_t.c.step.desc())
-            .limit(1)
+            select(train_steps_t).where(train_steps_t.c.job_id == job_id).order_by(train_steps_t.c.step.desc()).limit(1)
         )
         with self._db.read() as s:
             row = s.execute(stmt).mappings().first()
@@ -60,11 +58,7 @@ class StepRepository(Repository):
 
     def train_steps(self, job_id: str) -> list[TrainStepRow]:
         """A job's train steps ordered by step."""
-        stmt = (
-            select(train_steps_t)
-            .where(train_steps_t.c.job_id == job_id)
-            .order_by(train_steps_t.c.step)
-        )
+        stmt = select(train_steps_t).where(train_steps_t.c.job_id == job_id).order_by(train_steps_t.c.step)
         with self._db.read() as s:
             return [cast(TrainStepRow, dict(r)) for r in s.execute(stmt).mappings()]
 
@@ -72,8 +66,7 @@ class StepRepository(Repository):
         """Record a committed checkpoint (idempotent per job and step)."""
         stmt = (
             self._db.insert(checkpoints_t)
-            .values(job_id=job_id, step=step, policy_version=policy_version, path=path,
-                    created_at=utcnow())
+            .values(job_id=job_id, step=step, policy_version=policy_version, path=path, created_at=utcnow())
             .on_conflict_do_nothing(index_elements=["job_id", "step"])
         )
         with self._db.write() as s:
@@ -81,10 +74,6 @@ class StepRepository(Repository):
 
     def checkpoints(self, job_id: str) -> list[CheckpointRow]:
         """A job's checkpoints, oldest first."""
-        stmt = (
-            select(checkpoints_t)
-            .where(checkpoints_t.c.job_id == job_id)
-            .order_by(checkpoints_t.c.step)
-        )
+        stmt = select(checkpoints_t).where(checkpoints_t.c.job_id == job_id).order_by(checkpoints_t.c.step)
         with self._db.read() as s:
             return [cast(CheckpointRow, dict(r)) for r in s.execute(stmt).mappings()]

@@ -15,9 +15,7 @@ __all__ = ["VersionRepository"]
 
 
 class VersionRepository(Repository):
-    def record_policy_version(
-        self, job_id: str, version: int, checksum: str, num_bytes: int
-    ) -> bool:
+    def record_policy_version(self, job_id: str, version: int, checksum: str, num_bytes: int) -> bool:
         """Record a published policy version; returns False if it was already recorded."""
         stmt = (
             self._db.insert(policy_versions_t)
@@ -37,9 +35,7 @@ class VersionRepository(Repository):
     def policy_versions(self, job_id: str) -> list[PolicyVersionRow]:
         """A job's policy versions, ascending."""
         stmt = (
-            select(policy_versions_t)
-            .where(policy_versions_t.c.job_id == job_id)
-            .order_by(policy_versions_t.c.version)
+            select(policy_versions_t).where(policy_versions_t.c.job_id == job_id).order_by(policy_versions_t.c.version)
         )
         with self._db.read() as s:
             return [cast(PolicyVersionRow, dict(r)) for r in s.execute(stmt).mappings()]
@@ -66,11 +62,7 @@ class VersionRepository(Repository):
     def generator_loads(self, job_id: str) -> list[GeneratorLoadRow]:
         """A job's generator loads ordered by version, then load time."""
         t = generator_loads_t
-        stmt = (
-            select(t)
-            .where(t.c.job_id == job_id)
-            .order_by(t.c.version, t.c.loaded_at, t.c.generator_id)
-        )
+        stmt = select(t).where(t.c.job_id == job_id).order_by(t.c.version, t.c.loaded_at, t.c.generator_id)
         with self._db.read() as s:
             return [cast(GeneratorLoadRow, dict(r)) for r in s.execute(stmt).mappings()]
 

@@ -19,8 +19,7 @@ from .wakeups import Wakeups
 class Broadcast:
     """The broadcast streams of one job: read from any position, no acks, trimmed by length."""
 
-    def __init__(self, client: Any, keys: JobKeys, reads: Reads, dead: DeadLetters,
-                 wakeups: Wakeups):
+    def __init__(self, client: Any, keys: JobKeys, reads: Reads, dead: DeadLetters, wakeups: Wakeups):
         self.r = client
         self.keys = keys
         self.reads = reads
@@ -28,7 +27,12 @@ class Broadcast:
         self.wakeups = wakeups
 
     def read(
-        self, stream: str, last_id: str, expected: type[M], *, block_ms: int | None = None,
+        self,
+        stream: str,
+        last_id: str,
+        expected: type[M],
+        *,
+        block_ms: int | None = None,
         count: int = 100,
     ) -> tuple[str, list[M]]:
         """Messages after `last_id` ("0": from the start), waiting up to `block_ms` for one; returns

@@ -58,21 +58,20 @@ class OutageCluster(RedisCluster):
         # First: the constructor already runs commands (COMMAND, CLUSTER SLOTS).
         self.outage = outage
         self.outage.update_supported_errors(
-            [ClusterDownError, SlotNotCoveredError, TryAgainError, RedisClusterException])
+            [ClusterDownError, SlotNotCoveredError, TryAgainError, RedisClusterException]
+        )
         super().__init__(retry=Retry(NoBackoff(), _CLUSTER_TRIES), **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         call = super().execute_command
-        return self.outage.call_with_retry(lambda: call(*args, **kwargs), lambda _error: None,
-                                           _transient)
+        return self.outage.call_with_retry(lambda: call(*args, **kwargs), lambda _error: None, _transient)
 
 
 def _transient(error: Exception) -> bool:
     """Whether a cluster command's error may pass with time: a connection or cluster-state error,
     or redis-py's topology refresh finding no node to ask (it raises RedisClusterException then,
     which otherwise means a misuse, such as keys of two slots in one command)."""
-    if isinstance(error, RedisClusterException) and not isinstance(
-            error, (ClusterDownError, SlotNotCoveredError)):
+    if isinstance(error, RedisClusterException) and not isinstance(error, (ClusterDownError, SlotNotCoveredError)):
         return "cannot be connected" in str(error)
     return True
 
@@ -95,8 +94,7 @@ def subscriber(client: Any, channel: str) -> Any:
 SOCKET_TIMEOUT_S = 60.0
 
 
-def connect(url: str, *, outage_s: float | None = None,
-            socket_timeout_s: float = SOCKET_TIMEOUT_S) -> Any:
+def connect(url: str, *, outage_s: float | None = None, socket_timeout_s: float = SOCKET_TIMEOUT_S) -> Any:
     """A client whose commands ride out a Redis outage: connection and timeout errors are retried
     with back-off for up to `outage_s` seconds (default: the REDIS_OUTAGE_S setting, 600;
     broker.redis_retry). A reply is waited for at most `socket_timeout_s`, a connection at most
@@ -119,8 +117,9 @@ def connect(url: str, *, outage_s: float | None = None,
     timeouts = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": min(socket_timeout_s, 10.0)}
     outage = OutageRetry(CommonSettings().redis_outage_s if outage_s is None else outage_s)
     if is_cluster_url(url):
-        return OutageCluster(url=plain_url(url), outage=outage, health_check_interval=30,
-                             socket_keepalive=True, **timeouts)
+        return OutageCluster(
+            url=plain_url(url), outage=outage, health_check_interval=30, socket_keepalive=True, **timeouts
+        )
     return redis.Redis.from_url(
         url,
         retry=outage,
@@ -131,8 +130,9 @@ def connect(url: str, *, outage_s: float | None = None,
     )
 
 
-def batch(client: Any, calls: list[tuple[str, tuple, dict]], *, cluster: bool,
-          raise_on_error: bool = False) -> list[Any]:
+def batch(
+    client: Any, calls: list[tuple[str, tuple, dict]], *, cluster: bool, raise_on_error: bool = False
+) -> list[Any]:
     """Run (client method name, args, kwargs) calls in one pipelined round trip on a single
     server; one by one on a `cluster`, where each command rides out a failover (OutageCluster)
     and a pipeline would not. Errors come back in place unless `raise_on_error`."""

@@ -31,14 +31,21 @@ log = logging.getLogger(__name__)
 def _identity(msg: Message) -> Message:
     """`msg` without its bulk: who it is (ids, group, sample index), not what it says."""
     if isinstance(msg, Rollout):
-        return msg.model_copy(update={"prompt_ids": b"", "completion_ids": b"", "logprobs": b"",
-                                      "completion": "", "answer": "", "prompt": "", "metadata": {}})
+        return msg.model_copy(
+            update={
+                "prompt_ids": b"",
+                "completion_ids": b"",
+                "logprobs": b"",
+                "completion": "",
+                "answer": "",
+                "prompt": "",
+                "metadata": {},
+            }
+        )
     if isinstance(msg, Scored):
-        return msg.model_copy(update={"rollout": _identity(msg.rollout), "details": {},
-                                      "reward_reason": ""})
+        return msg.model_copy(update={"rollout": _identity(msg.rollout), "details": {}, "reward_reason": ""})
     if isinstance(msg, PromptGroup):
-        return msg.model_copy(update={"prompt": "-", "prompt_ids": b"", "answer": "",
-                                      "metadata": {}})
+        return msg.model_copy(update={"prompt": "-", "prompt_ids": b"", "answer": "", "metadata": {}})
     return msg
 
 
@@ -56,8 +63,9 @@ class DeadLetters:
         # metrics (shared.metrics *.dead_letter). Set by the service after construction.
         self.on_dead_letter: Callable[[str, str], None] | None = None
 
-    def deliver(self, stream: str, group: str | None, rows: list[Entry],
-                expected: type[M] | tuple[type[M], ...]) -> list[Delivery[M]]:
+    def deliver(
+        self, stream: str, group: str | None, rows: list[Entry], expected: type[M] | tuple[type[M], ...]
+    ) -> list[Delivery[M]]:
         """Decode what a read returned; dead-letter (and ack, with a `group`) what cannot be
         used."""
         out: list[Delivery[M]] = []
@@ -65,13 +73,17 @@ class DeadLetters:
             try:
                 msg = self.decode(stream, e, expected)
             except DecodeError as exc:
-                self.dead_letter(stream, group, e.entry_id, exc.reason, dead_payload(e),
-                                 code=exc.code)
+                self.dead_letter(stream, group, e.entry_id, exc.reason, dead_payload(e), code=exc.code)
                 continue
             if group is not None and e.deliveries > self.max_deliveries:
-                self.dead_letter(stream, group, e.entry_id,
-                                 f"delivered {e.deliveries} times (limit {self.max_deliveries})",
-                                 dead_payload(e), code="max_deliveries")
+                self.dead_letter(
+                    stream,
+                    group,
+                    e.entry_id,
+                    f"delivered {e.deliveries} times (limit {self.max_deliveries})",
+                    dead_payload(e),
+                    code="max_deliveries",
+                )
                 continue
             out.append(Delivery(e.entry_id, cast(M, msg), e.deliveries))  # decode checked its kind
         return out
@@ -84,26 +96,35 @@ class DeadLetters:
                 valid message of that kind, or another job's.
         """
         if e.refusal == "big":
-            raise DecodeError(f"entry of {e.size} bytes exceeds the limit of "
-                              f"{self.reads.max_entry(stream)} bytes (MAX_MESSAGE_BYTES); refused "
-                              "without reading it", "oversized")
+            raise DecodeError(
+                f"entry of {e.size} bytes exceeds the limit of "
+                f"{self.reads.max_entry(stream)} bytes (MAX_MESSAGE_BYTES); refused "
+                "without reading it",
+                "oversized",
+            )
         if e.refusal:
-            raise DecodeError(f"entry has {e.size} fields; a stream entry carries one "
-                              f"('{FIELD.decode()}')", "malformed")
+            raise DecodeError(
+                f"entry has {e.size} fields; a stream entry carries one ('{FIELD.decode()}')", "malformed"
+            )
         raw = message_field(e.fields)
         if raw is None:
             names = sorted(map(str, e.fields or {}))
-            raise DecodeError(f"entry has no '{FIELD.decode()}' field (fields: {names})"[:500],
-                              "malformed")
+            raise DecodeError(f"entry has no '{FIELD.decode()}' field (fields: {names})"[:500], "malformed")
         msg = decode(raw, expected, max_bytes=self.reads.max_entry(stream))
         if msg.job_id != self.keys.job_id:
-            raise DecodeError(f"message for job '{msg.job_id}' on a stream of job "
-                              f"'{self.keys.job_id}'", "wrong_job")
+            raise DecodeError(f"message for job '{msg.job_id}' on a stream of job '{self.keys.job_id}'", "wrong_job")
         return msg
 
     def dead_letter(
-        self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *,
-        code: str = "rejected", message: Message | None = None,
+        self,
+        stream: str,
+        group: str | None,
+        entry_id: str,
+        reason: str,
+        raw: bytes = b"",
+        *,
+        code: str = "rejected",
+        message: Message | None = None,
     ) -> None:
         """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered.
 
@@ -119,8 +140,7 @@ class DeadLetters:
             if len(raw) > DEAD_RAW_BYTES:
                 raw = encode(_identity(message))
         reason = clean_text(reason)[:4000]
-        log.error("dead-lettering %s %s (%s): %s", self.keys.key(stream), entry_id, code,
-                  reason[:1000])
+        log.error("dead-lettering %s %s (%s): %s", self.keys.key(stream), entry_id, code, reason[:1000])
         dl = DeadLetter(
             job_id=self.keys.job_id,
             msg_id=dead_letter_id(stream, entry_id),
@@ -143,14 +163,12 @@ class DeadLetters:
         out: list[DeadLetter] = []
         start = "-"
         while len(out) < count:
-            start, rows = self.reads.read(DEAD, "range", count=min(1000, count - len(out)),
-                                          start=start)
+            start, rows = self.reads.read(DEAD, "range", count=min(1000, count - len(out)), start=start)
             if not rows:
                 break
             for e in rows:
                 try:
                     out.append(self.decode(DEAD, e, DeadLetter))  # type: ignore[arg-type]
                 except DecodeError as exc:
-                    log.warning("skipping %s %s: not a dead letter (%s)", self.keys.key(DEAD),
-                                e.entry_id, exc.reason)
+                    log.warning("skipping %s %s: not a dead letter (%s)", self.keys.key(DEAD), e.entry_id, exc.reason)
         return out

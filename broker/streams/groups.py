@@ -27,8 +27,18 @@ log = logging.getLogger(__name__)
 class Groups:
     """The consumer groups of one job's streams."""
 
-    def __init__(self, client: Any, keys: JobKeys, scripts: Scripts, reads: Reads,
-                 dead: DeadLetters, wakeups: Wakeups, *, claim_idle_ms: int, cluster: bool):
+    def __init__(
+        self,
+        client: Any,
+        keys: JobKeys,
+        scripts: Scripts,
+        reads: Reads,
+        dead: DeadLetters,
+        wakeups: Wakeups,
+        *,
+        claim_idle_ms: int,
+        cluster: bool,
+    ):
         self.r = client
         self.keys = keys
         self.scripts = scripts
@@ -51,8 +61,7 @@ class Groups:
                 raise
 
     # -- consume --------------------------------------------------------------------------------
-    def consume(self, c: Consumer[M], *, count: int = 64,
-                block_ms: int | None = 1000) -> list[Delivery[M]]:
+    def consume(self, c: Consumer[M], *, count: int = 64, block_ms: int | None = 1000) -> list[Delivery[M]]:
         """Read up to `count` entries for consumer `c`: first reclaim idle ones, then new ones,
         waiting up to `block_ms` for one to arrive (None or 0: no wait).
 
@@ -89,8 +98,7 @@ class Groups:
         read = self._group_read(c, "pending", count, start="0")
         out = self.dead.deliver(c.stream, c.group, read[1], c.expected) if read else []
         if out:
-            log.warning("resuming %d entries %s left pending on %s", len(out), c.name,
-                        self.keys.key(c.stream))
+            log.warning("resuming %d entries %s left pending on %s", len(out), c.name, self.keys.key(c.stream))
         return out
 
     def claim_all(self, c: Consumer[M]) -> list[Delivery[M]]:
@@ -127,8 +135,9 @@ class Groups:
         # would be taken back (its new holder's publish_if_owned then publishes nothing).
         out = []
         for eid in entry_ids:
-            held = self.r.xpending_range(self.keys.key(c.stream), c.group, min=eid, max=eid,
-                                         count=1, consumername=c.name)
+            held = self.r.xpending_range(
+                self.keys.key(c.stream), c.group, min=eid, max=eid, count=1, consumername=c.name
+            )
             if held:
                 self.r.xclaim(self.keys.key(c.stream), c.group, c.name, 0, [eid], justid=True)
             out.append(bool(held))
@@ -145,18 +154,19 @@ class Groups:
         except ResponseError:
             return 0
 
-    def _group_read(self, c: Consumer, mode: str, count: int, *, start: str = "",
-                    min_idle_ms: int = 0) -> tuple[str, list[Entry]] | None:
+    def _group_read(
+        self, c: Consumer, mode: str, count: int, *, start: str = "", min_idle_ms: int = 0
+    ) -> tuple[str, list[Entry]] | None:
         """One bounded read of `c`'s group (`Reads.read`); None when the stream or the group
         vanished (both are recreated: the next read finds them)."""
         try:
-            return self.reads.read(c.stream, mode, group=c.group, consumer=c.name, count=count,
-                                   start=start, min_idle_ms=min_idle_ms)
+            return self.reads.read(
+                c.stream, mode, group=c.group, consumer=c.name, count=count, start=start, min_idle_ms=min_idle_ms
+            )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("stream %s or group %s vanished; recreating", self.keys.key(c.stream),
-                        c.group)
+            log.warning("stream %s or group %s vanished; recreating", self.keys.key(c.stream), c.group)
             self.ensure_group(c.stream, c.group)
             return None
 
@@ -211,12 +221,10 @@ class Groups:
                 trims.append((key, min_id))
         if not trims:
             return 0
-        xtrims = [("xtrim", (key,), {"minid": min_id, "approximate": False})
-                  for key, min_id in trims]
+        xtrims = [("xtrim", (key,), {"minid": min_id, "approximate": False}) for key, min_id in trims]
         return sum(int(n) for n in batch(self.r, xtrims, cluster=self.cluster, raise_on_error=True))
 
-    def group_ids(self, stream: str, *, undelivered_to: str | None = None,
-                  page: int = 256) -> set[str]:
+    def group_ids(self, stream: str, *, undelivered_to: str | None = None, page: int = 256) -> set[str]:
         """The group ids of the message entries `stream` holds (read in bounded pages, undelivered,
         pending and acked-not-yet-trimmed alike), or with `undelivered_to`, only those consumer
         group `undelivered_to` has not been delivered yet; entries that are not this job's

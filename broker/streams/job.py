@@ -60,12 +60,14 @@ class JobStreams:
         # Payload one read returns (plus at most one more entry): two full-size messages by default.
         if max_read_bytes is None:
             max_read_bytes = 2 * max_message_bytes
-        reads = self._reads = Reads(client, keys, scripts, max_message_bytes=max_message_bytes,
-                                    max_read_bytes=max_read_bytes)
+        reads = self._reads = Reads(
+            client, keys, scripts, max_message_bytes=max_message_bytes, max_read_bytes=max_read_bytes
+        )
         self._dead = DeadLetters(client, keys, reads, max_deliveries=max_deliveries)
         self._publisher = Publisher(client, keys, scripts, wakeups, cluster=self.cluster)
-        self._groups = Groups(client, keys, scripts, reads, self._dead, wakeups,
-                              claim_idle_ms=claim_idle_ms, cluster=self.cluster)
+        self._groups = Groups(
+            client, keys, scripts, reads, self._dead, wakeups, claim_idle_ms=claim_idle_ms, cluster=self.cluster
+        )
         self._broadcast = Broadcast(client, keys, reads, self._dead, wakeups)
         self._heartbeats = Heartbeats(client, keys)
 
@@ -148,8 +150,7 @@ class JobStreams:
         """Create the consumer group (and the stream) if missing; idempotent."""
         self._groups.ensure_group(stream, group, start_id)
 
-    def consume(self, c: Consumer[M], *, count: int = 64,
-                block_ms: int | None = 1000) -> list[Delivery[M]]:
+    def consume(self, c: Consumer[M], *, count: int = 64, block_ms: int | None = 1000) -> list[Delivery[M]]:
         """Up to `count` valid messages for `c`, idle ones reclaimed first (`Groups.consume`)."""
         return self._groups.consume(c, count=count, block_ms=block_ms)
 
@@ -182,16 +183,22 @@ class JobStreams:
         """`trim_acked` of each (stream, group) in two round trips (`Groups.trim_acked_many`)."""
         return self._groups.trim_acked_many(pairs)
 
-    def group_ids(self, stream: str, *, undelivered_to: str | None = None,
-                  page: int = 256) -> set[str]:
+    def group_ids(self, stream: str, *, undelivered_to: str | None = None, page: int = 256) -> set[str]:
         """The group ids of the entries `stream` holds, or those not yet delivered to group
         `undelivered_to` (`Groups.group_ids`)."""
         return self._groups.group_ids(stream, undelivered_to=undelivered_to, page=page)
 
     # -- dead letters (DeadLetters) ----------------------------------------------------------
     def dead_letter(
-        self, stream: str, group: str | None, entry_id: str, reason: str, raw: bytes = b"", *,
-        code: str = "rejected", message: Message | None = None,
+        self,
+        stream: str,
+        group: str | None,
+        entry_id: str,
+        reason: str,
+        raw: bytes = b"",
+        *,
+        code: str = "rejected",
+        message: Message | None = None,
     ) -> None:
         """Move one entry to `{job}:dead` with the reason, then ack it so it is not redelivered
         (`DeadLetters.dead_letter`)."""
@@ -203,7 +210,12 @@ class JobStreams:
 
     # -- broadcast streams (Broadcast) and heartbeats (Heartbeats) ---------------------------
     def read_broadcast(
-        self, stream: str, last_id: str, expected: type[M], *, block_ms: int | None = None,
+        self,
+        stream: str,
+        last_id: str,
+        expected: type[M],
+        *,
+        block_ms: int | None = None,
         count: int = 100,
     ) -> tuple[str, list[M]]:
         """Messages after `last_id`, waiting up to `block_ms` for one (`Broadcast.read`)."""

@@ -67,12 +67,15 @@ def adopt_legacy_keys(client: Any, keys: JobKeys, *, cluster: bool) -> list[str]
             if client.renamenx(old, new):
                 renamed.append(old)
             else:
-                log.warning("both %s and %s exist: left as they are (a service of an older version "
-                            "still serves job %s?)", old, new, keys.job_id)
+                log.warning(
+                    "both %s and %s exist: left as they are (a service of an older version still serves job %s?)",
+                    old,
+                    new,
+                    keys.job_id,
+                )
         except ResponseError as exc:
             if "no such key" not in str(exc).lower():
                 raise
     if renamed:
-        log.warning("job %s: renamed its keys from before hash tags: %s", keys.job_id,
-                    ", ".join(renamed))
+        log.warning("job %s: renamed its keys from before hash tags: %s", keys.job_id, ", ".join(renamed))
     return renamed

@@ -26,8 +26,7 @@ Batches = Sequence[tuple[str, Sequence[Message]]]
 class Publisher:
     """The producers' side of one job's streams."""
 
-    def __init__(self, client: Any, keys: JobKeys, scripts: Scripts, wakeups: Wakeups, *,
-                 cluster: bool):
+    def __init__(self, client: Any, keys: JobKeys, scripts: Scripts, wakeups: Wakeups, *, cluster: bool):
         self.r = client
         self.keys = keys
         self.scripts = scripts
@@ -53,7 +52,7 @@ class Publisher:
         if not self.wakeups.off:
             pipe.publish(self.wakeups.channel(stream), b"")
         try:
-            ids = pipe.execute()[:len(msgs)]
+            ids = pipe.execute()[: len(msgs)]
         except redis.exceptions.NoPermissionError as exc:
             if self.wakeups.off or "publish" not in str(exc).lower():
                 raise
@@ -113,8 +112,9 @@ class Publisher:
         msg_id)."""
         owned = []
         for entry_id, msgs in batches:
-            held = self.r.xpending_range(self.keys.key(c.stream), c.group, min=entry_id,
-                                         max=entry_id, count=1, consumername=c.name)
+            held = self.r.xpending_range(
+                self.keys.key(c.stream), c.group, min=entry_id, max=entry_id, count=1, consumername=c.name
+            )
             owned.append(bool(held))
             if held:
                 pipe = self.r.pipeline(transaction=True)

@@ -24,8 +24,7 @@ class Reads:
     refused unread, its size and first DEAD_RAW_BYTES only. Without scripts (no `@scripting`)
     the same answers come from plain XREADGROUP / XAUTOCLAIM / XRANGE, sized after the transfer."""
 
-    def __init__(self, client: Any, keys: JobKeys, scripts: Scripts, *, max_message_bytes: int,
-                 max_read_bytes: int):
+    def __init__(self, client: Any, keys: JobKeys, scripts: Scripts, *, max_message_bytes: int, max_read_bytes: int):
         self.r = client
         self.keys = keys
         self.scripts = scripts
@@ -37,28 +36,51 @@ class Reads:
             return max(self.max_message_bytes, DEAD_ENTRY_BYTES)
         return self.max_message_bytes
 
-    def read(self, stream: str, mode: str, *, group: str = "", consumer: str = "", count: int,
-             start: str = "", min_idle_ms: int = 0) -> tuple[str, list[Entry]]:
+    def read(
+        self,
+        stream: str,
+        mode: str,
+        *,
+        group: str = "",
+        consumer: str = "",
+        count: int,
+        start: str = "",
+        min_idle_ms: int = 0,
+    ) -> tuple[str, list[Entry]]:
         """One bounded read (see the READ script for the modes); returns (next start or cursor,
         entries)."""
         key = self.keys.key(stream)
         max_entry = self.max_entry(stream)
-        reply = self.scripts.run(READ, [key], [
-            mode, group, consumer, count, max_entry, self.max_read_bytes, start, min_idle_ms, FIELD,
-            DEAD_RAW_BYTES, MAX_FIELDS])
+        reply = self.scripts.run(
+            READ,
+            [key],
+            [
+                mode,
+                group,
+                consumer,
+                count,
+                max_entry,
+                self.max_read_bytes,
+                start,
+                min_idle_ms,
+                FIELD,
+                DEAD_RAW_BYTES,
+                MAX_FIELDS,
+            ],
+        )
         if reply is not None:
             nxt, rows = reply
             return text(nxt), [entry_from_row(r) for r in rows]
         return self._read_plain(key, mode, group, consumer, count, start, min_idle_ms, max_entry)
 
-    def _read_plain(self, key: str, mode: str, group: str, consumer: str, count: int, start: str,
-                    min_idle_ms: int, max_entry: int) -> tuple[str, list[Entry]]:
+    def _read_plain(
+        self, key: str, mode: str, group: str, consumer: str, count: int, start: str, min_idle_ms: int, max_entry: int
+    ) -> tuple[str, list[Entry]]:
         """`read` without a script: the same answers, sized after the transfer."""
         nxt = start
         entries: list[tuple[Any, Any]]
         if mode in ("new", "pending"):
-            resp = self.r.xreadgroup(group, consumer, {key: ">" if mode == "new" else start},
-                                     count=count)
+            resp = self.r.xreadgroup(group, consumer, {key: ">" if mode == "new" else start}, count=count)
             entries = [(eid, fields) for _k, es in resp or [] for eid, fields in es]
             if mode == "pending":
                 gone = [text(eid) for eid, fields in entries if not fields]  # deleted while pending
@@ -66,13 +88,11 @@ class Reads:
                     self.r.xack(key, group, *gone)
                 entries = [(eid, fields) for eid, fields in entries if fields]
         elif mode == "claim":
-            resp = self.r.xautoclaim(key, group, consumer, min_idle_time=min_idle_ms,
-                                     start_id=start, count=count)
+            resp = self.r.xautoclaim(key, group, consumer, min_idle_time=min_idle_ms, start_id=start, count=count)
             nxt = text(resp[0])
             entries = resp[1] or []
             if any(fields is None for _, fields in entries):  # as in READ: 6.2's deleted entries
-                for p in self.r.xpending_range(key, group, min="-", max="+", count=1000,
-                                               consumername=consumer):
+                for p in self.r.xpending_range(key, group, min="-", max="+", count=1000, consumername=consumer):
                     if not self.r.xrange(key, min=p["message_id"], max=p["message_id"], count=1):
                         self.r.xack(key, group, p["message_id"])
                 entries = [(eid, fields) for eid, fields in entries if fields is not None]
@@ -86,8 +106,9 @@ class Reads:
         for eid, fields in entries:
             n = 1
             if mode in ("pending", "claim"):
-                n = next((int(p["times_delivered"])
-                          for p in self.r.xpending_range(key, group, min=eid, max=eid, count=1)), 1)
+                n = next(
+                    (int(p["times_delivered"]) for p in self.r.xpending_range(key, group, min=eid, max=eid, count=1)), 1
+                )
             size = sum(len(k) + len(v) for k, v in fields.items())
             if len(fields) > MAX_FIELDS:
                 out.append(Entry(text(eid), None, "fields", len(fields), n))

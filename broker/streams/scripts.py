@@ -205,7 +205,10 @@ class Scripts:
         re-raise any other permission error (a key outside the user's patterns)."""
         if "'eval" not in str(exc).lower() and "'script" not in str(exc).lower():
             raise exc
-        log.warning("Redis user may not run scripts (ACL +@scripting): stream reads are sized "
-                    "after the transfer, so one oversized entry costs its size in memory, and "
-                    "publish-if-owned is not atomic (%s)", exc)
+        log.warning(
+            "Redis user may not run scripts (ACL +@scripting): stream reads are sized "
+            "after the transfer, so one oversized entry costs its size in memory, and "
+            "publish-if-owned is not atomic (%s)",
+            exc,
+        )
         self.enabled = False

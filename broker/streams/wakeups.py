@@ -57,8 +57,7 @@ class Wakeups:
                 self._subscribed[stream] = sub
                 return
             except redis.RedisError as exc:
-                log.warning("no wake-up channel for %s (%s): waiting reads poll",
-                            self.keys.key(stream), exc)
+                log.warning("no wake-up channel for %s (%s): waiting reads poll", self.keys.key(stream), exc)
                 self.off = True
                 sub = None
         if sub is None:

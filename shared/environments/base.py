@@ -129,8 +129,13 @@ def coerce_opening(value: Any) -> Opening:
     """
     if isinstance(value, str):
         return value
-    if isinstance(value, Sequence) and value and all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    if (
+        isinstance(value, Sequence)
+        and value
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
     ):
         return [dict(m) for m in value]
     raise EnvironmentShapeError(
@@ -148,11 +153,15 @@ def coerce_step(value: Any) -> StepResult:
     if isinstance(value, Mapping):
         unknown = set(value) - {"text", "reward", "done", "info", "role"}
         if unknown:
-            raise EnvironmentShapeError(f"step returned a dict with unknown keys {sorted(map(str, unknown))}; "
-                                    "expected text, reward, done, info, role")
+            raise EnvironmentShapeError(
+                f"step returned a dict with unknown keys {sorted(map(str, unknown))}; "
+                "expected text, reward, done, info, role"
+            )
         value = StepResult(**value)
     if not isinstance(value, StepResult):
-        raise EnvironmentShapeError(f"step returned {_describe(value)}; expected a StepResult or a dict with its fields")
+        raise EnvironmentShapeError(
+            f"step returned {_describe(value)}; expected a StepResult or a dict with its fields"
+        )
     if not isinstance(value.text, str):
         raise EnvironmentShapeError(f"step returned text {_describe(value.text)}; expected a str")
     if value.reward is not None and (

@@ -72,8 +72,9 @@ def plain_reply(role: ReplyRole, text: str) -> str:
     return f"\n{text}\n"
 
 
-def render_reply_delta(tokenizer: Tokenizer, messages: Sequence[Message], message: Message,
-                       chat_kwargs: Mapping[str, Any] | None = None) -> str:
+def render_reply_delta(
+    tokenizer: Tokenizer, messages: Sequence[Message], message: Message, chat_kwargs: Mapping[str, Any] | None = None
+) -> str:
     """The text the chat template adds for `message` after `messages`, ending with the generation
     prompt of the next assistant turn.
 
@@ -88,14 +89,16 @@ def render_reply_delta(tokenizer: Tokenizer, messages: Sequence[Message], messag
     before = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False, **kw)
     after = tokenizer.apply_chat_template([*messages, message], add_generation_prompt=True, tokenize=False, **kw)
     if not after.startswith(before):
-        at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
+        )
         raise TemplateDeltaError(
             f"the chat template renders the conversation differently once a {message.get('role')!r} message "
             f"follows, so the reply cannot be appended without changing tokens the model already saw: "
-            f"at character {at}, {before[max(0, at - 30): at + 30]!r} becomes {after[max(0, at - 30): at + 30]!r}. "
+            f"at character {at}, {before[max(0, at - 30) : at + 30]!r} becomes {after[max(0, at - 30) : at + 30]!r}. "
             "Use a template that renders earlier turns independently of later ones, or chat_template 'off'"
         )
-    return after[len(before):]
+    return after[len(before) :]
 
 
 class Codec(Protocol):
@@ -103,8 +106,9 @@ class Codec(Protocol):
 
     def prompt_ids(self, opening: Opening) -> list[int]: ...
 
-    def reply(self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
-              ) -> tuple[Message, list[int]]: ...
+    def reply(
+        self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
+    ) -> tuple[Message, list[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -129,8 +133,9 @@ class PlainCodec:
         text = opening if isinstance(opening, str) else "\n".join(str(m.get("content", "")) for m in opening)
         return list((self.tokenize_prompt or self.tokenize)(text))
 
-    def reply(self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
-              ) -> tuple[Message, list[int]]:
+    def reply(
+        self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
+    ) -> tuple[Message, list[int]]:
         return {"role": role, "content": text}, list(self.tokenize(plain_reply(role, text)))
 
 
@@ -156,7 +161,7 @@ class ChatCodec:
         probe: list[Message] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE}]
         closed = self._template(probe, add_generation_prompt=False)
         # What the template writes after an assistant message's content.
-        self.turn_close = closed[closed.rindex(_PROBE) + len(_PROBE):] if _PROBE in closed else ""
+        self.turn_close = closed[closed.rindex(_PROBE) + len(_PROBE) :] if _PROBE in closed else ""
         try:
             tool = render_reply_delta(tokenizer, probe, {"role": "tool", "content": _PROBE}, self.chat_kwargs)
             self.tool_role = _PROBE in tool
@@ -167,16 +172,20 @@ class ChatCodec:
         render_reply_delta(tokenizer, probe, {"role": "user", "content": "r"}, self.chat_kwargs)
 
     def _template(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
-        return str(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.chat_kwargs))
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **self.chat_kwargs
+            )
+        )
 
     def prompt_ids(self, opening: Opening) -> list[int]:
         if isinstance(opening, str):
             return render(self.tokenizer, opening, None, chat=True, chat_kwargs=self.chat_kwargs).ids
         return render(self.tokenizer, "", opening, chat=True, chat_kwargs=self.chat_kwargs).ids
 
-    def reply(self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
-              ) -> tuple[Message, list[int]]:
+    def reply(
+        self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
+    ) -> tuple[Message, list[int]]:
         if role == "tool" and not self.tool_role:
             message: Message = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
         else:
@@ -198,8 +207,9 @@ class ChatCodec:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))  # type: ignore[attr-defined]
 
 
-def codec_for(tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mapping[str, Any] | None = None
-              ) -> ChatCodec | PlainCodec:
+def codec_for(
+    tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mapping[str, Any] | None = None
+) -> ChatCodec | PlainCodec:
     """The codec for a job's tokenizer and `chat_template` mode (as shared.prompts.renderer chooses)."""
     if uses_chat(tokenizer, mode):
         return ChatCodec(tokenizer, chat_kwargs)
@@ -216,8 +226,13 @@ def codec_for(tokenizer: Tokenizer, mode: ChatMode = "auto", chat_kwargs: Mappin
 
 def _figure(key: Any, value: Any) -> bool:
     """A metric an episode can carry: a short printable name and a finite number (or bool)."""
-    return (isinstance(key, str) and 0 < len(key) <= MAX_METRIC_NAME and key.isprintable()
-            and isinstance(value, bool | int | float) and math.isfinite(value))
+    return (
+        isinstance(key, str)
+        and 0 < len(key) <= MAX_METRIC_NAME
+        and key.isprintable()
+        and isinstance(value, bool | int | float)
+        and math.isfinite(value)
+    )
 
 
 @dataclass(frozen=True)
@@ -308,14 +323,18 @@ class Episode:
                 out[k] = float(v)
         return out
 
-    def append_model(self, ids: Sequence[int], logprobs: Sequence[float], text: str, finish_reason: str | None) -> TurnRecord:
+    def append_model(
+        self, ids: Sequence[int], logprobs: Sequence[float], text: str, finish_reason: str | None
+    ) -> TurnRecord:
         """Append a model turn: exactly the sampled ids, mask 1, their logprobs.
 
         Raises:
             ValueError: ids and logprobs differ in length.
         """
         if len(ids) != len(logprobs):
-            raise ValueError(f"a model turn has {len(ids)} ids but {len(logprobs)} logprobs; generate must return one per id")
+            raise ValueError(
+                f"a model turn has {len(ids)} ids but {len(logprobs)} logprobs; generate must return one per id"
+            )
         turn = TurnRecord("model", len(self.ids), len(self.ids) + len(ids), text, finish_reason=finish_reason)
         self.ids += ids
         self.mask += [1] * len(ids)
@@ -358,6 +377,7 @@ class _Raised(Exception):
 
 async def _call(fn: Callable[[Any], Any], arg: Any, timeout_s: float) -> Any:
     """`fn(arg)` under the time budget: in the loop if it is async, else in a thread."""
+
     async def run() -> Any:
         try:
             if inspect.iscoroutinefunction(fn):

@@ -50,12 +50,16 @@ def load_environment(spec: EnvironmentSpec | str) -> EnvironmentFactory:
     if inspect.isclass(obj):
         missing = [m for m in ("start", "step") if not callable(getattr(obj, m, None))]
         if missing:
-            raise EnvironmentLoadError(f"environment {label!r} has no method {' or '.join(missing)}; "
-                                       "an environment defines start(row) and step(turn)")
+            raise EnvironmentLoadError(
+                f"environment {label!r} has no method {' or '.join(missing)}; "
+                "an environment defines start(row) and step(turn)"
+            )
     try:
         inspect.signature(obj).bind(**spec.kwargs)
     except TypeError as exc:
-        raise EnvironmentLoadError(f"environment {label!r} cannot be built with kwargs {sorted(spec.kwargs)}: {exc}") from None
+        raise EnvironmentLoadError(
+            f"environment {label!r} cannot be built with kwargs {sorted(spec.kwargs)}: {exc}"
+        ) from None
     except ValueError:  # no signature to check (some builtins): the first episode will tell
         pass
     return functools.partial(obj, **spec.kwargs)

@@ -37,13 +37,19 @@ class EpisodeLimits(SpecModel):
 
     max_turns: int = Field(8, ge=1, le=1024, description="Model turns per episode (stop reason `max_turns`).")
     max_total_tokens: int = Field(
-        4096, ge=2, le=1_048_576,
+        4096,
+        ge=2,
+        le=1_048_576,
         description="Prompt plus every model and environment token of the episode: the context the trainer "
-                    "trains on (stop reason `max_tokens`).")
+        "trains on (stop reason `max_tokens`).",
+    )
     step_timeout_s: float = Field(
-        30.0, gt=0.0, le=3600.0,
+        30.0,
+        gt=0.0,
+        le=3600.0,
         description="Time budget of one environment call (`start` or `step`); over it the episode ends with "
-                    "`env_timeout`. A sync environment's call is abandoned in its thread, not killed.")
+        "`env_timeout`. A sync environment's call is abandoned in its thread, not killed.",
+    )
 
 
 class EnvironmentSpec(SpecModel):
@@ -52,8 +58,11 @@ class EnvironmentSpec(SpecModel):
     name: EnvName = Field(
         "single_turn",
         description=f"A built-in ({', '.join(ENVIRONMENTS)}) or 'package.module:Class' / 'path/to/file.py:Class': "
-                    "a class (or factory) called with `kwargs` once per episode.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the constructor (JSON values).")
+        "a class (or factory) called with `kwargs` once per episode.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the constructor (JSON values)."
+    )
     limits: EpisodeLimits = Field(default_factory=EpisodeLimits, description="Per-episode limits.")
 
     @field_validator("kwargs")

@@ -43,17 +43,28 @@ class ToolError(ValueError):
 
 
 def _pow(a: int | float, b: int | float) -> int | float:
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and abs(a).bit_length() * b > MAX_INT_BITS * 2:
+    if (
+        isinstance(a, int)
+        and isinstance(b, int)
+        and b > 0
+        and abs(a) > 1
+        and abs(a).bit_length() * b > MAX_INT_BITS * 2
+    ):
         raise ToolError(f"({a})**({b}) is too large (more than {MAX_INT_BITS} bits)")
-    result = a ** b
+    result = a**b
     if isinstance(result, complex):
         raise ToolError(f"({a})**({b}) is not a real number")
     return result
 
 
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: _pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: _pow,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _ALLOWED = "numbers, + - * / // % **, unary minus and parentheses"
@@ -139,7 +150,7 @@ def parse_tool_call(text: str) -> ToolCall | None:
         return None
     m = _CALL.match(text, start)
     if m is None:
-        raise ToolCallError(f"{OPEN} without {CLOSE}; write {OPEN}{{\"name\": ..., \"arguments\": {{...}}}}{CLOSE}")
+        raise ToolCallError(f'{OPEN} without {CLOSE}; write {OPEN}{{"name": ..., "arguments": {{...}}}}{CLOSE}')
     try:
         body = json.loads(m.group(1))
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -171,8 +182,10 @@ class Tool:
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI/HF function schema (what `apply_chat_template(tools=...)` takes)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": dict(self.parameters)}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)},
+        }
 
 
 def _string_arg(arguments: Mapping[str, Any], name: str) -> str:
@@ -190,22 +203,33 @@ def calculator_tool() -> Tool:
     def run(arguments: Mapping[str, Any]) -> str:
         return str(calculate(_string_arg(arguments, "expression")))
 
-    return Tool("calculator", f"Evaluate an arithmetic expression: {_ALLOWED}.",
-                {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}, run)
+    return Tool(
+        "calculator",
+        f"Evaluate an arithmetic expression: {_ALLOWED}.",
+        {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        run,
+    )
 
 
 def python_tool(limits: Limits, max_output_chars: int) -> Tool:
     """Runs the program in the project's sandbox (shared.sandbox); SandboxUnavailable propagates,
     ending the episode with the reason (a machine that cannot confine code must not pretend to)."""
+
     def run(arguments: Mapping[str, Any]) -> str:
         res = run_python(_string_arg(arguments, "code"), limits)
         if res.ok:
             return _tail(res.stdout, max_output_chars) or "(no output)"
-        why = f"killed: over the time limit of {limits.wall_s:g} s" if res.timed_out else f"exit status {res.returncode}"
+        why = (
+            f"killed: over the time limit of {limits.wall_s:g} s" if res.timed_out else f"exit status {res.returncode}"
+        )
         raise ToolError(_tail(f"{res.stdout}{res.stderr}".strip() + f"\n[{why}]", max_output_chars))
 
-    return Tool("python", "Run a Python program (standard library only, no network) and return what it prints.",
-                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, run)
+    return Tool(
+        "python",
+        "Run a Python program (standard library only, no network) and return what it prints.",
+        {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        run,
+    )
 
 
 def _tail(text: str, n: int) -> str:
@@ -227,8 +251,14 @@ class ToolEnv:
         python_wall_s, python_memory_mb: the sandbox's limits for one python call.
     """
 
-    def __init__(self, tools: Sequence[str] = TOOLS, system_prompt: bool = True, max_output_chars: int = 2000,
-                 python_wall_s: float = 5.0, python_memory_mb: int = 256) -> None:
+    def __init__(
+        self,
+        tools: Sequence[str] = TOOLS,
+        system_prompt: bool = True,
+        max_output_chars: int = 2000,
+        python_wall_s: float = 5.0,
+        python_memory_mb: int = 256,
+    ) -> None:
         unknown = sorted(set(tools) - set(TOOLS))
         if unknown or not tools:
             raise ValueError(f"unknown tools {unknown}; valid: {list(TOOLS)}" if unknown else "tools is empty")
@@ -271,7 +301,9 @@ class ToolEnv:
         try:
             call = parse_tool_call(turn.text)
         except ToolCallError as exc:
-            return StepResult(f"error: {exc}", info={"tool_call": True, "parsed": False, "ok": False, "error": str(exc)})
+            return StepResult(
+                f"error: {exc}", info={"tool_call": True, "parsed": False, "ok": False, "error": str(exc)}
+            )
         if call is None:
             return StepResult(done=True, info={"tool_call": False})
         info: dict[str, Any] = {"tool_call": True, "parsed": True, "tool": call.name}

@@ -35,15 +35,25 @@ class RewardInput:
 
     def as_json(self) -> dict[str, Any]:
         """The wire form remote scorers receive (and worker processes, msgpack-encoded)."""
-        return {"prompt": self.prompt, "completion": self.completion, "answer": self.answer,
-                "metadata": dict(self.metadata), "finish_reason": self.finish_reason,
-                "episode": dict(self.episode)}
+        return {
+            "prompt": self.prompt,
+            "completion": self.completion,
+            "answer": self.answer,
+            "metadata": dict(self.metadata),
+            "finish_reason": self.finish_reason,
+            "episode": dict(self.episode),
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RewardInput:
-        return cls(prompt=d["prompt"], completion=d["completion"], answer=d["answer"],
-                   metadata=d.get("metadata") or {}, finish_reason=d.get("finish_reason"),
-                   episode=d.get("episode") or {})
+        return cls(
+            prompt=d["prompt"],
+            completion=d["completion"],
+            answer=d["answer"],
+            metadata=d.get("metadata") or {},
+            finish_reason=d.get("finish_reason"),
+            episode=d.get("episode") or {},
+        )
 
 
 @dataclass(frozen=True)
@@ -69,8 +79,12 @@ class RewardResult:
         return self.status == "ok"
 
     def as_json(self) -> dict[str, Any]:
-        return {"reward": self.reward, "status": self.status, "reason": self.reason,
-                "components": dict(self.components)}
+        return {
+            "reward": self.reward,
+            "status": self.status,
+            "reason": self.reason,
+            "components": dict(self.components),
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RewardResult:

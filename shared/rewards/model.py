@@ -43,7 +43,9 @@ class ModelScorer:
         except Exception as exc:
             raise RewardLoadError(f"reward model {spec.path!r} does not load: {type(exc).__name__}: {exc}") from exc
         if self._model.config.num_labels != 1:
-            raise RewardLoadError(f"reward model {spec.path!r} has {self._model.config.num_labels} labels; a reward model has 1")
+            raise RewardLoadError(
+                f"reward model {spec.path!r} has {self._model.config.num_labels} labels; a reward model has 1"
+            )
         if self._tok.pad_token is None:
             self._tok.pad_token = self._tok.eos_token
         if self._model.config.pad_token_id is None:
@@ -53,8 +55,9 @@ class ModelScorer:
 
     def forward(self, texts: list[str]) -> list[float]:
         """The model's logit for each text. (B,) floats."""
-        enc = self._tok(texts, padding=True, truncation=True, max_length=self._spec.max_length,
-                        return_tensors="pt").to(self._spec.device)
+        enc = self._tok(texts, padding=True, truncation=True, max_length=self._spec.max_length, return_tensors="pt").to(
+            self._spec.device
+        )
         with self._torch.inference_mode():
             logits = self._model(**enc).logits  # (B, 1)
         return [float(x) for x in logits[:, 0].float().cpu()]
@@ -73,7 +76,7 @@ class ModelScorer:
         n = self._spec.batch_size
         loop = asyncio.get_running_loop()
         for start in range(0, len(todo), n):
-            idx = todo[start: start + n]
+            idx = todo[start : start + n]
             batch = [texts[i] for i in idx]
             try:
                 scores = await asyncio.wait_for(
@@ -81,7 +84,13 @@ class ModelScorer:
                 )
                 results = [RewardResult(reward=s) for s in scores]
             except asyncio.TimeoutError:
-                results = [failed("timeout", f"reward model: a batch of {len(batch)} over the time budget of {self._spec.timeout_s:g} s (timeout_s)")] * len(batch)
+                results = [
+                    failed(
+                        "timeout",
+                        f"reward model: a batch of {len(batch)} over the time budget of "
+                        f"{self._spec.timeout_s:g} s (timeout_s)",
+                    )
+                ] * len(batch)
             except Exception as exc:
                 results = [error_from(exc, "reward model")] * len(batch)
             for i, r in zip(idx, results, strict=True):

@@ -81,7 +81,7 @@ def _write_all(fd: int, data: bytes, deadline: float) -> None:
     view = memoryview(data)
     while view:
         _wait(fd, selectors.EVENT_WRITE, deadline)
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
@@ -105,8 +105,11 @@ class _Worker:
         self.index = index
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shared.rewards.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,  # stderr: the service's log
-            bufsize=0, start_new_session=True,  # its own process group: a kill takes its children too
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,  # stderr: the service's log
+            bufsize=0,
+            start_new_session=True,  # its own process group: a kill takes its children too
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
@@ -121,10 +124,14 @@ class _Worker:
             reply = self.request_raw(self._init, deadline)
         except TimeoutError:
             self.kill()
-            raise RewardLoadError(f"reward worker {self.index} did not load the reward within {START_TIMEOUT_S:g} s") from None
+            raise RewardLoadError(
+                f"reward worker {self.index} did not load the reward within {START_TIMEOUT_S:g} s"
+            ) from None
         except (EOFError, BrokenPipeError):
             code = self.kill()
-            raise RewardLoadError(f"reward worker {self.index} exited during start-up (exit code {code}); see its stderr") from None
+            raise RewardLoadError(
+                f"reward worker {self.index} exited during start-up (exit code {code}); see its stderr"
+            ) from None
         if "error" in reply:
             self.kill()
             raise RewardLoadError(reply["error"])
@@ -204,18 +211,34 @@ class WorkerPool:
             try:
                 frame = pack_frame({"leaf": leaf, "items": [it.as_json() for it in items]})
             except (TypeError, ValueError) as exc:  # metadata msgpack cannot carry
-                return [error_from(exc, f"{self._labels[leaf]}: the sample does not encode for the worker")] * len(items)
+                return [error_from(exc, f"{self._labels[leaf]}: the sample does not encode for the worker")] * len(
+                    items
+                )
             try:
                 reply = w.request_raw(frame, time.monotonic() + timeout_s)
             except TimeoutError:
                 w.kill()
                 w.ready = False
-                log.warning("reward worker %d over the %g s budget: killed, replaced before its next call", w.index, timeout_s)
-                return [failed("timeout", f"{self._labels[leaf]}: over the time budget of {timeout_s:g} s (timeout_s); the reward worker was killed and replaced")] * len(items)
+                log.warning(
+                    "reward worker %d over the %g s budget: killed, replaced before its next call", w.index, timeout_s
+                )
+                return [
+                    failed(
+                        "timeout",
+                        f"{self._labels[leaf]}: over the time budget of {timeout_s:g} s (timeout_s); "
+                        "the reward worker was killed and replaced",
+                    )
+                ] * len(items)
             except (EOFError, BrokenPipeError):
                 code = w.kill()
                 w.ready = False
-                return [failed("error", f"{self._labels[leaf]}: the reward worker died (exit code {code}) while scoring; it is replaced")] * len(items)
+                return [
+                    failed(
+                        "error",
+                        f"{self._labels[leaf]}: the reward worker died (exit code {code}) "
+                        "while scoring; it is replaced",
+                    )
+                ] * len(items)
             return [RewardResult.from_json(r) for r in reply["results"]]
         finally:
             self._idle.put(w)
@@ -262,7 +285,13 @@ class ThreadRunner:
                 return await asyncio.wait_for(fut, timeout_s)
             except asyncio.TimeoutError:
                 self.abandoned += 1
-                return [failed("timeout", f"{fn.label}: over the time budget of {timeout_s:g} s (timeout_s); its thread was abandoned (REWARD_WORKERS=0 cannot stop it)")] * len(items)
+                return [
+                    failed(
+                        "timeout",
+                        f"{fn.label}: over the time budget of {timeout_s:g} s (timeout_s); "
+                        "its thread was abandoned (REWARD_WORKERS=0 cannot stop it)",
+                    )
+                ] * len(items)
 
     def close(self) -> None:
         return None

@@ -88,13 +88,17 @@ def import_object(path: str, what: str = "reward function") -> Any:
                 spec.loader.exec_module(module)
             except Exception as exc:
                 del sys.modules[name]
-                raise RewardLoadError(f"{what} {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}") from exc
+                raise RewardLoadError(
+                    f"{what} {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
         where = repr(str(file))
     else:
         try:
             module = importlib.import_module(module_part)
         except Exception as exc:
-            raise RewardLoadError(f"{what} {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}") from exc
+            raise RewardLoadError(
+                f"{what} {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         where = f"module {module_part!r}"
     obj: Any = module
     for part in attr.split("."):
@@ -132,8 +136,12 @@ class LoadedFunction:
         else:
             (it,) = items
             pos = (it.completion, it.answer)
-            values = {"prompt": it.prompt, "metadata": dict(it.metadata), "finish_reason": it.finish_reason,
-                      "episode": dict(it.episode)}
+            values = {
+                "prompt": it.prompt,
+                "metadata": dict(it.metadata),
+                "finish_reason": it.finish_reason,
+                "episode": dict(it.episode),
+            }
         return pos, {**{k: values[k] for k in self.inputs}, **self.kwargs}
 
     def _results(self, value: Any, n: int) -> list[RewardResult]:
@@ -179,9 +187,14 @@ def load_function(spec: BuiltinReward | PythonReward) -> LoadedFunction:
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {p.name for p in positional}
-    offered = (("prompts", "metadata", "finish_reasons", "episodes") if batched
-               else ("prompt", "metadata", "finish_reason", "episode"))
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {
+        p.name for p in positional
+    }
+    offered = (
+        ("prompts", "metadata", "finish_reasons", "episodes")
+        if batched
+        else ("prompt", "metadata", "finish_reason", "episode")
+    )
     inputs = tuple(n for n in offered if takes_any or n in named)
     try:
         sig.bind(None, None, **dict.fromkeys(inputs), **extra)
@@ -207,7 +220,7 @@ class FunctionScorer:
         self._leaf = None if self._fn.is_async else ctx.register_sync(spec, self._fn)
 
     async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
-        chunks = [list(items[i: i + self._chunk]) for i in range(0, len(items), self._chunk)]
+        chunks = [list(items[i : i + self._chunk]) for i in range(0, len(items), self._chunk)]
         done = await asyncio.gather(*(self._one(c) for c in chunks))
         return [r for chunk in done for r in chunk]
 
@@ -217,7 +230,11 @@ class FunctionScorer:
         try:
             return await asyncio.wait_for(self._fn.call_async(chunk), self._timeout)
         except asyncio.TimeoutError:
-            return [failed("timeout", f"{self._fn.label}: over the time budget of {self._timeout:g} s (timeout_s); cancelled")] * len(chunk)
+            return [
+                failed(
+                    "timeout", f"{self._fn.label}: over the time budget of {self._timeout:g} s (timeout_s); cancelled"
+                )
+            ] * len(chunk)
 
     async def aclose(self) -> None:
         return None

@@ -172,7 +172,8 @@ def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> Re
     try:
         runner: SyncRunner = (
             WorkerPool(ctx.sync_specs, [f.label for f in ctx.sync_leaves], workers)
-            if workers > 0 and ctx.sync_leaves else ThreadRunner(ctx.sync_leaves)
+            if workers > 0 and ctx.sync_leaves
+            else ThreadRunner(ctx.sync_leaves)
         )
     except BaseException:
         asyncio.run(root.aclose())

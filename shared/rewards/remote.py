@@ -85,12 +85,20 @@ class _Poster:
         try:
             return await asyncio.wait_for(go(), self._timeout_s)
         except asyncio.TimeoutError:
-            raise RemoteError("timeout", f"POST {url}: no answer within the time budget of {self._timeout_s:g} s (timeout_s; {attempts} attempt(s))") from None
+            raise RemoteError(
+                "timeout",
+                f"POST {url}: no answer within the time budget of "
+                f"{self._timeout_s:g} s (timeout_s; {attempts} attempt(s))",
+            ) from None
         except httpx.HTTPStatusError as exc:
             text = exc.response.text[:QUOTE]
-            raise RemoteError("error", f"POST {url}: HTTP {exc.response.status_code} {text!r} after {attempts} attempt(s) ({tries})") from None
+            raise RemoteError(
+                "error", f"POST {url}: HTTP {exc.response.status_code} {text!r} after {attempts} attempt(s) ({tries})"
+            ) from None
         except httpx.HTTPError as exc:
-            raise RemoteError("error", f"POST {url}: {type(exc).__name__}: {exc} after {attempts} attempt(s) ({tries})") from None
+            raise RemoteError(
+                "error", f"POST {url}: {type(exc).__name__}: {exc} after {attempts} attempt(s) ({tries})"
+            ) from None
         except ValueError as exc:  # the body is not JSON
             raise RemoteError("error", f"POST {url}: the answer is not JSON ({exc})") from None
 
@@ -120,7 +128,7 @@ class HttpScorer:
 
     async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         n = self._spec.batch_size
-        chunks = [list(items[i: i + n]) for i in range(0, len(items), n)]
+        chunks = [list(items[i : i + n]) for i in range(0, len(items), n)]
         done = await asyncio.gather(*(self._chunk(c) for c in chunks))
         return [r for chunk in done for r in chunk]
 
@@ -134,7 +142,9 @@ class HttpScorer:
         rewards = data.get("rewards") if isinstance(data, dict) else None
         if not isinstance(rewards, list) or len(rewards) != len(chunk):
             got = f"{len(rewards)} rewards" if isinstance(rewards, list) else repr(data)[:QUOTE]
-            return [failed("error", f"POST {url}: expected {{\"rewards\": [...]}} with {len(chunk)} entries, got {got}")] * len(chunk)
+            return [
+                failed("error", f'POST {url}: expected {{"rewards": [...]}} with {len(chunk)} entries, got {got}')
+            ] * len(chunk)
         out = [coerce(r) for r in rewards]
         return [r if r.ok else failed("error", f"POST {url}: {r.reason}") for r in out]
 
@@ -191,8 +201,9 @@ class JudgeScorer:
 
     def messages(self, it: RewardInput) -> list[dict[str, str]]:
         """The chat messages for one sample. Raises KeyError/IndexError for a missing metadata key."""
-        user = self._spec.template.format(prompt=it.prompt, completion=it.completion, answer=it.answer,
-                                          metadata=dict(it.metadata))
+        user = self._spec.template.format(
+            prompt=it.prompt, completion=it.completion, answer=it.answer, metadata=dict(it.metadata)
+        )
         sys = [{"role": "system", "content": self._spec.system}] if self._spec.system else []
         return [*sys, {"role": "user", "content": user}]
 
@@ -204,8 +215,12 @@ class JudgeScorer:
             messages = self.messages(it)
         except (KeyError, IndexError, AttributeError) as exc:
             return failed("error", f"judge template: {type(exc).__name__}: {exc}")
-        body = {"model": self._spec.model, "messages": messages, "max_tokens": self._spec.max_tokens,
-                "temperature": self._spec.temperature}
+        body = {
+            "model": self._spec.model,
+            "messages": messages,
+            "max_tokens": self._spec.max_tokens,
+            "temperature": self._spec.temperature,
+        }
         async with self._slots:
             try:
                 data = await self._poster.post(self._url, body)

@@ -112,7 +112,9 @@ def check_kwargs(v: dict[str, Any]) -> dict[str, Any]:
     return v
 
 
-_TIMEOUT = "Per-sample time budget in seconds (for a batched call: the whole call); over it the sample's status is `timeout`."
+_TIMEOUT = (
+    "Per-sample time budget in seconds (for a batched call: the whole call); over it the sample's status is `timeout`."
+)
 _ON_FAILURE = (
     "What a timed-out or failed sample gets: `zero` (reward 0.0, status and reason recorded; the "
     "default when unset) or `drop` (dead-lettered; the trainer drops its group). Set on the outermost "
@@ -142,7 +144,9 @@ class PythonReward(_Strict):
         default_factory=dict, description="Extra keyword arguments for every call (JSON values)."
     )
     batched: bool = Field(
-        False, description="The function takes lists (completions, answers, ...) and returns a list, one call per batch_size samples."
+        False,
+        description="The function takes lists (completions, answers, ...) and returns a list, "
+        "one call per batch_size samples.",
     )
     batch_size: int = Field(64, ge=1, le=100_000, description="Samples per call when batched.")
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=_TIMEOUT)
@@ -162,12 +166,28 @@ class HttpReward(_Strict):
 
     kind: Literal["http"] = Field("http", description="Reward kind.")
     url: str = Field(..., pattern=r"^https?://\S+$", max_length=2000, description="Endpoint that takes the POST.")
-    headers: dict[Annotated[PrintableStr, Field(min_length=1, max_length=200)], Annotated[PrintableStr, Field(max_length=8192)]] = Field(
-        default_factory=dict, max_length=64,
-        description="Extra request headers (e.g. a static auth header); no control characters (CR/LF would split a header).")
+    headers: dict[
+        Annotated[PrintableStr, Field(min_length=1, max_length=200)], Annotated[PrintableStr, Field(max_length=8192)]
+    ] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra request headers (e.g. a static auth header); "
+        "no control characters (CR/LF would split a header).",
+    )
     batch_size: int = Field(64, ge=1, le=100_000, description="Samples per request.")
-    retries: int = Field(2, ge=0, le=20, description="Retries of a request after a connection error, a timeout of the attempt, 429 or 5xx, with exponential back-off.")
-    timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Time budget of one request batch, retries included; over it the batch's samples are `timeout`.")
+    retries: int = Field(
+        2,
+        ge=0,
+        le=20,
+        description="Retries of a request after a connection error, a timeout of the attempt, 429 or 5xx, "
+        "with exponential back-off.",
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        le=3600.0,
+        description="Time budget of one request batch, retries included; over it the batch's samples are `timeout`.",
+    )
     on_failure: OnFailure | None = Field(None, description=_ON_FAILURE)
 
 
@@ -183,30 +203,46 @@ def _template_fields(template: str) -> set[str]:
     try:
         return {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
     except ValueError as exc:
-        raise ValueError(f"template is not a str.format template ({exc}); write literal braces as {{{{ and }}}}") from None
+        raise ValueError(
+            f"template is not a str.format template ({exc}); write literal braces as {{{{ and }}}}"
+        ) from None
 
 
 class JudgeReward(_Strict):
     """An LLM judge behind an OpenAI-compatible `/v1/chat/completions` endpoint."""
 
     kind: Literal["judge"] = Field("judge", description="Reward kind.")
-    base_url: str = Field(..., pattern=r"^https?://\S+$", max_length=2000, description="API root, e.g. http://judge:8000/v1 (the request goes to <base_url>/chat/completions).")
+    base_url: str = Field(
+        ...,
+        pattern=r"^https?://\S+$",
+        max_length=2000,
+        description="API root, e.g. http://judge:8000/v1 (the request goes to <base_url>/chat/completions).",
+    )
     model: str = Field(..., min_length=1, max_length=500, description="The served model name the request asks for.")
     template: str = Field(
-        JUDGE_TEMPLATE, min_length=1, max_length=100_000,
-        description="User message, a str.format template over {prompt} {completion} {answer} {metadata[...]}; double literal braces.",
+        JUDGE_TEMPLATE,
+        min_length=1,
+        max_length=100_000,
+        description="User message, a str.format template over {prompt} {completion} {answer} {metadata[...]}; "
+        "double literal braces.",
     )
     system: str | None = Field(None, max_length=100_000, description="Optional system message.")
     rule: Literal["number", "yes_no"] = Field(
-        "number", description="How the reply becomes a score: `number` (the first number in the reply, which must lie in [0, 1]) or `yes_no` (first word yes -> 1.0, no -> 0.0)."
+        "number",
+        description="How the reply becomes a score: `number` (the first number in the reply, which must lie in [0, 1]) "
+        "or `yes_no` (first word yes -> 1.0, no -> 0.0).",
     )
     max_tokens: int = Field(16, ge=1, le=32768, description="Reply length limit.")
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="Judge sampling temperature (0: greedy).")
     api_key_env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Environment variable of the reward service holding the bearer token, if the endpoint needs one."
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable of the reward service holding the bearer token, if the endpoint needs one.",
     )
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight at once.")
-    retries: int = Field(2, ge=0, le=20, description="Retries after a connection error, an attempt's timeout, 429 or 5xx.")
+    retries: int = Field(
+        2, ge=0, le=20, description="Retries after a connection error, an attempt's timeout, 429 or 5xx."
+    )
     timeout_s: float = Field(120.0, gt=0.0, le=3600.0, description="Per-sample time budget, retries included.")
     on_failure: OnFailure | None = Field(None, description=_ON_FAILURE)
 
@@ -216,7 +252,9 @@ class JudgeReward(_Strict):
         for field in _template_fields(v):
             root = re.split(r"[.\[]", field, maxsplit=1)[0]
             if root not in _TEMPLATE_FIELDS:
-                raise ValueError(f"template field {{{field}}} is unknown; use {', '.join('{' + f + '}' for f in _TEMPLATE_FIELDS)}")
+                raise ValueError(
+                    f"template field {{{field}}} is unknown; use {', '.join('{' + f + '}' for f in _TEMPLATE_FIELDS)}"
+                )
         return v
 
 
@@ -224,13 +262,19 @@ class ModelReward(_Strict):
     """A learned reward model: a local HF AutoModelForSequenceClassification with one label."""
 
     kind: Literal["model"] = Field("model", description="Reward kind.")
-    path: PrintableStr = Field(..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded).")
+    path: PrintableStr = Field(
+        ..., min_length=1, max_length=4096, description="Local HF-format model directory (never downloaded)."
+    )
     template: str = Field(
-        "{prompt}{completion}", min_length=1, max_length=100_000,
+        "{prompt}{completion}",
+        min_length=1,
+        max_length=100_000,
         description="The text the model scores, a str.format template over {prompt} {completion} {answer}.",
     )
     batch_size: int = Field(16, ge=1, le=4096, description="Samples per forward pass.")
-    max_length: int = Field(1024, ge=8, le=1_000_000, description="Tokens kept per sample (longer texts are truncated).")
+    max_length: int = Field(
+        1024, ge=8, le=1_000_000, description="Tokens kept per sample (longer texts are truncated)."
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?|mps)$", description="Torch device.")
     timeout_s: float = Field(300.0, gt=0.0, le=3600.0, description="Time budget of one forward batch.")
     on_failure: OnFailure | None = Field(None, description=_ON_FAILURE)
@@ -246,7 +290,9 @@ class ModelReward(_Strict):
 
 
 class SumTerm(_Strict):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The term's name in Scored.details and the ledger.")
+    name: str = Field(
+        ..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The term's name in Scored.details and the ledger."
+    )
     weight: float = Field(1.0, ge=-1e6, le=1e6, allow_inf_nan=False, description="Multiplies the term's reward.")
     reward: RewardSpec = Field(..., description="The term's reward (any kind, a sum included).")
 
@@ -255,9 +301,12 @@ class SumReward(_Strict):
     """reward = sum_i weight_i * reward_i; each term's own reward is logged under its name."""
 
     kind: Literal["sum"] = Field("sum", description="Reward kind.")
-    terms: list[SumTerm] = Field(..., min_length=1, max_length=64, description="The weighted terms, scored concurrently.")
+    terms: list[SumTerm] = Field(
+        ..., min_length=1, max_length=64, description="The weighted terms, scored concurrently."
+    )
     on_failure: OnFailure | None = Field(
-        None, description="What a sample gets when any term timed out or failed: `zero` (the default when unset) or `drop`."
+        None,
+        description="What a sample gets when any term timed out or failed: `zero` (the default when unset) or `drop`.",
     )
 
     @model_validator(mode="after")
@@ -330,8 +379,9 @@ SumTerm.model_rebuild()
 SumReward.model_rebuild()
 
 
-
-def as_object(spec: str | BaseModel) -> BuiltinReward | PythonReward | SumReward | HttpReward | JudgeReward | ModelReward:
+def as_object(
+    spec: str | BaseModel,
+) -> BuiltinReward | PythonReward | SumReward | HttpReward | JudgeReward | ModelReward:
     """The object form of a reward: a bare built-in name becomes BuiltinReward, an import path PythonReward."""
     if isinstance(spec, str):
         _bare_reward(spec)

@@ -92,8 +92,14 @@ def verify_and_repair(
     return _repair(buf, manifest, refetch, bad_chunks(buf, manifest), retries)
 
 
-def _repair(buf: Buffer, manifest: Manifest, refetch: Callable[[int, int], None], bad: list[int],
-            retries: int, on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+def _repair(
+    buf: Buffer,
+    manifest: Manifest,
+    refetch: Callable[[int, int], None],
+    bad: list[int],
+    retries: int,
+    on_ok: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """Re-fetch the chunks in `bad` and re-check only those, up to `retries` rounds (`on_ok(i)`:
     called for each chunk once it matches)."""
     cb, want = manifest.chunk_bytes, manifest.chunk_checksums
@@ -135,9 +141,14 @@ Fill = Callable[[int, int], Iterable[int]]
 offset below which every byte has landed, increasing, as the transfer goes (the last one is hi)."""
 
 
-def fetch_verified(buf: Buffer, manifest: Manifest, fill: Fill, retries: int,
-                   corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
-                   on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+def fetch_verified(
+    buf: Buffer,
+    manifest: Manifest,
+    fill: Fill,
+    retries: int,
+    corrupt_hook: Callable[[np.ndarray, int, int], None] | None = None,
+    on_ok: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """Fill all of `buf` while hashing threads (`hash_threads`) check each chunk as soon as it has
     landed (the hash overlaps the rest of the transfer), then re-fetch the bad chunks only, up to
     `retries` rounds. Returns `buf` once every chunk matches the manifest; raises ChecksumError otherwise.
@@ -228,9 +239,11 @@ class Streaming:
             while min(self._prefix * self.manifest.chunk_bytes, self.nbytes) < hi:
                 left = deadline - time.monotonic()
                 if self._aborted or left <= 0:
-                    raise ConnectionError(f"version {self.manifest.version}: "
-                                          f"{'fetch aborted' if self._aborted else 'no progress'} at byte "
-                                          f"{self._prefix * self.manifest.chunk_bytes}")
+                    raise ConnectionError(
+                        f"version {self.manifest.version}: "
+                        f"{'fetch aborted' if self._aborted else 'no progress'} at byte "
+                        f"{self._prefix * self.manifest.chunk_bytes}"
+                    )
                 self._cond.wait(left)
 
 
@@ -334,8 +347,14 @@ class WeightServer(Protocol):
 class WeightClient(Protocol):
     """Generator side: pull one version into a verified buffer."""
 
-    def fetch(self, address: str, manifest: Manifest, *, out: np.ndarray | None = None,
-              on_ok: Callable[[int], None] | None = None) -> np.ndarray:
+    def fetch(
+        self,
+        address: str,
+        manifest: Manifest,
+        *,
+        out: np.ndarray | None = None,
+        on_ok: Callable[[int], None] | None = None,
+    ) -> np.ndarray:
         """The verified version, in `out` when given (a buffer reused across fetches); `on_ok(i)`
         as soon as chunk i matched the manifest (a relay passes it on then)."""
         ...

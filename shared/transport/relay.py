@@ -90,6 +90,6 @@ def pick_source(
         s = state.get(a, "")
         if s == SERVING:
             return a
-        if (wait_coming if s == COMING else wait_idle):
+        if wait_coming if s == COMING else wait_idle:
             return None
     return TRAINER

@@ -33,8 +33,15 @@ class TcpWeightServer:
 
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, keep: int = 3, advertise_host: str | None = None,
-                 uplink_bytes_per_s: float | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        keep: int = 3,
+        advertise_host: str | None = None,
+        uplink_bytes_per_s: float | None = None,
+    ):
         self.store = VersionStore(keep)
         self.sent = EgressCounter()
         self.uplink = None if uplink_bytes_per_s is None else Uplink(uplink_bytes_per_s)

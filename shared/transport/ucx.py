@@ -111,15 +111,11 @@ class _UcxWorker:
         from ucxx._lib.arr import Array
 
         self.api, self.Array, self.pid = ucx_api, Array, os.getpid()
-        self.context = ucx_api.UCXContext(
-            ucx_options(), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        )
+        self.context = ucx_api.UCXContext(ucx_options(), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         # Delayed submission: requests posted from any Python thread are handed to the progress
         # thread, so only that thread touches the UCP worker.
         self.worker = ucx_api.UCXWorker(self.context, enable_delayed_submission=True)
-        self.worker.set_progress_thread_start_callback(
-            _bind_cuda_device, cb_args=(_current_cuda_device(),)
-        )
+        self.worker.set_progress_thread_start_callback(_bind_cuda_device, cb_args=(_current_cuda_device(),))
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_TIMEOUT_MS)
         self.address = bytes(self.worker.address)
         self._requests = itertools.count(1)
@@ -161,9 +157,7 @@ def get_worker() -> _UcxWorker:
         return _worker
 
 
-def _wait(
-    pending: list[tuple[Any, Any]], timeout_s: float, what: str, peer: socket.socket | None = None
-) -> None:
+def _wait(pending: list[tuple[Any, Any]], timeout_s: float, what: str, peer: socket.socket | None = None) -> None:
     """Block until every request completes; raise the first UCX error, or TimeoutError, or
     ConnectionError as soon as `peer` (the control socket) hangs up: with endpoint error handling
     off, UCX itself never reports a vanished peer."""
@@ -229,8 +223,7 @@ class UcxWeightServer:
         self.ucx = get_worker()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._control = ControlServer(host, port, self._handle, name="ucx-weight-server",
-                                      advertise_host=advertise_host)
+        self._control = ControlServer(host, port, self._handle, name="ucx-weight-server", advertise_host=advertise_host)
         self.port, self.address = self._control.port, self._control.address
 
     def serve(self, manifest: Manifest, buf: np.ndarray) -> None:
@@ -272,23 +265,16 @@ class UcxWeightServer:
             buf = buf.buf
         tag, piece = int(req.get("tag", 0)), int(req.get("piece", DEFAULT_PIECE_BYTES))
         if piece <= 0 or -(-length // piece) >= 1 << _TAG_BITS:
-            send_msg(
-                sock, {"ok": False, "error": f"piece size {piece} invalid for {length} bytes"}
-            )
+            send_msg(sock, {"ok": False, "error": f"piece size {piece} invalid for {length} bytes"})
             return
         send_msg(sock, {"ok": True, "nbytes": length})
         pending = [
-            self.ucx.send(ep, buf[off + lo : off + hi], tag + i)
-            for i, (lo, hi) in enumerate(_pieces(length, piece))
+            self.ucx.send(ep, buf[off + lo : off + hi], tag + i) for i, (lo, hi) in enumerate(_pieces(length, piece))
         ]
         try:
-            _wait(
-                pending, self.timeout_s, f"version {req.get('version')} range {off}+{length}", sock
-            )
+            _wait(pending, self.timeout_s, f"version {req.get('version')} range {off}+{length}", sock)
         except Exception as exc:
-            log.warning(
-                "ucx weight server: %s: %s; dropping the connection", type(exc).__name__, exc
-            )
+            log.warning("ucx weight server: %s: %s; dropping the connection", type(exc).__name__, exc)
             send_msg(sock, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
             raise
         self.sent.add(length)
@@ -310,9 +296,7 @@ class UcxWeightClient:
     `piece_bytes` is the size of the tag messages a range is cut into (all in flight at once).
     """
 
-    def __init__(
-        self, retries: int = 3, timeout_s: float = 60.0, piece_bytes: int = DEFAULT_PIECE_BYTES
-    ):
+    def __init__(self, retries: int = 3, timeout_s: float = 60.0, piece_bytes: int = DEFAULT_PIECE_BYTES):
         self.retries = retries
         self.timeout_s = timeout_s
         self.piece_bytes = piece_bytes
@@ -331,9 +315,7 @@ class UcxWeightClient:
             raise
         return sock
 
-    def _fetch_range(
-        self, sock: socket.socket, version: int, out: Buffer, offset: int
-    ) -> Iterator[int]:
+    def _fetch_range(self, sock: socket.socket, version: int, out: Buffer, offset: int) -> Iterator[int]:
         """Fill `out` (host or CUDA memory, 1-D uint8) with bytes [offset, offset + len(out)),
         yielding `offset + n` as soon as the first n bytes have landed, piece by piece."""
         ucx = get_worker()

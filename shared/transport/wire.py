@@ -60,8 +60,15 @@ class ControlServer:
     from a daemon thread named `name` until `close`. `address` is `host:port` as clients reach
     it (`advertise_host` in place of the bind host, e.g. behind 0.0.0.0)."""
 
-    def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], *, name: str,
-                 advertise_host: str | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[socket.socket], None],
+        *,
+        name: str,
+        advertise_host: str | None = None,
+    ):
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 handle(self.request)
@@ -75,8 +82,9 @@ class ControlServer:
         self.address = f"{advertise_host or host}:{self.port}"
         # close() waits for the serving loop's next poll: a short interval keeps a trainer of the
         # fleet from waiting half a second (the default) between one job and the next
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, name=name,
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:

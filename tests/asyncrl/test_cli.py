@@ -57,8 +57,11 @@ def api(tmp_path) -> Iterator[Api]:
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
     settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, tokens=RW)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, ledger=ledger, admin=AdminSettings(redis_url=REDIS_URL, key_prefix=prefix)),
-                       log_level="warning", lifespan="off")
+        uvicorn.Config(
+            create_app(settings, ledger=ledger, admin=AdminSettings(redis_url=REDIS_URL, key_prefix=prefix)),
+            log_level="warning",
+            lifespan="off",
+        )
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; the server serves this socket
@@ -165,12 +168,21 @@ def test_status_without_a_job_shows_the_queue_and_the_fleet(api, tmp_path):
 
 def test_samples_prints_a_table_of_the_filtered_page(api, tmp_path):
     job = api.submit(tmp_path)
-    base = {"job_id": job, "sample_index": 0, "prompt_index": 1, "generator_id": "gen-0",
-            "gen_version_min": 0, "num_prompt_tokens": 5, "num_completion_tokens": 9}
-    api.ledger.record_generated([
-        {**base, "msg_id": f"msg-{i}", "group_id": f"g{i}", "completion": f"[bold]answer {i}[/bold]\nok"}
-        for i in range(5)
-    ])
+    base = {
+        "job_id": job,
+        "sample_index": 0,
+        "prompt_index": 1,
+        "generator_id": "gen-0",
+        "gen_version_min": 0,
+        "num_prompt_tokens": 5,
+        "num_completion_tokens": 9,
+    }
+    api.ledger.record_generated(
+        [
+            {**base, "msg_id": f"msg-{i}", "group_id": f"g{i}", "completion": f"[bold]answer {i}[/bold]\nok"}
+            for i in range(5)
+        ]
+    )
     api.ledger.record_scored([(f"msg-{i}", i / 4) for i in range(5)])
     api.ledger.record_used([{"msg_id": f"msg-{i}", "status": "trained", "trainer_version": 2} for i in range(4)])
 
@@ -223,25 +235,44 @@ def test_status_shows_the_collapse_guards_trips(api, tmp_path):
     job = api.submit(tmp_path)
     result = api.cli("status", job)
     assert result.exit_code == 0 and "collapse guard" not in result.stderr, result.output
-    api.ledger.record_change(job, "trainer collapse guard", {  # as trainer_svc/train.py records one
-        "reason": "reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300", "kind": "reward_collapse",
-        "step": 143, "action": "initial", "note": "no checkpoint to go back to: restarted from the initial model",
-        "rolled_back_to_step": 0, "discarded_steps": list(range(1, 143)), "lr": 5e-5, "max_staleness": 1})
+    api.ledger.record_change(
+        job,
+        "trainer collapse guard",
+        {  # as trainer_svc/train.py records one
+            "reason": "reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300",
+            "kind": "reward_collapse",
+            "step": 143,
+            "action": "initial",
+            "note": "no checkpoint to go back to: restarted from the initial model",
+            "rolled_back_to_step": 0,
+            "discarded_steps": list(range(1, 143)),
+            "lr": 5e-5,
+            "max_staleness": 1,
+        },
+    )
     api.ledger.record_change(job, "api", {"lr": 1e-4})  # not the guard's
     result = api.cli("status", job)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["id"] == job  # stdout stays the job's JSON
     assert "collapse guard tripped 1 time(s)" in result.stderr
-    assert ("step 143: reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300 -> no checkpoint to go "
-            "back to: restarted from the initial model; steps 1-142 discarded; lr now 5e-05") in result.stderr
+    assert (
+        "step 143: reward collapse: mean of the last 5 steps 0.010 < 0.5 x best 0.300 -> no checkpoint to go "
+        "back to: restarted from the initial model; steps 1-142 discarded; lr now 5e-05"
+    ) in result.stderr
     api.ledger.set_job_state(job, "finished")
     result = api.cli("status", job, "--watch")
     assert result.exit_code == 0 and "restarted from the initial model" in result.stderr, result.output
 
 
 def test_api_errors_print_the_message_and_exit_1(api, tmp_path):
-    for args in (("status", "nope"), ("status", "nope", "--watch"), ("pause", "nope"), ("samples", "nope"),
-                 ("set", "nope", "--lr", "1e-5"), ("stop", "nope")):
+    for args in (
+        ("status", "nope"),
+        ("status", "nope", "--watch"),
+        ("pause", "nope"),
+        ("samples", "nope"),
+        ("set", "nope", "--lr", "1e-5"),
+        ("stop", "nope"),
+    ):
         result = api.cli(*args)
         assert result.exit_code == 1, (args, result.output)
         assert "error: no job 'nope'; GET /jobs lists the known ones" in result.stderr, (args, result.output)
@@ -313,8 +344,17 @@ def test_verify_reports_the_ledger_invariants_and_fails_on_a_violation(api, tmp_
     result = api.cli("verify", job)
     assert result.exit_code == 0, result.output
     assert "staleness" in result.stdout and "trained_once" in result.stdout
-    base = {"job_id": job, "sample_index": 0, "prompt_index": 1, "generator_id": "gen-0", "group_id": "g",
-            "gen_version_min": 3, "num_prompt_tokens": 5, "num_completion_tokens": 9, "completion": "x"}
+    base = {
+        "job_id": job,
+        "sample_index": 0,
+        "prompt_index": 1,
+        "generator_id": "gen-0",
+        "group_id": "g",
+        "gen_version_min": 3,
+        "num_prompt_tokens": 5,
+        "num_completion_tokens": 9,
+        "completion": "x",
+    }
     api.ledger.record_generated([{**base, "msg_id": "m-0"}])
     api.ledger.record_scored([("m-0", 1.0)])
     # trained at version 4 from generation version 3 but recorded as 0 versions stale

@@ -19,8 +19,19 @@ def _steps(seed: int, n: int, p: float, collapse_at: int | None = None) -> list[
         rewards = [float(rng.random() < q) for _ in range(64)]
         mean = sum(rewards) / 64
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 63)
-        out.append({"loss": 0.1, "grad_norm": 1.0, "reward/mean": mean, "reward/std": std, "samples": 64.0,
-                    "is/max": 148.0, "is/ess": 0.03, "is/applied_max": 2.0, "is/applied_ess": 0.997})
+        out.append(
+            {
+                "loss": 0.1,
+                "grad_norm": 1.0,
+                "reward/mean": mean,
+                "reward/std": std,
+                "samples": 64.0,
+                "is/max": 148.0,
+                "is/ess": 0.03,
+                "is/applied_max": 2.0,
+                "is/applied_ess": 0.997,
+            }
+        )
     return out
 
 
@@ -30,8 +41,15 @@ def _ledger(path) -> tuple[str, dict[str, list[dict[str, float]]]]:
     jobs = {f"healthy-{s}": _steps(s, 150, 0.15) for s in range(4)}
     jobs["collapse"] = _steps(99, 40, 0.3, collapse_at=25)
     for i, (job_id, steps) in enumerate(jobs.items()):
-        spec = {"name": job_id, "model_path": "/m", "mode": "sync" if i == 1 else "async", "max_staleness": 2,
-                "seed": i, "task": {"name": "arithmetic"}, "algorithm": {"loss": "aipo"}}
+        spec = {
+            "name": job_id,
+            "model_path": "/m",
+            "mode": "sync" if i == 1 else "async",
+            "max_staleness": 2,
+            "seed": i,
+            "task": {"name": "arithmetic"},
+            "algorithm": {"loss": "aipo"},
+        }
         ledger.create_job(job_id, job_id, spec)
         for step, metrics in enumerate(steps, start=1):
             ledger.record_train_step(job_id, step, step, metrics)
@@ -65,16 +83,27 @@ def test_cli_writes_the_table_and_json(tmp_path, capsys):
     assert table == md.read_text()
     assert "| collapse | arithmetic | async | 2 | 4 | aipo | 40 |" in table and "reward collapse" in table
     # one job, another GuardSpec
-    assert main(["--url", url, "--job", "healthy-0", "--guard", '{"reward_false_alarm": 0.49}',
-                 "--out", str(out)]) == 0
+    assert main(["--url", url, "--job", "healthy-0", "--guard", '{"reward_false_alarm": 0.49}', "--out", str(out)]) == 0
     assert [r["job_id"] for r in json.loads(out.read_text())["jobs"]] == ["healthy-0"]
 
 
 def test_a_row_reads_the_stored_spec_with_jobspec_s_defaults():
     """An older stored spec (a field since removed) still gives its row; what it leaves out is
     JobSpec's default (shared/jobspec.py stored_spec)."""
-    job = {"id": "old", "spec": {"model_path": "/m", "adaptive_staleness": {"k_max": 3}, "retired_knob": 1,
-                                 "algorithm": {"loss": "gspo"}}}
+    job = {
+        "id": "old",
+        "spec": {
+            "model_path": "/m",
+            "adaptive_staleness": {"k_max": 3},
+            "retired_knob": 1,
+            "algorithm": {"loss": "gspo"},
+        },
+    }
     row = job_row("sqlite://", job, [], GuardSpec())
-    assert (row["task"], row["mode"], row["k"], row["seed"], row["loss"]) == ("arithmetic", "async", "0-3 (adaptive)",
-                                                                               0, "gspo")
+    assert (row["task"], row["mode"], row["k"], row["seed"], row["loss"]) == (
+        "arithmetic",
+        "async",
+        "0-3 (adaptive)",
+        0,
+        "gspo",
+    )

@@ -70,7 +70,8 @@ def modules(tmp_path, monkeypatch) -> Path:
         "c = pathlib.Path(__file__).with_suffix('.count')\n"
         "n = int(c.read_text()) if c.exists() else 0\n"
         "c.write_text(str(n + 1))\n"
-        "sys.exit(3 if n < 2 else 0)\n")
+        "sys.exit(3 if n < 2 else 0)\n"
+    )
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     return tmp_path
 
@@ -142,10 +143,21 @@ def test_on_failure_restarts_within_the_budget_and_logs_why(modules, tmp_path, c
 
 
 def test_plan_names_unique_generators_and_the_admin_worker():
-    services = plan(["broker", "generator", "reward", "trainer", "admin"], 3,
-                    {"GEN_METRICS_PORT": "9100", "ADMIN_QUEUE": "evals"}, host="box1")
-    assert [s.name for s in services] == ["broker", "generator-0", "generator-1", "generator-2",
-                                          "reward", "trainer", "admin"]
+    services = plan(
+        ["broker", "generator", "reward", "trainer", "admin"],
+        3,
+        {"GEN_METRICS_PORT": "9100", "ADMIN_QUEUE": "evals"},
+        host="box1",
+    )
+    assert [s.name for s in services] == [
+        "broker",
+        "generator-0",
+        "generator-1",
+        "generator-2",
+        "reward",
+        "trainer",
+        "admin",
+    ]
     gens = [s for s in services if s.module == "generator_svc"]
     assert [g.env["GEN_GENERATOR_ID"] for g in gens] == ["box1-gen-0", "box1-gen-1", "box1-gen-2"]
     assert [g.env["GEN_METRICS_PORT"] for g in gens] == ["9100", "9101", "9102"]
@@ -174,10 +186,14 @@ def _free_port() -> int:
 
 def _launcher_env(tmp_path) -> tuple[dict[str, str], int]:
     port = _free_port()
-    env = {**os.environ, "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-           "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
-           "STREAM_PREFIX": f"launch-{uuid.uuid4().hex[:8]}:", "BROKER_PORT": str(port),
-           "JOB_ID": f"no-such-job-{uuid.uuid4().hex[:6]}"}
+    env = {
+        **os.environ,
+        "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
+        "STREAM_PREFIX": f"launch-{uuid.uuid4().hex[:8]}:",
+        "BROKER_PORT": str(port),
+        "JOB_ID": f"no-such-job-{uuid.uuid4().hex[:6]}",
+    }
     return env, port
 
 
@@ -192,11 +208,15 @@ def test_cli_starts_the_real_services_and_stops_them_on_sigterm(tmp_path):
     env["REWARD_JOB_WAIT_S"] = "600"  # the reward service waits for its job until stopped
     logdir = tmp_path / "logs"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(logdir),
-         "--grace", "15"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(logdir), "--grace", "15"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
+
         def up() -> bool:
             assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
             try:
@@ -227,7 +247,11 @@ def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
     env["REWARD_JOB_WAIT_S"] = "0"  # the job does not exist: the reward service fails at once
     res = subprocess.run(
         [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=100,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
     assert res.returncode == 1, res.stderr
     assert "reward exited with code 1" in res.stderr
@@ -241,12 +265,25 @@ def test_a_fleet_with_exit_when_idle_exits_0_once_nothing_is_queued_or_running(t
     env, port = _launcher_env(tmp_path)
     env.pop("JOB_ID")  # a fleet serving the queue
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker", "--exit-when-idle", "--logdir",
-         str(tmp_path / "logs")],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch",
+            "--roles",
+            "broker",
+            "--exit-when-idle",
+            "--logdir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     api = f"http://127.0.0.1:{port}"
     try:
+
         def up() -> bool:
             assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
             try:

@@ -15,8 +15,19 @@ import pytest
 from asyncrl.demo import TOOL_ENV, prepare_model, run_tool
 
 # What third-party libraries write when left alone (the demo's terminal before this was fixed).
-THIRD_PARTY = ("Loading weights", "Writing model shards", "it/s]", "%|", "\r", "Warning", "WARNING", "INFO",
-               "setup plugin", "Context impl", "non-transactional DDL")
+THIRD_PARTY = (
+    "Loading weights",
+    "Writing model shards",
+    "it/s]",
+    "%|",
+    "\r",
+    "Warning",
+    "WARNING",
+    "INFO",
+    "setup plugin",
+    "Context impl",
+    "non-transactional DDL",
+)
 
 CHATTY_TOOL = textwrap.dedent("""
     import logging, os, sys, warnings
@@ -40,8 +51,7 @@ def test_a_tools_chatter_goes_to_its_log_and_its_stdout_to_the_caller(tmp_path, 
     assert out == "result 1 1\n"  # progress bars off in the tool (TOOL_ENV), for a readable log
     assert set(TOOL_ENV) == {"TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"}
     text = log.read_text()
-    for line in ("$ " + sys.executable + " -c", "Loading weights: 100%", "setup plugin", "FutureWarning",
-                 "result 1 1"):
+    for line in ("$ " + sys.executable + " -c", "Loading weights: 100%", "setup plugin", "FutureWarning", "result 1 1"):
         assert line in text
     run_tool([sys.executable, "-c", "print('second')"], log, "another tool")
     assert log.read_text().startswith(text) and log.read_text().endswith("second\n")  # appended
@@ -78,8 +88,9 @@ def test_preparing_the_demo_model_prints_only_its_own_lines(tmp_path, capfd):
 def _python(code: str) -> str:
     """Run `code` in a fresh interpreter (its own logging set-up); its stdout and stderr."""
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=root, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout + done.stderr
 
@@ -90,7 +101,7 @@ def test_the_commands_migrating_a_ledger_print_nothing(tmp_path):
         from asyncrl.cli import quiet_logging
         from broker.ledger import Ledger
         quiet_logging()
-        Ledger("sqlite:///{tmp_path / 'ledger.db'}").close()
+        Ledger("sqlite:///{tmp_path / "ledger.db"}").close()
         print("done")
     """)
     assert out == "done\n"
@@ -102,11 +113,13 @@ def test_a_services_log_keeps_its_info_but_not_alembics(tmp_path):
         from shared.logs import setup_logging
         from broker.ledger import Ledger
         setup_logging("trainer", "INFO")
-        Ledger("sqlite:///{tmp_path / 'ledger.db'}").close()
-        Ledger("sqlite:///{tmp_path / 'ledger.db'}").close()  # at head: no line
+        Ledger("sqlite:///{tmp_path / "ledger.db"}").close()
+        Ledger("sqlite:///{tmp_path / "ledger.db"}").close()  # at head: no line
         logging.getLogger("trainer_svc.train").info("step 1: reward 0.5")
     """)
     lines = out.splitlines()
     assert len(lines) == 2, lines
-    assert "INFO service=trainer" in lines[0] and "broker.ledger.engine: ledger schema migrated from empty to " in lines[0]
+    assert (
+        "INFO service=trainer" in lines[0] and "broker.ledger.engine: ledger schema migrated from empty to " in lines[0]
+    )
     assert lines[1].endswith("trainer_svc.train: step 1: reward 0.5")

@@ -36,15 +36,27 @@ def tiny_model(tmp_path_factory) -> Path:
     from asyncrl.tiny_model import build_tiny_model
 
     # vLLM CPU attention needs head_dim >= 32
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )
 
 
 def _spec(tmp_path: Path, model: Path | str, name: str, steps: int = STEPS) -> str:
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({
-        "name": name, "model_path": str(model), "steps": steps, "group_size": 4, "prompts_per_step": 4,
-        "eval_every": steps, "task": {"n_train": 64, "n_test": 16}, "sampling": {"max_tokens": 8}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": name,
+                "model_path": str(model),
+                "steps": steps,
+                "group_size": 4,
+                "prompts_per_step": 4,
+                "eval_every": steps,
+                "task": {"n_train": 64, "n_test": 16},
+                "sampling": {"max_tokens": 8},
+            }
+        )
+    )
     return str(path)
 
 
@@ -76,9 +88,16 @@ def box(tmp_path, monkeypatch) -> Any:
     prefix = f"run-{uuid.uuid4().hex[:8]}:"
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
     # metrics ports set as every deployment sets them: a service serves them across its jobs
-    env = {"BROKER_PORT": str(port), "STREAM_PREFIX": prefix, "DATABASE_URL": db_url, "REDIS_URL": REDIS_URL,
-           "COLUMNS": "200", "TRAINER_METRICS_PORT": str(trainer_metrics),
-           "REWARD_METRICS_PORT": str(reward_metrics), "GEN_METRICS_PORT": str(gen_metrics)}
+    env = {
+        "BROKER_PORT": str(port),
+        "STREAM_PREFIX": prefix,
+        "DATABASE_URL": db_url,
+        "REDIS_URL": REDIS_URL,
+        "COLUMNS": "200",
+        "TRAINER_METRICS_PORT": str(trainer_metrics),
+        "REWARD_METRICS_PORT": str(reward_metrics),
+        "GEN_METRICS_PORT": str(gen_metrics),
+    }
     monkeypatch.delenv("ASYNCRL_API", raising=False)
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
@@ -156,7 +175,7 @@ def test_run_keep_leaves_the_fleet_up_for_the_next_jobs(box, tiny_model, tmp_pat
     assert f"export ASYNCRL_API={box.api}" in bad.stdout  # not the CLI's default address
     shown = box("status", "--api", box.api)
     assert shown.exit_code == 0, shown.output
-    fleet = shown.stdout[shown.stdout.index("fleet"):]
+    fleet = shown.stdout[shown.stdout.index("fleet") :]
     for role in ("trainer", "generator", "reward"):
         assert re.search(rf"{role} .* idle ", fleet), fleet
     assert _alive(pid)
@@ -172,9 +191,14 @@ def test_ctrl_c_cancels_the_job_on_the_fleet_run_started_and_stops_it(box, tiny_
     """Ctrl-C (SIGINT to the command, as a terminal sends it) while the job trains: the job is
     cancelled, not left running for the next fleet on this ledger, and the fleet stops."""
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_API"}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", _spec(tmp_path, tiny_model, "long", 20_000)],
-                            cwd=tmp_path, env={**env, **box.env, "PYTHONUNBUFFERED": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", _spec(tmp_path, tiny_model, "long", 20_000)],
+        cwd=tmp_path,
+        env={**env, **box.env, "PYTHONUNBUFFERED": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 300
         while True:  # until its job trains

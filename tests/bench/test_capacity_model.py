@@ -38,8 +38,12 @@ def test_trainer_step_time_by_hand() -> None:
 
 
 def test_load_and_max_generators_by_hand() -> None:
-    costs = cm.UnitCosts(redis_cpu_s_per_sample_base=1e-4, redis_cpu_s_per_sample_per_byte=0.0,
-                         ledger_s_per_sample=2e-4, link_bytes_per_s=1e9)
+    costs = cm.UnitCosts(
+        redis_cpu_s_per_sample_base=1e-4,
+        redis_cpu_s_per_sample_per_byte=0.0,
+        ledger_s_per_sample=2e-4,
+        link_bytes_per_s=1e9,
+    )
     ld = cm.load(100.0, W, costs)
     assert ld.redis_msgs_per_s == pytest.approx(212.5)  # (2 + 1/8) XADDs per sample
     assert ld.redis_utilisation == pytest.approx(0.01)
@@ -68,24 +72,32 @@ def test_broadcast_star_and_tree_by_hand() -> None:
     assert cm.broadcast_s(m, 1000, 1e9, fanout=4) < cm.broadcast_s(m, 10, 1e9)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: cm.Workload(completion_tokens=0),
-    lambda: cm.Workload(prompt_tokens=-1),
-    lambda: cm.Trainer(mfu=1.5),
-    lambda: cm.ModelSize("x", 0),
-    lambda: cm.UnitCosts(0.0, 0.0, 1e-4, 1e9),
-    lambda: cm.broadcast_s(cm.ModelSize("x", 1e9), 0, 1e9),
-    lambda: cm.load(-1.0, W, cm.UnitCosts(1e-4, 0.0, 1e-4, 1e9)),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: cm.Workload(completion_tokens=0),
+        lambda: cm.Workload(prompt_tokens=-1),
+        lambda: cm.Trainer(mfu=1.5),
+        lambda: cm.ModelSize("x", 0),
+        lambda: cm.UnitCosts(0.0, 0.0, 1e-4, 1e9),
+        lambda: cm.broadcast_s(cm.ModelSize("x", 1e9), 0, 1e9),
+        lambda: cm.load(-1.0, W, cm.UnitCosts(1e-4, 0.0, 1e-4, 1e9)),
+    ],
+)
 def test_bad_input_is_refused(bad) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         bad()
 
 
 def test_idle_consumers_and_ledger_per_token_by_hand() -> None:
-    costs = cm.UnitCosts(redis_cpu_s_per_sample_base=1e-4, redis_cpu_s_per_sample_per_byte=0.0,
-                         ledger_s_per_sample=1e-4, link_bytes_per_s=1e9, redis_idle_cpu_per_consumer=2e-3,
-                         ledger_s_per_completion_token=1e-7)
+    costs = cm.UnitCosts(
+        redis_cpu_s_per_sample_base=1e-4,
+        redis_cpu_s_per_sample_per_byte=0.0,
+        ledger_s_per_sample=1e-4,
+        link_bytes_per_s=1e9,
+        redis_idle_cpu_per_consumer=2e-3,
+        ledger_s_per_completion_token=1e-7,
+    )
     # ledger: 1e-4 + 1e-7 * 1024 = 2.024e-4 s per sample
     assert costs.ledger_s(W) == pytest.approx(2.024e-4)
     ld = cm.load(100.0, W, costs, idle_consumers=50)

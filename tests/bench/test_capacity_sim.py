@@ -27,15 +27,26 @@ def test_trainer_bound() -> None:
 
 def test_redis_bound() -> None:
     # 100 generators offer 5,000/s, a trainer that never waits, a shard costing 1 ms/sample: 1,000/s at most
-    r = simulate(SimConfig(generators=100, gen_samples_per_s=50, batch_samples=16, samples_per_step=512,
-                           step_s=0.0, redis_s_per_sample=1e-3, steps=10))
+    r = simulate(
+        SimConfig(
+            generators=100,
+            gen_samples_per_s=50,
+            batch_samples=16,
+            samples_per_step=512,
+            step_s=0.0,
+            redis_s_per_sample=1e-3,
+            steps=10,
+        )
+    )
     assert 800 < r.samples_per_s <= 1000 * 1.01
     assert r.redis_utilisation > 0.85
 
 
 def test_bad_config_is_refused() -> None:
     with pytest.raises(ValueError):
-        SimConfig(generators=0, gen_samples_per_s=1, batch_samples=1, samples_per_step=1, step_s=0, redis_s_per_sample=0)
+        SimConfig(
+            generators=0, gen_samples_per_s=1, batch_samples=1, samples_per_step=1, step_s=0, redis_s_per_sample=0
+        )
 
 
 def test_waiting_generators_poll_redis() -> None:

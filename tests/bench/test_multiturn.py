@@ -19,8 +19,13 @@ def test_teacher_episodes_are_laid_out_as_the_generator_plays_them(tmp_path: Pat
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1234+4321"}}</tool_call>'
     reply = "\n<tool_response>\n5555\n</tool_response>\n"
     eos = tok.eos_token_id
-    want = [*tok(call, add_special_tokens=False)["input_ids"], eos, *tok(reply, add_special_tokens=False)["input_ids"],
-            *tok("5555", add_special_tokens=False)["input_ids"], eos]
+    want = [
+        *tok(call, add_special_tokens=False)["input_ids"],
+        eos,
+        *tok(reply, add_special_tokens=False)["input_ids"],
+        *tok("5555", add_special_tokens=False)["input_ids"],
+        eos,
+    ]
     assert ids == want
     n_call, n_reply = len(call) + 1, len(reply)  # one token per character, plus EOS
     assert mask == [1] * n_call + [0] * n_reply + [1] * 5  # the tool's reply carries no loss

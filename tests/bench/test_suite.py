@@ -30,8 +30,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     "completion, answer",
-    [("42", "42"), ("41", "42"), ("= 42", "42"), ("4 2", "42"), ("-7", "-7"), ("3-7", "-4"), ("1,234", "1234"),
-     ("3.50", "3.5"), ("42.0", "42"), ("-0", "0"), ("", "1"), ("no idea", "1"), ("12</s>", "12"), ("x12y", "12")],
+    [
+        ("42", "42"),
+        ("41", "42"),
+        ("= 42", "42"),
+        ("4 2", "42"),
+        ("-7", "-7"),
+        ("3-7", "-4"),
+        ("1,234", "1234"),
+        ("3.50", "3.5"),
+        ("42.0", "42"),
+        ("-0", "0"),
+        ("", "1"),
+        ("no idea", "1"),
+        ("12</s>", "12"),
+        ("x12y", "12"),
+    ],
 )
 def test_peer_reward_rule_matches_ours(completion: str, answer: str) -> None:
     # The TRL script restates our exact-match rule (it cannot import the project): same verdicts.
@@ -47,8 +61,11 @@ def test_peer_script_imports_nothing_of_the_project() -> None:
 def test_time_to_target_from_a_curve() -> None:
     # Steps end at 10, 11, 12, 13 s after launch: a step takes 1 s, so start-up is 10 - 1 = 9 s.
     ends = [{"step": i + 1, "t_s": 10.0 + i} for i in range(4)]
-    curve = [{"step": 0, "t_s": 9.0, "reward": 0.2}, {"step": 2, "t_s": 11.0, "reward": 0.8},
-             {"step": 4, "t_s": 13.0, "reward": 0.9}]
+    curve = [
+        {"step": 0, "t_s": 9.0, "reward": 0.2},
+        {"step": 2, "t_s": 11.0, "reward": 0.8},
+        {"step": 4, "t_s": 13.0, "reward": 0.9},
+    ]
     s = bench_suite._ttr_summary(curve, ends, 0.85)
     assert bench_suite._ttr_summary(curve, ends, None)["time_to_target_s"] is None  # no target without TRL
     assert s["step_s_median"] == 1.0 and s["startup_s"] == 9.0
@@ -59,8 +76,9 @@ def test_time_to_target_from_a_curve() -> None:
 def test_generator_rate_between_batches() -> None:
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
     # Batches of 2 rows x 50 tokens every 0.5 s; the first two are skipped (warm-up).
-    rows = [{"created_at": t0 + timedelta(seconds=0.5 * b), "num_completion_tokens": 50}
-            for b in range(6) for _ in range(2)]
+    rows = [
+        {"created_at": t0 + timedelta(seconds=0.5 * b), "num_completion_tokens": 50} for b in range(6) for _ in range(2)
+    ]
     rate, n = bench_suite.batch_rates(rows)
     assert n == 4 and rate == pytest.approx(3 * 100 / 1.5)
 
@@ -77,8 +95,9 @@ def _numbers(d: dict, keys: tuple[str, ...], where: str) -> None:
 @pytest.mark.timeout(1800)  # two regimes beside TRL, co-located, stale drops, scaling: ~16 min on 2 cores
 def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    r = bench_suite.run_suite("ci", workdir=str(tmp_path / "work"), out_dir=str(out),
-                              trl_venv=str(REPO / "runs" / "bench" / "trl-venv"))
+    r = bench_suite.run_suite(
+        "ci", workdir=str(tmp_path / "work"), out_dir=str(out), trl_venv=str(REPO / "runs" / "bench" / "trl-venv")
+    )
     saved = json.loads((out / "suite.json").read_text())
     assert saved["preset"] == "ci" and saved.keys() == json.loads(json.dumps(r, default=str)).keys()
     for f in ("suite.md", "suite_reward_time.png", "suite_scaling.png", "suite_broker_generator.png"):
@@ -91,8 +110,11 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
             assert ttr["runs"][name], (key, name)
             for run in ttr["runs"][name]:
                 assert run["curve"] and all(math.isfinite(c["t_s"]) and 0 <= c["reward"] <= 1 for c in run["curve"])
-            _numbers(ttr["summary"][name], ("time_to_target_s", "startup_s", "step_s_median", "final_reward",
-                                            "completion_tokens_median"), f"{key}.summary.{name}")
+            _numbers(
+                ttr["summary"][name],
+                ("time_to_target_s", "startup_s", "step_s_median", "final_reward", "completion_tokens_median"),
+                f"{key}.summary.{name}",
+            )
         assert ttr["breakdown"]["async"], key  # the trainer's time/* metrics, per mode
         _numbers(ttr["breakdown"]["async"], ("wait_s", "train_s"), f"{key}.breakdown.async")
     # Regime (b) is the generation-dominated one. The ci preset's 60-step warm start only half
@@ -118,8 +140,11 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
     assert 0.0 <= saved["stale_dropped_fraction"] <= 1.0 and saved["stale_drops"]["generated"] > 0
     assert isinstance(saved["regime_scaling"]["points"], list)
 
-    _numbers(saved["generator"], ("standalone_tokens_per_s", "in_system_tokens_per_s", "efficiency",
-                                  "engine_only_efficiency"), "generator")
+    _numbers(
+        saved["generator"],
+        ("standalone_tokens_per_s", "in_system_tokens_per_s", "efficiency", "engine_only_efficiency"),
+        "generator",
+    )
     b = saved["broker"]
     _numbers(b, ("samples_per_s", "overhead_ms", "ours_over_raw"), "broker")
     _numbers(b["raw_streams"], ("samples_per_s",), "broker.raw_streams")
@@ -133,24 +158,35 @@ def test_ci_preset_writes_a_complete_result(tmp_path: Path) -> None:
 
 def test_gpu_variant_answers_help() -> None:
     # deploy/gpu_bench.py is unrun here (no GPU); it must at least parse its arguments anywhere.
-    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--help"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "--lengths" in proc.stdout and "--dry-run" in proc.stdout
 
 
 def test_gpu_variant_dry_run_checks_its_plan_on_cpu() -> None:
     # The prepared GPU script's plan and job specs, checked where there is no GPU.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "64,192",
-                           "--timeout", "300"], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "64,192", "--timeout", "300"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["phases"] == ["sleep_wake", "generator", "system", "regimes", "broker"] and plan["timeout_s"] == 300
     errors = plan["spec_errors"]
     assert set(errors) == {"async-64", "async-192", "sync-192", "colocated-192"}
     assert all(e is None for e in errors.values()), errors
-    bad = subprocess.run([sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "300"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "gpu_bench.py"), "--dry-run", "--lengths", "300"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert bad.returncode == 2 and "--lengths" in bad.stderr
 
 
@@ -170,8 +206,9 @@ def test_scratchpad_chain_worked_by_hand() -> None:
     prompt, solution = scratchpad.chain(Fixed([7, 3, "+", 2, "-"]), 2)
     assert prompt == "7+3-2=" and solution == "10-2\n8"
     # Values stay in 0..99: 95 + 9 would leave it, so that operation takes the other sign.
-    prompt, solution = scratchpad.chain(Fixed([5, 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+",
-                                               9, "+", 9, "+"]), 11)
+    prompt, solution = scratchpad.chain(
+        Fixed([5, 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+", 9, "+"]), 11
+    )
     assert prompt == "5" + "+9" * 10 + "-9=" and solution.split("\n")[-1] == "86"
 
 

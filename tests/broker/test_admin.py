@@ -29,8 +29,9 @@ RW, RO = "rw-admin-token", "ro-admin-token"
 def tiny_model(tmp_path_factory) -> Path:
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )
 
 
 def _checkpoint(root: Path, model: Path, job_id: str, step: int) -> Path:
@@ -49,13 +50,22 @@ def _checkpoint(root: Path, model: Path, job_id: str, step: int) -> Path:
 def job(tmp_path, tiny_model) -> tuple[Ledger, AdminSettings, str, Path]:
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
     job_id = f"job{uuid4().hex[:8]}"
-    spec = {"name": "t", "model_path": str(tiny_model), "task": {"n_train": 16, "n_test": 12},
-            "sampling": {"max_tokens": 6}}
+    spec = {
+        "name": "t",
+        "model_path": str(tiny_model),
+        "task": {"n_train": 16, "n_test": 12},
+        "sampling": {"max_tokens": 6},
+    }
     ledger.create_job(job_id, "t", spec)
     ck = _checkpoint(tmp_path / "checkpoints", tiny_model, job_id, 2)
     ledger.record_checkpoint(job_id, 2, 2, str(ck))
-    settings = AdminSettings(redis_url=REDIS_URL, database_url=str(ledger.url), export_dir=str(tmp_path / "exports"),
-                             key_prefix=f"test-admin-{uuid4().hex[:8]}:", queue=f"admin-{uuid4().hex[:6]}")
+    settings = AdminSettings(
+        redis_url=REDIS_URL,
+        database_url=str(ledger.url),
+        export_dir=str(tmp_path / "exports"),
+        key_prefix=f"test-admin-{uuid4().hex[:8]}:",
+        queue=f"admin-{uuid4().hex[:6]}",
+    )
     return ledger, settings, job_id, ck
 
 
@@ -158,10 +168,8 @@ def test_a_failing_evaluation_says_why(job, tmp_path):
 @pytest.fixture
 def api(job) -> Iterator[tuple[TestClient, Ledger, str]]:
     ledger, admin, job_id, _ = job
-    settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=f"test-{uuid4().hex}:", tokens=RW,
-                              read_only_tokens=RO)
-    with TestClient(create_app(settings, ledger=ledger, admin=admin),
-                    headers={"Authorization": f"Bearer {RW}"}) as c:
+    settings = BrokerSettings(redis_url=REDIS_URL, stream_prefix=f"test-{uuid4().hex}:", tokens=RW, read_only_tokens=RO)
+    with TestClient(create_app(settings, ledger=ledger, admin=admin), headers={"Authorization": f"Bearer {RW}"}) as c:
         yield c, ledger, job_id
     _clear(admin)
 
@@ -193,9 +201,11 @@ def test_api_submits_tasks_and_answers_retries_with_the_same_task(api):
     ledger.finish_admin_task(ev.json()["id"], error="boom")
     assert c.post(f"/jobs/{job_id}/checkpoints/2/evaluate").status_code == 202
     metrics = c.get("/metrics").text
-    for line in ('asyncrl_admin_tasks{kind="export",state="queued"} 2.0',
-                 'asyncrl_admin_tasks{kind="evaluate",state="failed"} 1.0',
-                 'asyncrl_admin_tasks{kind="evaluate",state="queued"} 1.0'):
+    for line in (
+        'asyncrl_admin_tasks{kind="export",state="queued"} 2.0',
+        'asyncrl_admin_tasks{kind="evaluate",state="failed"} 1.0',
+        'asyncrl_admin_tasks{kind="evaluate",state="queued"} 1.0',
+    ):
         assert line in metrics, metrics
 
 
@@ -236,11 +246,31 @@ def test_api_reports_an_unreachable_queue_and_leaves_no_task_waiting(job):
 
 
 def _worker(admin: AdminSettings, log: Path, extra: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "REDIS_URL": REDIS_URL, "DATABASE_URL": admin.database_url,
-           "ADMIN_KEY_PREFIX": admin.key_prefix, "ADMIN_QUEUE": admin.queue, "ADMIN_EXPORT_DIR": admin.export_dir,
-           **(extra or {})}
-    cmd = [sys.executable, "-m", "celery", "-A", "broker.admin", "worker", "-Q", admin.queue,
-           "--concurrency", "1", "--loglevel", "INFO", "--hostname", f"test-{uuid4().hex[:6]}@%h"]
+    env = {
+        **os.environ,
+        "REDIS_URL": REDIS_URL,
+        "DATABASE_URL": admin.database_url,
+        "ADMIN_KEY_PREFIX": admin.key_prefix,
+        "ADMIN_QUEUE": admin.queue,
+        "ADMIN_EXPORT_DIR": admin.export_dir,
+        **(extra or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "broker.admin",
+        "worker",
+        "-Q",
+        admin.queue,
+        "--concurrency",
+        "1",
+        "--loglevel",
+        "INFO",
+        "--hostname",
+        f"test-{uuid4().hex[:6]}@%h",
+    ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -50,9 +50,7 @@ def make_api(tmp_path: Path) -> Iterator[Callable[..., Api]]:
     def make(**settings: Any) -> Api:
         ledger = Ledger(f"sqlite:///{tmp_path}/ledger-{len(ledgers)}.db")
         ledgers.append(ledger)
-        app = create_app(
-            BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, **settings), ledger=ledger
-        )
+        app = create_app(BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, **settings), ledger=ledger)
         client = TestClient(app)
         clients.append(client.__enter__())
         return Api(client, ledger)
@@ -173,9 +171,7 @@ def test_openapi_declares_bearer_on_job_routes_only(api: Api) -> None:
             assert op.get("security") == expected, (path, op)
 
 
-def test_without_tokens_every_endpoint_is_open(
-    make_api: Callable[..., Api], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_without_tokens_every_endpoint_is_open(make_api: Callable[..., Api], caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="broker.api"):
         api = make_api()
     assert [r.message for r in caplog.records if "no bearer token configured" in r.message]
@@ -327,11 +323,7 @@ def test_metrics_sample_counts(api: Api) -> None:
     assert api.ledger.record_generated(rows) == 3
     api.ledger.record_scored([("m0", 1.0)])
     got = samples(api.client.get("/metrics").text)
-    counts = {
-        dict(labels)["status"]: v
-        for (name, labels), v in got.items()
-        if name == "asyncrl_samples"
-    }
+    counts = {dict(labels)["status"]: v for (name, labels), v in got.items() if name == "asyncrl_samples"}
     assert counts == api.ledger.status_counts(job_id) == {"generated": 2, "scored": 1}
 
 
@@ -370,12 +362,12 @@ def test_cli_sends_the_token(api: Api, monkeypatch: pytest.MonkeyPatch, tmp_path
     assert submitted.exit_code == 0, submitted.output
     job_id = json.loads(submitted.output)["id"]
     again = runner.invoke(cli.app, ["submit", str(spec), *base, "--token", RW])
-    assert again.exit_code == 0 and "queued, position 2 in the queue; status page http://api/status?job=" in again.output
+    assert (
+        again.exit_code == 0 and "queued, position 2 in the queue; status page http://api/status?job=" in again.output
+    )
     shown = runner.invoke(cli.app, ["status", job_id, *base], env={"ASYNCRL_TOKEN": RO})
     assert shown.exit_code == 0 and json.loads(shown.output)["id"] == job_id
     refused = runner.invoke(cli.app, ["stop", job_id, *base], env={"ASYNCRL_TOKEN": RO})
     assert refused.exit_code == 1 and "read-only" in refused.output
-    stopped = runner.invoke(
-        cli.app, ["stop", job_id, *base, "--token", RW], env={"ASYNCRL_TOKEN": RO}
-    )
+    stopped = runner.invoke(cli.app, ["stop", job_id, *base, "--token", RW], env={"ASYNCRL_TOKEN": RO})
     assert stopped.exit_code == 0 and json.loads(stopped.output)["state"] == "stopped"  # queued: stopped at once

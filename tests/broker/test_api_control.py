@@ -71,10 +71,18 @@ def test_patch_validates_updates_the_spec_and_broadcasts(client):
     assert r.json()["changed"] == {"lr": 1e-5, "temperature": 0.7, "max_staleness": 2, "generation_batch": 4}
     spec = JobSpec.model_validate(ledger.get_job(job)["spec"])
     assert (spec.algorithm.lr, spec.sampling.temperature, spec.max_staleness, spec.generation_batch) == (
-        1e-5, 0.7, 2, 4)
+        1e-5,
+        0.7,
+        2,
+        4,
+    )
     (msg,) = _controls(streams, job)
-    assert msg.command == "set" and msg.settings == {"lr": 1e-5, "temperature": 0.7, "max_staleness": 2,
-                                                     "generation_batch": 4}
+    assert msg.command == "set" and msg.settings == {
+        "lr": 1e-5,
+        "temperature": 0.7,
+        "max_staleness": 2,
+        "generation_batch": 4,
+    }
     # bad values name the field; an empty patch or an unknown knob is refused; nothing is published
     for body, field in (({"lr": -1}, "lr"), ({"top_p": 2}, "top_p"), ({"group_size": 2}, "group_size")):
         r = c.patch(f"/jobs/{job}", json=body)

@@ -105,8 +105,16 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def call(self, method: str, template: str, *, path: str | None = None, token: str | None = RW,
-             timeout: float = 30, **kwargs: Any) -> httpx.Response:
+    def call(
+        self,
+        method: str,
+        template: str,
+        *,
+        path: str | None = None,
+        token: str | None = RW,
+        timeout: float = 30,
+        **kwargs: Any,
+    ) -> httpx.Response:
         """One request; `path` (default: `template`) may hold percent-escapes, sent as they are."""
         headers = dict(kwargs.pop("headers", {}))
         if token is not None:
@@ -128,12 +136,21 @@ def broker_server(tmp: Path, ledger_url: str, **env: str) -> Iterator[Server]:
     port = _free_port()
     prefix = f"test-hostile-{uuid4().hex}:"
     log_path = tmp / f"broker-{port}.log"
-    full_env = {**os.environ, "BROKER_PORT": str(port), "DATABASE_URL": ledger_url, "REDIS_URL": REDIS_URL,
-                "STREAM_PREFIX": prefix, "BROKER_TOKENS": RW, "BROKER_READ_ONLY_TOKENS": RO,
-                "PYTHONUNBUFFERED": "1", **env}
+    full_env = {
+        **os.environ,
+        "BROKER_PORT": str(port),
+        "DATABASE_URL": ledger_url,
+        "REDIS_URL": REDIS_URL,
+        "STREAM_PREFIX": prefix,
+        "BROKER_TOKENS": RW,
+        "BROKER_READ_ONLY_TOKENS": RO,
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "broker"], cwd=REPO, env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker"], cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT
+        )
     server = Server(proc, port, ledger_url, log_path)
     try:
         deadline = time.monotonic() + 60
@@ -165,8 +182,13 @@ def broker_server(tmp: Path, ledger_url: str, **env: str) -> Iterator[Server]:
 @pytest.fixture(scope="module", autouse=True)
 def _record() -> Iterator[None]:
     yield
-    record_hostile(server_errors=SEEN.server_errors, api_peak_rss_mib=round(SEEN.peak_rss_mib, 1),
-                   api_answers=len(SEEN.answers), api_outage_503s=SEEN.outage_503s, **SEEN.figures)
+    record_hostile(
+        server_errors=SEEN.server_errors,
+        api_peak_rss_mib=round(SEEN.peak_rss_mib, 1),
+        api_answers=len(SEEN.answers),
+        api_outage_503s=SEEN.outage_503s,
+        **SEEN.figures,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +199,9 @@ def sqlite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def pg_server(tmp_path_factory: pytest.TempPathFactory,
-              postgres_database: Callable[[], AbstractContextManager[str]]) -> Iterator[Server]:
+def pg_server(
+    tmp_path_factory: pytest.TempPathFactory, postgres_database: Callable[[], AbstractContextManager[str]]
+) -> Iterator[Server]:
     with postgres_database() as url, broker_server(tmp_path_factory.mktemp("hostile-pg"), url) as server:
         yield server
 
@@ -205,24 +228,32 @@ FLOAT_FIELDS = [
 
 @pytest.mark.parametrize("literal", NON_FINITE)
 @pytest.mark.parametrize(("section", "name"), FLOAT_FIELDS)
-def test_non_finite_numbers_are_422_naming_the_field(sqlite_server: Server, literal: str, section: str,
-                                                     name: str) -> None:
+def test_non_finite_numbers_are_422_naming_the_field(
+    sqlite_server: Server, literal: str, section: str, name: str
+) -> None:
     body = json.dumps(SPEC)[:-1] + f', "{section}": {{"{name}": {literal}}}}}'
     resp = sqlite_server.call("POST", "/jobs", content=body, headers={"content-type": "application/json"})
     assert resp.status_code == 422, resp.text
     assert f"{section}.{name}" in [f["field"] for f in resp.json()["fields"]], resp.text
 
 
-@pytest.mark.parametrize(("where", "value", "field_name"), [
-    ("top", {"chat_template_kwargs": {"x": "NaN"}}, "chat_template_kwargs.x"),
-    ("top", {"eval_sets": [{"name": "e", "pass_threshold": "Infinity"}]}, "eval_sets.0.pass_threshold"),
-    ("top", {"reward": {"kind": "sum", "terms": [{"name": "a", "weight": "1e309", "reward": "exact_match"}]}},
-     "reward.terms.0.weight"),
-    ("top", {"reward": {"kind": "python", "function": "m:f", "kwargs": {"scale": "NaN"}}}, "reward.kwargs"),
-    ("top", {"task": {"name": "dataset", "path": "d.jsonl", "test_fraction": "NaN"}}, "task.test_fraction"),
-])
-def test_non_finite_numbers_anywhere_in_the_spec_are_422(sqlite_server: Server, where: str, value: dict,
-                                                         field_name: str) -> None:
+@pytest.mark.parametrize(
+    ("where", "value", "field_name"),
+    [
+        ("top", {"chat_template_kwargs": {"x": "NaN"}}, "chat_template_kwargs.x"),
+        ("top", {"eval_sets": [{"name": "e", "pass_threshold": "Infinity"}]}, "eval_sets.0.pass_threshold"),
+        (
+            "top",
+            {"reward": {"kind": "sum", "terms": [{"name": "a", "weight": "1e309", "reward": "exact_match"}]}},
+            "reward.terms.0.weight",
+        ),
+        ("top", {"reward": {"kind": "python", "function": "m:f", "kwargs": {"scale": "NaN"}}}, "reward.kwargs"),
+        ("top", {"task": {"name": "dataset", "path": "d.jsonl", "test_fraction": "NaN"}}, "task.test_fraction"),
+    ],
+)
+def test_non_finite_numbers_anywhere_in_the_spec_are_422(
+    sqlite_server: Server, where: str, value: dict, field_name: str
+) -> None:
     # The quoted literals become bare JSON tokens (NaN, Infinity, 1e309).
     text = json.dumps({**SPEC, **value})
     for literal in NON_FINITE:
@@ -232,19 +263,26 @@ def test_non_finite_numbers_anywhere_in_the_spec_are_422(sqlite_server: Server, 
     assert any(f["field"].startswith(field_name) for f in resp.json()["fields"]), resp.text
 
 
-@pytest.mark.parametrize(("value", "field_name"), [
-    ({"seed": 2**32}, "seed"),
-    ({"eval_every": 10**12}, "eval_every"),
-    ({"algorithm": {"micro_batch_size": 10**12}}, "algorithm.micro_batch_size"),
-    ({"sampling": {"stop_token_ids": [2**40]}}, "sampling.stop_token_ids.0"),
-    ({"name": "x" * 201}, "name"),
-    ({"model_path": "m" * 5000}, "model_path"),
-    ({"sampling": {"stop": ["s" * 2000]}}, "sampling.stop.0"),
-    ({"reward": {"kind": "http", "url": "http://h/s", "headers": {"X-A": "b\r\nInjected: 1"}}}, "reward.headers.X-A"),
-    ({"task": {"name": "dataset", "path": "data\x1b[2J.jsonl"}}, "task.path"),
-])
-def test_unbounded_numbers_long_strings_and_control_characters_are_422(sqlite_server: Server, value: dict,
-                                                                       field_name: str) -> None:
+@pytest.mark.parametrize(
+    ("value", "field_name"),
+    [
+        ({"seed": 2**32}, "seed"),
+        ({"eval_every": 10**12}, "eval_every"),
+        ({"algorithm": {"micro_batch_size": 10**12}}, "algorithm.micro_batch_size"),
+        ({"sampling": {"stop_token_ids": [2**40]}}, "sampling.stop_token_ids.0"),
+        ({"name": "x" * 201}, "name"),
+        ({"model_path": "m" * 5000}, "model_path"),
+        ({"sampling": {"stop": ["s" * 2000]}}, "sampling.stop.0"),
+        (
+            {"reward": {"kind": "http", "url": "http://h/s", "headers": {"X-A": "b\r\nInjected: 1"}}},
+            "reward.headers.X-A",
+        ),
+        ({"task": {"name": "dataset", "path": "data\x1b[2J.jsonl"}}, "task.path"),
+    ],
+)
+def test_unbounded_numbers_long_strings_and_control_characters_are_422(
+    sqlite_server: Server, value: dict, field_name: str
+) -> None:
     resp = sqlite_server.call("POST", "/jobs", json={**SPEC, **value})
     assert resp.status_code == 422, resp.text
     assert any(f["field"].startswith(field_name) for f in resp.json()["fields"]), resp.text
@@ -264,8 +302,9 @@ def _poisoned_spec() -> dict[str, Any]:
     return {**SPEC, "algorithm": {"lr": None}}
 
 
-def test_a_fleet_service_skips_an_unrunnable_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fleet_service_skips_an_unrunnable_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
     monkeypatch.setenv("DATABASE_URL", url)
     monkeypatch.setenv("REDIS_URL", REDIS_URL)
@@ -369,15 +408,19 @@ def probe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield server
 
 
-@pytest.mark.parametrize(("token", "chunked", "expected"), [
-    (None, False, 401),  # anonymous, Content-Length: 200 MB
-    (None, True, 401),  # anonymous, chunked
-    (RO, False, 403),  # a read-only token asking to write
-    (RW, False, 413),  # authorized, Content-Length over the cap
-    (RW, True, 413),  # authorized, chunked past the cap
-])
-def test_a_200mb_post_is_refused_before_it_is_read(probe_server: Server, token: str | None, chunked: bool,
-                                                   expected: int) -> None:
+@pytest.mark.parametrize(
+    ("token", "chunked", "expected"),
+    [
+        (None, False, 401),  # anonymous, Content-Length: 200 MB
+        (None, True, 401),  # anonymous, chunked
+        (RO, False, 403),  # a read-only token asking to write
+        (RW, False, 413),  # authorized, Content-Length over the cap
+        (RW, True, 413),  # authorized, chunked past the cap
+    ],
+)
+def test_a_200mb_post_is_refused_before_it_is_read(
+    probe_server: Server, token: str | None, chunked: bool, expected: int
+) -> None:
     before = probe_server.hwm_mib()
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
     length = "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {BIG}\r\n"
@@ -390,8 +433,11 @@ def test_a_200mb_post_is_refused_before_it_is_read(probe_server: Server, token: 
     SEEN.answers.append(("POST", "/jobs", status or 0))
     who = {None: "anon", RO: "ro", RW: "rw"}[token]
     SEEN.figures[f"big_post_{who}_{'chunked' if chunked else 'length'}"] = {
-        "status": status, "body_mib_sent": round(sent / MIB, 1), "rss_growth_mib": round(growth, 1),
-        "seconds": round(elapsed, 2)}
+        "status": status,
+        "body_mib_sent": round(sent / MIB, 1),
+        "rss_growth_mib": round(growth, 1),
+        "seconds": round(elapsed, 2),
+    }
     assert status == expected, (status, sent)
     assert growth < RSS_BOUND_MIB, f"+{growth:.0f} MiB for a refused body"
     assert sent < 64 * MIB  # the server answered long before 200 MB went through
@@ -405,9 +451,11 @@ def _many_keys(n: int) -> bytes:
 def test_1m_unknown_keys_are_refused_at_the_default_cap(probe_server: Server) -> None:
     body = _many_keys(1_000_000)
     before = probe_server.hwm_mib()
-    head = (f"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {RW}\r\nContent-Length: {len(body)}\r\n\r\n")
-    status, _ = _raw_request(probe_server.port, head, iter([body[i:i + MIB] for i in range(0, len(body), MIB)]))
+    head = (
+        f"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {RW}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    status, _ = _raw_request(probe_server.port, head, iter([body[i : i + MIB] for i in range(0, len(body), MIB)]))
     SEEN.answers.append(("POST", "/jobs", status or 0))
     assert status == 413
     assert probe_server.hwm_mib() - before < RSS_BOUND_MIB
@@ -433,8 +481,12 @@ def test_1m_unknown_keys_are_one_small_422(big_cap_server: Server) -> None:
     resp = big_cap_server.call("POST", "/jobs", content=body, headers={"content-type": "application/json"})
     elapsed = time.perf_counter() - start
     growth = big_cap_server.hwm_mib() - before
-    SEEN.figures["unknown_keys_1m"] = {"status": resp.status_code, "response_bytes": len(resp.content),
-                                       "rss_growth_mib": round(growth, 1), "seconds": round(elapsed, 2)}
+    SEEN.figures["unknown_keys_1m"] = {
+        "status": resp.status_code,
+        "response_bytes": len(resp.content),
+        "rss_growth_mib": round(growth, 1),
+        "seconds": round(elapsed, 2),
+    }
     assert resp.status_code == 422
     assert len(resp.content) < 4096, len(resp.content)
     assert "1000000 unknown fields" in resp.json()["error"]
@@ -444,9 +496,12 @@ def test_1m_unknown_keys_are_one_small_422(big_cap_server: Server) -> None:
 def test_a_422_lists_at_most_20_fields(sqlite_server: Server) -> None:
     # 19 unknown keys (under the one-error threshold) and many invalid values: each reported,
     # the list cut at 20 and the rest counted.
-    spec = {**SPEC, **{f"unknown_{i}": 1 for i in range(19)},
-            "algorithm": {"lr": -1, "rho": -1, "clip_low": -1, "clip_high": -1, "kl_coef": -1, "weight_decay": -1},
-            "sampling": {"temperature": -1, "top_p": -1, "max_tokens": -1}}
+    spec = {
+        **SPEC,
+        **{f"unknown_{i}": 1 for i in range(19)},
+        "algorithm": {"lr": -1, "rho": -1, "clip_low": -1, "clip_high": -1, "kl_coef": -1, "weight_decay": -1},
+        "sampling": {"temperature": -1, "top_p": -1, "max_tokens": -1},
+    }
     resp = sqlite_server.call("POST", "/jobs", json=spec)
     assert resp.status_code == 422
     body = resp.json()
@@ -485,8 +540,13 @@ def test_nul_in_path_or_query_is_4xx_on_every_route(server: Server) -> None:
         probes = []
         if "{" in template:
             probes += [_fill(template, "a%00b"), _fill(template, "%00")]
-            probes.append(template.replace("{job_id}", job_id).replace("{step}", "0").replace("{task_id}", "t")
-                          .replace("{name}", "n") + "?x=%00")
+            probes.append(
+                template.replace("{job_id}", job_id)
+                .replace("{step}", "0")
+                .replace("{task_id}", "t")
+                .replace("{name}", "n")
+                + "?x=%00"
+            )
         else:
             probes += [template + "?limit=%00", template + "?token=%00&x=1"]
         for path in probes:
@@ -571,8 +631,11 @@ def test_requests_stay_fast_while_redis_is_down(dead_redis_server: Server) -> No
 
     # More clients than the server has request threads (40): before, each held one for the
     # whole Redis retry budget and a ledger-only GET /jobs waited behind them.
-    targets = [("GET", "/health", "/health"), ("GET", "/jobs/{job_id}", f"/jobs/{job_id}"),
-               ("POST", "/jobs/{job_id}/pause", f"/jobs/{job_id}/pause")]
+    targets = [
+        ("GET", "/health", "/health"),
+        ("GET", "/jobs/{job_id}", f"/jobs/{job_id}"),
+        ("POST", "/jobs/{job_id}/pause", f"/jobs/{job_id}/pause"),
+    ]
     threads = [threading.Thread(target=hammer, args=targets[i % 3], daemon=True) for i in range(48)]
     for t in threads:
         t.start()
@@ -588,8 +651,10 @@ def test_requests_stay_fast_while_redis_is_down(dead_redis_server: Server) -> No
         stop.set()
         for t in threads:
             t.join(timeout=10)
-    SEEN.figures["list_jobs_redis_down_s"] = {"max": round(max(latencies), 3),
-                                              "median": round(sorted(latencies)[len(latencies) // 2], 3)}
+    SEEN.figures["list_jobs_redis_down_s"] = {
+        "max": round(max(latencies), 3),
+        "median": round(sorted(latencies)[len(latencies) // 2], 3),
+    }
     # Held behind the Redis retry budget, a ledger-only request would wait for minutes; the bounds
     # only tell that from "answered" on a loaded 2-core box (the figures go to results/hostile.json).
     assert max(latencies) < 10.0 and sorted(latencies)[len(latencies) // 2] < 2.0, latencies
@@ -689,9 +754,12 @@ def test_every_status_seen_is_documented(sqlite_server: Server) -> None:
     checks the same for generated requests)."""
     paths = sqlite_server.call("GET", "/openapi.json", token=None).json()["paths"]
     off_schema = {t for _, t in OFF_SCHEMA_ROUTES} | {"/openapi.json"}
-    undocumented = sorted({
-        (m, t, s) for m, t, s in SEEN.answers
-        if t not in off_schema and s and str(s) not in paths[t][m.lower()]["responses"]
-    })
+    undocumented = sorted(
+        {
+            (m, t, s)
+            for m, t, s in SEEN.answers
+            if t not in off_schema and s and str(s) not in paths[t][m.lower()]["responses"]
+        }
+    )
     assert not undocumented, undocumented
     assert SEEN.server_errors == 0, [a for a in SEEN.answers if a[2] >= 500 and a[2] != 503]

@@ -97,6 +97,17 @@ def test_job_routes_document_the_answers_they_give(spec: dict[str, Any]) -> None
     assert "WWW-Authenticate" in ops[("GET", "/jobs")]["responses"]["401"]["headers"]
     status = resolve(spec, ops[("GET", "/jobs/{job_id}")]["responses"]["200"]["content"][JSON]["schema"])
     assert set(status["properties"]) == {
-        "id", "name", "state", "step", "error", "created_at", "started_at", "spec", "last_metrics", "evals",
-        "samples", "staleness", "generators",
+        "id",
+        "name",
+        "state",
+        "step",
+        "error",
+        "created_at",
+        "started_at",
+        "spec",
+        "last_metrics",
+        "evals",
+        "samples",
+        "staleness",
+        "generators",
     }

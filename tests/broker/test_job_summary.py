@@ -24,8 +24,15 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 def _steps(ledger: Ledger, job_id: str) -> None:
     """Four steps; step 3's reward was not finite (the ledger keeps null) and step 4 has no staleness."""
     for step, reward in ((1, 0.25), (2, 0.5), (3, float("nan")), (4, 0.75)):
-        metrics = {"reward/mean": reward, "time/step_s": 2.0, "samples": 64.0, "tokens": 512.0,
-                   "off_policy/mean": 0.5, "off_policy/max": 1.0, "off_policy/dropped": float(step == 2)}
+        metrics = {
+            "reward/mean": reward,
+            "time/step_s": 2.0,
+            "samples": 64.0,
+            "tokens": 512.0,
+            "off_policy/mean": 0.5,
+            "off_policy/max": 1.0,
+            "off_policy/dropped": float(step == 2),
+        }
         if step == 4:
             del metrics["off_policy/mean"], metrics["off_policy/max"]
         ledger.record_train_step(job_id, step, step, metrics, job_step=True)
@@ -52,15 +59,30 @@ def test_summary_answers_what_the_job_did(client, tmp_path: Path) -> None:
     ledger.record_eval("j1", 0, 0, 0, 0.125, 16)
     ledger.record_eval("j1", 4, 4, 4, 0.5, 16)
     ledger.record_eval("j1", 4, 4, 4, 0.9, 16, name="other")
-    ledger.record_change("j1", GUARD_ACTOR, {"reason": "loss is nan", "kind": "non_finite", "step": 3,
-                                             "note": "kept the current policy", "discarded_steps": [], "lr": 5e-5})
+    ledger.record_change(
+        "j1",
+        GUARD_ACTOR,
+        {
+            "reason": "loss is nan",
+            "kind": "non_finite",
+            "step": 3,
+            "note": "kept the current policy",
+            "discarded_steps": [],
+            "lr": 5e-5,
+        },
+    )
     resp = c.get("/jobs/j1/summary")
     assert resp.status_code == 200, resp.text
     s = resp.json()
     assert (s["job_id"], s["state"], s["steps"]) == ("j1", "finished", 4)
     assert s["reward_per_step"] == [0.25, 0.5, None, 0.75]  # JSON has no NaN
-    assert s["per_step"][3] == {"step": 4, "reward/mean": 0.75, "off_policy/mean": None, "off_policy/max": None,
-                                "off_policy/dropped": 0.0}
+    assert s["per_step"][3] == {
+        "step": 4,
+        "reward/mean": 0.75,
+        "off_policy/mean": None,
+        "off_policy/max": None,
+        "off_policy/dropped": 0.0,
+    }
     assert s["held_out"] == [[0, 0.125], [4, 0.5]]  # the first evaluation set
     assert set(s["eval_sets"]) == {"held_out", "other"}
     # steady state: steps 2-4, 3 x 64 samples in 3 x 2 s

@@ -48,9 +48,7 @@ def by_msg_id(ledger: Ledger, job_id: str = "job") -> dict[str, dict]:
 
 
 def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 # -- schema and migrations ---------------------------------------------------------------------
@@ -115,8 +113,7 @@ def test_upgrade_at_head_is_a_noop(ledger_url: str) -> None:
 def test_processes_starting_at_once_migrate_once(ledger_url: str) -> None:
     code = f"from broker.ledger import Ledger; Ledger({ledger_url!r}).close()"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
-        for _ in range(4)
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True) for _ in range(4)
     ]
     for p in procs:
         _, err = p.communicate(timeout=120)
@@ -151,8 +148,7 @@ def test_unsupported_backend_is_rejected() -> None:
 def test_import_without_torch_or_vllm() -> None:
     proc = run_python(
         "-c",
-        "import broker.ledger, sys; "
-        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'",
+        "import broker.ledger, sys; assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import'",
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -225,7 +221,12 @@ def test_the_queue_is_priority_then_first_in_first_out(ledger: Ledger) -> None:
     assert claimed == ["b", "d", "c", "e"]
     assert ledger.claim_next() is None
     assert {j["id"]: j["state"] for j in ledger.list_jobs()} == {
-        "a": "cancelled", "b": "running", "c": "running", "d": "running", "e": "running"}
+        "a": "cancelled",
+        "b": "running",
+        "c": "running",
+        "d": "running",
+        "e": "running",
+    }
     # an end state is not left by a conditional move from the live states
     assert ledger.move_job("b", ("queued", "running"), "failed", error="boom")
     assert not ledger.move_job("b", ("queued", "running"), "cancelled")
@@ -304,9 +305,7 @@ def test_scored_only_from_generated(ledger: Ledger) -> None:
 
 
 def test_used_at_most_once(ledger: Ledger) -> None:
-    ledger.record_generated(
-        [sample("a", gen_version=2), sample("b", gen_version=4), sample("c", gen_version=1)]
-    )
+    ledger.record_generated([sample("a", gen_version=2), sample("b", gen_version=4), sample("c", gen_version=1)])
     ledger.record_scored([("a", 1.0), ("b", 0.0)])
     used = [
         # staleness omitted: computed as trainer_version - gen_version_min.
@@ -455,9 +454,7 @@ def test_train_steps_upsert(ledger: Ledger) -> None:
     ledger.record_train_step("job", 2, 2, {"loss": 0.4})
     assert ledger.train_steps("job")[1]["metrics"] == {"loss": 0.4}
     # numpy scalars are stored as numbers; non-finite values as null (JSON has no NaN).
-    ledger.record_train_step(
-        "job", 3, 3, {"loss": np.float32(0.5), "n": np.int64(4), "kl": float("nan")}
-    )
+    ledger.record_train_step("job", 3, 3, {"loss": np.float32(0.5), "n": np.int64(4), "kl": float("nan")})
     assert ledger.train_steps("job")[2]["metrics"] == {"loss": 0.5, "n": 4, "kl": None}
 
 
@@ -503,9 +500,7 @@ def test_two_ledgers_write_concurrently(ledger_url: str) -> None:
                 ids = [f"r{r:03d}-{i:03d}" for i in range(offset, offset + batch)]
                 led.record_generated([sample(m, gen_version=r) for m in ids])
                 led.record_scored([(m, 1.0) for m in ids])
-                led.record_used(
-                    [{"msg_id": m, "status": "trained", "trainer_version": r + 1} for m in ids]
-                )
+                led.record_used([{"msg_id": m, "status": "trained", "trainer_version": r + 1} for m in ids])
                 led.record_train_step("job", r, r, {"loss": float(r)})
                 led.record_generator_load("job", r, f"gen-{offset}")
                 led.status_counts("job")
@@ -538,20 +533,26 @@ def test_upgrade_keeps_an_existing_databases_rows(ledger_url: str) -> None:
     old.upgrade("0001")  # a database created by the first release
     with old.engine.begin() as conn:  # a job, a sample and an evaluation as 0001 stored them
         conn.execute(
-            text("INSERT INTO jobs (id, name, spec, state, step, created_at, updated_at) "
-                 "VALUES ('j1', 'old', '{\"model_path\": \"m\"}', 'submitted', 0, :t, :t)"),
+            text(
+                "INSERT INTO jobs (id, name, spec, state, step, created_at, updated_at) "
+                "VALUES ('j1', 'old', '{\"model_path\": \"m\"}', 'submitted', 0, :t, :t)"
+            ),
             {"t": datetime.now(timezone.utc)},
         )
         conn.execute(
-            text("INSERT INTO samples (msg_id, job_id, group_id, sample_index, kind, prompt_index, generator_id, "
-                 "gen_version_min, gen_version_max, num_prompt_tokens, num_completion_tokens, completion, status, "
-                 "created_at) VALUES ('j1/g0/0', 'j1', 'j1/g0', 0, 'train', 0, 'gen', 0, 0, 3, 2, '42', "
-                 "'generated', :t)"),
+            text(
+                "INSERT INTO samples (msg_id, job_id, group_id, sample_index, kind, prompt_index, generator_id, "
+                "gen_version_min, gen_version_max, num_prompt_tokens, num_completion_tokens, completion, status, "
+                "created_at) VALUES ('j1/g0/0', 'j1', 'j1/g0', 0, 'train', 0, 'gen', 0, 0, 3, 2, '42', "
+                "'generated', :t)"
+            ),
             {"t": datetime.now(timezone.utc)},
         )
         conn.execute(
-            text("INSERT INTO evals (job_id, step, policy_version_min, policy_version_max, reward_mean, n, "
-                 "created_at) VALUES (:j, 5, 4, 5, 0.75, 16, :t)"),
+            text(
+                "INSERT INTO evals (job_id, step, policy_version_min, policy_version_max, reward_mean, n, "
+                "created_at) VALUES (:j, 5, 4, 5, 0.75, 16, :t)"
+            ),
             {"j": "j1", "t": datetime.now(timezone.utc)},
         )
     old.close()

@@ -19,7 +19,9 @@ FROM generate_series(1, %(n)s) AS i
 """
 
 
-def test_a_jobs_first_page_uses_the_job_order_index(postgres_database: Callable[[], AbstractContextManager[str]]) -> None:
+def test_a_jobs_first_page_uses_the_job_order_index(
+    postgres_database: Callable[[], AbstractContextManager[str]],
+) -> None:
     with postgres_database() as url:
         ledger = Ledger(url)
         try:
@@ -31,8 +33,10 @@ def test_a_jobs_first_page_uses_the_job_order_index(postgres_database: Callable[
                 conn.execute(_FILL, {"job": "new", "n": 100})
                 conn.execute("ANALYZE samples")
                 indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'samples'")}
-                plan = "\n".join(r[0] for r in conn.execute(
-                    "EXPLAIN SELECT * FROM samples WHERE job_id = 'new' ORDER BY id LIMIT 50"))
+                plan = "\n".join(
+                    r[0]
+                    for r in conn.execute("EXPLAIN SELECT * FROM samples WHERE job_id = 'new' ORDER BY id LIMIT 50")
+                )
             assert "ix_samples_job_id_id" in indexes
             assert "ix_samples_job_id_id" in plan, plan
             page = ledger.samples("new", limit=50)

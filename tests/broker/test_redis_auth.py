@@ -48,14 +48,31 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("redis-auth")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
     )
     port, tls_port = free_port(), free_port()
     conf = d / "redis.conf"
     conf.write_text(
-        f"port {port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\ndir {d}\n"
+        f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\ndir {d}\n'
         f"tls-port {tls_port}\ntls-cert-file {d / 'cert.pem'}\ntls-key-file {d / 'key.pem'}\n"
         f"tls-ca-cert-file {d / 'cert.pem'}\ntls-auth-clients no\n"
         # `default` is the requirepass user; alice may only use keys under PREFIX.
@@ -81,8 +98,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def prompt(i: int) -> PromptGroup:
-    return PromptGroup(job_id=JOB, msg_id=f"p-{i}", group_id=f"g-{i}", policy_version=0, prompt_index=i,
-                       prompt="What is 2 + 2?", answer="4", n=2, sampling=SamplingParams())
+    return PromptGroup(
+        job_id=JOB,
+        msg_id=f"p-{i}",
+        group_id=f"g-{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt="What is 2 + 2?",
+        answer="4",
+        n=2,
+        sampling=SamplingParams(),
+    )
 
 
 def round_trip(url: str) -> None:
@@ -164,5 +190,8 @@ def test_urls_are_checked_early_and_passwords_redacted() -> None:
     with pytest.raises(ValueError, match=r"invalid REDIS_URL 'http://alice:\*\*\*@h:1/0'") as err:
         resolve_redis_url("http://alice:secret@h:1/0")
     assert "secret" not in str(err.value)
-    assert redact_url("rediss://alice:secret@h:6380/0?ssl_ca_certs=/ca.pem") == "rediss://alice:***@h:6380/0?ssl_ca_certs=/ca.pem"
+    assert (
+        redact_url("rediss://alice:secret@h:6380/0?ssl_ca_certs=/ca.pem")
+        == "rediss://alice:***@h:6380/0?ssl_ca_certs=/ca.pem"
+    )
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"

@@ -41,14 +41,36 @@ def cluster():
 
 
 def _group(job: str, i: int) -> PromptGroup:
-    return PromptGroup(job_id=job, msg_id=f"g{i}", group_id=f"g{i}", policy_version=0, prompt_index=i, prompt="p",
-                       answer="a", n=2, sampling=SamplingParams())
+    return PromptGroup(
+        job_id=job,
+        msg_id=f"g{i}",
+        group_id=f"g{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt="p",
+        answer="a",
+        n=2,
+        sampling=SamplingParams(),
+    )
 
 
 def _rollout(job: str, gid: str, k: int) -> Rollout:
-    return Rollout(job_id=job, msg_id=f"{gid}/{k}", group_id=gid, policy_version=0, policy_version_max=0,
-                   prompt_index=0, sample_index=k, group_size=2, generator_id="gen", prompt_ids=pack_i32([1]),
-                   completion_ids=pack_i32([2]), logprobs=pack_f32([-1.0]), completion="c", answer="a")
+    return Rollout(
+        job_id=job,
+        msg_id=f"{gid}/{k}",
+        group_id=gid,
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=k,
+        group_size=2,
+        generator_id="gen",
+        prompt_ids=pack_i32([1]),
+        completion_ids=pack_i32([2]),
+        logprobs=pack_f32([-1.0]),
+        completion="c",
+        answer="a",
+    )
 
 
 def test_cluster_urls_are_recognised_and_checked():

@@ -18,9 +18,21 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 SPEC = {"name": "tiny", "model_path": "models/tiny", "group_size": 4, "steps": 3, "max_staleness": 1}
 RW, RO = "rw-secret-token", "ro-secret-token"
 FIELDS = {
-    "msg_id", "group_id", "sample_index", "kind", "prompt_index", "generator_id", "gen_version_min",
-    "gen_version_max", "trainer_version", "staleness", "reward", "status", "completion",
-    "num_completion_tokens", "created_at",
+    "msg_id",
+    "group_id",
+    "sample_index",
+    "kind",
+    "prompt_index",
+    "generator_id",
+    "gen_version_min",
+    "gen_version_max",
+    "trainer_version",
+    "staleness",
+    "reward",
+    "status",
+    "completion",
+    "num_completion_tokens",
+    "created_at",
 }
 TRAIN = [f"s{i:02d}" for i in range(12)]
 # Inserted after TRAIN although their msg_ids sort first: pages follow insertion order.
@@ -101,11 +113,30 @@ def test_lists_every_sample_of_the_job_in_insertion_order_with_its_fields(client
     assert (body["total"], body["limit"], body["offset"]) == (14, 100, 0)
     assert all(set(s) == FIELDS for s in body["items"])
     s03 = body["items"][3]
-    assert {k: s03[k] for k in ("kind", "status", "gen_version_min", "gen_version_max", "trainer_version",
-                                "staleness", "reward", "completion", "num_completion_tokens")} == {
-        "kind": "train", "status": "trained", "gen_version_min": 0, "gen_version_max": 0,
-        "trainer_version": 2, "staleness": 2, "reward": 0.3, "completion": "completion of s03",
-        "num_completion_tokens": 9}
+    assert {
+        k: s03[k]
+        for k in (
+            "kind",
+            "status",
+            "gen_version_min",
+            "gen_version_max",
+            "trainer_version",
+            "staleness",
+            "reward",
+            "completion",
+            "num_completion_tokens",
+        )
+    } == {
+        "kind": "train",
+        "status": "trained",
+        "gen_version_min": 0,
+        "gen_version_max": 0,
+        "trainer_version": 2,
+        "staleness": 2,
+        "reward": 0.3,
+        "completion": "completion of s03",
+        "num_completion_tokens": 9,
+    }
 
 
 @pytest.mark.parametrize(

@@ -110,15 +110,15 @@ def _openapi() -> dict:
     Redis client connects lazily). The schema must exist at collection time;
     `schemathesis.pytest.from_fixture` would load it from the live app instead, but schemathesis
     4.32 sets `Node._nodeid`, which pytest 9 no longer has."""
-    return create_app(
-        BrokerSettings(redis_url=REDIS_URL), ledger=Ledger("sqlite://", migrate=False)
-    ).openapi()
+    return create_app(BrokerSettings(redis_url=REDIS_URL), ledger=Ledger("sqlite://", migrate=False)).openapi()
 
 
 schema = schemathesis.openapi.from_dict(_openapi())
 
 
-def documented_body(ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
+def documented_body(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> bool | None:
     """`response_schema_conformance`, except for FastAPI's own 400 on a body it cannot decode (not
     UTF-8): that answer is `{"detail": ...}`, not the API's `{"error": ...}`."""
     if response.status_code == 400 and "detail" in (response.json() or {}):
@@ -139,4 +139,6 @@ def test_no_server_errors(case: schemathesis.Case, real_job: bool, live_api: Liv
     if real_job and case.path_parameters and "job_id" in case.path_parameters:
         case.path_parameters["job_id"] = live_api.new_job()
     CASES["n"] += 1
-    case.call_and_validate(base_url=live_api.base_url, checks=[not_a_server_error, status_code_conformance, documented_body])
+    case.call_and_validate(
+        base_url=live_api.base_url, checks=[not_a_server_error, status_code_conformance, documented_body]
+    )

@@ -31,8 +31,17 @@ C = Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup)
 
 
 def prompt(i: int) -> PromptGroup:
-    return PromptGroup(job_id=JOB, msg_id=f"{JOB}/g{i}", group_id=f"{JOB}/g{i}", policy_version=0, prompt_index=i,
-                       prompt="1+1=", answer="2", n=1, sampling=SamplingParams())
+    return PromptGroup(
+        job_id=JOB,
+        msg_id=f"{JOB}/g{i}",
+        group_id=f"{JOB}/g{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt="1+1=",
+        answer="2",
+        n=1,
+        sampling=SamplingParams(),
+    )
 
 
 def control(js: JobStreams, command: str) -> None:

@@ -57,10 +57,21 @@ def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny
     ledger.record_eval(job_id, 4, 3, 4, 0.45, 32)
     ledger.record_eval(job_id, 4, 4, 4, 0.5, 32, source="checkpoint")  # the admin worker's
     ledger.record_generator_load(job_id, 5, "gen-0")
-    ledger.record_change(job_id, "trainer collapse guard", {  # as trainer_svc/train.py records one
-        "reason": "importance-weight ESS 0.03 < 0.05 (reinforce)", "kind": "is_blowup", "step": 4,
-        "action": "keep", "note": "no checkpoint to go back to: kept the current policy", "rolled_back_to_step": None,
-        "discarded_steps": [], "lr": 5e-5, "max_staleness": 0})
+    ledger.record_change(
+        job_id,
+        "trainer collapse guard",
+        {  # as trainer_svc/train.py records one
+            "reason": "importance-weight ESS 0.03 < 0.05 (reinforce)",
+            "kind": "is_blowup",
+            "step": 4,
+            "action": "keep",
+            "note": "no checkpoint to go back to: kept the current policy",
+            "rolled_back_to_step": None,
+            "discarded_steps": [],
+            "lr": 5e-5,
+            "max_staleness": 0,
+        },
+    )
     return job_id
 
 
@@ -74,9 +85,7 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., tuple[FastAPI, Ledger, Jo
     def make(**settings: Any) -> tuple[FastAPI, Ledger, JobStreams]:
         ledger = Ledger(f"sqlite:///{tmp_path}/ledger-{len(ledgers)}.db")
         ledgers.append(ledger)
-        app = create_app(
-            BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, **settings), ledger=ledger
-        )
+        app = create_app(BrokerSettings(redis_url=REDIS_URL, stream_prefix=prefix, **settings), ledger=ledger)
         return app, ledger, JobStreams(r, "job-abc123", prefix=prefix)
 
     try:
@@ -110,10 +119,7 @@ def test_page_is_html_with_its_script(make_app, path: str) -> None:
 def test_page_has_no_external_assets(make_app) -> None:
     app, _, _ = make_app()
     with TestClient(app) as client:
-        bodies = [
-            client.get(p).text
-            for p in ("/status", "/status/static/status.js", "/status/static/status.css")
-        ]
+        bodies = [client.get(p).text for p in ("/status", "/status/static/status.js", "/status/static/status.css")]
     for body in bodies:
         assert not re.search(r"https?://", body)
 
@@ -154,10 +160,15 @@ def test_data_endpoint_returns_the_series(make_app) -> None:
         (4, 0.5, 32, "checkpoint"),
     ]
     assert body["evals"][1]["policy_version_min"] == 3
-    assert body["guard_trips"] == [{
-        "step": 4, "kind": "is_blowup", "action": "keep",
-        "text": "step 4: importance-weight ESS 0.03 < 0.05 (reinforce) -> no checkpoint to go back to: kept the "
-                "current policy; lr now 5e-05"}]
+    assert body["guard_trips"] == [
+        {
+            "step": 4,
+            "kind": "is_blowup",
+            "action": "keep",
+            "text": "step 4: importance-weight ESS 0.03 < 0.05 (reinforce) -> no checkpoint to go back to: kept the "
+            "current policy; lr now 5e-05",
+        }
+    ]
 
 
 def test_data_endpoint_unknown_job_is_404(make_app) -> None:
@@ -208,11 +219,17 @@ def test_the_page_feeds_show_the_queue_and_the_fleet(make_app) -> None:
         beacon.close()
     assert [(j["id"], j["state"], j["step"]) for j in queue["running"]] == [(job_id, "running", 5)]
     assert [(q["position"], q["id"], q["priority"], q["waiting_for"]) for q in queue["queued"]] == [
-        (1, "job-next01", 5, f"job {job_id} to end"), (2, "job-last02", 0, "1 job(s) ahead of it")]
+        (1, "job-next01", 5, f"job {job_id} to end"),
+        (2, "job-last02", 0, "1 job(s) ahead of it"),
+    ]
     assert queue["trainers"] == 1
     (trainer,) = fleet["services"]
-    assert (trainer["role"], trainer["id"], trainer["state"], trainer["job"]) == ("trainer", "box-trainer", "serving",
-                                                                                  job_id)
+    assert (trainer["role"], trainer["id"], trainer["state"], trainer["job"]) == (
+        "trainer",
+        "box-trainer",
+        "serving",
+        job_id,
+    )
 
 
 # -- the real page in a real browser ------------------------------------------------------------
@@ -281,12 +298,12 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert re.search(r"<dt>trained</dt>|<dt>reward/mean</dt>", dom)
     assert "collapse guard tripped 1 time</strong>" in dom and "kept the current policy; lr now 5e-05</li>" in dom
     # the queue: the running job, then each queued one with its place and what it waits for
-    queue = dom[dom.index('<table id="queue">'):dom.index('id="no-queue"')]
+    queue = dom[dom.index('<table id="queue">') : dom.index('id="no-queue"')]
     assert queue.index(job_id) < queue.index("job-next01") < queue.index("job-last02")
     assert "<td>#1</td>" in queue and f"waiting for job {job_id} to end" in queue
     assert "step 5</div>" in queue  # the running job's spec names no steps: no N/0
     assert "waiting for 1 job(s) ahead of it" in queue and "priority 5" in queue
-    fleet = dom[dom.index('<table id="fleet">'):dom.index('id="no-fleet"')]
+    fleet = dom[dom.index('<table id="fleet">') : dom.index('id="no-fleet"')]
     assert "box-trainer" in fleet and "serving" in fleet and job_id in fleet
 
     shot = tmp_path / "shot.png"

@@ -60,9 +60,7 @@ def prompt(i: int, *, job_id: str = JOB, prompt: str = "What is 2 + 2?") -> Prom
 
 
 def policy(v: int, *, job_id: str = JOB) -> PolicyAnnouncement:
-    manifest = Manifest(
-        version=v, tensors=[], total_bytes=0, chunk_bytes=1024, chunk_checksums=[], checksum="0"
-    )
+    manifest = Manifest(version=v, tensors=[], total_bytes=0, chunk_bytes=1024, chunk_checksums=[], checksum="0")
     return PolicyAnnouncement(
         job_id=job_id,
         msg_id=f"v-{v}",
@@ -249,8 +247,7 @@ def test_idle_entries_are_reclaimed_by_another_consumer(make: MakeStreams) -> No
     assert [d.deliveries for d in got] == [2, 2, 2, 1]
     assert [d.message for d in got] == [prompt(i) for i in range(4)]
     owners = {
-        p["message_id"].decode(): p["consumer"].decode()
-        for p in b.r.xpending_range(b.key(PROMPTS), G, "-", "+", 10)
+        p["message_id"].decode(): p["consumer"].decode() for p in b.r.xpending_range(b.key(PROMPTS), G, "-", "+", 10)
     }
     assert owners == dict.fromkeys([*ids, new], "B")
     b.ack(PROMPTS, G, [d.entry_id for d in got])
@@ -284,7 +281,9 @@ def test_touch_leaves_entries_acked_or_taken_over_alone(make: MakeStreams) -> No
     assert a.touch(reader("A"), [ids[1]]) == [True]
     assert [d.entry_id for d in consume(b, "B")] == [ids[2]]  # idle: taken over; ids[1] was just touched
     assert a.touch(reader("A"), ids) == [False, True, False]  # acked / held / taken over: not taken back
-    owners = {p["message_id"].decode(): p["consumer"].decode() for p in a.r.xpending_range(a.key(PROMPTS), G, "-", "+", 10)}
+    owners = {
+        p["message_id"].decode(): p["consumer"].decode() for p in a.r.xpending_range(a.key(PROMPTS), G, "-", "+", 10)
+    }
     assert owners == {ids[1]: "A", ids[2]: "B"}
     assert a.touch(reader("A"), []) == []
 
@@ -500,8 +499,9 @@ def test_oversized_entries_are_dead_lettered_without_being_read(embedded_redis: 
         assert r.info("stats")["total_net_output_bytes"] - sent < 500_000  # 3 x 64 KiB prefixes, not 15 MB
         dead = js.dead_letters()
         assert [d.entry_id for d in dead] == big and {d.code for d in dead} == {"oversized"}
-        assert all("5000001 bytes exceeds the limit of 4096" in d.reason and "without reading" in d.reason
-                   for d in dead)
+        assert all(
+            "5000001 bytes exceeds the limit of 4096" in d.reason and "without reading" in d.reason for d in dead
+        )
         assert [d.raw for d in dead] == [bytes([i]) * DEAD_RAW_BYTES for i in range(3)]
         assert js.pending_count(PROMPTS, G) == 1
     finally:
@@ -553,10 +553,22 @@ def test_reclaim_goes_on_from_its_cursor(make: MakeStreams) -> None:
 def test_dead_letter_of_a_large_message_still_names_its_sample(js: JobStreams) -> None:
     from shared.schema import Rollout, pack_f32, pack_i32
 
-    r = Rollout(job_id=JOB, msg_id="g/3", group_id="g", policy_version=0, policy_version_max=0, prompt_index=0,
-                sample_index=3, group_size=4, generator_id="gen", prompt_ids=pack_i32([1]),
-                completion_ids=pack_i32(range(40_000)), logprobs=pack_f32([-1.0] * 40_000), completion="x" * 100_000,
-                answer="a")
+    r = Rollout(
+        job_id=JOB,
+        msg_id="g/3",
+        group_id="g",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=3,
+        group_size=4,
+        generator_id="gen",
+        prompt_ids=pack_i32([1]),
+        completion_ids=pack_i32(range(40_000)),
+        logprobs=pack_f32([-1.0] * 40_000),
+        completion="x" * 100_000,
+        answer="a",
+    )
     js.dead_letter("rollouts", None, "1-0", "too bad", code="x", message=r)
     (dead,) = js.dead_letters()
     assert len(dead.raw) <= DEAD_RAW_BYTES
@@ -604,6 +616,7 @@ def test_producers_wake_waiting_readers(js: JobStreams, client: redis.Redis) -> 
     sub = client.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(js._wake_channel(PROMPTS), js._wake_channel(CONTROL))  # noqa: SLF001
     try:
+
         def woken() -> list[str]:
             got = []
             while (m := sub.get_message(timeout=0.3)) is not None:

@@ -61,8 +61,10 @@ def build(ledger: Ledger, state: str = "finished") -> None:
     for v in range(3):
         ledger.record_policy_version(JOB, v, f"c{v}", 100)
         ledger.record_generator_load(JOB, v, "gen-0")
-    steps = {1: [row(gid(0), i, 0) for i in range(2)] + [row(gid(1), i, 0) for i in range(2)],
-             2: [row(gid(2), i, 1) for i in range(2)] + [row(gid(3), i, 0) for i in range(2)]}
+    steps = {
+        1: [row(gid(0), i, 0) for i in range(2)] + [row(gid(1), i, 0) for i in range(2)],
+        2: [row(gid(2), i, 1) for i in range(2)] + [row(gid(3), i, 0) for i in range(2)],
+    }
     dropped = [row(gid(9), i, 0) for i in range(2)]
     evals = [row(f"{JOB}/run1/e0/{p}", 0, 0, kind="eval") for p in range(2)]
     in_flight = [row(gid(4), i, 2) for i in range(2)]
@@ -74,8 +76,10 @@ def build(ledger: Ledger, state: str = "finished") -> None:
         train(ledger, rows, step - 1)
         ledger.record_train_step(JOB, step, step, {"samples": float(len(rows)), "loss": 0.1})
     ledger.record_used(
-        [{"msg_id": r["msg_id"], "status": "dropped", "trainer_version": 2, "drop_reason": "staleness > 1"}
-         for r in dropped]
+        [
+            {"msg_id": r["msg_id"], "status": "dropped", "trainer_version": 2, "drop_reason": "staleness > 1"}
+            for r in dropped
+        ]
     )
     ledger.set_job_step(JOB, 2)
 
@@ -101,8 +105,19 @@ def test_samples_redis_lost_are_reported_not_violations(ledger: Ledger) -> None:
     trainer_svc/sink.py does), and g5 never generated (its rows written lost by the trainer): an
     accounted loss, counted, with every invariant holding."""
     build(ledger)
-    never = [dict(row(gid(5), i, 2), generator_id="", num_completion_tokens=0, completion="", status="lost",
-                  drop_reason="lost by Redis", trainer_version=2, staleness=0) for i in range(2)]
+    never = [
+        dict(
+            row(gid(5), i, 2),
+            generator_id="",
+            num_completion_tokens=0,
+            completion="",
+            status="lost",
+            drop_reason="lost by Redis",
+            trainer_version=2,
+            staleness=0,
+        )
+        for i in range(2)
+    ]
     ledger.record_generated(never)
     train(ledger, [row(gid(4), i, 2) for i in range(2)], 2, "lost")
     res = verify(ledger, JOB)
@@ -117,7 +132,10 @@ def _wrong_staleness(ledger: Ledger) -> None:
 
 
 def _gen_versions_reversed(ledger: Ledger) -> None:
-    sql(ledger, update(samples_t).where(samples_t.c.msg_id == f"{gid(2)}/1").values(gen_version_min=1, gen_version_max=0))
+    sql(
+        ledger,
+        update(samples_t).where(samples_t.c.msg_id == f"{gid(2)}/1").values(gen_version_min=1, gen_version_max=0),
+    )
 
 
 def _used_without_version(ledger: Ledger) -> None:

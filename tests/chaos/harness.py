@@ -61,10 +61,25 @@ class RedisAOF:
 
     def start(self, timeout_s: float = 20.0) -> None:
         self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--appendonly", "yes",
-             "--appendfsync", "everysec", "--save", "", "--dir", str(self.dir),
-             "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--dir",
+                str(self.dir),
+                "--logfile",
+                str(self.dir / "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -207,8 +222,14 @@ class Stack:
     def kill(self, name: str, phase: str, sig: int = signal.SIGKILL) -> Fault:
         p = self.procs[name]
         self.killed.add(p.popen.pid)
-        f = Fault("sigkill" if sig == signal.SIGKILL else "sigterm", self.modules[name][0], name, time.time(),
-                  phase, self.step())
+        f = Fault(
+            "sigkill" if sig == signal.SIGKILL else "sigterm",
+            self.modules[name][0],
+            name,
+            time.time(),
+            phase,
+            self.step(),
+        )
         if sig == signal.SIGKILL:
             os.killpg(p.popen.pid, signal.SIGKILL)
         else:
@@ -226,8 +247,11 @@ class Stack:
 
     def unexpected_exits(self) -> list[str]:
         """Processes that died on their own (every deliberate kill has already been waited for)."""
-        return [f"{n}: exit {p.popen.returncode}\n{self.sup.tail(p.name, 40)}"
-                for n, p in self.procs.items() if p.popen.poll() not in (None, 0) and p.popen.pid not in self.killed]
+        return [
+            f"{n}: exit {p.popen.returncode}\n{self.sup.tail(p.name, 40)}"
+            for n, p in self.procs.items()
+            if p.popen.poll() not in (None, 0) and p.popen.pid not in self.killed
+        ]
 
 
 def _killpg_quiet(pgid: int) -> None:
@@ -279,8 +303,9 @@ def rate(steps: list[tuple[int, float]], t0: float, t1: float) -> float:
 
 def stepping_share(ledger: Ledger, job_id: str, t0: float, t1: float) -> float:
     """Share of [t0, t1] the trainer spent in optimizer steps (time/train_s of steps ending inside)."""
-    busy = sum(s["metrics"].get("time/train_s", 0.0) for s in ledger.train_steps(job_id)
-               if t0 <= ts(s["created_at"]) <= t1)
+    busy = sum(
+        s["metrics"].get("time/train_s", 0.0) for s in ledger.train_steps(job_id) if t0 <= ts(s["created_at"]) <= t1
+    )
     return busy / (t1 - t0)
 
 
@@ -300,8 +325,15 @@ class Accounting:
     redis_lost: int = 0
 
 
-def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, checkpoint_dir: Path,
-            in_flight_bound: int, group_size: int) -> Accounting:
+def account(
+    witness: Witness,
+    ledger: Ledger,
+    streams: JobStreams,
+    job_id: str,
+    checkpoint_dir: Path,
+    in_flight_bound: int,
+    group_size: int,
+) -> Accounting:
     """What became of every prompt group fed: those the witness saw, plus any it missed that the
     ledger knows (call `witness.missed_groups()` afterwards: it must be 0 for the count to be
     complete).
@@ -329,7 +361,9 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
     for dl in streams.dead_letters(count=1_000_000):
         dead.update(m.group_id for m in dead_members(dl))
     journal = json.loads((checkpoint_dir / job_id / "feed-journal.json").read_text())
-    in_flight = set(journal["in_flight"]) | {g for g in witness.fed if any(g.startswith(r + "/") for r in journal["open_evals"])}
+    in_flight = set(journal["in_flight"]) | {
+        g for g in witness.fed if any(g.startswith(r + "/") for r in journal["open_evals"])
+    }
     terminal, flying, redis_lost, lost = 0, 0, 0, []
     for gid, (n, _purpose, _t) in witness.fed.items():
         mine = rows.get(gid, [])
@@ -350,8 +384,18 @@ def account(witness: Witness, ledger: Ledger, streams: JobStreams, job_id: str, 
         pairs[key] = pairs.get(key, 0) + 1
     twice_ledger = sum(1 for c in pairs.values() if c > 1)
     twice_metric = int(sum(s["metrics"].get("ledger/trained_twice", 0) or 0 for s in ledger.train_steps(job_id)))
-    return Accounting(len(witness.fed), terminal, flying, in_flight_bound, sorted(lost), len(dead & set(witness.fed)),
-                      twice_ledger, twice_metric, ledger.status_counts(job_id), redis_lost)
+    return Accounting(
+        len(witness.fed),
+        terminal,
+        flying,
+        in_flight_bound,
+        sorted(lost),
+        len(dead & set(witness.fed)),
+        twice_ledger,
+        twice_metric,
+        ledger.status_counts(job_id),
+        redis_lost,
+    )
 
 
 def new_prefix(tag: str) -> str:

@@ -82,7 +82,9 @@ def _last_activity(ledger: Ledger, job_id: str, role: str, name: str) -> float |
         last = ledger.last_train_step(job_id)
         return None if last is None else ts(last["created_at"])
     c = Sample.__table__.c
-    col, where = (c.created_at, c.generator_id == name) if role == "generator" else (c.scored_at, c.scored_at.is_not(None))
+    col, where = (
+        (c.created_at, c.generator_id == name) if role == "generator" else (c.scored_at, c.scored_at.is_not(None))
+    )
     with ledger.engine.connect() as conn:
         v = conn.execute(select(func.max(col)).where(c.job_id == job_id, where)).scalar()
     if v is None:
@@ -94,8 +96,16 @@ def _inject(streams: JobStreams, job_id: str, rng: random.Random) -> int:
     """Corrupted and oversized entries on each consumer-group stream; returns how many."""
     n = 0
     for stream in (PROMPTS, ROLLOUTS, SCORED):
-        good_body = msgpack.packb({"schema_version": 1, "kind": "control", "job_id": job_id, "msg_id": "x",
-                                   "policy_version": 0, "command": "pause"})
+        good_body = msgpack.packb(
+            {
+                "schema_version": 1,
+                "kind": "control",
+                "job_id": job_id,
+                "msg_id": "x",
+                "policy_version": 0,
+                "command": "pause",
+            }
+        )
         entries = [
             {b"d": bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 64)))},  # random bytes
             {b"d": good_body[: len(good_body) // 2]},  # truncated msgpack
@@ -122,17 +132,36 @@ def _poison_rollouts(job_id: str, rng: random.Random) -> list[bytes]:
     from shared.schema import Rollout, encode
 
     tag = rng.getrandbits(32)
-    good = Rollout(job_id=job_id, msg_id=f"poison-{tag}", group_id=f"{job_id}/poison/{tag}", policy_version=0,
-                   policy_version_max=0, prompt_index=0, sample_index=0, group_size=1, generator_id="poison",
-                   prompt_ids=np.array([1, 2], "<i4").tobytes(), completion_ids=np.array([3], "<i4").tobytes(),
-                   logprobs=np.array([-0.5], "<f4").tobytes(), completion="1", answer="1")
+    good = Rollout(
+        job_id=job_id,
+        msg_id=f"poison-{tag}",
+        group_id=f"{job_id}/poison/{tag}",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=0,
+        group_size=1,
+        generator_id="poison",
+        prompt_ids=np.array([1, 2], "<i4").tobytes(),
+        completion_ids=np.array([3], "<i4").tobytes(),
+        logprobs=np.array([-0.5], "<f4").tobytes(),
+        completion="1",
+        answer="1",
+    )
     base = msgpack.unpackb(encode(good), raw=False)
-    changes = [{"policy_version": 2**63 - 1, "policy_version_max": 2**63 - 1}, {"prompt_index": 2**31},
-               {"completion": "4\x002"}, {"logprobs": np.array([np.nan], "<f4").tobytes()},
-               {"temperature": float("inf")}, {"completion_ids": np.array([-7], "<i4").tobytes()},
-               {"policy_version": 3, "policy_version_max": 1}, {"sample_index": True}]
-    return [msgpack.packb({**base, **c, "msg_id": f"poison-{tag}-{i}"}, use_bin_type=True)
-            for i, c in enumerate(changes)]
+    changes = [
+        {"policy_version": 2**63 - 1, "policy_version_max": 2**63 - 1},
+        {"prompt_index": 2**31},
+        {"completion": "4\x002"},
+        {"logprobs": np.array([np.nan], "<f4").tobytes()},
+        {"temperature": float("inf")},
+        {"completion_ids": np.array([-7], "<i4").tobytes()},
+        {"policy_version": 3, "policy_version_max": 1},
+        {"sample_index": True},
+    ]
+    return [
+        msgpack.packb({**base, **c, "msg_id": f"poison-{tag}-{i}"}, use_bin_type=True) for i, c in enumerate(changes)
+    ]
 
 
 def test_chaos(tmp_path, tiny_model, capsys):
@@ -142,25 +171,51 @@ def test_chaos(tmp_path, tiny_model, capsys):
     ledger = Ledger(db_url)
     prefix = new_prefix("chaos")
     ckpt_dir = tmp_path / "checkpoints"
-    spec = JobSpec.model_validate({
-        "name": "chaos", "model_path": str(tiny_model), "mode": "async", "max_staleness": K, "steps": 1_000_000,
-        "group_size": N, "prompts_per_step": P, "eval_every": 0, "checkpoint_every": 10,
-        "task": {"n_train": 64, "n_test": 8}, "sampling": {"max_tokens": 8}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "chaos",
+            "model_path": str(tiny_model),
+            "mode": "async",
+            "max_staleness": K,
+            "steps": 1_000_000,
+            "group_size": N,
+            "prompts_per_step": P,
+            "eval_every": 0,
+            "checkpoint_every": 10,
+            "task": {"n_train": 64, "n_test": 8},
+            "sampling": {"max_tokens": 8},
+        }
+    )
     job_id = f"chaos-{os.urandom(4).hex()}"
     ledger.create_job(job_id, "chaos", spec.model_dump(mode="json"))
-    env = {"REDIS_URL": rds.url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "PYTHONUNBUFFERED": "1",
-           "TRAINER_THREADS": "1", "TRAINER_CHECKPOINT_DIR": str(ckpt_dir), "MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-           "GEN_BATCH_GROUPS": "2",
-           # reclaim a dead consumer's entries within seconds; never dead-letter for a kill storm's redeliveries
-           "GEN_CLAIM_IDLE_MS": "4000", "REWARD_CLAIM_IDLE_MS": "3000",
-           "GEN_MAX_DELIVERIES": "100", "REWARD_MAX_DELIVERIES": "100", "TRAINER_MAX_DELIVERIES": "100"}
+    env = {
+        "REDIS_URL": rds.url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_THREADS": "1",
+        "TRAINER_CHECKPOINT_DIR": str(ckpt_dir),
+        "MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+        "GEN_BATCH_GROUPS": "2",
+        # reclaim a dead consumer's entries within seconds; never dead-letter for a kill storm's redeliveries
+        "GEN_CLAIM_IDLE_MS": "4000",
+        "REWARD_CLAIM_IDLE_MS": "3000",
+        "GEN_MAX_DELIVERIES": "100",
+        "REWARD_MAX_DELIVERIES": "100",
+        "TRAINER_MAX_DELIVERIES": "100",
+    }
     sup = Supervisor(tmp_path / "logs", env)
-    stack = Stack(sup, job_id, ledger, {
-        "gen-0": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-0"}),
-        "gen-1": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-1"}),
-        "reward-0": ("reward", "reward_svc", {"REWARD_CONSUMER_ID": "reward-0"}),
-        "trainer-0": ("trainer", "trainer_svc", {"TRAINER_CONSUMER_ID": "trainer-0"}),
-    })
+    stack = Stack(
+        sup,
+        job_id,
+        ledger,
+        {
+            "gen-0": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-0"}),
+            "gen-1": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-1"}),
+            "reward-0": ("reward", "reward_svc", {"REWARD_CONSUMER_ID": "reward-0"}),
+            "trainer-0": ("trainer", "trainer_svc", {"TRAINER_CONSUMER_ID": "trainer-0"}),
+        },
+    )
     streams = JobStreams(connect(rds.url), job_id, prefix=prefix)
     witness = Witness(rds.url, job_id, prefix)
     injected = 0
@@ -227,7 +282,8 @@ def test_chaos(tmp_path, tiny_model, capsys):
         while time.time() - t0 < STORM_MAX_S:
             now = time.time()
             if all(kills(r) >= KILLS_PER_ROLE for r in ("generator", "reward", "trainer")) and all(
-                    s == "up" for s in state.values()):
+                s == "up" for s in state.values()
+            ):
                 break
             for name, (role, _m, _e) in stack.modules.items():
                 if state[name] == "down" and now >= restart_at[name]:
@@ -254,7 +310,9 @@ def test_chaos(tmp_path, tiny_model, capsys):
                 try:
                     n = _inject(streams, job_id, rng)
                     injected += n
-                    stack.faults.append(Fault("inject", "streams", "streams", now, "storm", stack.step(), detail=str(n)))
+                    stack.faults.append(
+                        Fault("inject", "streams", "streams", now, "storm", stack.step(), detail=str(n))
+                    )
                 except redis.RedisError:
                     pass
                 next_inject = now + INJECT_EVERY_S
@@ -293,8 +351,10 @@ def test_chaos(tmp_path, tiny_model, capsys):
         phases["drain"] = (t0, time.time())
 
         # the user's stop ends the job: final checkpoint and evaluation, then every service exits
-        streams.publish(CONTROL, Control(job_id=job_id, msg_id="chaos-stop", policy_version=0, command="stop",
-                                         reason="chaos suite done"))
+        streams.publish(
+            CONTROL,
+            Control(job_id=job_id, msg_id="chaos-stop", policy_version=0, command="stop", reason="chaos suite done"),
+        )
         wait_until(lambda: ledger.get_job(job_id)["state"] in ("stopped", "finished", "failed"), 180, "the stop")
         assert ledger.get_job(job_id)["state"] == "stopped", ledger.get_job(job_id)
         live = [p for n, p in stack.procs.items() if n != "gen-1"]
@@ -318,8 +378,10 @@ def test_chaos(tmp_path, tiny_model, capsys):
     missed_groups = witness.missed_groups()
     steps = sorted((s["step"], ts(s["created_at"])) for s in ledger.train_steps(job_id))
     base = rate(steps, *phases["baseline"])
-    figures = {name: (rate(steps, *span), stepping_share(ledger, job_id, *span), span[1] - span[0])
-               for name, span in phases.items()}
+    figures = {
+        name: (rate(steps, *span), stepping_share(ledger, job_id, *span), span[1] - span[0])
+        for name, span in phases.items()
+    }
     duty_share = duty_outage / (phases["duty"][1] - phases["duty"][0])
     dead = streams.dead_letters(count=1_000_000)
     rds.close()
@@ -339,16 +401,27 @@ def test_chaos(tmp_path, tiny_model, capsys):
         times = [f.at for f in stack.faults if f.kind == kind and f.role == role]
         return sum(1 for g in acc.lost if any(witness.fed[g][2] <= t for t in times)) * N
 
-    rows = [("SIGKILL generator (2 replicas)", "sigkill", "generator"), ("SIGKILL reward", "sigkill", "reward"),
-            ("SIGKILL trainer", "sigkill", "trainer"), ("Redis SHUTDOWN + restart (AOF everysec)", "redis_restart", "redis"),
-            ("Redis SIGKILL, down " + " / ".join(f"{x:.0f}" for x in OUTAGES_S) + " s, restart from AOF (no service restart)",
-             "redis_outage", "redis"),
-            ("SIGTERM drain (trainer, reward, generator)", "sigterm", None)]
+    rows = [
+        ("SIGKILL generator (2 replicas)", "sigkill", "generator"),
+        ("SIGKILL reward", "sigkill", "reward"),
+        ("SIGKILL trainer", "sigkill", "trainer"),
+        ("Redis SHUTDOWN + restart (AOF everysec)", "redis_restart", "redis"),
+        (
+            "Redis SIGKILL, down "
+            + " / ".join(f"{x:.0f}" for x in OUTAGES_S)
+            + " s, restart from AOF (no service restart)",
+            "redis_outage",
+            "redis",
+        ),
+        ("SIGTERM drain (trainer, reward, generator)", "sigterm", None),
+    ]
     lines = [
-        f"# Chaos suite (tests/chaos, seed {SEED})", "",
+        f"# Chaos suite (tests/chaos, seed {SEED})",
+        "",
         f"Job: async, k={K}, {P} prompts x {N} samples per step, checkpoint every 10 steps, tiny model; "
         f"2 vLLM CPU generators, reward, trainer as processes; private redis-server (AOF everysec); SQLite ledger. "
-        f"Wall time {t_end - t_start:.0f} s, {steps[-1][0] if steps else 0} steps.", "",
+        f"Wall time {t_end - t_start:.0f} s, {steps[-1][0] if steps else 0} steps.",
+        "",
         "| fault | count | recovery median s | recovery max s | samples lost | samples trained twice |",
         "|---|---|---|---|---|---|",
     ]
@@ -364,51 +437,73 @@ def test_chaos(tmp_path, tiny_model, capsys):
             cell, lost = rec(kind, role), lost_in(kind, role)
         lines.append(f"| {label} | {cell} | {lost} | {acc.trained_twice_ledger} |")
     lines.append(f"| corrupted / oversized entries on prompts, rollouts, scored | {injected} | – | – | 0 | 0 |")
-    lines += ["",
-              f"Totals: {acc.fed} prompt groups fed ({acc.fed * N} samples at most), {acc.terminal} terminal, "
-              f"{acc.in_flight_end} in flight at the stop (bound {acc.in_flight_bound}), **{len(acc.lost)} lost**, "
-              f"{acc.redis_lost} settled lost by the trainer (Redis lost them), "
-              f"{acc.dead_groups} dead-lettered groups; samples by status {acc.statuses}; trained twice: ledger "
-              f"{acc.trained_twice_ledger}, `ledger/trained_twice` metric {acc.trained_twice_metric}; "
-              f"dead letters by code {dict(sorted(dead_by_code.items()))}; the prompt-stream witness read "
-              f"{seen_by_witness} groups ({missed} entries trimmed before it read them were known from the ledger), "
-              f"holes in the feed counters: {missed_groups}; "
-              f"verify: {'ok' if res.ok else [v.message for v in res.violations]}.", "",
-              "| phase | wall s | steps/s | effective (steps/s ÷ baseline) | trainer stepping share |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"Totals: {acc.fed} prompt groups fed ({acc.fed * N} samples at most), {acc.terminal} terminal, "
+        f"{acc.in_flight_end} in flight at the stop (bound {acc.in_flight_bound}), **{len(acc.lost)} lost**, "
+        f"{acc.redis_lost} settled lost by the trainer (Redis lost them), "
+        f"{acc.dead_groups} dead-lettered groups; samples by status {acc.statuses}; trained twice: ledger "
+        f"{acc.trained_twice_ledger}, `ledger/trained_twice` metric {acc.trained_twice_metric}; "
+        f"dead letters by code {dict(sorted(dead_by_code.items()))}; the prompt-stream witness read "
+        f"{seen_by_witness} groups ({missed} entries trimmed before it read them were known from the ledger), "
+        f"holes in the feed counters: {missed_groups}; "
+        f"verify: {'ok' if res.ok else [v.message for v in res.violations]}.",
+        "",
+        "| phase | wall s | steps/s | effective (steps/s ÷ baseline) | trainer stepping share |",
+        "|---|---|---|---|---|",
+    ]
     for name, (r, share, wall) in figures.items():
         eff = f"{r / base:.0%}" if base else "–"
         lines.append(f"| {name} | {wall:.0f} | {r:.3f} | {eff} | {share:.0%} |")
-    lines += ["", f"Duty phase: outages (kill -> role doing useful work again) covered {duty_share:.0%} of its wall time."]
+    lines += [
+        "",
+        f"Duty phase: outages (kill -> role doing useful work again) covered {duty_share:.0%} of its wall time.",
+    ]
     table = "\n".join(lines) + "\n"
     (tmp_path / "chaos.md").write_text(table)
     import json
     import platform
 
     def recoveries(kind: str, role: str) -> list[float]:
-        return [round(f.recovery_s, 2) for f in stack.faults if f.kind == kind and f.role == role and f.recovery_s is not None]
+        return [
+            round(f.recovery_s, 2)
+            for f in stack.faults
+            if f.kind == kind and f.role == role and f.recovery_s is not None
+        ]
 
     duty_rate = figures["duty"][0]
     summary = {
-        "lost": len(acc.lost) * N, "lost_groups": len(acc.lost), "redis_lost_groups": acc.redis_lost,
-        "trained_twice": acc.trained_twice_ledger, "trained_twice_metric": acc.trained_twice_metric,
-        "effective_training_time": duty_rate / base if base else None, "duty_outage_share": duty_share,
-        "kills_per_role": {r: sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == r)
-                           for r in ("generator", "reward", "trainer")},
+        "lost": len(acc.lost) * N,
+        "lost_groups": len(acc.lost),
+        "redis_lost_groups": acc.redis_lost,
+        "trained_twice": acc.trained_twice_ledger,
+        "trained_twice_metric": acc.trained_twice_metric,
+        "effective_training_time": duty_rate / base if base else None,
+        "duty_outage_share": duty_share,
+        "kills_per_role": {
+            r: sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == r)
+            for r in ("generator", "reward", "trainer")
+        },
         "recovery_s_per_role": {r: recoveries("sigkill", r) for r in ("generator", "reward", "trainer")}
         | {"redis_restart": recoveries("redis_restart", "redis"), "redis_outage": recoveries("redis_outage", "redis")},
-        "redis_outages_s": list(OUTAGES_S), "service_exits_during_outages": 0,  # healthy() asserted it throughout
-        "injected": injected, "verify_ok": res.ok, "wall_s": t_end - t_start,
-        "phases": {n: {"wall_s": w, "steps_per_s": r, "effective": r / base if base else None, "stepping_share": sh}
-                   for n, (r, sh, w) in figures.items()},
+        "redis_outages_s": list(OUTAGES_S),
+        "service_exits_during_outages": 0,  # healthy() asserted it throughout
+        "injected": injected,
+        "verify_ok": res.ok,
+        "wall_s": t_end - t_start,
+        "phases": {
+            n: {"wall_s": w, "steps_per_s": r, "effective": r / base if base else None, "stepping_share": sh}
+            for n, (r, sh, w) in figures.items()
+        },
         "machine": {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d"),
     }
     (tmp_path / "chaos.json").write_text(json.dumps(summary, indent=2))
     from hostile_results import record_hostile  # tests/ is on sys.path
 
-    record_hostile(redis_outage_60s_lost=lost_in("redis_outage", "redis"), redis_outages_s=list(OUTAGES_S),
-                   service_exits=0)  # healthy() held through every phase
+    record_hostile(
+        redis_outage_60s_lost=lost_in("redis_outage", "redis"), redis_outages_s=list(OUTAGES_S), service_exits=0
+    )  # healthy() held through every phase
     if os.environ.get("CHAOS_WRITE_RESULTS"):
         RESULTS.write_text(table)
         RESULTS_JSON.write_text(json.dumps(summary, indent=2) + "\n")
@@ -422,5 +517,13 @@ def test_chaos(tmp_path, tiny_model, capsys):
     assert acc.in_flight_end <= acc.in_flight_bound
     for role in ("generator", "reward", "trainer"):
         assert sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == role) >= KILLS_PER_ROLE
-    assert sum(1 for d in dead if d.stream in (PROMPTS, ROLLOUTS, SCORED) and d.code in (
-        "malformed", "wrong_kind", "schema_version", "oversized", "not_bytes", "not_a_map", "invalid")) >= injected
+    assert (
+        sum(
+            1
+            for d in dead
+            if d.stream in (PROMPTS, ROLLOUTS, SCORED)
+            and d.code
+            in ("malformed", "wrong_kind", "schema_version", "oversized", "not_bytes", "not_a_map", "invalid")
+        )
+        >= injected
+    )

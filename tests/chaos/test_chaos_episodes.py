@@ -79,11 +79,19 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
     api = f"http://127.0.0.1:{port}"
     ckpt_dir = tmp_path / "checkpoints"
     marker = tmp_path / "tool-calls.log"
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "BROKER_PORT": str(port),
-           "PYTHONUNBUFFERED": "1", "TRAINER_THREADS": "1", "TRAINER_CHECKPOINT_DIR": str(ckpt_dir),
-           "ADMIN_KEY_PREFIX": f"{prefix}admin:", "ADMIN_EXPORT_DIR": str(tmp_path / "exports"),
-           # another generator reclaims a dead one's entries within seconds (default: a minute)
-           "GEN_CLAIM_IDLE_MS": "3000"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "BROKER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_THREADS": "1",
+        "TRAINER_CHECKPOINT_DIR": str(ckpt_dir),
+        "ADMIN_KEY_PREFIX": f"{prefix}admin:",
+        "ADMIN_EXPORT_DIR": str(tmp_path / "exports"),
+        # another generator reclaims a dead one's entries within seconds (default: a minute)
+        "GEN_CLAIM_IDLE_MS": "3000",
+    }
     sup = Supervisor(tmp_path / "logs", env)
     t_start = time.time()
     witness: Witness | None = None
@@ -96,25 +104,42 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
             time.sleep(0.2)
         # a model turn ends at a digit or lowercase letter (ids 4..39 of the tiny tokenizer): "stop",
         # so every turn goes on to the environment
-        spec = {"name": "chaos-episodes", "model_path": str(tiny_model), "mode": "async", "max_staleness": K,
-                "steps": STEPS, "group_size": N, "prompts_per_step": P, "eval_every": 0, "generation_batch": 2,
-                "task": {"n_train": 64, "n_test": 4}, "reward": "exact_match",
-                "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
-                "environment": {"name": f"{ENV_FILE}:SlowTool",
-                                "kwargs": {"sleep_s": SLEEP_S, "turns": TURNS, "marker": str(marker)},
-                                "limits": {"max_turns": TURNS, "max_total_tokens": 240, "step_timeout_s": 30}}}
+        spec = {
+            "name": "chaos-episodes",
+            "model_path": str(tiny_model),
+            "mode": "async",
+            "max_staleness": K,
+            "steps": STEPS,
+            "group_size": N,
+            "prompts_per_step": P,
+            "eval_every": 0,
+            "generation_batch": 2,
+            "task": {"n_train": 64, "n_test": 4},
+            "reward": "exact_match",
+            "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
+            "environment": {
+                "name": f"{ENV_FILE}:SlowTool",
+                "kwargs": {"sleep_s": SLEEP_S, "turns": TURNS, "marker": str(marker)},
+                "limits": {"max_turns": TURNS, "max_total_tokens": 240, "step_timeout_s": 30},
+            },
+        }
         r = httpx.post(f"{api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         job_id = r.json()["id"]
         streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
         witness = Witness(redis_url, job_id, prefix)
         witness.start()
-        stack = Stack(sup, job_id, ledger, {
-            "gen-0": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-0"}),
-            "gen-1": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-1"}),
-            "reward-0": ("reward", "reward_svc", {"REWARD_CONSUMER_ID": "reward-0"}),
-            "trainer-0": ("trainer", "trainer_svc", {"TRAINER_CONSUMER_ID": "trainer-0"}),
-        })
+        stack = Stack(
+            sup,
+            job_id,
+            ledger,
+            {
+                "gen-0": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-0"}),
+                "gen-1": ("generator", "generator_svc", {"GEN_GENERATOR_ID": "gen-1"}),
+                "reward-0": ("reward", "reward_svc", {"REWARD_CONSUMER_ID": "reward-0"}),
+                "trainer-0": ("trainer", "trainer_svc", {"TRAINER_CONSUMER_ID": "trainer-0"}),
+            },
+        )
         for name in ("trainer-0", "reward-0", "gen-0", "gen-1"):
             stack.start(name)
 
@@ -124,27 +149,39 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
                 bad = stack.unexpected_exits()
                 assert not bad, "\n".join(bad)
                 assert ledger.get_job(job_id)["state"] in ("queued", "running"), f"{what}: {ledger.get_job(job_id)}"
-                assert time.monotonic() < deadline, (f"timed out: {what}\n{sup.tail(stack.procs['trainer-0'].name, 30)}"
-                                                     f"\n{sup.tail(stack.procs['gen-0'].name, 30)}")
+                assert time.monotonic() < deadline, (
+                    f"timed out: {what}\n{sup.tail(stack.procs['trainer-0'].name, 30)}"
+                    f"\n{sup.tail(stack.procs['gen-0'].name, 30)}"
+                )
                 time.sleep(poll_s)
 
         def mid_episode(pid: int) -> list[tuple[str, int, int]]:
             """Tool calls of process `pid` begun in an episode's second model turn or later and not
             ended: (episode, prompt index, turn index)."""
             begun, ended = _markers(marker)
-            return [(e, pi, t) for (p, e, t), (pi, _at) in begun.items() if p == pid and t >= 1 and (p, e, t) not in ended]
+            return [
+                (e, pi, t) for (p, e, t), (pi, _at) in begun.items() if p == pid and t >= 1 and (p, e, t) not in ended
+            ]
 
         def replayed(k: dict) -> bool:
             """Every group the kill interrupted has its rows again, from the successor."""
-            rows = [x for x in ledger.samples(job_id) if x["prompt_index"] in k["prompt_indices"]
-                    and x["generator_id"] == k["successor"] and ts(x["created_at"]) > k["fault"].at]
+            rows = [
+                x
+                for x in ledger.samples(job_id)
+                if x["prompt_index"] in k["prompt_indices"]
+                and x["generator_id"] == k["successor"]
+                and ts(x["created_at"]) > k["fault"].at
+            ]
             return len(rows) >= N * len(k["prompt_indices"])
 
         # kill 1: gen-1 mid-episode while gen-0 serves too, not restarted: gen-0 reclaims what it left
         # pending once idle GEN_CLAIM_IDLE_MS. kill 2: gen-0, alone now, mid-episode, restarted under
         # its own name: it re-reads the entries it left pending first.
-        wait_until(lambda: {x["generator_id"] for x in ledger.samples(job_id)} >= {"gen-0", "gen-1"}, 240,
-                   "both generators serving")
+        wait_until(
+            lambda: {x["generator_id"] for x in ledger.samples(job_id)} >= {"gen-0", "gen-1"},
+            240,
+            "both generators serving",
+        )
         for victim, successor, restart in (("gen-1", "gen-0", False), ("gen-0", "gen-0", True)):
             if not kills:  # both generators serve a few steps first
                 wait_until(lambda: stack.step() >= 2, 240, "step 2 before the first kill")
@@ -156,8 +193,13 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
             assert interrupted, "the kill did not land mid-episode"
             if restart:
                 stack.restart(f, 0.5)
-            k = {"fault": f, "pid": pid, "successor": successor, "interrupted": interrupted,
-                 "prompt_indices": sorted({pi for _e, pi, _t in interrupted})}
+            k = {
+                "fault": f,
+                "pid": pid,
+                "successor": successor,
+                "interrupted": interrupted,
+                "prompt_indices": sorted({pi for _e, pi, _t in interrupted}),
+            }
             kills.append(k)
             wait_until(lambda k=k: replayed(k), 240, f"{successor} playing again what the kill of {victim} interrupted")
             f.recovered_at = time.time()
@@ -176,8 +218,13 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
         assert [p.popen.returncode for p in live] == [0] * len(live), stack.unexpected_exits()
         t_end = time.time()
         # the user's check, through the API: exits 1 on a violation
-        cli = subprocess.run([ASYNCRL, "verify", job_id], env={**os.environ, "ASYNCRL_API": api, "COLUMNS": "200"},
-                             capture_output=True, text=True, timeout=60)
+        cli = subprocess.run(
+            [ASYNCRL, "verify", job_id],
+            env={**os.environ, "ASYNCRL_API": api, "COLUMNS": "200"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         if witness is not None:
             witness.stop()
@@ -198,26 +245,37 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
     dead_codes: dict[str, int] = {}
     for d in dead:
         dead_codes[d.code] = dead_codes.get(d.code, 0) + 1
-    lines = [f"multi-turn chaos: {STEPS} steps, wall {t_end - t_start:.0f} s; {acc.fed} groups fed "
-             f"({len(samples)} samples generated), {acc.terminal} terminal, {acc.in_flight_end} in flight at the end, "
-             f"{len(acc.lost)} lost, {acc.redis_lost} settled lost (Redis lost them); samples by status {acc.statuses}; trained twice: ledger "
-             f"{acc.trained_twice_ledger}, metric {acc.trained_twice_metric}; dead letters {dead_codes}; "
-             f"reclaims {reclaims}, batches taken over from a live generator {taken_over}; "
-             f"verify {'ok' if res.ok else [v.message for v in res.violations]}; asyncrl verify exit {cli.returncode}"]
+    lines = [
+        f"multi-turn chaos: {STEPS} steps, wall {t_end - t_start:.0f} s; {acc.fed} groups fed "
+        f"({len(samples)} samples generated), {acc.terminal} terminal, {acc.in_flight_end} in flight at the end, "
+        f"{len(acc.lost)} lost, {acc.redis_lost} settled lost (Redis lost them); "
+        f"samples by status {acc.statuses}; trained twice: ledger "
+        f"{acc.trained_twice_ledger}, metric {acc.trained_twice_metric}; dead letters {dead_codes}; "
+        f"reclaims {reclaims}, batches taken over from a live generator {taken_over}; "
+        f"verify {'ok' if res.ok else [v.message for v in res.violations]}; asyncrl verify exit {cli.returncode}"
+    ]
     replays = []
     for k in kills:
         f = k["fault"]
         rows = [s for s in samples if s["kind"] == "train" and s["prompt_index"] in k["prompt_indices"]]
         replays.append(rows)
-        first = min((ts(s["created_at"]) for s in samples
-                     if s["generator_id"] == k["successor"] and ts(s["created_at"]) > f.at), default=float("nan"))
+        first = min(
+            (
+                ts(s["created_at"])
+                for s in samples
+                if s["generator_id"] == k["successor"] and ts(s["created_at"]) > f.at
+            ),
+            default=float("nan"),
+        )
         redone = max((ts(s["created_at"]) for s in rows), default=float("nan"))
         restarted = "not restarted" if f.restarted_at is None else f"restarted after {f.restarted_at - f.at:.1f} s"
-        lines.append(f"SIGKILL {f.name} (pid {k['pid']}) at step {f.step_at}, {restarted}: {len(k['interrupted'])} "
-                     f"tool calls interrupted (turn indices {sorted({t for _e, _p, t in k['interrupted']})}) in "
-                     f"prompts {k['prompt_indices']}; {k['successor']}'s next sample {first - f.at:.1f} s after the "
-                     f"kill, the interrupted groups played again in full {redone - f.at:.1f} s after it; their "
-                     f"rows (generator, status) per group: {sorted((s['generator_id'], s['status']) for s in rows)[::N]}")
+        lines.append(
+            f"SIGKILL {f.name} (pid {k['pid']}) at step {f.step_at}, {restarted}: {len(k['interrupted'])} "
+            f"tool calls interrupted (turn indices {sorted({t for _e, _p, t in k['interrupted']})}) in "
+            f"prompts {k['prompt_indices']}; {k['successor']}'s next sample {first - f.at:.1f} s after the "
+            f"kill, the interrupted groups played again in full {redone - f.at:.1f} s after it; their "
+            f"rows (generator, status) per group: {sorted((s['generator_id'], s['status']) for s in rows)[::N]}"
+        )
     with capsys.disabled():
         print("\n" + "\n".join(lines))
 
@@ -241,14 +299,17 @@ def test_generator_sigkilled_mid_episode(tmp_path, tiny_model, capsys):
     # generator published nothing of its batch), and used: trained or dropped with a reason
     for k, rows in zip(kills, replays, strict=True):
         f = k["fault"]
-        assert all(ts(s["created_at"]) > f.at and s["generator_id"] == k["successor"] for s in rows), \
-            [(s["generator_id"], s["created_at"]) for s in rows]
+        assert all(ts(s["created_at"]) > f.at and s["generator_id"] == k["successor"] for s in rows), [
+            (s["generator_id"], s["created_at"]) for s in rows
+        ]
         assert len(rows) == N * len(k["prompt_indices"]), len(rows)
-        assert all(s["status"] in USED_STATUSES or s["group_id"] in _journal_in_flight(ckpt_dir, job_id) for s in rows), \
-            [(s["group_id"], s["status"]) for s in rows]
+        assert all(
+            s["status"] in USED_STATUSES or s["group_id"] in _journal_in_flight(ckpt_dir, job_id) for s in rows
+        ), [(s["group_id"], s["status"]) for s in rows]
     # multi-turn episodes all the way through: several model turns, tool tokens in the context
-    assert all((s["turns"] or 0) > 1 and (s["num_env_tokens"] or 0) > 0 for s in trained), \
-        [(s["turns"], s["num_env_tokens"], s["stop_reason"]) for s in trained][:5]
+    assert all((s["turns"] or 0) > 1 and (s["num_env_tokens"] or 0) > 0 for s in trained), [
+        (s["turns"], s["num_env_tokens"], s["stop_reason"]) for s in trained
+    ][:5]
     assert sum(s["stop_reason"] == "done" and s["turns"] == TURNS for s in trained) >= len(trained) // 2
 
 

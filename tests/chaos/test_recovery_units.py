@@ -38,8 +38,12 @@ JOB = "job1"
 
 @pytest.fixture
 def streams():
-    s = JobStreams(connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), JOB,
-                   prefix=f"test-{uuid.uuid4().hex}:", claim_idle_ms=50)
+    s = JobStreams(
+        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")),
+        JOB,
+        prefix=f"test-{uuid.uuid4().hex}:",
+        claim_idle_ms=50,
+    )
     yield s
     s.delete_all()
 
@@ -54,14 +58,36 @@ def clean_drain():
 
 
 def _prompt(i: int, n: int = 2) -> PromptGroup:
-    return PromptGroup(job_id=JOB, msg_id=f"{JOB}/g{i}", group_id=f"{JOB}/g{i}", policy_version=0, prompt_index=i,
-                       prompt="1+1=", answer="2", n=n, sampling=SamplingParams())
+    return PromptGroup(
+        job_id=JOB,
+        msg_id=f"{JOB}/g{i}",
+        group_id=f"{JOB}/g{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt="1+1=",
+        answer="2",
+        n=n,
+        sampling=SamplingParams(),
+    )
 
 
 def _rollout(group: str, i: int, size: int = 2) -> Rollout:
-    return Rollout(job_id=JOB, msg_id=f"{group}/{i}", group_id=group, policy_version=0, policy_version_max=0,
-                   prompt_index=0, sample_index=i, group_size=size, generator_id="gen-0", prompt_ids=pack_i32([1]),
-                   completion_ids=pack_i32([5]), logprobs=pack_f32([-0.1]), completion="2", answer="2")
+    return Rollout(
+        job_id=JOB,
+        msg_id=f"{group}/{i}",
+        group_id=group,
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=i,
+        group_size=size,
+        generator_id="gen-0",
+        prompt_ids=pack_i32([1]),
+        completion_ids=pack_i32([5]),
+        logprobs=pack_f32([-0.1]),
+        completion="2",
+        answer="2",
+    )
 
 
 def _scored(group: str, i: int, size: int = 2) -> Scored:
@@ -104,11 +130,21 @@ def test_publish_only_while_the_entry_is_held(streams):
     streams._last_claim.clear()
     (taken,) = streams.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), count=1, block_ms=None)
     assert taken.entry_id == a.entry_id
-    done = streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)]), (b.entry_id, [_rollout("gb", 0)])])
+    done = streams.publish_if_owned(
+        Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup),
+        ROLLOUTS,
+        [(a.entry_id, [_rollout("ga", 0)]), (b.entry_id, [_rollout("gb", 0)])],
+    )
     assert done == [False, True]  # gen-0's late copy of a is not published; b still is, and acked
-    assert streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0), _rollout("ga", 1)])]) == [True]
+    assert streams.publish_if_owned(
+        Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup),
+        ROLLOUTS,
+        [(a.entry_id, [_rollout("ga", 0), _rollout("ga", 1)])],
+    ) == [True]
     # a repeat (a retried call whose reply was lost) publishes nothing more
-    assert streams.publish_if_owned(Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)])]) == [False]
+    assert streams.publish_if_owned(
+        Consumer(PROMPTS, GROUP_GENERATORS, "gen-1", PromptGroup), ROLLOUTS, [(a.entry_id, [_rollout("ga", 0)])]
+    ) == [False]
     assert streams.length(ROLLOUTS) == 3 and streams.pending_count(PROMPTS, GROUP_GENERATORS) == 0
 
 
@@ -118,10 +154,13 @@ def test_dead_letters_complete_the_groups_they_name(streams):
     watch, asm = DeadLetterWatch(streams, JOB), GroupAssembler()
     # a prompt group the generator refused, a sample the reward service refused, garbage
     (eid,) = streams.publish_many(PROMPTS, [_prompt(7, n=2)])
-    streams.dead_letter(PROMPTS, GROUP_GENERATORS, eid, "prompt too long", encode(_prompt(7, n=2)), code="prompt_too_long")
+    streams.dead_letter(
+        PROMPTS, GROUP_GENERATORS, eid, "prompt too long", encode(_prompt(7, n=2)), code="prompt_too_long"
+    )
     (rid,) = streams.publish_many(ROLLOUTS, [_rollout(f"{JOB}/g8", 1)])
-    streams.dead_letter(ROLLOUTS, "rewarders", rid, "empty completion", encode(_rollout(f"{JOB}/g8", 1)),
-                        code="empty_completion")
+    streams.dead_letter(
+        ROLLOUTS, "rewarders", rid, "empty completion", encode(_rollout(f"{JOB}/g8", 1)), code="empty_completion"
+    )
     streams.dead_letter(ROLLOUTS, "rewarders", "1-1", "not msgpack", b"\xc1", code="malformed")
     members = watch.poll()
     assert [(m.group_id, m.sample_index) for m in members] == [(f"{JOB}/g7", None), (f"{JOB}/g8", 1)]

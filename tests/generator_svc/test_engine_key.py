@@ -10,9 +10,19 @@ from generator_svc.service import engine_key
 from reward_svc.service import scorer_key
 from shared.rewards.spec import PythonReward
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 100, "eos_token_id": 2,
-          "_name_or_path": "/somewhere", "transformers_version": "4.0", "torch_dtype": "float32"}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "eos_token_id": 2,
+    "_name_or_path": "/somewhere",
+    "transformers_version": "4.0",
+    "torch_dtype": "float32",
+}
 
 
 def _model(root: Path, config: dict | None = None, tokenizer: str = '{"vocab": "abc"}', weights: bytes = b"w") -> str:
@@ -29,8 +39,11 @@ def _key(path: str, lora: int | None = None, dtype: str = "float32") -> str:
 
 def test_a_model_of_the_same_shape_and_tokenizer_keeps_the_engine(tmp_path: Path) -> None:
     base = _model(tmp_path / "base")
-    tuned = _model(tmp_path / "tuned", {**CONFIG, "_name_or_path": "/elsewhere", "transformers_version": "5.0"},
-                   weights=b"other weights")
+    tuned = _model(
+        tmp_path / "tuned",
+        {**CONFIG, "_name_or_path": "/elsewhere", "transformers_version": "5.0"},
+        weights=b"other weights",
+    )
     assert _key(base) == _key(tuned)  # the weights come by the verified swap
 
 

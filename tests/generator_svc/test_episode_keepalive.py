@@ -16,8 +16,11 @@ from shared.environments.episode import PlainCodec
 from shared.environments.spec import EpisodeLimits
 from shared.schema import PromptGroup, SamplingParams
 
-CODEC = PlainCodec(tokenize=lambda t: [ord(c) for c in t], decode=lambda ids: "".join(map(chr, ids)),
-                   tokenize_prompt=lambda t: [1, *(ord(c) for c in t)])
+CODEC = PlainCodec(
+    tokenize=lambda t: [ord(c) for c in t],
+    decode=lambda ids: "".join(map(chr, ids)),
+    tokenize_prompt=lambda t: [1, *(ord(c) for c in t)],
+)
 LIMITS = EpisodeLimits(max_turns=8, max_total_tokens=500, step_timeout_s=10.0)
 
 
@@ -49,15 +52,34 @@ def slow_steps(sleep_s: float, turns: int):
 
 
 def groups(k: int, n: int) -> list[PromptGroup]:
-    return [PromptGroup(job_id="j", msg_id=f"j/g{i}", group_id=f"j/g{i}", policy_version=0, prompt_index=i,
-                        prompt="1+1=", answer="2", n=n, sampling=SamplingParams(max_tokens=4)) for i in range(k)]
+    return [
+        PromptGroup(
+            job_id="j",
+            msg_id=f"j/g{i}",
+            group_id=f"j/g{i}",
+            policy_version=0,
+            prompt_index=i,
+            prompt="1+1=",
+            answer="2",
+            n=n,
+            sampling=SamplingParams(max_tokens=4),
+        )
+        for i in range(k)
+    ]
 
 
 def test_entries_are_touched_while_the_episodes_play_and_not_after():
     touches: list[float] = []
     t0 = time.monotonic()
-    played = run_groups(FakeEngine(), slow_steps(0.1, 3), LIMITS, CODEC, groups(2, 2),
-                        keepalive=lambda: touches.append(time.monotonic()), keepalive_s=0.05)
+    played = run_groups(
+        FakeEngine(),
+        slow_steps(0.1, 3),
+        LIMITS,
+        CODEC,
+        groups(2, 2),
+        keepalive=lambda: touches.append(time.monotonic()),
+        keepalive_s=0.05,
+    )
     took = time.monotonic() - t0
     assert all(isinstance(s, list) and len(s) == 2 and all(x.turns == 3 for x in s) for s in played.samples)
     assert touches and touches[0] - t0 < 0.05  # at once: the batch may have waited for its weights
@@ -72,8 +94,15 @@ def test_touches_are_not_queued_behind_the_environments_steps():
     would wait for rounds of steps; in its own thread it keeps its pace."""
     touches: list[float] = []
     engine = FakeEngine()
-    played = run_groups(engine, slow_steps(0.1, 2), LIMITS, CODEC, groups(4, 8),
-                        keepalive=lambda: touches.append(time.monotonic()), keepalive_s=0.05)
+    played = run_groups(
+        engine,
+        slow_steps(0.1, 2),
+        LIMITS,
+        CODEC,
+        groups(4, 8),
+        keepalive=lambda: touches.append(time.monotonic()),
+        keepalive_s=0.05,
+    )
     assert all(isinstance(s, list) and len(s) == 8 for s in played.samples)
     gaps = [b - a for a, b in zip(touches, touches[1:], strict=False)]
     # 32 episodes' steps of 0.1 s on the default executor's min(32, cores + 4) threads: behind them a
@@ -87,8 +116,15 @@ def test_a_blocked_loop_does_not_touch():
     go idle and are reclaimed as before."""
     touches: list[float] = []
     engine = FakeEngine(delay_s=0.4)
-    run_groups(engine, slow_steps(0.01, 2), LIMITS, CODEC, groups(1, 2),
-               keepalive=lambda: touches.append(time.monotonic()), keepalive_s=0.05)
+    run_groups(
+        engine,
+        slow_steps(0.01, 2),
+        LIMITS,
+        CODEC,
+        groups(1, 2),
+        keepalive=lambda: touches.append(time.monotonic()),
+        keepalive_s=0.05,
+    )
     for start, end in engine.calls:
         assert not [t for t in touches if start + 0.05 < t < end], (engine.calls, touches)
 
@@ -98,8 +134,9 @@ def test_a_failing_touch_does_not_fail_the_batch(caplog: pytest.LogCaptureFixtur
         raise ConnectionError("redis went away")
 
     with caplog.at_level(logging.WARNING, logger="generator_svc.episodes"):
-        played = run_groups(FakeEngine(), slow_steps(0.05, 3), LIMITS, CODEC, groups(1, 2), keepalive=broken,
-                            keepalive_s=0.02)
+        played = run_groups(
+            FakeEngine(), slow_steps(0.05, 3), LIMITS, CODEC, groups(1, 2), keepalive=broken, keepalive_s=0.02
+        )
     assert all(isinstance(s, list) and len(s) == 2 for s in played.samples)
     assert "redis went away" in caplog.text
 

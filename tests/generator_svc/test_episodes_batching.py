@@ -59,8 +59,20 @@ CODEC = PlainCodec(tokenize=lambda t: [ord(c) % 100 + 4 for c in t], decode=lamb
 
 
 def groups(k: int, n: int) -> list[PromptGroup]:
-    return [PromptGroup(job_id="j", msg_id=f"j/g{g}", group_id=f"j/g{g}", policy_version=0, prompt_index=g,
-                        prompt=f"p{g}", answer="", n=n, sampling=SamplingParams(max_tokens=4)) for g in range(k)]
+    return [
+        PromptGroup(
+            job_id="j",
+            msg_id=f"j/g{g}",
+            group_id=f"j/g{g}",
+            policy_version=0,
+            prompt_index=g,
+            prompt=f"p{g}",
+            answer="",
+            n=n,
+            sampling=SamplingParams(max_tokens=4),
+        )
+        for g in range(k)
+    ]
 
 
 def test_sync_tool_calls_of_every_episode_run_at_once() -> None:

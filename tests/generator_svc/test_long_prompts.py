@@ -20,15 +20,26 @@ MAX_LEN = 32
 
 
 def group(i: int, prompt: str) -> PromptGroup:
-    return PromptGroup(job_id=JOB, msg_id=f"{JOB}/g{i}", group_id=f"{JOB}/g{i}", policy_version=0, prompt_index=i,
-                       prompt=prompt, answer="2", n=2, sampling=SamplingParams(max_tokens=8))
+    return PromptGroup(
+        job_id=JOB,
+        msg_id=f"{JOB}/g{i}",
+        group_id=f"{JOB}/g{i}",
+        policy_version=0,
+        prompt_index=i,
+        prompt=prompt,
+        answer="2",
+        n=2,
+        sampling=SamplingParams(max_tokens=8),
+    )
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from asyncrl.tiny_model import build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), layers=1, hidden=64, heads=2, intermediate=128))  # vLLM CPU: head_dim >= 32
+    return str(
+        build_tiny_model(tmp_path_factory.mktemp("tiny"), layers=1, hidden=64, heads=2, intermediate=128)
+    )  # vLLM CPU: head_dim >= 32
 
 
 def test_boundary() -> None:
@@ -46,7 +57,9 @@ def test_over_long_groups_are_dead_lettered_and_the_rest_kept(model_dir: str) ->
     js.on_dead_letter = lambda stream, code: counted.append((stream, code))
     try:
         js.ensure_group(PROMPTS, GROUP_GENERATORS)
-        js.publish_many(PROMPTS, [group(0, "1+1="), group(1, "x" * (MAX_LEN - 1)), group(2, "x" * 200), group(3, "2+2=")])
+        js.publish_many(
+            PROMPTS, [group(0, "1+1="), group(1, "x" * (MAX_LEN - 1)), group(2, "x" * 200), group(3, "2+2=")]
+        )
         got = js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", PromptGroup), block_ms=100)
         kept = reject_too_long(got, count, MAX_LEN, js)
         assert [gs[0].group_id for _, gs in kept] == [f"{JOB}/g0", f"{JOB}/g3"]
@@ -93,10 +106,23 @@ def test_an_over_long_problem_leaves_the_rest_of_its_evaluation_round(model_dir:
     js = JobStreams(connect(url), JOB, prefix=f"test-{uuid.uuid4().hex[:8]}:")
     try:
         js.ensure_group(PROMPTS, GROUP_GENERATORS)
-        items = [EvalItem(prompt_index=0, prompt="1+1=", prompt_ids=pack_i32(range(5)), answer="2"),
-                 EvalItem(prompt_index=1, prompt="long", prompt_ids=pack_i32(range(MAX_LEN + 3)), answer="2")]
-        js.publish(PROMPTS, EvalRound(job_id=JOB, msg_id=f"{JOB}/e0", group_id=f"{JOB}/e0", policy_version=0,
-                                      eval_set="held_out", n=1, sampling=SamplingParams(temperature=0.0), items=items))
+        items = [
+            EvalItem(prompt_index=0, prompt="1+1=", prompt_ids=pack_i32(range(5)), answer="2"),
+            EvalItem(prompt_index=1, prompt="long", prompt_ids=pack_i32(range(MAX_LEN + 3)), answer="2"),
+        ]
+        js.publish(
+            PROMPTS,
+            EvalRound(
+                job_id=JOB,
+                msg_id=f"{JOB}/e0",
+                group_id=f"{JOB}/e0",
+                policy_version=0,
+                eval_set="held_out",
+                n=1,
+                sampling=SamplingParams(temperature=0.0),
+                items=items,
+            ),
+        )
         got = js.consume(Consumer(PROMPTS, GROUP_GENERATORS, "gen-0", (PromptGroup, EvalRound)), block_ms=100)
         (kept,) = reject_too_long(got, count, MAX_LEN, js)
         assert [g.group_id for g in kept[1]] == [f"{JOB}/e0/0"]  # lengths from the carried ids

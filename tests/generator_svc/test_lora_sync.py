@@ -45,14 +45,26 @@ def test_lora_adapter_round_trip_with_probe(tmp_path):
     streams = JobStreams(connect(redis_url), job_id, prefix=prefix)
     learner = Learner(spec, "cpu")
     server = TcpWeightServer(keep=3)
-    full_bytes = sum(t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values())
+    full_bytes = sum(
+        t.numel() * t.element_size() for t in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().values()
+    )
 
     def publish(v: int) -> None:
         with torch.no_grad():
             for _, p in lora.trainable(learner.model):
                 p.add_(torch.randn_like(p) * 0.2)
-        publish_weights(learner.model, v, server, streams, ledger, job_id, keep=3, run_id="run-1",
-                        snapshot=learner.snapshot(), lora=spec.lora.adapter())
+        publish_weights(
+            learner.model,
+            v,
+            server,
+            streams,
+            ledger,
+            job_id,
+            keep=3,
+            run_id="run-1",
+            snapshot=learner.snapshot(),
+            lora=spec.lora.adapter(),
+        )
 
     def loads() -> dict[int, str]:
         return {r["version"]: r["fingerprint"] for r in ledger.generator_loads(job_id)}
@@ -64,8 +76,15 @@ def test_lora_adapter_round_trip_with_probe(tmp_path):
             assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{sup.tail('gen-a', 40)}"
             time.sleep(0.2)
 
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "JOB_ID": job_id,
-           "PYTHONUNBUFFERED": "1", "GEN_BLOCK_MS": "200", "GEN_GENERATOR_ID": "gen-a"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "JOB_ID": job_id,
+        "PYTHONUNBUFFERED": "1",
+        "GEN_BLOCK_MS": "200",
+        "GEN_GENERATOR_ID": "gen-a",
+    }
     sup = Supervisor(tmp_path / "logs", env)
     try:
         publish(1)
@@ -94,10 +113,21 @@ def test_lora_adapter_round_trip_with_probe(tmp_path):
         manifest = build_manifest(4, entries, buf)
         server.serve(manifest, buf)
         ids, lp = probe(AutoModelForCausalLM.from_pretrained(model_dir))
-        streams.publish(POLICY, PolicyAnnouncement(
-            job_id=job_id, msg_id=f"{job_id}/v4", policy_version=4, manifest=manifest, transport="tcp",
-            address=server.address, trainer_run="run-1", probe_ids=pack_i32(ids), probe_logprobs=pack_f32(lp),
-            lora=spec.lora.adapter()))
+        streams.publish(
+            POLICY,
+            PolicyAnnouncement(
+                job_id=job_id,
+                msg_id=f"{job_id}/v4",
+                policy_version=4,
+                manifest=manifest,
+                transport="tcp",
+                address=server.address,
+                trainer_run="run-1",
+                probe_ids=pack_i32(ids),
+                probe_logprobs=pack_f32(lp),
+                lora=spec.lora.adapter(),
+            ),
+        )
         deadline = time.monotonic() + 120
         while sup.procs[0].popen.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from asyncrl.tiny_model import CHAT_TEMPLATE, build_tiny_model
 
-    return str(build_tiny_model(tmp_path_factory.mktemp("chat"), layers=1, hidden=64, heads=2, intermediate=128,
-                                chat_template=CHAT_TEMPLATE))
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("chat"), layers=1, hidden=64, heads=2, intermediate=128, chat_template=CHAT_TEMPLATE
+        )
+    )
 
 
 def test_rendered_ids_are_what_the_engine_generates_from_and_stops_end_the_text(chat_model: str) -> None:
@@ -28,8 +31,9 @@ def test_rendered_ids_are_what_the_engine_generates_from_and_stops_end_the_text(
 
     tok = AutoTokenizer.from_pretrained(chat_model)  # the trainer's tokenizer, from the model directory
     assert uses_chat(tok, "auto")
-    problem = Problem(0, "12+3=", "15", messages=({"role": "system", "content": "Answer."},
-                                                  {"role": "user", "content": "12+3="}))
+    problem = Problem(
+        0, "12+3=", "15", messages=({"role": "system", "content": "Answer."}, {"role": "user", "content": "12+3="})
+    )
     rendered = renderer(tok)(problem)
     assert rendered.text == "<|system|>Answer.\n<|user|>12+3=\n<|assistant|>"
     assert rendered.ids == tok(rendered.text, add_special_tokens=False)["input_ids"]  # the template holds the specials

@@ -47,10 +47,18 @@ def _version(v: int) -> tuple:
 
 
 def _announce(streams: JobStreams, server, manifest) -> None:
-    streams.publish(POLICY, PolicyAnnouncement(
-        job_id=streams.job_id, msg_id=policy_version_id(streams.job_id, manifest.version),
-        policy_version=manifest.version, manifest=manifest, transport=server.name, address=server.address,
-        trainer_run="run-a"))
+    streams.publish(
+        POLICY,
+        PolicyAnnouncement(
+            job_id=streams.job_id,
+            msg_id=policy_version_id(streams.job_id, manifest.version),
+            policy_version=manifest.version,
+            manifest=manifest,
+            transport=server.name,
+            address=server.address,
+            trainer_run="run-a",
+        ),
+    )
 
 
 def _entries(streams: JobStreams) -> dict[str, dict]:
@@ -69,9 +77,30 @@ def _wait_served(streams: JobStreams, ids: list[str], v: int, timeout_s: float =
 
 def _relay_procs(streams: JobStreams, ids: list[str], fanout: int) -> list[subprocess.Popen]:
     url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    return [subprocess.Popen([sys.executable, "-m", "generator_svc.relay", "--job", streams.job_id, "--id", i,
-                              "--redis", url, "--prefix", PREFIX, "--fanout", str(fanout), "--ttl", str(TTL_S),
-                              "--idle-wait", "1"]) for i in ids]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "generator_svc.relay",
+                "--job",
+                streams.job_id,
+                "--id",
+                i,
+                "--redis",
+                url,
+                "--prefix",
+                PREFIX,
+                "--fanout",
+                str(fanout),
+                "--ttl",
+                str(TTL_S),
+                "--idle-wait",
+                "1",
+            ]
+        )
+        for i in ids
+    ]
 
 
 _FETCH_BACK = """
@@ -92,8 +121,13 @@ def _check_bytes(transport: str, entries: dict[str, dict], ids: list[str], manif
     a peer and then fetches from that peer's server gets its receives cancelled (ucxx 0.52, endpoint
     error handling off). Relays never do that: they fetch from smaller ids and serve larger ones.)"""
     addresses = [entries[i]["address"] for i in ids]
-    out = subprocess.run([sys.executable, "-c", _FETCH_BACK, transport, *addresses], input=manifest.model_dump_json(),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _FETCH_BACK, transport, *addresses],
+        input=manifest.model_dump_json(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.count("verified") == len(ids), out.stderr[-3000:]
 
 
@@ -163,12 +197,31 @@ def test_a_relay_serving_bad_bytes_is_routed_around():
     corrupt[5_000_000] ^= 0xFF  # in the second chunk
     bad.serve(m, corrupt)
     # "a-bad" sorts first: the root, parent of both relays (fan-out 2)
-    streams.r.hset(streams.key(RELAYS), "a-bad", json.dumps({
-        "address": bad.address, "transport": "tcp", "run": "run-a", "versions": [7], "served_at": {},
-        "fetching": None, "ts": time.time() + 60}))
+    streams.r.hset(
+        streams.key(RELAYS),
+        "a-bad",
+        json.dumps(
+            {
+                "address": bad.address,
+                "transport": "tcp",
+                "run": "run-a",
+                "versions": [7],
+                "served_at": {},
+                "fetching": None,
+                "ts": time.time() + 60,
+            }
+        ),
+    )
     relays = [WeightRelay(streams, gid, RelayConfig(fanout=2, ttl_s=30)) for gid in ("c1", "c2")]
-    ann = PolicyAnnouncement(job_id=streams.job_id, msg_id=policy_version_id(streams.job_id, 7), policy_version=7,
-                             manifest=m, transport="tcp", address=trainer.address, trainer_run="run-a")
+    ann = PolicyAnnouncement(
+        job_id=streams.job_id,
+        msg_id=policy_version_id(streams.job_id, 7),
+        policy_version=7,
+        manifest=m,
+        transport="tcp",
+        address=trainer.address,
+        trainer_run="run-a",
+    )
     got: dict[str, object] = {}
     try:
         threads = [threading.Thread(target=lambda r=r: got.__setitem__(r.id, r.fetch(ann))) for r in relays]

@@ -61,13 +61,21 @@ def test_generators_relay_weights(tmp_path):
             assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{sup.tail('gen-b', 40)}"
             time.sleep(0.2)
 
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "JOB_ID": job_id,
-           "PYTHONUNBUFFERED": "1", "GEN_BLOCK_MS": "200", "GEN_RELAY_FANOUT": "2"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "JOB_ID": job_id,
+        "PYTHONUNBUFFERED": "1",
+        "GEN_BLOCK_MS": "200",
+        "GEN_RELAY_FANOUT": "2",
+    }
     sup = Supervisor(tmp_path / "logs", env)
     try:
         gens = [sup.start(g, "generator_svc", {"GEN_GENERATOR_ID": g}) for g in ("gen-a", "gen-b")]
-        wait_for(lambda: len(streams.r.hgetall(streams.key(RELAYS))) == 2, "both relays to register",
-                 ("gen-a", "gen-b"))
+        wait_for(
+            lambda: len(streams.r.hgetall(streams.key(RELAYS))) == 2, "both relays to register", ("gen-a", "gen-b")
+        )
 
         publish(1)
         wait_for(lambda: 1 in loads("gen-a") and 1 in loads("gen-b"), "both to load v1", ("gen-a", "gen-b"))

@@ -77,8 +77,14 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         return sorted(r["version"] for r in ledger.generator_loads(job_id) if r["generator_id"] == gen)
 
     def fingerprint(gen: str, v: int) -> str | None:
-        return next((r["fingerprint"] for r in ledger.generator_loads(job_id)
-                     if r["generator_id"] == gen and r["version"] == v), None)
+        return next(
+            (
+                r["fingerprint"]
+                for r in ledger.generator_loads(job_id)
+                if r["generator_id"] == gen and r["version"] == v
+            ),
+            None,
+        )
 
     def wait_for(cond, what: str, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -88,8 +94,14 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
             assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{sup.tail('gen-a', 40)}"
             time.sleep(0.2)
 
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "JOB_ID": job_id,
-           "PYTHONUNBUFFERED": "1", "GEN_BLOCK_MS": "200"}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "JOB_ID": job_id,
+        "PYTHONUNBUFFERED": "1",
+        "GEN_BLOCK_MS": "200",
+    }
     sup = Supervisor(tmp_path / "logs", env)
     try:
         publish(0)
@@ -116,8 +128,14 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         # a transfer cut midway: both keep serving v3 (nothing recorded for v4), and stay up
         srv, addr = _half_sending_server()
         ann = streams.latest(POLICY, PolicyAnnouncement)[1]
-        bad = ann.model_copy(update={"msg_id": f"{job_id}/v4-cut", "policy_version": 4, "address": addr,
-                                     "manifest": ann.manifest.model_copy(update={"version": 4})})
+        bad = ann.model_copy(
+            update={
+                "msg_id": f"{job_id}/v4-cut",
+                "policy_version": 4,
+                "address": addr,
+                "manifest": ann.manifest.model_copy(update={"version": 4}),
+            }
+        )
         streams.publish(POLICY, bad)
         time.sleep(4)
         assert 4 not in loads("gen-a") and 4 not in loads("gen-b")
@@ -136,9 +154,20 @@ def test_weight_sync_late_join_fingerprints_restart_interruption_and_bad_probe(t
         server2.serve(manifest, buf)
         ids, lp = probe(model)
         lp[3] += 0.5  # what a silently wrong load would look like from the outside
-        streams.publish(POLICY, PolicyAnnouncement(
-            job_id=job_id, msg_id=f"{job_id}/v6", policy_version=6, manifest=manifest, transport="tcp",
-            address=server2.address, trainer_run="run-2", probe_ids=pack_i32(ids), probe_logprobs=pack_f32(lp)))
+        streams.publish(
+            POLICY,
+            PolicyAnnouncement(
+                job_id=job_id,
+                msg_id=f"{job_id}/v6",
+                policy_version=6,
+                manifest=manifest,
+                transport="tcp",
+                address=server2.address,
+                trainer_run="run-2",
+                probe_ids=pack_i32(ids),
+                probe_logprobs=pack_f32(lp),
+            ),
+        )
         deadline = time.monotonic() + 120
         while any(p.popen.poll() is None for p in sup.procs) and time.monotonic() < deadline:
             time.sleep(0.2)

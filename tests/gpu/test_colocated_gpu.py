@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def tiny_model(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )
 
 
 def test_engine_sleeps_and_wakes_to_the_same_outputs(tiny_model):
@@ -41,7 +42,9 @@ def test_engine_sleeps_and_wakes_to_the_same_outputs(tiny_model):
         turns.wake()
         assert not turns.asleep
         assert engine.generate([[1, 2, 3, 4]], params, [1])[0][0].completion_ids == before
-        print(f"\nsleep {turns.sleep_s:.3f}s wake {turns.wake_s:.3f}s, freed {(free_asleep - free_awake) / 2**30:.2f} GiB")
+        print(
+            f"\nsleep {turns.sleep_s:.3f}s wake {turns.wake_s:.3f}s, freed {(free_asleep - free_awake) / 2**30:.2f} GiB"
+        )
     finally:
         engine.close()
 
@@ -64,9 +67,15 @@ def test_trainer_state_round_trips_through_host_memory():
             params = list(model.parameters())
             off.to_host()
             if offload:
-                assert all(p.device.type == "cpu" and p.grad is not None and p.grad.device.type == "cpu" for p in params)
-                assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values()
-                           if isinstance(t, torch.Tensor))
+                assert all(
+                    p.device.type == "cpu" and p.grad is not None and p.grad.device.type == "cpu" for p in params
+                )
+                assert all(
+                    t.device.type == "cpu"
+                    for s in opt.state.values()
+                    for t in s.values()
+                    if isinstance(t, torch.Tensor)
+                )
                 assert list(model.parameters()) == params  # the same Parameter objects: moved in place
         off.to_device()
         return [p.detach().cpu().clone() for p in model.parameters()]

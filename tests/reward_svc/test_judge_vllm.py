@@ -38,10 +38,30 @@ def judge_server(tmp_path_factory):
     (root / "chat.jinja").write_text(TEMPLATE)
     port = _free_port()
     log_path = root / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
-           "--enforce-eager", "--seed", "0", "--chat-template", str(root / "chat.jinja")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny-judge",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--chat-template",
+        str(root / "chat.jinja"),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -72,15 +92,29 @@ def judge_server(tmp_path_factory):
 
 @pytest.mark.parametrize("rule", ["number", "yes_no"])
 def test_judge_scores_are_the_rule_applied_to_the_real_servers_replies(judge_server, rule):
-    spec = {"kind": "judge", "base_url": f"{judge_server}/v1", "model": "tiny-judge", "rule": rule,
-            "template": "Q:{prompt} A:{completion} ok?", "max_tokens": 6, "temperature": 0.0,
-            "concurrency": 1, "timeout_s": 120}
-    items = [RewardInput(prompt=f"{a}+{b}=", completion=str(a + b + d), answer=str(a + b))
-             for a, b, d in [(1, 2, 0), (12, 7, 1), (40, 2, 0), (9, 9, 3)]]
+    spec = {
+        "kind": "judge",
+        "base_url": f"{judge_server}/v1",
+        "model": "tiny-judge",
+        "rule": rule,
+        "template": "Q:{prompt} A:{completion} ok?",
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "concurrency": 1,
+        "timeout_s": 120,
+    }
+    items = [
+        RewardInput(prompt=f"{a}+{b}=", completion=str(a + b + d), answer=str(a + b))
+        for a, b, d in [(1, 2, 0), (12, 7, 1), (40, 2, 0), (9, 9, 3)]
+    ]
     replies = []
     for it in items:  # the same request, straight to the server: what the judge must have read
-        body = {"model": "tiny-judge", "max_tokens": 6, "temperature": 0.0,
-                "messages": [{"role": "user", "content": f"Q:{it.prompt} A:{it.completion} ok?"}]}
+        body = {
+            "model": "tiny-judge",
+            "max_tokens": 6,
+            "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"Q:{it.prompt} A:{it.completion} ok?"}],
+        }
         resp = httpx.post(f"{judge_server}/v1/chat/completions", json=body, timeout=120)
         resp.raise_for_status()
         replies.append(resp.json()["choices"][0]["message"]["content"])

@@ -38,10 +38,22 @@ PROGRAMS = {
 
 def rollout(job: str, name: str, completion: str, *, tokens: int = 3, group: str = "g") -> Rollout:
     return Rollout(
-        job_id=job, msg_id=f"{job}/{group}/{name}", group_id=f"{job}/{group}", policy_version=0, policy_version_max=0,
-        prompt_index=0, sample_index=0, group_size=1, generator_id="gen", prompt_ids=pack_i32([1, 2]),
-        completion_ids=pack_i32(range(tokens)), logprobs=pack_f32([-0.5] * tokens), completion=completion,
-        answer="55", prompt="what is 1+...+10?", metadata={"row": name},
+        job_id=job,
+        msg_id=f"{job}/{group}/{name}",
+        group_id=f"{job}/{group}",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=0,
+        group_size=1,
+        generator_id="gen",
+        prompt_ids=pack_i32([1, 2]),
+        completion_ids=pack_i32(range(tokens)),
+        logprobs=pack_f32([-0.5] * tokens),
+        completion=completion,
+        answer="55",
+        prompt="what is 1+...+10?",
+        metadata={"row": name},
     )
 
 
@@ -54,8 +66,15 @@ def open_setup(tmp_path, reward, eval_sets=(), **settings_kw):
     ledger.create_job(job, "reward-test", spec, state="running")
     streams = JobStreams(connect(redis_url), job, prefix=prefix, max_message_bytes=4096)
     settings = RewardSettings(
-        redis_url=redis_url, database_url=str(ledger.url), job_id=job, stream_prefix=prefix,
-        max_message_bytes=4096, block_ms=100, batch=4, job_wait_s=5, **settings_kw,
+        redis_url=redis_url,
+        database_url=str(ledger.url),
+        job_id=job,
+        stream_prefix=prefix,
+        max_message_bytes=4096,
+        block_ms=100,
+        batch=4,
+        job_wait_s=5,
+        **settings_kw,
     )
     return job, ledger, streams, settings
 
@@ -74,9 +93,18 @@ def test_reward_service_survives_hostile_programs_and_bad_input(setup, monkeypat
     empty = rollout(job, "empty", "", tokens=0)
     ledger.record_generated(
         [
-            {"msg_id": r.msg_id, "job_id": job, "group_id": r.group_id, "sample_index": 0, "prompt_index": 0,
-             "generator_id": "gen", "gen_version_min": 0, "num_prompt_tokens": 2,
-             "num_completion_tokens": len(r.completion_ids) // 4, "completion": r.completion}
+            {
+                "msg_id": r.msg_id,
+                "job_id": job,
+                "group_id": r.group_id,
+                "sample_index": 0,
+                "prompt_index": 0,
+                "generator_id": "gen",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 2,
+                "num_completion_tokens": len(r.completion_ids) // 4,
+                "completion": r.completion,
+            }
             for r in [*good, empty]
         ]
     )
@@ -180,8 +208,10 @@ def test_a_hung_or_raising_reward_does_not_stop_the_others_and_scores_zero(tmp_p
         took = serve_until(streams, settings, n_scored=len(names))
         assert took < BUDGET + 30  # one budget for the hang, not one per batch, nor forever
 
-        scored = {s.msg_id.rsplit("/", 1)[1]: s for s in
-                  (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))}
+        scored = {
+            s.msg_id.rsplit("/", 1)[1]: s
+            for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))
+        }
         assert set(scored) == set(names)
         fine = [n for n in names if n not in ("hang", "boom")]
         assert all(scored[n].reward == 1.0 + len(n) and scored[n].reward_status == "ok" for n in fine)
@@ -196,7 +226,9 @@ def test_a_hung_or_raising_reward_does_not_stop_the_others_and_scores_zero(tmp_p
         assert rows["boom"]["reward_status"] == "error"
         assert "scorer bug on boom" in rows["boom"]["reward_details"]["reason"]
         assert rows["a"]["reward_status"] == "ok" and rows["a"]["reward_details"]["components"] == {
-            "correct": 1.0, "row_len": 1.0}
+            "correct": 1.0,
+            "row_len": 1.0,
+        }
         assert streams.pending_count(ROLLOUTS, "rewarders") == 0  # nothing left pending for redelivery
     finally:
         streams.delete_all()
@@ -235,8 +267,10 @@ def test_an_eval_set_with_its_own_reward_is_scored_with_it(tmp_path) -> None:
         hard = hard.model_copy(update={"purpose": "eval", "eval_set": "hard"})
         streams.publish_many(ROLLOUTS, [train, held, hard])
         serve_until(streams, settings, n_scored=3)
-        rewards = {s.msg_id.rsplit("/", 1)[1]: s.reward
-                   for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))}
+        rewards = {
+            s.msg_id.rsplit("/", 1)[1]: s.reward
+            for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))
+        }
         assert rewards == {"train": 1.0 + len("train"), "held": 1.0 + len("held"), "hard": -1.0}
     finally:
         streams.delete_all()

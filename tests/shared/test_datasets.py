@@ -42,8 +42,13 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 def qa_rows(n: int, *, q: str = "q", a: str = "a") -> list[dict[str, Any]]:
     """Non-default column names plus metadata columns (an id, a difficulty, nested tests)."""
     return [
-        {q: f"What is {i} squared?", a: i * i, "id": f"row-{i}", "difficulty": i % 3,
-         "tests": [{"input": str(i), "output": str(i * i)}]}
+        {
+            q: f"What is {i} squared?",
+            a: i * i,
+            "id": f"row-{i}",
+            "difficulty": i % 3,
+            "tests": [{"input": str(i), "output": str(i * i)}],
+        }
         for i in range(n)
     ]
 
@@ -118,8 +123,9 @@ def test_dataset_dict_split_is_chosen_and_checked(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="has no split 'dev'; its splits are: train, test"):
         load_source(DatasetSource(path=str(path), split="dev"), spec(path=str(path), **QA), 0)
     # A train/test pair from one DatasetDict folder.
-    train, held = load_task(spec(datasets=[{"path": str(path), "split": "train"}],
-                                 test=[{"path": str(path), "split": "test"}], **QA), 0)
+    train, held = load_task(
+        spec(datasets=[{"path": str(path), "split": "train"}], test=[{"path": str(path), "split": "test"}], **QA), 0
+    )
     assert (len(train), len(held)) == (6, 2)
 
 
@@ -131,12 +137,15 @@ def test_metadata_is_plain_python(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "prompt": ["p0", "p1"], "answer": [1.5, 2.0],
-        "when": [datetime.datetime(2024, 1, 2, 3, 4, 5), None],
-        "price": pa.array([decimal.Decimal("1.25"), decimal.Decimal("2.50")], pa.decimal128(5, 2)),
-        "score": [float("nan"), 0.5],
-    })
+    table = pa.table(
+        {
+            "prompt": ["p0", "p1"],
+            "answer": [1.5, 2.0],
+            "when": [datetime.datetime(2024, 1, 2, 3, 4, 5), None],
+            "price": pa.array([decimal.Decimal("1.25"), decimal.Decimal("2.50")], pa.decimal128(5, 2)),
+            "score": [float("nan"), 0.5],
+        }
+    )
     pq.write_table(table, tmp_path / "t.parquet")
     a, b = load_source(DatasetSource(path=str(tmp_path / "t.parquet")), spec(path=str(tmp_path / "t.parquet")), 0)
     assert (a.answer, b.answer) == ("1.5", "2")
@@ -146,7 +155,11 @@ def test_metadata_is_plain_python(tmp_path: Path) -> None:
     from shared.datasets import _plain
 
     assert _plain({"n": np.int64(3), "x": np.float32(0.5), "v": np.arange(2), "t": (1, 2)}, "m") == {
-        "n": 3, "x": 0.5, "v": [0, 1], "t": [1, 2]}
+        "n": 3,
+        "x": 0.5,
+        "v": [0, 1],
+        "t": [1, 2],
+    }
     assert type(_plain(np.int64(3), "m")) is int
 
 
@@ -163,8 +176,9 @@ def test_messages_field(tmp_path: Path) -> None:
     assert a.messages == ({"role": "user", "content": "hi"},) and a.prompt == "hi"
     assert b.prompt == "2+2?" and b.answer == "4" and b.metadata == {"id": 1}
     # system_prompt goes first, unless the row has its own system turn.
-    a, b = load_source(DatasetSource(path=str(path)),
-                       spec(path=str(path), messages_field="conv", system_prompt="Be brief."), 0)
+    a, b = load_source(
+        DatasetSource(path=str(path)), spec(path=str(path), messages_field="conv", system_prompt="Be brief."), 0
+    )
     assert a.messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"})
     assert b.messages is not None and b.messages[0] == {"role": "system", "content": "own"} and len(b.messages) == 2
 
@@ -175,7 +189,10 @@ def test_messages_field(tmp_path: Path) -> None:
         ("hello", "must be a non-empty list"),
         ([{"role": "user"}], r"item 0: expected \{\"role\": str, \"content\": str\}"),
         ([{"role": "robot", "content": "x"}], "role 'robot' is not one of system, user, assistant"),
-        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "must end with a non-empty user turn"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "must end with a non-empty user turn",
+        ),
     ],
 )
 def test_bad_messages_name_row_and_field(tmp_path: Path, conv: Any, match: str) -> None:
@@ -188,20 +205,31 @@ def test_bad_messages_name_row_and_field(tmp_path: Path, conv: Any, match: str) 
 
 def test_system_prompt_and_template(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", qa_rows(3))
-    task = spec(path=str(path), answer_field="a", prompt_template="Q{id!r}: {q}\nLevel {difficulty:02d}\nA:",
-                system_prompt="You are a calculator.")
+    task = spec(
+        path=str(path),
+        answer_field="a",
+        prompt_template="Q{id!r}: {q}\nLevel {difficulty:02d}\nA:",
+        system_prompt="You are a calculator.",
+    )
     p = load_source(DatasetSource(path=str(path)), task, 0)[2]
     assert p.prompt == "Q'row-2': What is 2 squared?\nLevel 02\nA:"
     assert p.messages == ({"role": "system", "content": "You are a calculator."}, {"role": "user", "content": p.prompt})
     assert set(p.metadata) == {"tests"}  # the template's and the answer's columns are not repeated
     # Without a system prompt a plain-text task has no messages.
-    assert load_source(DatasetSource(path=str(path)), spec(path=str(path), answer_field="a",
-                                                           prompt_template="{q}"), 0)[0].messages is None
+    assert (
+        load_source(DatasetSource(path=str(path)), spec(path=str(path), answer_field="a", prompt_template="{q}"), 0)[
+            0
+        ].messages
+        is None
+    )
 
 
 def test_template_missing_column_names_row(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "x", "answer": 1}, {"answer": 2}])
-    with pytest.raises(DatasetError, match=r"line 2: field 'q' \(used by prompt_template\) is missing or null; the row's columns are: answer"):
+    with pytest.raises(
+        DatasetError,
+        match=r"line 2: field 'q' \(used by prompt_template\) is missing or null; the row's columns are: answer",
+    ):
         load_task(spec(path=str(path), prompt_template="Q: {q}", n_test=1), 0)
 
 
@@ -238,9 +266,13 @@ def test_answers(tmp_path: Path) -> None:
 def test_per_dataset_field_overrides(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "answer": i} for i in range(4)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"problem": f"b{i}", "solution": i} for i in range(4)])
-    task = spec(datasets=[{"path": str(a), "name": "A"},
-                          {"path": str(b), "name": "B", "prompt_field": "problem", "answer_field": "solution"}],
-                test=[{"path": str(b), "prompt_template": "Solve {problem}", "answer_field": "solution"}])
+    task = spec(
+        datasets=[
+            {"path": str(a), "name": "A"},
+            {"path": str(b), "name": "B", "prompt_field": "problem", "answer_field": "solution"},
+        ],
+        test=[{"path": str(b), "prompt_template": "Solve {problem}", "answer_field": "solution"}],
+    )
     train, test = load_task(task, seed=0)
     assert sorted(p.prompt for p in train) == [*(f"a{i}" for i in range(4)), *(f"b{i}" for i in range(4))]
     assert {p.source for p in train} == {"A", "B"}
@@ -258,7 +290,10 @@ def test_per_dataset_field_overrides(tmp_path: Path) -> None:
         ('{"q": ["x"], "a": 1}', r"line 3: field 'q' \(prompt\) must be a string, got list"),
         ('{"q": "  ", "a": 1}', r"line 3: field 'q' \(prompt\) is empty"),
         ('{"q": "x", "a": [1]}', r"line 3: field 'a' \(answer\) must be a string or a number, got list"),
-        ('{"q": "x"}', r"line 3: field 'a' \(answer\) is missing or null; the row's columns are: q \(set answer_field to null"),
+        (
+            '{"q": "x"}',
+            r"line 3: field 'a' \(answer\) is missing or null; the row's columns are: q \(set answer_field to null",
+        ),
         ('{"q": "x", "a": ""}', r"line 3: field 'a' \(answer\) is empty"),
         ('"just a string"', r"line 3: expected a JSON object, got str"),
     ],
@@ -331,7 +366,9 @@ def test_paths_that_are_not_data(tmp_path: Path) -> None:
         load_task(spec(path=str(tmp_path / "data.txt")), 0)
     # An explicit format reads any suffix.
     write_jsonl(tmp_path / "data.txt", [{"prompt": "p", "answer": 1}])
-    assert load_source(DatasetSource(path=str(tmp_path / "data.txt"), format="jsonl"), spec(path="x"), 0)[0].answer == "1"
+    assert (
+        load_source(DatasetSource(path=str(tmp_path / "data.txt"), format="jsonl"), spec(path="x"), 0)[0].answer == "1"
+    )
     with pytest.raises(DatasetError, match="split applies to save_to_disk folders"):
         load_source(DatasetSource(path=str(tmp_path / "data.txt"), format="jsonl", split="train"), spec(path="x"), 0)
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
@@ -344,7 +381,11 @@ def test_relative_paths_resolve_against_the_current_directory(tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     train, test = load_task(spec(path="rel.jsonl", n_test=1), 0)
     assert (len(train), len(test)) == (2, 1)
-    with pytest.raises(DatasetError, match=rf"missing.jsonl does not exist \(relative paths resolve against the current directory: {tmp_path}/missing.jsonl\)"):
+    with pytest.raises(
+        DatasetError,
+        match=rf"missing.jsonl does not exist \(relative paths resolve against the current directory: "
+        rf"{tmp_path}/missing.jsonl\)",
+    ):
         load_task(spec(path="missing.jsonl"), 0)
 
 
@@ -390,7 +431,9 @@ def test_seeded_split_is_disjoint_and_deterministic(tmp_path: Path) -> None:
 
 def test_split_over_several_datasets(tmp_path: Path) -> None:
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"a{i}", "answer": i} for i in range(30)])
-    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "answer": i} for i in range(30)] + [{"prompt": "a0", "answer": 0}])
+    b = write_jsonl(
+        tmp_path / "b.jsonl", [{"prompt": f"b{i}", "answer": i} for i in range(30)] + [{"prompt": "a0", "answer": 0}]
+    )
     train, test = load_task(spec(datasets=[{"path": str(a)}, {"path": str(b)}], n_test=12), seed=1)
     assert len(test) == 12 and len(train) == 48  # 'a0' in b repeats a's row: counted once
     assert not {p.prompt for p in train} & {p.prompt for p in test}
@@ -427,7 +470,9 @@ def test_no_weights_means_every_row(tmp_path: Path) -> None:
     assert collections.Counter(p.source for p in train) == {"big": 90, "small": 10}
     train, _ = load_task(spec(datasets=sources, test=[sources[1]], n_train=50), 0)
     assert collections.Counter(p.source for p in train) == {"big": 45, "small": 5}  # in proportion to size
-    with pytest.raises(DatasetError, match="n_train=101 but the training data .* has 100 usable problems; .* give the datasets weights"):
+    with pytest.raises(
+        DatasetError, match="n_train=101 but the training data .* has 100 usable problems; .* give the datasets weights"
+    ):
         load_task(spec(datasets=sources, test=[sources[1]], n_train=101), 0)
 
 
@@ -442,7 +487,7 @@ def test_mixing_weights(tmp_path: Path) -> None:
     assert len({p.prompt for p in train if p.source == "a"}) == 500
     # Evenly interleaved: any stretch of the list, and the trainer's shuffled draws, keep the mix.
     for start in range(0, 3000, 250):
-        window = collections.Counter(p.source for p in train[start:start + 100])
+        window = collections.Counter(p.source for p in train[start : start + 100])
         assert abs(window["a"] - 50) <= 2 and abs(window["b"] - 30) <= 2 and abs(window["c"] - 20) <= 2
     import random
 
@@ -484,7 +529,10 @@ def test_every_field_is_documented_and_constrained() -> None:
         ({"path": "a", "test_path": "b", "test_fraction": 0.1}, "use task.n_test to cut them"),
         ({"path": "a", "messages_field": "m", "prompt_template": "{x}"}, "remove prompt_template"),
         ({"path": "a", "messages_field": "m", "prompt_field": "x"}, "remove prompt_field"),
-        ({"path": "a", "prompt_field": "q", "prompt_template": "{q}"}, "give task.prompt_field or task.prompt_template"),
+        (
+            {"path": "a", "prompt_field": "q", "prompt_template": "{q}"},
+            "give task.prompt_field or task.prompt_template",
+        ),
         ({"path": "a", "format": "xml"}, "Extra inputs"),
         ({"datasets": [{"path": "a", "format": "xml"}]}, "'jsonl', 'json', 'parquet', 'csv' or 'save_to_disk'"),
     ],
@@ -496,8 +544,9 @@ def test_spec_errors_say_what_to_fix(data: dict[str, Any], match: str) -> None:
 
 def test_existing_specs_keep_their_meaning() -> None:
     assert TaskSpec().name == "arithmetic" and TaskSpec(n_train=64, n_test=8).name == "arithmetic"
-    g = TaskSpec.model_validate({"name": "gsm8k", "path": "/d/train.jsonl", "test_path": "/d/test.jsonl",
-                                 "n_train": 7473, "n_test": 500})
+    g = TaskSpec.model_validate(
+        {"name": "gsm8k", "path": "/d/train.jsonl", "test_path": "/d/test.jsonl", "n_train": 7473, "n_test": 500}
+    )
     assert [s.path for s in g.train_sources()] == ["/d/train.jsonl"]
     assert [s.path for s in g.test_sources()] == ["/d/test.jsonl"]
     assert TaskSpec(path="x.parquet").name == "dataset"  # files without a name: your own dataset
@@ -511,26 +560,136 @@ def test_existing_specs_keep_their_meaning() -> None:
 # seeds and sizes): question numbers of train and test, and for arithmetic a sha256 of
 # [[index, prompt, answer], ...] over train + test with the first prompts.
 OLD = {
-    "split0": [[7, 5, 10, 13, 14, 37, 22, 39, 23, 17, 8, 35, 3, 33, 9, 4, 36, 6, 28, 18, 11, 30, 19, 25, 31],
-               [0, 27, 12, 21, 29, 15, 38, 34, 1, 20], ["26159", "18685", "37370"]],
-    "sep0": [[36, 11, 33, 0, 37, 20, 14, 7, 18, 21, 12, 6, 5, 1, 23, 15, 10, 39, 35, 28, 27, 3, 17, 8, 34, 3, 7,
-              29, 9, 4, 38, 13, 22, 30, 19, 25, 31, 32, 16, 2, 26, 24], list(range(12))],
-    "split7": [[39, 0, 28, 14, 38, 18, 22, 31, 27, 24, 17, 32, 7, 26, 37, 13, 2, 1, 33, 16, 29, 36, 23, 6, 34],
-               [5, 35, 12, 19, 15, 10, 30, 21, 8, 11], ["145743", "0", "104636"]],
-    "sep7": [[14, 5, 22, 7, 3, 16, 10, 15, 11, 35, 37, 24, 8, 0, 19, 36, 12, 21, 39, 33, 18, 30, 27, 17, 26, 7, 29,
-              28, 31, 2, 1, 13, 32, 38, 23, 6, 34, 4, 3, 25, 9, 20], list(range(12))],
-    "arith0": ["de9f8faf6682850a8cea83797f1629c2c0d82cbbde962d987dff0239c07c24d5", ["9+17=", "19+8=", "10+15="],
-               ["6+1=", "11+4=", "11+8="]],
-    "arith3": ["1e424ccc701f4caf87b20dcf41f86536f7c3bb2f7931d9a8f0dc3a13bac444d8", ["6+1=", "15+3=", "13+18="],
-               ["3+8=", "9+7=", "2+9="]],
-    "arith11": ["d2db0a3eeb04e573892690dab8bc5074b236bdd2daafe7bf459beb6eb30582e7", ["11+11=", "14+6=", "19+19="],
-                ["16+2=", "15+14=", "4+15="]],
+    "split0": [
+        [7, 5, 10, 13, 14, 37, 22, 39, 23, 17, 8, 35, 3, 33, 9, 4, 36, 6, 28, 18, 11, 30, 19, 25, 31],
+        [0, 27, 12, 21, 29, 15, 38, 34, 1, 20],
+        ["26159", "18685", "37370"],
+    ],
+    "sep0": [
+        [
+            36,
+            11,
+            33,
+            0,
+            37,
+            20,
+            14,
+            7,
+            18,
+            21,
+            12,
+            6,
+            5,
+            1,
+            23,
+            15,
+            10,
+            39,
+            35,
+            28,
+            27,
+            3,
+            17,
+            8,
+            34,
+            3,
+            7,
+            29,
+            9,
+            4,
+            38,
+            13,
+            22,
+            30,
+            19,
+            25,
+            31,
+            32,
+            16,
+            2,
+            26,
+            24,
+        ],
+        list(range(12)),
+    ],
+    "split7": [
+        [39, 0, 28, 14, 38, 18, 22, 31, 27, 24, 17, 32, 7, 26, 37, 13, 2, 1, 33, 16, 29, 36, 23, 6, 34],
+        [5, 35, 12, 19, 15, 10, 30, 21, 8, 11],
+        ["145743", "0", "104636"],
+    ],
+    "sep7": [
+        [
+            14,
+            5,
+            22,
+            7,
+            3,
+            16,
+            10,
+            15,
+            11,
+            35,
+            37,
+            24,
+            8,
+            0,
+            19,
+            36,
+            12,
+            21,
+            39,
+            33,
+            18,
+            30,
+            27,
+            17,
+            26,
+            7,
+            29,
+            28,
+            31,
+            2,
+            1,
+            13,
+            32,
+            38,
+            23,
+            6,
+            34,
+            4,
+            3,
+            25,
+            9,
+            20,
+        ],
+        list(range(12)),
+    ],
+    "arith0": [
+        "de9f8faf6682850a8cea83797f1629c2c0d82cbbde962d987dff0239c07c24d5",
+        ["9+17=", "19+8=", "10+15="],
+        ["6+1=", "11+4=", "11+8="],
+    ],
+    "arith3": [
+        "1e424ccc701f4caf87b20dcf41f86536f7c3bb2f7931d9a8f0dc3a13bac444d8",
+        ["6+1=", "15+3=", "13+18="],
+        ["3+8=", "9+7=", "2+9="],
+    ],
+    "arith11": [
+        "d2db0a3eeb04e573892690dab8bc5074b236bdd2daafe7bf459beb6eb30582e7",
+        ["11+11=", "14+6=", "19+19="],
+        ["16+2=", "15+14=", "4+15="],
+    ],
 }
 
 
 def _gsm8k_rows(n: int) -> list[dict[str, str]]:
-    return [{"question": f" Q{i}: Tom has {i * 37} apples. How many? ", "answer": f"He has {i * 37}.\n#### {i * 37 * 101:,}"}
-            for i in range(n)]
+    return [
+        {
+            "question": f" Q{i}: Tom has {i * 37} apples. How many? ",
+            "answer": f"He has {i * 37}.\n#### {i * 37 * 101:,}",
+        }
+        for i in range(n)
+    ]
 
 
 def _numbers(problems: list[Problem]) -> list[int]:
@@ -545,8 +704,9 @@ def test_gsm8k_preset_gives_the_old_output(tmp_path: Path, seed: int) -> None:
     train, test = load_task(TaskSpec(name="gsm8k", n_train=25, n_test=10, path=str(train_path)), seed)
     assert [_numbers(train), _numbers(test), [p.answer for p in train[:3]]] == OLD[f"split{seed}"]
     assert train[0].prompt == train[0].prompt.strip() and train[0].metadata == {}
-    train, test = load_task(TaskSpec(name="gsm8k", n_train=42, n_test=12, path=str(train_path),
-                                     test_path=str(test_path)), seed)
+    train, test = load_task(
+        TaskSpec(name="gsm8k", n_train=42, n_test=12, path=str(train_path), test_path=str(test_path)), seed
+    )
     assert [_numbers(train), _numbers(test)] == OLD[f"sep{seed}"]
 
 
@@ -564,8 +724,10 @@ def test_arithmetic_defaults_and_mapping() -> None:
     # Generated rows take the same mapping as a file's: a template and a system prompt apply.
     train, _ = load_task(TaskSpec(prompt_template="Compute {prompt}", system_prompt="Digits only."), seed=0)
     assert train[0].prompt == "Compute 9+17="
-    assert train[0].messages == ({"role": "system", "content": "Digits only."},
-                                 {"role": "user", "content": "Compute 9+17="})
+    assert train[0].messages == (
+        {"role": "system", "content": "Digits only."},
+        {"role": "user", "content": "Compute 9+17="},
+    )
     with pytest.raises(ValueError, match="exceeds the 400 distinct problems"):
         load_task(TaskSpec(n_train=350), seed=0)
 

@@ -53,8 +53,8 @@ BOS = 1
 def toy_tokenize(text: str) -> list[int]:
     out, i = [], 0
     while i < len(text):
-        if text[i: i + 2] in MERGED:
-            out.append(MERGED[text[i: i + 2]])
+        if text[i : i + 2] in MERGED:
+            out.append(MERGED[text[i : i + 2]])
             i += 2
         else:
             out.append(ord(text[i]))
@@ -155,7 +155,10 @@ def test_mask_and_logprobs_line_up_and_no_retokenization() -> None:
     assert model.contexts[1] == [BOS, ord("Q"), 97, 10, 111, 107, 10]
     # Turns: kinds, spans, per-turn rewards.
     assert [(t.kind, t.start, t.end, t.reward) for t in ep.turns] == [
-        ("model", 0, 1, 0.5), ("env", 1, 5, None), ("model", 5, 6, 1.0)]
+        ("model", 0, 1, 0.5),
+        ("env", 1, 5, None),
+        ("model", 5, 6, 1.0),
+    ]
     assert ep.num_turns == 2 and ep.rewards == [0.5, 1.0]
     assert ep.final_text == "b" and env.seen[0] == ModelTurn("a", (97,), "stop", 0)
 
@@ -173,7 +176,9 @@ def test_model_ids_kept_when_they_do_not_decode_back() -> None:
 
 
 def test_single_turn_is_todays_behaviour() -> None:
-    ep = run(run_episode(SingleTurnEnv(), Problem(0, "17+25=", "42"), ScriptedModel([("42", "stop")]), toy_codec(), LIMITS))
+    ep = run(
+        run_episode(SingleTurnEnv(), Problem(0, "17+25=", "42"), ScriptedModel([("42", "stop")]), toy_codec(), LIMITS)
+    )
     assert ep.prompt_ids == [BOS, *toy_tokenize("17+25=")]
     assert ep.ids == toy_tokenize("42") and ep.mask == [1, 1] and ep.stop_reason == "done" and ep.num_turns == 1
     assert ep.finish_reason == "stop" and ep.final_text == "42"
@@ -194,7 +199,11 @@ def forever(role: str = "user") -> Scripted:
 
 
 def test_max_turns() -> None:
-    ep = run(run_episode(forever(), ROW, ScriptedModel([("x", "stop")]), toy_codec(), LIMITS.model_copy(update={"max_turns": 3})))
+    ep = run(
+        run_episode(
+            forever(), ROW, ScriptedModel([("x", "stop")]), toy_codec(), LIMITS.model_copy(update={"max_turns": 3})
+        )
+    )
     assert ep.stop_reason == "max_turns" and ep.num_turns == 3
     assert [t.kind for t in ep.turns] == ["model", "env", "model", "env", "model", "env"]
 
@@ -215,7 +224,15 @@ def test_max_tokens_with_an_engine_that_overshoots() -> None:
 
 def test_max_tokens_reply_that_does_not_fit_is_not_appended() -> None:
     # 2 + 1 = 3 used; the reply's 3 ids do not fit in 5: nothing of it is appended.
-    ep = run(run_episode(forever(), ROW, ScriptedModel([("x", "stop")]), toy_codec(), LIMITS.model_copy(update={"max_total_tokens": 5})))
+    ep = run(
+        run_episode(
+            forever(),
+            ROW,
+            ScriptedModel([("x", "stop")]),
+            toy_codec(),
+            LIMITS.model_copy(update={"max_total_tokens": 5}),
+        )
+    )
     assert ep.stop_reason == "max_tokens" and ep.ids == [ord("x")] and [t.kind for t in ep.turns] == ["model"]
 
 
@@ -228,7 +245,13 @@ def test_engine_length_and_other_stops() -> None:
 
 def test_limits_are_validated() -> None:
     assert EpisodeLimits() == EpisodeLimits(max_turns=8, max_total_tokens=4096, step_timeout_s=30.0)
-    for bad in ({"max_turns": 0}, {"max_total_tokens": 1}, {"step_timeout_s": 0}, {"step_timeout_s": float("inf")}, {"turns": 3}):
+    for bad in (
+        {"max_turns": 0},
+        {"max_total_tokens": 1},
+        {"step_timeout_s": 0},
+        {"step_timeout_s": float("inf")},
+        {"turns": 3},
+    ):
         with pytest.raises(ValidationError):
             EpisodeLimits(**bad)  # type: ignore[arg-type]
 
@@ -290,8 +313,16 @@ class SlowSyncGood:
 def test_failing_environments_end_only_their_own_episode() -> None:
     limits = LIMITS.model_copy(update={"step_timeout_s": 1.0})
     envs: list[Any] = [
-        Raises(), HangsSync(), HangsAsync(), Garbage([42]), Garbage([StepResult(reward="high")]),  # type: ignore[arg-type]
-        Garbage([{"txt": "typo"}]), BadStart(), SlowSyncGood(), SingleTurnEnv(), SlowSyncGood(),
+        Raises(),
+        HangsSync(),
+        HangsAsync(),
+        Garbage([42]),
+        Garbage([StepResult(reward="high")]),  # type: ignore[arg-type]
+        Garbage([{"txt": "typo"}]),
+        BadStart(),
+        SlowSyncGood(),
+        SingleTurnEnv(),
+        SlowSyncGood(),
     ]
     ticks = 0
 
@@ -305,7 +336,9 @@ def test_failing_environments_end_only_their_own_episode() -> None:
         stop = asyncio.Event()
         tick = asyncio.create_task(ticker(stop))
         t0 = time.monotonic()
-        eps = await asyncio.gather(*(run_episode(e, ROW, ScriptedModel([("x", "stop")]), toy_codec(), limits) for e in envs))
+        eps = await asyncio.gather(
+            *(run_episode(e, ROW, ScriptedModel([("x", "stop")]), toy_codec(), limits) for e in envs)
+        )
         took = time.monotonic() - t0
         HangsSync.release.set()  # asyncio.run waits for the default executor's threads at exit
         stop.set()
@@ -346,7 +379,9 @@ def test_async_environment() -> None:
 
     ep = run(run_episode(Echo(), ROW, ScriptedModel([("a", "stop"), ("b", "stop")]), toy_codec(), LIMITS))
     assert ep.stop_reason == "done" and ep.rewards == [None, 1.0] and ep.turns[0].info == {"n": 0}
-    assert ep.turns[1].text == "you said a" and ep.ids[ep.turns[1].start: ep.turns[1].end] == toy_tokenize("\nyou said a\n")
+    assert ep.turns[1].text == "you said a" and ep.ids[ep.turns[1].start : ep.turns[1].end] == toy_tokenize(
+        "\nyou said a\n"
+    )
 
 
 # --- chat templates ---------------------------------------------------------------------------------
@@ -374,14 +409,20 @@ def test_chat_reply_is_the_templates_continuation(chat_tokenizer: Any) -> None:
             ids = tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [eos]
             return ids, [-0.5] * len(ids), "stop"
 
-    ep = run(run_episode(ToolEnv(tools=["calculator"], system_prompt=False), Problem(0, "123+456?", "579"), Model(), codec, LIMITS))
+    ep = run(
+        run_episode(
+            ToolEnv(tools=["calculator"], system_prompt=False), Problem(0, "123+456?", "579"), Model(), codec, LIMITS
+        )
+    )
     assert ep.stop_reason == "done" and ep.num_turns == 2
     assert tok.decode(ep.prompt_ids) == "<|user|>123+456?\n<|assistant|>"
     model1, reply, model2 = ep.turns
     # The template closes an assistant message with "\n", which the model (stopping at EOS) did not
     # write: it goes before the tool message, so the transcript reads as the template renders it.
-    assert tok.decode(ep.ids[reply.start: reply.end]) == "\n<|tool|>579\n<|assistant|>"
-    assert ep.ids[model1.start: model1.end][-1] == eos and ep.mask == [1] * model1.end + [0] * (reply.end - reply.start) + [1] * (model2.end - model2.start)
+    assert tok.decode(ep.ids[reply.start : reply.end]) == "\n<|tool|>579\n<|assistant|>"
+    assert ep.ids[model1.start : model1.end][-1] == eos and ep.mask == [1] * model1.end + [0] * (
+        reply.end - reply.start
+    ) + [1] * (model2.end - model2.start)
     assert model1.info == {"tool_call": True, "parsed": True, "tool": "calculator", "ok": True}
     assert model2.info == {"tool_call": False} and ep.final_text == "The answer is 579."
     full = tok.apply_chat_template(ep.messages, tokenize=False)
@@ -390,8 +431,10 @@ def test_chat_reply_is_the_templates_continuation(chat_tokenizer: Any) -> None:
 
 def test_chat_template_without_a_tool_role(chat_tokenizer: Any) -> None:
     tok = chat_tokenizer
-    no_tool = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
-               "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    no_tool = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     codec = ChatCodec(_with_template(tok, no_tool))
     assert not codec.tool_role
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
@@ -401,8 +444,10 @@ def test_chat_template_without_a_tool_role(chat_tokenizer: Any) -> None:
 
 
 def test_chat_template_that_rewrites_earlier_turns_is_refused(chat_tokenizer: Any) -> None:
-    marks_last = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if loop.last %}<|end|>{% endif %}\n"
-                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    marks_last = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if loop.last %}<|end|>{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     tok = _with_template(chat_tokenizer, marks_last)
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     with pytest.raises(TemplateDeltaError, match="renders the conversation differently once a 'tool' message follows"):
@@ -432,20 +477,65 @@ def _with_template(tok: Any, template: str) -> Any:
 # --- the calculator ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("expr", "value"), [
-    ("123+456", 579), ("2*(3+4)", 14), ("7//2", 3), ("-7//2", -4), ("7%3", 1), ("2**10", 1024), ("-3", -3),
-    ("7/2", 3.5), ("2**-1", 0.5), ("((1))", 1), ("1.5*2", 3.0), (" 10 - 2 - 3 ", 5), ("9"*400 + "-" + "9"*400, 0),
-])
+@pytest.mark.parametrize(
+    ("expr", "value"),
+    [
+        ("123+456", 579),
+        ("2*(3+4)", 14),
+        ("7//2", 3),
+        ("-7//2", -4),
+        ("7%3", 1),
+        ("2**10", 1024),
+        ("-3", -3),
+        ("7/2", 3.5),
+        ("2**-1", 0.5),
+        ("((1))", 1),
+        ("1.5*2", 3.0),
+        (" 10 - 2 - 3 ", 5),
+        ("9" * 400 + "-" + "9" * 400, 0),
+    ],
+)
 def test_calculator(expr: str, value: float) -> None:
     assert calculate(expr) == value
 
 
-@pytest.mark.parametrize("expr", [
-    "__import__('os')", "__import__('os').system('id')", "().__class__", "open('/etc/passwd')", "x", "a.b", "[1, 2]",
-    "lambda: 1", "1 if 1 else 2", "2 < 3", "~1", "1 << 100000", "True + 1", "'a' * 3", "1j", "f'{1}'",
-    "9**9**9", "10**5000", "2**4097", "(9**999) * (9**999)", "1e400", "1e308 * 10", "10.0 ** 400", "(-8) ** 0.5",
-    "1/0", "1 % 0", "9" * 1001, "-" * 500 + "1", "(" * 300 + "1" + ")" * 300, "", "1 +", "import os",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "__import__('os')",
+        "__import__('os').system('id')",
+        "().__class__",
+        "open('/etc/passwd')",
+        "x",
+        "a.b",
+        "[1, 2]",
+        "lambda: 1",
+        "1 if 1 else 2",
+        "2 < 3",
+        "~1",
+        "1 << 100000",
+        "True + 1",
+        "'a' * 3",
+        "1j",
+        "f'{1}'",
+        "9**9**9",
+        "10**5000",
+        "2**4097",
+        "(9**999) * (9**999)",
+        "1e400",
+        "1e308 * 10",
+        "10.0 ** 400",
+        "(-8) ** 0.5",
+        "1/0",
+        "1 % 0",
+        "9" * 1001,
+        "-" * 500 + "1",
+        "(" * 300 + "1" + ")" * 300,
+        "",
+        "1 +",
+        "import os",
+    ],
+)
 def test_calculator_refuses(expr: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(ToolError):
@@ -457,10 +547,12 @@ def test_calculator_refuses(expr: str) -> None:
 
 
 def test_parse_tool_call() -> None:
-    assert parse_tool_call('I will add. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>') \
-        == ToolCall("calculator", {"expression": "1+2"})
-    assert parse_tool_call('<tool_call>\n{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}\n</tool_call>') \
-        == ToolCall("python", {"code": "print(1)"})
+    assert parse_tool_call(
+        'I will add. <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    ) == ToolCall("calculator", {"expression": "1+2"})
+    assert parse_tool_call(
+        '<tool_call>\n{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}\n</tool_call>'
+    ) == ToolCall("python", {"code": "print(1)"})
     assert parse_tool_call('<tool_call>{"name": "noargs"}</tool_call>') == ToolCall("noargs", {})
     assert parse_tool_call("no call here") is None
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call> <tool_call>{"name": "b", "arguments": {}}</tool_call>'
@@ -485,9 +577,19 @@ def _step(env: ToolEnv, text: str) -> StepResult:
 def test_tool_env_steps() -> None:
     env = ToolEnv(tools=["calculator"])
     r = _step(env, '<tool_call>{"name": "calculator", "arguments": {"expression": "123+456"}}</tool_call>')
-    assert (r.text, r.done, r.role, r.info) == ("579", False, "tool", {"tool_call": True, "parsed": True, "tool": "calculator", "ok": True})
+    assert (r.text, r.done, r.role, r.info) == (
+        "579",
+        False,
+        "tool",
+        {"tool_call": True, "parsed": True, "tool": "calculator", "ok": True},
+    )
     r = _step(env, '<tool_call>{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}</tool_call>')
-    assert r.text.startswith("error: Call is not allowed") and not r.done and r.info["ok"] is False and r.info["parsed"] is True
+    assert (
+        r.text.startswith("error: Call is not allowed")
+        and not r.done
+        and r.info["ok"] is False
+        and r.info["parsed"] is True
+    )
     r = _step(env, '<tool_call>{"name": "python", "arguments": {"code": "1"}}</tool_call>')
     assert r.text == "error: unknown tool 'python'; available: ['calculator']" and r.info["ok"] is False
     r = _step(env, '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>')
@@ -496,9 +598,16 @@ def test_tool_env_steps() -> None:
     assert "must be a string" in r.text
     r = _step(env, "<tool_call>{oops}</tool_call>")
     assert r.text.startswith("error: the tool call is not valid JSON") and r.info == {
-        "tool_call": True, "parsed": False, "ok": False, "error": r.text.removeprefix("error: ")}
-    r = _step(env, '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
-                   '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>')
+        "tool_call": True,
+        "parsed": False,
+        "ok": False,
+        "error": r.text.removeprefix("error: "),
+    }
+    r = _step(
+        env,
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>',
+    )
     assert r.text == "2\n(only the first tool call of a turn runs; 1 more ignored)"
     r = _step(env, "The answer is 579.")
     assert r.done and r.text == "" and r.info == {"tool_call": False}
@@ -516,12 +625,19 @@ def test_tool_env_opening() -> None:
     assert ToolEnv(system_prompt=False).start({"prompt": "q"}) == [{"role": "user", "content": "q"}]
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed: the python tool runs only in the sandbox")
+@pytest.mark.skipif(
+    shutil.which("bwrap") is None,
+    reason="bubblewrap (bwrap) is not installed: the python tool runs only in the sandbox",
+)
 def test_python_tool_in_the_sandbox() -> None:
     env = ToolEnv(tools=["python"], python_wall_s=10.0)
     r = _step(env, '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
     assert r.text == "42\n" and r.info["ok"] is True
-    r = _step(env, '<tool_call>{"name": "python", "arguments": {"code": "import sys; print(open(\'/etc/passwd\').read()); sys.exit(0)"}}</tool_call>')
+    r = _step(
+        env,
+        '<tool_call>{"name": "python", "arguments": '
+        '{"code": "import sys; print(open(\'/etc/passwd\').read()); sys.exit(0)"}}</tool_call>',
+    )
     assert r.info["ok"] is False and "FileNotFoundError" in r.text and r.text.endswith("[exit status 1]")
     r = _step(env, '<tool_call>{"name": "python", "arguments": {"code": "raise SystemExit(3)"}}</tool_call>')
     assert r.info["ok"] is False and r.text.endswith("[exit status 3]")
@@ -533,7 +649,7 @@ def test_tool_episode_plain_text() -> None:
     ep = run(run_episode(ToolEnv(tools=["calculator"], system_prompt=False), ROW, model, toy_codec(), LIMITS))
     assert ep.stop_reason == "done" and ep.final_text == "42"
     reply = ep.turns[1]
-    assert toy_decode(ep.ids[reply.start: reply.end]) == "\n<tool_response>\n42\n</tool_response>\n"
+    assert toy_decode(ep.ids[reply.start : reply.end]) == "\n<tool_response>\n42\n</tool_response>\n"
     calls = [t.info for t in ep.turns if t.kind == "model" and t.info.get("tool_call")]
     assert sum(i["ok"] for i in calls) / len(calls) == 1.0  # the tool-call success rate
 
@@ -550,8 +666,11 @@ def test_episode_metrics_average_each_info_key_over_the_turns_that_carry_it() ->
     # "tool" and "error" are strings, not figures
     # and the environment's own: two calls, one succeeded
     assert ep.metrics() == {"tool_call": 2 / 3, "parsed": 1.0, "ok": 0.5, "tool_calls": 2.0, "tool_success": 1.0}
-    direct = run(run_episode(ToolEnv(tools=["calculator"], system_prompt=False), ROW,
-                             ScriptedModel([("41", "stop")]), toy_codec(), roomy))
+    direct = run(
+        run_episode(
+            ToolEnv(tools=["calculator"], system_prompt=False), ROW, ScriptedModel([("41", "stop")]), toy_codec(), roomy
+        )
+    )
     assert direct.metrics() == {"tool_call": 0.0, "tool_calls": 0.0, "tool_success": 0.0}
 
 
@@ -561,14 +680,24 @@ class FailingMetrics(Scripted):
 
 
 def test_an_environment_whose_metrics_fail_loses_only_its_figures() -> None:
-    ep = run(run_episode(FailingMetrics([StepResult(done=True, info={"x": 2})]), ROW,
-                         ScriptedModel([("a", "stop")]), toy_codec(), LIMITS))
+    ep = run(
+        run_episode(
+            FailingMetrics([StepResult(done=True, info={"x": 2})]),
+            ROW,
+            ScriptedModel([("a", "stop")]),
+            toy_codec(),
+            LIMITS,
+        )
+    )
     assert ep.stop_reason == "done" and ep.metrics() == {"x": 2.0}
 
 
 def test_episode_metrics_sum_the_turn_rewards_and_skip_what_is_not_a_figure() -> None:
-    replies = [StepResult("r", reward=0.25, info={"x": 1, "nan": float("nan"), "s": "text"}),
-               StepResult("r", info={"x": True}), StepResult(reward=-1.0, done=True)]
+    replies = [
+        StepResult("r", reward=0.25, info={"x": 1, "nan": float("nan"), "s": "text"}),
+        StepResult("r", info={"x": True}),
+        StepResult(reward=-1.0, done=True),
+    ]
     model = ScriptedModel([("a", "stop")] * 3)
     ep = run(run_episode(Scripted(replies), ROW, model, toy_codec(), LIMITS))
     assert ep.metrics() == {"x": 1.0, "reward": -0.75}  # 0.25 + (none) + -1.0
@@ -609,7 +738,11 @@ def test_load_from_a_file(tmp_path: Path) -> None:
     )
     make = load_environment(EnvironmentSpec(name=f"{path}:Countdown", kwargs={"n": 3}))
     ep = run(run_episode(make(), ROW, ScriptedModel([("x", "stop")]), toy_codec(), LIMITS))
-    assert ep.stop_reason == "done" and ep.num_turns == 3 and [t.text for t in ep.turns if t.kind == "env"] == ["2", "1", "0"]
+    assert (
+        ep.stop_reason == "done"
+        and ep.num_turns == 3
+        and [t.text for t in ep.turns if t.kind == "env"] == ["2", "1", "0"]
+    )
     assert make() is not make()  # a fresh environment per episode
     with pytest.raises(EnvironmentLoadError, match="is int; expected a class or factory"):
         load_environment(f"{path}:NotAnEnv")

@@ -59,26 +59,45 @@ def _common(**kw: Any) -> dict[str, Any]:
 
 def _rollout() -> Rollout:
     return Rollout(
-        **_common(), policy_version_max=2, prompt_index=1, sample_index=0, group_size=2, generator_id="gen",
-        prompt_ids=pack_i32([1, 2, 3]), completion_ids=pack_i32([4, 5]), logprobs=pack_f32([-0.5, -1.0]),
-        completion="45", answer="45",
+        **_common(),
+        policy_version_max=2,
+        prompt_index=1,
+        sample_index=0,
+        group_size=2,
+        generator_id="gen",
+        prompt_ids=pack_i32([1, 2, 3]),
+        completion_ids=pack_i32([4, 5]),
+        logprobs=pack_f32([-0.5, -1.0]),
+        completion="45",
+        answer="45",
     )
 
 
 VALID: list[Message] = [
     PromptGroup(**_common(), prompt_index=0, prompt="1+1?", answer="2", n=4, sampling=SamplingParams(seed=3)),
-    EvalRound(**_common(), eval_set="held_out", n=2, sampling=SamplingParams(temperature=0.0, stop=["\n"]),
-              items=[EvalItem(prompt_index=3, prompt="1+2=", prompt_ids=pack_i32([1, 2]), answer="3",
-                              metadata={"level": 1})]),
+    EvalRound(
+        **_common(),
+        eval_set="held_out",
+        n=2,
+        sampling=SamplingParams(temperature=0.0, stop=["\n"]),
+        items=[EvalItem(prompt_index=3, prompt="1+2=", prompt_ids=pack_i32([1, 2]), answer="3", metadata={"level": 1})],
+    ),
     _rollout(),
     Scored(**_common(), rollout=_rollout(), reward=1.0, details={"format": 1.0}),
     PolicyAnnouncement(
         **_common(),
         manifest=Manifest(
-            version=2, tensors=[TensorEntry(name="w", shape=[2, 2], dtype="float32", offset=0, nbytes=16)],
-            total_bytes=16, chunk_bytes=16, chunk_checksums=["00"], checksum="11",
+            version=2,
+            tensors=[TensorEntry(name="w", shape=[2, 2], dtype="float32", offset=0, nbytes=16)],
+            total_bytes=16,
+            chunk_bytes=16,
+            chunk_checksums=["00"],
+            checksum="11",
         ),
-        transport="tcp", address="127.0.0.1:1", probe_ids=pack_i32([1, 2]), probe_logprobs=pack_f32([-0.1]),
+        transport="tcp",
+        address="127.0.0.1:1",
+        probe_ids=pack_i32([1, 2]),
+        probe_logprobs=pack_f32([-0.1]),
     ),
     Control(**_common(), command="set", settings={"lr": 1e-5}),
     DeadLetter(**_common(), stream="rollouts", entry_id="1-0", reason="bad", code="malformed", raw=b"\x00"),
@@ -142,7 +161,8 @@ def check(raw: Any, expected: type[Message] | None = None, max_bytes: int | None
     msg=st.sampled_from(VALID),
     edits=st.lists(
         st.tuples(st.integers(min_value=0), st.sampled_from(["set", "delete", "add", "wrap"]), msgpack_values),
-        min_size=1, max_size=4,
+        min_size=1,
+        max_size=4,
     ),
 )
 def test_nested_mutations_of_valid_messages(msg: Message, edits: list) -> None:
@@ -190,22 +210,33 @@ def test_size_limits_and_schema_versions(msg: Message, limit: int, version: Any)
 
 @FUZZ
 @given(
-    prompt=st.binary(max_size=40), completion=st.binary(max_size=40), logprobs=st.binary(max_size=40),
-    sample_index=st.integers(min_value=-2, max_value=10), group_size=st.integers(min_value=-1, max_value=10),
+    prompt=st.binary(max_size=40),
+    completion=st.binary(max_size=40),
+    logprobs=st.binary(max_size=40),
+    sample_index=st.integers(min_value=-2, max_value=10),
+    group_size=st.integers(min_value=-1, max_value=10),
 )
 def test_rollout_arrays_must_be_consistent(prompt, completion, logprobs, sample_index, group_size) -> None:
     body = msgpack.unpackb(encode(_rollout()), raw=False)
-    body.update(prompt_ids=prompt, completion_ids=completion, logprobs=logprobs,
-                sample_index=sample_index, group_size=group_size)
+    body.update(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=logprobs,
+        sample_index=sample_index,
+        group_size=group_size,
+    )
     raw = msgpack.packb(body, use_bin_type=True)
     consistent = (
-        len(prompt) % 4 == 0 and len(completion) % 4 == 0 and len(logprobs) == len(completion)
+        len(prompt) % 4 == 0
+        and len(completion) % 4 == 0
+        and len(logprobs) == len(completion)
         and 0 <= sample_index < group_size
     )
     if consistent:  # whole values: token ids >= 0, logprobs finite and <= 0 (LOGPROB_MAX)
         lp = np.frombuffer(logprobs, "<f4")
-        consistent = (bool((np.frombuffer(prompt, "<i4") >= 0).all() and (np.frombuffer(completion, "<i4") >= 0).all())
-                      and bool((np.isfinite(lp) & (lp <= LOGPROB_MAX)).all()))
+        consistent = bool(
+            (np.frombuffer(prompt, "<i4") >= 0).all() and (np.frombuffer(completion, "<i4") >= 0).all()
+        ) and bool((np.isfinite(lp) & (lp <= LOGPROB_MAX)).all())
     try:
         r = decode(raw, Rollout)
     except DecodeError as exc:
@@ -251,7 +282,8 @@ def test_random_json_is_a_spec_or_a_readable_error(data: Any) -> None:
     edits=st.dictionaries(st.sampled_from([*SPEC_KEYS, "unknown_knob"]), json_values, min_size=1, max_size=4),
     nested=st.dictionaries(
         st.sampled_from(["lr", "rho", "loss", "advantage", "temperature", "max_tokens", "name", "k_min", "bogus"]),
-        json_values, max_size=3,
+        json_values,
+        max_size=3,
     ),
 )
 def test_mutated_example_specs(base: dict, edits: dict, nested: dict) -> None:

@@ -70,8 +70,7 @@ def test_every_field_is_documented(model: type[BaseModel]) -> None:
     undocumented = [
         name
         for name, f in model.model_fields.items()
-        if not f.description
-        and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
+        if not f.description and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
     ]
     assert not undocumented, f"{model.__name__} fields without a description: {undocumented}"
 
@@ -226,9 +225,7 @@ def test_sync_mode_has_staleness_zero(k: int) -> None:
     assert spec.max_groups_in_flight == 16
 
 
-@pytest.mark.parametrize(
-    ("k", "batch", "in_flight"), [(0, 16, 16), (1, 16, 32), (3, 5, 20), (64, 1, 65)]
-)
+@pytest.mark.parametrize(("k", "batch", "in_flight"), [(0, 16, 16), (1, 16, 32), (3, 5, 20), (64, 1, 65)])
 def test_async_mode_bounds_groups_in_flight(k: int, batch: int, in_flight: int) -> None:
     spec = JobSpec(model_path="m", mode="async", max_staleness=k, prompts_per_step=batch)
     assert spec.staleness_bound == k
@@ -335,8 +332,9 @@ def test_placement_defaults_to_split_and_colocated_is_sync() -> None:
     with pytest.raises(ValidationError, match="placement colocated .* needs mode sync"):
         JobSpec.model_validate({"model_path": "/m", "placement": "colocated", "mode": "async"})
     with pytest.raises(ValidationError, match="adaptive_staleness"):
-        JobSpec.model_validate({"model_path": "/m", "placement": "colocated",
-                                "adaptive_staleness": {"k_min": 0, "k_max": 2}})
+        JobSpec.model_validate(
+            {"model_path": "/m", "placement": "colocated", "adaptive_staleness": {"k_min": 0, "k_max": 2}}
+        )
     with pytest.raises(ValidationError, match="placement"):
         JobSpec.model_validate({"model_path": "/m", "placement": "shared"})
     # the stored form round-trips
@@ -346,8 +344,14 @@ def test_placement_defaults_to_split_and_colocated_is_sync() -> None:
 # A spec as an older version stored it (by hand): a field since removed, a task field this version
 # does not know, an lr above today's bound, an evaluation set whose name no longer validates.
 OLD_STORED: dict[str, Any] = {
-    "name": "old-job", "model_path": "/models/tiny", "mode": "async", "max_staleness": 2,
-    "adaptive_staleness": {"k_min": 1, "k_max": 3}, "group_size": 4, "prompts_per_step": 2, "seed": 7,
+    "name": "old-job",
+    "model_path": "/models/tiny",
+    "mode": "async",
+    "max_staleness": 2,
+    "adaptive_staleness": {"k_min": 1, "k_max": 3},
+    "group_size": 4,
+    "prompts_per_step": 2,
+    "seed": 7,
     "task": {"name": "arithmetic", "n_test": 10, "split_seed": 3},
     "algorithm": {"loss": "gspo", "lr": 2.0},
     "eval_sets": [{"name": "held_out"}, {"name": "no spaces allowed"}],

@@ -23,9 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _scrape(
-    port: int, path: str = "/metrics"
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _scrape(port: int, path: str = "/metrics") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(sample name, sorted labels): value} of one scrape."""
     resp = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5)
     assert resp.status_code == 200
@@ -62,9 +60,7 @@ def test_generator_metrics_scraped() -> None:
     assert got[("asyncrl_generator_generate_seconds_count", JOB)] == 2
     assert got[("asyncrl_generator_generate_seconds_sum", JOB)] == pytest.approx(2.3)
     # 0.3 s falls in the 0.5 s bucket, 2.0 s does not
-    assert (
-        got[("asyncrl_generator_generate_seconds_bucket", (("job_id", "j1"), ("le", "0.5")))] == 1
-    )
+    assert got[("asyncrl_generator_generate_seconds_bucket", (("job_id", "j1"), ("le", "0.5")))] == 1
     assert got[("asyncrl_generator_policy_version", JOB)] == 3
     assert got[("asyncrl_generator_weight_load_seconds_count", JOB)] == 1
     # any path answers, so /health works as a liveness probe
@@ -84,7 +80,10 @@ def test_reward_metrics_scraped() -> None:
     assert got[("asyncrl_reward_mean", JOB)] == 0.5
     dead = (("job_id", "j1"), ("reason", "non_finite_reward"), ("stream", "rollouts"))
     assert got[("asyncrl_reward_dead_letters_total", dead)] == 2
-    assert got[("asyncrl_reward_dead_letters_total", (("job_id", "j1"), ("reason", "malformed"), ("stream", "rollouts")))] == 1
+    assert (
+        got[("asyncrl_reward_dead_letters_total", (("job_id", "j1"), ("reason", "malformed"), ("stream", "rollouts")))]
+        == 1
+    )
 
 
 def test_trainer_metrics_scraped() -> None:

@@ -1,4 +1,5 @@
-"""Placement of one node's services on its cores (shared.placement): the plan from hand-made core lists, and a service placing itself."""
+"""Placement of one node's services on its cores (shared.placement): the plan from hand-made core lists, and a
+service placing itself."""
 
 from __future__ import annotations
 
@@ -34,8 +35,13 @@ def test_two_cores_are_split_as_the_bench_pins_them():
 
 
 def test_sixteen_cores_two_generators_and_the_reward_share():
-    names = [("broker", "broker"), ("generator-0", "generator_svc"), ("generator-1", "generator_svc"),
-             ("reward", "reward_svc"), ("trainer", "trainer_svc")]
+    names = [
+        ("broker", "broker"),
+        ("generator-0", "generator_svc"),
+        ("generator-1", "generator_svc"),
+        ("reward", "reward_svc"),
+        ("trainer", "trainer_svc"),
+    ]
     p = plan_placement(names, list(range(16)), {})
     assert p["broker"] == Placement(None)
     assert p["reward"].cpus == frozenset({14, 15}) and p["reward"].env["REWARD_WORKERS"] == "2"
@@ -65,8 +71,10 @@ def test_gpus_one_per_generator_the_rest_to_the_trainer():
     assert [p[n].env["CUDA_VISIBLE_DEVICES"] for n in ("generator-0", "generator-1", "trainer")] == ["0", "1", "2,3"]
     shared = plan_placement(names, list(range(8)), {}, gpus=1)
     assert {p.env["CUDA_VISIBLE_DEVICES"] for p in shared.values()} == {"0"}  # co-located on one device
-    assert "CUDA_VISIBLE_DEVICES" not in plan_placement(names, list(range(8)), {"CUDA_VISIBLE_DEVICES": "3"},
-                                                        gpus=4)["trainer"].env
+    assert (
+        "CUDA_VISIBLE_DEVICES"
+        not in plan_placement(names, list(range(8)), {"CUDA_VISIBLE_DEVICES": "3"}, gpus=4)["trainer"].env
+    )
 
 
 def test_one_core_every_role_shares_it():
@@ -101,8 +109,11 @@ def test_colocated_gives_generator_and_trainer_every_core():
 
 def test_node_services_and_a_replica_without_an_index():
     assert node_services(["trainer", "generator", "reward"], 2, replica=1) == [
-        ("generator-0", "generator_svc"), ("generator-1", "generator_svc"), ("reward", "reward_svc"),
-        ("trainer", "trainer_svc")]
+        ("generator-0", "generator_svc"),
+        ("generator-1", "generator_svc"),
+        ("reward", "reward_svc"),
+        ("trainer", "trainer_svc"),
+    ]
     # no index: planned as one generator, so the replica shares the generators' whole slice
     assert node_services(["generator", "trainer"], 3) == [("generator-0", "generator_svc"), ("trainer", "trainer_svc")]
 
@@ -124,11 +135,18 @@ def _place(module, env, cores, gpus=0):
 
 def test_a_service_places_itself_as_the_launcher_would():
     node = {"NODE_ROLES": "generator,reward,trainer", "NODE_GENERATORS": "2"}
-    names = [("generator-0", "generator_svc"), ("generator-1", "generator_svc"), ("reward", "reward_svc"),
-             ("trainer", "trainer_svc")]
+    names = [
+        ("generator-0", "generator_svc"),
+        ("generator-1", "generator_svc"),
+        ("reward", "reward_svc"),
+        ("trainer", "trainer_svc"),
+    ]
     launcher = plan_placement(names, list(range(16)), {})
-    for module, extra, name in (("generator_svc", {"GEN_REPLICA": "1"}, "generator-1"),
-                                ("trainer_svc", {}, "trainer"), ("reward_svc", {}, "reward")):
+    for module, extra, name in (
+        ("generator_svc", {"GEN_REPLICA": "1"}, "generator-1"),
+        ("trainer_svc", {}, "trainer"),
+        ("reward_svc", {}, "reward"),
+    ):
         p, environ, pinned = _place(module, {**node, **extra}, list(range(16)))
         assert p == launcher[name], module
         assert pinned == [set(launcher[name].cpus)]
@@ -141,18 +159,25 @@ def test_a_service_places_itself_as_the_launcher_would():
     # a thread variable the user set wins; NODE_PLACEMENT=off (the launcher placed it) places nothing
     _, environ, _ = _place("trainer_svc", {**node, "TRAINER_THREADS": "5"}, [0, 1])
     assert environ["TRAINER_THREADS"] == "5"
-    assert _place("trainer_svc", {**node, "NODE_PLACEMENT": "off"}, [0, 1]) == (None, {**node, "NODE_PLACEMENT": "off"}, [])
+    assert _place("trainer_svc", {**node, "NODE_PLACEMENT": "off"}, [0, 1]) == (
+        None,
+        {**node, "NODE_PLACEMENT": "off"},
+        [],
+    )
     assert _place("broker", node, [0, 1])[0] is None
     # co-located by the node's declaration
-    p, environ, _ = _place("generator_svc", {**node, "NODE_PLACEMENT": "colocated", "GEN_REPLICA": "0",
-                                             "NODE_GENERATORS": "1"}, [0, 1])
+    p, environ, _ = _place(
+        "generator_svc", {**node, "NODE_PLACEMENT": "colocated", "GEN_REPLICA": "0", "NODE_GENERATORS": "1"}, [0, 1]
+    )
     assert p is not None and p.cpus == frozenset({0, 1}) and environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
 
 
 def test_bad_placement_variables_are_clear_errors():
-    for env, match in (({"NODE_ROLES": "generator,trainr"}, "unknown role"),
-                       ({"NODE_PLACEMENT": "both"}, "NODE_PLACEMENT|placement"),
-                       ({"NODE_ROLES": "generator", "NODE_GENERATORS": "2", "GEN_REPLICA": "2"}, "replicas count from 0"),
-                       ({"NODE_ROLES": "trainer", "TRAINER_CPUS": "7"}, "not available")):
+    for env, match in (
+        ({"NODE_ROLES": "generator,trainr"}, "unknown role"),
+        ({"NODE_PLACEMENT": "both"}, "NODE_PLACEMENT|placement"),
+        ({"NODE_ROLES": "generator", "NODE_GENERATORS": "2", "GEN_REPLICA": "2"}, "replicas count from 0"),
+        ({"NODE_ROLES": "trainer", "TRAINER_CPUS": "7"}, "not available"),
+    ):
         with pytest.raises(ValueError, match=match):
             _place("generator_svc" if "GEN_REPLICA" in env else "trainer_svc", env, [0, 1])

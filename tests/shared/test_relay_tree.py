@@ -33,8 +33,15 @@ def test_binary_tree_by_hand():
 
 def test_fanout_three_and_one():
     # fan-out 3: g0 -> g1 g2 g3; g1 -> g4 g5 g6
-    assert [tree_ancestors(IDS, g, 3) for g in IDS] == [[], ["g0"], ["g0"], ["g0"], ["g1", "g0"], ["g1", "g0"],
-                                                         ["g1", "g0"]]
+    assert [tree_ancestors(IDS, g, 3) for g in IDS] == [
+        [],
+        ["g0"],
+        ["g0"],
+        ["g0"],
+        ["g1", "g0"],
+        ["g1", "g0"],
+        ["g1", "g0"],
+    ]
     # fan-out 1: a chain
     assert tree_ancestors(IDS[:4], "g3", 1) == ["g2", "g1", "g0"]
 

@@ -69,7 +69,8 @@ def test_reward_registry_by_name():
     assert set(REWARD_FUNCTIONS) == {"environment", "exact_match", "math_verify", "python_exec"}
     assert tuple(REWARD_FUNCTIONS) == REWARDS  # the spec's names are the functions'
     with pytest.raises(
-        ValueError, match="unknown reward function 'f1'; valid: \\['environment', 'exact_match', 'math_verify', 'python_exec'\\]"
+        ValueError,
+        match="unknown reward function 'f1'; valid: \\['environment', 'exact_match', 'math_verify', 'python_exec'\\]",
     ):
         get_reward_fn("f1")
 
@@ -88,14 +89,30 @@ EXAMPLES = [
     {"kind": "builtin", "name": "python_exec", "timeout_s": 20},
     {"kind": "python", "function": "my_rewards:score", "kwargs": {"scale": 2}, "on_failure": "drop"},
     {"kind": "python", "function": "/abs/rw.py:Scorer.batch", "batched": True, "batch_size": 32},
-    {"kind": "sum", "terms": [
-        {"name": "correct", "weight": 1.0, "reward": "exact_match"},
-        {"name": "format", "weight": 0.2, "reward": {"kind": "python", "function": "my_rewards:fmt", "timeout_s": 5}},
-        {"name": "nested", "weight": 0.5, "reward": {"kind": "sum", "terms": [{"name": "x", "reward": "math_verify"}]}},
-    ]},
+    {
+        "kind": "sum",
+        "terms": [
+            {"name": "correct", "weight": 1.0, "reward": "exact_match"},
+            {
+                "name": "format",
+                "weight": 0.2,
+                "reward": {"kind": "python", "function": "my_rewards:fmt", "timeout_s": 5},
+            },
+            {
+                "name": "nested",
+                "weight": 0.5,
+                "reward": {"kind": "sum", "terms": [{"name": "x", "reward": "math_verify"}]},
+            },
+        ],
+    },
     {"kind": "http", "url": "http://scorer:8080/score", "batch_size": 16, "retries": 3, "timeout_s": 10},
-    {"kind": "judge", "base_url": "http://judge:8000/v1", "model": "judge", "rule": "yes_no",
-     "template": "Is {completion} the answer to {prompt} ({answer}, {metadata[id]})? yes or no"},
+    {
+        "kind": "judge",
+        "base_url": "http://judge:8000/v1",
+        "model": "judge",
+        "rule": "yes_no",
+        "template": "Is {completion} the answer to {prompt} ({answer}, {metadata[id]})? yes or no",
+    },
     {"kind": "model", "path": "/models/rm", "batch_size": 16},
 ]
 
@@ -108,7 +125,9 @@ def test_every_shape_validates_and_round_trips_through_the_job_spec(reward):
     if isinstance(reward, str):
         assert dumped["reward"] == reward  # a bare string stays what the user wrote
     else:
-        assert {k: dumped["reward"][k] for k in reward if k != "terms"} == {k: v for k, v in reward.items() if k != "terms"}
+        assert {k: dumped["reward"][k] for k in reward if k != "terms"} == {
+            k: v for k, v in reward.items() if k != "terms"
+        }
 
 
 @pytest.mark.parametrize(
@@ -123,11 +142,21 @@ def test_every_shape_validates_and_round_trips_through_the_job_spec(reward):
         ({"kind": "python", "function": "m:f", "bogus": 1}, "Extra inputs are not permitted"),
         ({"kind": "builtin", "name": "exact_match", "timeout_s": 0}, "greater than 0"),
         ({"kind": "sum", "terms": []}, "at least 1 item"),
-        ({"kind": "sum", "terms": [{"name": "a", "reward": "exact_match"}, {"name": "a", "reward": "math_verify"}]},
-         "term names must be unique"),
-        ({"kind": "sum", "terms": [{"name": "a", "reward": {"kind": "builtin", "name": "exact_match", "on_failure": "drop"}}]},
-         "set it on the sum"),
-        ({"kind": "judge", "base_url": "http://j/v1", "model": "m", "template": "{reply}"}, "template field {reply} is unknown"),
+        (
+            {"kind": "sum", "terms": [{"name": "a", "reward": "exact_match"}, {"name": "a", "reward": "math_verify"}]},
+            "term names must be unique",
+        ),
+        (
+            {
+                "kind": "sum",
+                "terms": [{"name": "a", "reward": {"kind": "builtin", "name": "exact_match", "on_failure": "drop"}}],
+            },
+            "set it on the sum",
+        ),
+        (
+            {"kind": "judge", "base_url": "http://j/v1", "model": "m", "template": "{reply}"},
+            "template field {reply} is unknown",
+        ),
         ({"kind": "judge", "base_url": "http://j/v1", "model": "m", "template": "{"}, "write literal braces as {{"),
         ({"kind": "judge", "base_url": "http://j/v1", "model": "m", "rule": "maybe"}, "'number' or 'yes_no'"),
         ({"kind": "http", "url": "ftp://x"}, "should match pattern"),
@@ -141,19 +170,65 @@ def test_invalid_specs_say_what_to_fix(reward, message):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=12)
     | st.sampled_from(["exact_match", "m:f", "{prompt}", "{", "sum", "python", "http://x/v1"]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["kind", "name", "function", "terms", "reward", "weight", "template", "kwargs", "timeout_s",
-                         "on_failure", "url", "x"]) | st.text(max_size=6), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "kind",
+                    "name",
+                    "function",
+                    "terms",
+                    "reward",
+                    "weight",
+                    "template",
+                    "kwargs",
+                    "timeout_s",
+                    "on_failure",
+                    "url",
+                    "x",
+                ]
+            )
+            | st.text(max_size=6),
+            inner,
+            max_size=4,
+        )
+    ),
     max_leaves=20,
 )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(base=st.sampled_from([e for e in EXAMPLES if isinstance(e, dict)]), edits=st.dictionaries(
-    st.sampled_from(["kind", "name", "function", "terms", "weight", "template", "kwargs", "timeout_s", "on_failure",
-                     "url", "rule", "bogus"]), json_values, max_size=3), whole=json_values)
+@given(
+    base=st.sampled_from([e for e in EXAMPLES if isinstance(e, dict)]),
+    edits=st.dictionaries(
+        st.sampled_from(
+            [
+                "kind",
+                "name",
+                "function",
+                "terms",
+                "weight",
+                "template",
+                "kwargs",
+                "timeout_s",
+                "on_failure",
+                "url",
+                "rule",
+                "bogus",
+            ]
+        ),
+        json_values,
+        max_size=3,
+    ),
+    whole=json_values,
+)
 def test_any_reward_json_is_a_spec_or_a_readable_error(base, edits, whole):
     for reward in ({**base, **edits}, whole):
         try:
@@ -174,7 +249,7 @@ def test_bare_names_mean_builtin_or_python_objects():
 # --- python plug-ins -----------------------------------------------------------------------------
 
 PLUGIN = textwrap.dedent(
-    '''
+    """
     import asyncio
     import os
     import time
@@ -235,7 +310,7 @@ PLUGIN = textwrap.dedent(
         return 0.0
 
     not_callable = 3
-    '''
+    """
 )
 
 
@@ -260,8 +335,11 @@ def score(spec, items, workers=0) -> list[RewardResult]:
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_sync_function_from_a_file_gets_the_inputs_its_signature_names(plugin, workers):
     md = {"bonus": 100}
-    (r,) = score({"kind": "python", "function": f"{plugin}:everything", "kwargs": {"scale": 2.0}},
-                 [item("abc", prompt="pp", metadata=md, finish_reason="stop")], workers)
+    (r,) = score(
+        {"kind": "python", "function": f"{plugin}:everything", "kwargs": {"scale": 2.0}},
+        [item("abc", prompt="pp", metadata=md, finish_reason="stop")],
+        workers,
+    )
     assert r == RewardResult(reward=2.0 * (2 + 3 + 100) + 1)
     (r,) = score(f"{plugin}:plain", [item("42", "42")], workers)  # the bare string form
     assert r.reward == 1.0
@@ -273,30 +351,51 @@ def test_a_sync_function_from_a_file_gets_the_inputs_its_signature_names(plugin,
 @pytest.mark.parametrize("workers", [0, 1])
 def test_the_environment_reward_is_the_episodes_own(workers):
     episode = {"ok": 1.0, "reward": 0.75}
-    results = score({"kind": "builtin", "name": "environment"},
-                    [item(episode=episode), item()], workers)  # the second: single-turn, no episode
+    results = score(
+        {"kind": "builtin", "name": "environment"}, [item(episode=episode), item()], workers
+    )  # the second: single-turn, no episode
     assert [r.reward for r in results] == [0.75, 0.0]
     # weighted with a verifier: the environment's view added to exact match
-    (r,) = score({"kind": "sum", "terms": [{"name": "verifier", "reward": "exact_match"},
-                                            {"name": "env", "reward": "environment", "weight": 0.5}]},
-                 [item("42", "42", episode=episode)], workers)
+    (r,) = score(
+        {
+            "kind": "sum",
+            "terms": [
+                {"name": "verifier", "reward": "exact_match"},
+                {"name": "env", "reward": "environment", "weight": 0.5},
+            ],
+        },
+        [item("42", "42", episode=episode)],
+        workers,
+    )
     assert r.reward == pytest.approx(1.0 + 0.375)
 
 
 def test_a_module_on_the_path_loads_in_worker_processes_too(plugin, monkeypatch):
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(plugin).parent))
     assert score("my_rewards:plain", [item("1", "1"), item("1", "2")], workers=1) == [
-        RewardResult(reward=1.0), RewardResult(reward=0.0)]
+        RewardResult(reward=1.0),
+        RewardResult(reward=0.0),
+    ]
 
 
 def test_async_and_batched_functions(plugin):
-    results = score({"kind": "python", "function": f"{plugin}:asynchronous"},
-                    [item(metadata={"x": i}) for i in range(5)])
+    results = score(
+        {"kind": "python", "function": f"{plugin}:asynchronous"}, [item(metadata={"x": i}) for i in range(5)]
+    )
     assert [r.reward for r in results] == [0.0, 1.0, 2.0, 3.0, 4.0]
     texts = ["a", "bb", "ccc", "dddd", "eeeee"]
     for workers in (0, 1):
-        results = score({"kind": "python", "function": f"{plugin}:batch", "batched": True, "batch_size": 2,
-                         "kwargs": {"scale": 10}}, [item(t) for t in texts], workers)
+        results = score(
+            {
+                "kind": "python",
+                "function": f"{plugin}:batch",
+                "batched": True,
+                "batch_size": 2,
+                "kwargs": {"scale": 10},
+            },
+            [item(t) for t in texts],
+            workers,
+        )
         assert [r.reward for r in results] == [10.0, 20.0, 30.0, 40.0, 50.0]
     short = score({"kind": "python", "function": f"{plugin}:short_batch", "batched": True}, [item(), item()])
     assert [r.status for r in short] == ["error", "error"]
@@ -307,7 +406,7 @@ def test_async_and_batched_functions(plugin):
 def test_failures_are_results_with_the_reason(plugin, workers):
     (r,) = score(f"{plugin}:raises", [item("x")], workers)
     assert r.status == "error" and r.reward is None
-    line = PLUGIN.splitlines().index("    raise ValueError(f\"cannot score {completion!r}\")") + 1
+    line = PLUGIN.splitlines().index('    raise ValueError(f"cannot score {completion!r}")') + 1
     assert r.reason == f"{plugin}:raises: ValueError: cannot score 'x' (at my_rewards.py:{line} in raises)"
     (r,) = score(f"{plugin}:returns_text", [item()], workers)
     assert r.status == "error" and "returned 'high' (str); expected a number" in r.reason
@@ -360,7 +459,9 @@ def test_a_plugin_that_does_not_load_fails_the_build_naming_what_failed(plugin, 
 def test_a_reward_that_never_returns_costs_one_budget(plugin, function, workers, says):
     budget = 1.5
     batch = [item("a"), item("hang"), item("b"), item("c")]
-    with build_scorer({"kind": "python", "function": f"{plugin}:{function}", "timeout_s": budget}, workers=workers) as scorer:
+    with build_scorer(
+        {"kind": "python", "function": f"{plugin}:{function}", "timeout_s": budget}, workers=workers
+    ) as scorer:
         t0 = time.monotonic()
         results = scorer.score_sync(batch)
         took = time.monotonic() - t0
@@ -387,32 +488,49 @@ def test_on_failure_zero_or_drop():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_builtins_run_in_threads_and_workers(workers):
     # math-verify's own limits use SIGALRM, which a thread may not set: they are off there.
-    results = score({"kind": "sum", "terms": [
-        {"name": "math", "reward": "math_verify"},
-        {"name": "code", "reward": "python_exec"},
-    ]}, [item("```python\nprint(6 * 7)\n```\nso $42$", "42"), item("41", "42")], workers)
+    results = score(
+        {
+            "kind": "sum",
+            "terms": [
+                {"name": "math", "reward": "math_verify"},
+                {"name": "code", "reward": "python_exec"},
+            ],
+        },
+        [item("```python\nprint(6 * 7)\n```\nso $42$", "42"), item("41", "42")],
+        workers,
+    )
     assert results[0] == RewardResult(reward=2.0, components={"math": 1.0, "code": 1.0})
     assert results[1] == RewardResult(reward=0.0, components={"math": 0.0, "code": 0.0})
 
 
 def test_sum_weights_terms_and_logs_each_with_its_components(plugin):
-    spec = {"kind": "sum", "terms": [
-        {"name": "correct", "weight": 1.0, "reward": "exact_match"},
-        {"name": "style", "weight": 0.5, "reward": f"{plugin}:components"},
-        {"name": "inner", "weight": -2.0, "reward": {"kind": "sum", "terms": [
-            {"name": "a", "weight": 3.0, "reward": f"{plugin}:plain"}]}},
-    ]}
+    spec = {
+        "kind": "sum",
+        "terms": [
+            {"name": "correct", "weight": 1.0, "reward": "exact_match"},
+            {"name": "style", "weight": 0.5, "reward": f"{plugin}:components"},
+            {
+                "name": "inner",
+                "weight": -2.0,
+                "reward": {"kind": "sum", "terms": [{"name": "a", "weight": 3.0, "reward": f"{plugin}:plain"}]},
+            },
+        ],
+    }
     (r,) = score(spec, [item("42", "42")], workers=1)
     style = 1.0 - 0.02  # correct 1.0 + brevity -0.01 * 2
-    assert r.components == pytest.approx({"correct": 1.0, "style": style, "style/correct": 1.0, "style/brevity": -0.02,
-                                          "inner": 3.0, "inner/a": 1.0})
+    assert r.components == pytest.approx(
+        {"correct": 1.0, "style": style, "style/correct": 1.0, "style/brevity": -0.02, "inner": 3.0, "inner/a": 1.0}
+    )
     assert r.reward == pytest.approx(1.0 + 0.5 * style - 2.0 * 3.0)
 
-    failing = {"kind": "sum", "terms": [
-        {"name": "correct", "reward": "exact_match"},
-        {"name": "bad", "reward": f"{plugin}:raises"},
-        {"name": "slow", "reward": {"kind": "python", "function": f"{plugin}:hangs", "timeout_s": 0.5}},
-    ]}
+    failing = {
+        "kind": "sum",
+        "terms": [
+            {"name": "correct", "reward": "exact_match"},
+            {"name": "bad", "reward": f"{plugin}:raises"},
+            {"name": "slow", "reward": {"kind": "python", "function": f"{plugin}:hangs", "timeout_s": 0.5}},
+        ],
+    }
     (r,) = score(failing, [item("hang")])
     assert r.status == "timeout" and r.reward is None  # a timeout among the failures: the sample timed out
     assert r.reason.startswith("term 'bad': ") and "; term 'slow': " in r.reason

@@ -40,10 +40,14 @@ class Server:
             body = await request.json()
             self.calls["score"] += 1
             self.bodies.append(body)
-            return {"rewards": [
-                {"len": len(it["completion"]), "bonus": it["metadata"].get("bonus", 0)} if it["metadata"] else len(it["completion"])
-                for it in body["items"]
-            ]}
+            return {
+                "rewards": [
+                    {"len": len(it["completion"]), "bonus": it["metadata"].get("bonus", 0)}
+                    if it["metadata"]
+                    else len(it["completion"])
+                    for it in body["items"]
+                ]
+            }
 
         @app.post("/flaky/{fails}")
         async def flaky(fails: int, request: Request):
@@ -77,13 +81,18 @@ class Server:
             self.bodies.append(body)
             # The reply is the user message's last line: the template puts the completion there.
             reply = body["messages"][-1]["content"].splitlines()[-1]
-            return {"id": "x", "object": "chat.completion", "model": body["model"],
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}]}
+            return {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+            }
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=1)
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> Server:
@@ -121,8 +130,14 @@ def test_http_batches_items_and_reads_rewards_and_components(server):
     assert server.calls["score"] == 2  # batches of 2 and 1
     # the batches go out concurrently: find the one that holds "a" rather than trust arrival order
     (first,) = [b for b in server.bodies if b["items"][0]["completion"] == "a"]
-    assert first["items"][0] == {"prompt": "2+2=", "completion": "a", "answer": "4", "metadata": {},
-                                 "finish_reason": None, "episode": {}}
+    assert first["items"][0] == {
+        "prompt": "2+2=",
+        "completion": "a",
+        "answer": "4",
+        "metadata": {},
+        "finish_reason": None,
+        "episode": {},
+    }
     assert sorted(len(b["items"]) for b in server.bodies) == [1, 2]
 
 
@@ -161,22 +176,31 @@ def test_http_failures_are_recorded_with_the_reason(server):
 
 def test_judge_sends_the_template_and_reads_the_reply_by_rule(server, monkeypatch):
     monkeypatch.setenv("JUDGE_KEY", "sekrit")
-    spec = {"kind": "judge", "base_url": f"{server.url}/v1", "model": "tiny-judge", "system": "be strict",
-            "template": "Q: {prompt} A: {answer} id={metadata[id]}\n{completion}", "max_tokens": 5,
-            "api_key_env": "JUDGE_KEY"}
+    spec = {
+        "kind": "judge",
+        "base_url": f"{server.url}/v1",
+        "model": "tiny-judge",
+        "system": "be strict",
+        "template": "Q: {prompt} A: {answer} id={metadata[id]}\n{completion}",
+        "max_tokens": 5,
+        "api_key_env": "JUDGE_KEY",
+    }
     replies = ["0.75", "1", "well 0", "nothing here", "7 out of 10"]
     results = score(spec, [item(c, metadata={"id": 7}) for c in replies] + [item("x", metadata={})])
     assert [r.reward for r in results[:3]] == [0.75, 1.0, 0.0]
     assert results[3].status == "error" and results[3].reason == (
-        "judge reply 'nothing here' cannot be read by rule 'number': no number in it")
+        "judge reply 'nothing here' cannot be read by rule 'number': no number in it"
+    )
     assert "its number 7 is outside [0, 1]" in results[4].reason
     assert results[5].status == "error" and "judge template: KeyError: 'id'" in results[5].reason
     # The judge's requests run concurrently: find the first item's by its content, not its arrival order.
     assert len(server.bodies) == 5 and all(b["model"] == "tiny-judge" for b in server.bodies)
     (body,) = [b for b in server.bodies if b["messages"][-1]["content"].endswith("\n0.75")]
     assert body["max_tokens"] == 5 and body["temperature"] == 0.0
-    assert body["messages"] == [{"role": "system", "content": "be strict"},
-                                {"role": "user", "content": "Q: 2+2= A: 4 id=7\n0.75"}]
+    assert body["messages"] == [
+        {"role": "system", "content": "be strict"},
+        {"role": "user", "content": "Q: 2+2= A: 4 id=7\n0.75"},
+    ]
     assert all(h["authorization"] == "Bearer sekrit" for h in server.headers)
 
     yes_no = {**spec, "rule": "yes_no", "template": "{completion}", "api_key_env": None, "system": None}
@@ -187,7 +211,9 @@ def test_judge_sends_the_template_and_reads_the_reply_by_rule(server, monkeypatc
 def test_judge_without_its_key_fails_at_start_up(monkeypatch):
     monkeypatch.delenv("NO_SUCH_JUDGE_KEY", raising=False)
     with pytest.raises(RewardLoadError, match="NO_SUCH_JUDGE_KEY"):
-        build_scorer({"kind": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m", "api_key_env": "NO_SUCH_JUDGE_KEY"})
+        build_scorer(
+            {"kind": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m", "api_key_env": "NO_SUCH_JUDGE_KEY"}
+        )
 
 
 @pytest.mark.parametrize(("reply", "want"), [("0.5", 0.5), (" 1.0 because", 1.0), ("score: .25", 0.25), ("0", 0.0)])

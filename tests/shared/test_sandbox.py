@@ -226,7 +226,8 @@ def test_tmpfs_is_capped() -> None:
         "import errno\nn = 0\ntry:\n    for i in range(100):\n"
         "        open(f'/tmp/f{i}', 'wb').write(b'x' * 900_000)\n        n += 1\n"
         "except OSError as exc:\n    print(n, errno.errorcode[exc.errno])\n",
-        Limits(tmpfs_bytes=4 * 1024 * 1024), guard=False,
+        Limits(tmpfs_bytes=4 * 1024 * 1024),
+        guard=False,
     )
     assert res.ok and res.stdout.split()[1] == "ENOSPC" and int(res.stdout.split()[0]) <= 5
 

@@ -102,9 +102,21 @@ MESSAGES: list[Message] = [
     PolicyAnnouncement(**common(), manifest=manifest(), transport="tcp", address="127.0.0.1:5555"),
     Control(**common(), command="drain", reason="operator asked"),
     DeadLetter(**common(), stream="rollouts", entry_id="1-0", reason="bad", raw=b"\x00\xc1\xff"),
-    EvalRound(**common(), eval_set="hard", n=4, sampling=SamplingParams(temperature=1.0, stop=["\n"], min_tokens=1),
-              items=[EvalItem(prompt_index=0, prompt="12-5=", prompt_ids=pack_i32([1, 5, 6]), answer="7",
-                              metadata={"level": 2, "tags": ["sub"]})]),
+    EvalRound(
+        **common(),
+        eval_set="hard",
+        n=4,
+        sampling=SamplingParams(temperature=1.0, stop=["\n"], min_tokens=1),
+        items=[
+            EvalItem(
+                prompt_index=0,
+                prompt="12-5=",
+                prompt_ids=pack_i32([1, 5, 6]),
+                answer="7",
+                metadata={"level": 2, "tags": ["sub"]},
+            )
+        ],
+    ),
 ]
 
 
@@ -336,9 +348,7 @@ msgpack_values = st.recursive(
     | st.floats()
     | st.text(max_size=8)
     | st.binary(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=10,
 )
 
@@ -420,8 +430,12 @@ def test_rollout_values_are_checked_at_the_boundary(changes, where) -> None:
 @pytest.mark.parametrize(
     ("name", "values", "ok"),
     [
-        ("nan", [np.nan, -1.0], False), ("inf", [-1.0, np.inf], False), ("-inf", [-np.inf, -1.0], False),
-        ("positive", [-1.0, 0.5], False), ("float32 rounding", [-1.0, 5e-5], True), ("zero", [0.0, -0.0], True),
+        ("nan", [np.nan, -1.0], False),
+        ("inf", [-1.0, np.inf], False),
+        ("-inf", [-np.inf, -1.0], False),
+        ("positive", [-1.0, 0.5], False),
+        ("float32 rounding", [-1.0, 5e-5], True),
+        ("zero", [0.0, -0.0], True),
     ],
 )
 def test_behaviour_logprobs_are_finite_and_not_positive(name, values, ok) -> None:
@@ -433,8 +447,9 @@ def test_behaviour_logprobs_are_finite_and_not_positive(name, values, ok) -> Non
 
 
 def test_token_ids_are_not_negative() -> None:
-    assert "completion_ids[1] is -3" in reason_of(rollout_body(completion_ids=pack_i32([1, -3]),
-                                                               logprobs=pack_f32([-1.0, -1.0])), Rollout)
+    assert "completion_ids[1] is -3" in reason_of(
+        rollout_body(completion_ids=pack_i32([1, -3]), logprobs=pack_f32([-1.0, -1.0])), Rollout
+    )
     assert "prompt_ids[0]" in reason_of(rollout_body(prompt_ids=pack_i32([-1])), Rollout)
 
 
@@ -478,8 +493,12 @@ def test_control_characters_built_in_process_become_replacement_characters() -> 
 
 def test_scored_values() -> None:
     body = valid_body(MESSAGES[2])
-    for change, where in [({"reward": float("nan")}, "reward"), ({"details": {"x": float("inf")}}, "details"),
-                          ({"msg_id": "another"}, "one sample, one key"), ({"reward": True}, "reward")]:
+    for change, where in [
+        ({"reward": float("nan")}, "reward"),
+        ({"details": {"x": float("inf")}}, "details"),
+        ({"msg_id": "another"}, "one sample, one key"),
+        ({"reward": True}, "reward"),
+    ]:
         assert where in reason_of(packb({**body, **change}), Scored)
 
 
@@ -496,8 +515,7 @@ def test_manifest_layout_is_consistent() -> None:
     body = valid_body(MESSAGES[3])
     short = {**body, "manifest": {**body["manifest"], "chunk_checksums": ["a"]}}
     assert "chunk checksums" in reason_of(packb(short))
-    past = {**body, "manifest": {**body["manifest"], "total_bytes": 100,
-                                 "chunk_checksums": ["a"], "chunk_bytes": 256}}
+    past = {**body, "manifest": {**body["manifest"], "total_bytes": 100, "chunk_checksums": ["a"], "chunk_bytes": 256}}
     assert "past total_bytes" in reason_of(packb(past))
 
 
@@ -534,8 +552,14 @@ def test_msgpack_bombs_are_refused_cheaply() -> None:
 def test_element_budget_admits_real_messages() -> None:
     # a 512 GiB model's manifest in 4 MiB chunks: the largest legitimate array
     n = 2**17
-    m = Manifest(version=1, tensors=[], total_bytes=n * 4 * 2**20, chunk_bytes=4 * 2**20,
-                 chunk_checksums=[f"{i:016x}" for i in range(n)], checksum="c")
+    m = Manifest(
+        version=1,
+        tensors=[],
+        total_bytes=n * 4 * 2**20,
+        chunk_bytes=4 * 2**20,
+        chunk_checksums=[f"{i:016x}" for i in range(n)],
+        checksum="c",
+    )
     msg = PolicyAnnouncement(**common(), manifest=m, transport="tcp", address="h:1")
     assert decode(encode(msg)).manifest.total_bytes == m.total_bytes
     with pytest.raises(DecodeError) as err:

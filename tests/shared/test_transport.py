@@ -37,9 +37,7 @@ def random_weights(seed: int) -> dict[str, np.ndarray]:
 
 def flatten(tensors: dict[str, np.ndarray]) -> tuple[list, np.ndarray]:
     entries = [(name, t.shape, t.dtype.name, t.nbytes) for name, t in tensors.items()]
-    buf = np.concatenate(
-        [np.ascontiguousarray(t).view(np.uint8).reshape(-1) for t in tensors.values()]
-    )
+    buf = np.concatenate([np.ascontiguousarray(t).view(np.uint8).reshape(-1) for t in tensors.values()])
     return entries, buf
 
 
@@ -120,9 +118,7 @@ def test_manifest_checksum_identifies_content() -> None:
     m1, buf, _ = version(1)
     m2, _, _ = version(1, seed=99)
     assert m1.checksum != m2.checksum
-    again = build_manifest(
-        1, [(t.name, t.shape, t.dtype, t.nbytes) for t in m1.tensors], buf.copy(), CHUNK
-    )
+    again = build_manifest(1, [(t.name, t.shape, t.dtype, t.nbytes) for t in m1.tensors], buf.copy(), CHUNK)
     assert again == m1
 
 

@@ -111,7 +111,10 @@ def test_client_dying_mid_transfer_does_not_wedge_the_server(server: UcxWeightSe
             sock = socket.create_connection(("127.0.0.1", {server.port}))
             send_msg(sock, {{"worker": get_worker().address}})
             assert recv_msg(sock)["ok"]
-            send_msg(sock, {{"version": {m.version}, "offset": 0, "length": {m.total_bytes}, "tag": 1 << 24, "piece": 65536}})
+            send_msg(
+                sock,
+                {{"version": {m.version}, "offset": 0, "length": {m.total_bytes}, "tag": 1 << 24, "piece": 65536}},
+            )
             assert recv_msg(sock)["ok"]
             os._exit(0)  # never posts the receives
         """),
@@ -153,8 +156,6 @@ def test_shared_imports_without_ucxx() -> None:
         "assert 'ucx' in shared.transport.TRANSPORTS\n"
         "print(sorted(m for m in ('ucxx', 'torch', 'vllm') if m in sys.modules))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -39,8 +39,9 @@ RENDER = renderer(build_tokenizer())
 
 @pytest.fixture
 def streams():
-    s = JobStreams(connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1",
-                   prefix=f"test-{uuid.uuid4().hex}:")
+    s = JobStreams(
+        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
+    )
     yield s
     s.delete_all()
 
@@ -75,8 +76,17 @@ def test_admission_floor_and_the_generators_minimum_version():
 
 
 def test_a_prompt_group_without_train_version_still_decodes():
-    g = PromptGroup(job_id="job1", msg_id="job1/g0", group_id="job1/g0", policy_version=2, prompt_index=0,
-                    prompt="1+1=", answer="2", n=2, sampling=SamplingParams())
+    g = PromptGroup(
+        job_id="job1",
+        msg_id="job1/g0",
+        group_id="job1/g0",
+        policy_version=2,
+        prompt_index=0,
+        prompt="1+1=",
+        answer="2",
+        n=2,
+        sampling=SamplingParams(),
+    )
     body = msgpack.unpackb(encode(g))
     del body["train_version"]  # as a feeder from before admission by version wrote it
     old = decode(msgpack.packb(body), (PromptGroup,))
@@ -118,8 +128,17 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
     assert feeder.top_up(3, 0) == 1 and _fed(streams)[-1].train_version == 3
     # the journal's keys are unchanged: a feeder from before restores
     st = feeder.state()
-    assert set(st) == {"seq", "epochs", "cursor", "eval_rounds", "in_flight", "open_evals", "temperature", "top_p",
-                       "fed"}
+    assert set(st) == {
+        "seq",
+        "epochs",
+        "cursor",
+        "eval_rounds",
+        "in_flight",
+        "open_evals",
+        "temperature",
+        "top_p",
+        "fed",
+    }
     assert st["fed"] == {g: feeder.fed[g] for g in feeder.feed_order()}  # [prompt index, version fed at, tokens]
     again = Feeder(streams, _spec(max_staleness=1), _problems(20), RENDER)
     again.restore(st)
@@ -133,9 +152,22 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
 
 
 def _scored(gid: str, i: int, version: int, reward: float) -> Scored:
-    r = Rollout(job_id="job1", msg_id=f"{gid}/{i}", group_id=gid, policy_version=version, policy_version_max=version,
-                prompt_index=0, sample_index=i, group_size=2, generator_id="g", prompt_ids=pack_i32([1, 5]),
-                completion_ids=pack_i32([6]), logprobs=pack_f32([-0.1]), completion="2", answer="2")
+    r = Rollout(
+        job_id="job1",
+        msg_id=f"{gid}/{i}",
+        group_id=gid,
+        policy_version=version,
+        policy_version_max=version,
+        prompt_index=0,
+        sample_index=i,
+        group_size=2,
+        generator_id="g",
+        prompt_ids=pack_i32([1, 5]),
+        completion_ids=pack_i32([6]),
+        logprobs=pack_f32([-0.1]),
+        completion="2",
+        answer="2",
+    )
     return Scored(job_id="job1", msg_id=r.msg_id, group_id=gid, policy_version=version, rollout=r, reward=reward)
 
 
@@ -150,8 +182,9 @@ class _Job:
         self.k = spec.staleness_bound
 
     def arrive(self, gid: str, gen_version: int) -> None:
-        self.sink.add([Delivery(f"{self.n}-{i}", _scored(gid, i, gen_version, float(i))) for i in range(2)],
-                      self.version)
+        self.sink.add(
+            [Delivery(f"{self.n}-{i}", _scored(gid, i, gen_version, float(i))) for i in range(2)], self.version
+        )
         self.n += 1
 
     def step(self):
@@ -256,8 +289,11 @@ def test_a_job_whose_every_group_dead_letters_fails_saying_why(streams):
     assert job.sink.dead_streak == []
     for i in range(limit - 1):
         job.sink._route(dead(100 + i, "env_error: the opening is 821 tokens"), 0)
-    with pytest.raises(RuntimeError, match=r"last 32 training groups were all dead-lettered .* 32 x dead-lettered: "
-                                           r"env_error: the opening is 821 tokens"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"last 32 training groups were all dead-lettered .* 32 x dead-lettered: "
+        r"env_error: the opening is 821 tokens",
+    ):
         job.sink._route(dead(999, "env_error: the opening is 821 tokens"), 0)
     assert len(job.sink.ledger.rows) == 2 * (2 * limit - 1)  # every dead group's samples dropped in the ledger
     # reasons naming their group (the generator's do) are counted together, the group left out
@@ -307,17 +343,42 @@ def test_a_lowered_bound_strands_nothing(streams):
 
 
 def _announce(streams, version: int, k: int | None) -> None:
-    m = Manifest(version=version, tensors=[TensorEntry(name="w", shape=[1], dtype="float32", offset=0, nbytes=4)],
-                 total_bytes=4, chunk_bytes=4, chunk_checksums=["0" * 16], checksum="1" * 16)
-    streams.publish(POLICY, PolicyAnnouncement(job_id="job1", msg_id=f"job1/v{version}", policy_version=version,
-                                               manifest=m, transport="tcp", address="127.0.0.1:1",
-                                               max_staleness=k))
+    m = Manifest(
+        version=version,
+        tensors=[TensorEntry(name="w", shape=[1], dtype="float32", offset=0, nbytes=4)],
+        total_bytes=4,
+        chunk_bytes=4,
+        chunk_checksums=["0" * 16],
+        checksum="1" * 16,
+    )
+    streams.publish(
+        POLICY,
+        PolicyAnnouncement(
+            job_id="job1",
+            msg_id=f"job1/v{version}",
+            policy_version=version,
+            manifest=m,
+            transport="tcp",
+            address="127.0.0.1:1",
+            max_staleness=k,
+        ),
+    )
 
 
 def test_the_generator_admits_by_the_newest_announced_bound(streams):
     def group(fed: int, train: int | None) -> PromptGroup:
-        return PromptGroup(job_id="job1", msg_id="job1/g0", group_id="job1/g0", policy_version=fed, prompt_index=0,
-                           prompt="1+1=", answer="2", n=2, sampling=SamplingParams(), train_version=train)
+        return PromptGroup(
+            job_id="job1",
+            msg_id="job1/g0",
+            group_id="job1/g0",
+            policy_version=fed,
+            prompt_index=0,
+            prompt="1+1=",
+            answer="2",
+            n=2,
+            sampling=SamplingParams(),
+            train_version=train,
+        )
 
     follower = PolicyFollower(streams, None, None, "gen-0")
     _announce(streams, 3, None)  # a trainer from before: the fed version alone
@@ -362,10 +423,24 @@ def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_
     job, ledger, now = _lost_job(streams, tmp_path, 1)
     g0, g1, g2, g3 = job.feeder.feed_order()
     index0, fed_at0, tokens0 = job.feeder.fed[g0]
-    ledger.record_generated([{"msg_id": f"{g}/{i}", "job_id": "job1", "group_id": g, "sample_index": i,
-                              "prompt_index": 0, "generator_id": "gen-a", "gen_version_min": 0,
-                              "num_prompt_tokens": 2, "num_completion_tokens": 1, "completion": "2"}
-                             for g in (g1, g3) for i in range(2)])
+    ledger.record_generated(
+        [
+            {
+                "msg_id": f"{g}/{i}",
+                "job_id": "job1",
+                "group_id": g,
+                "sample_index": i,
+                "prompt_index": 0,
+                "generator_id": "gen-a",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 2,
+                "num_completion_tokens": 1,
+                "completion": "2",
+            }
+            for g in (g1, g3)
+            for i in range(2)
+        ]
+    )
     streams.publish_many(ROLLOUTS, [_scored(g3, i, 0, 0.0).rollout for i in range(2)])
     _drop_entries(streams, PROMPTS, {g0, g1, g3})  # g3's prompt was acked and trimmed: it is a rollout now
 
@@ -374,12 +449,23 @@ def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_
     assert job.sink.settle_lost(0, every=True, min_interval_s=0) == 2
     rows = {r["msg_id"]: r for r in ledger.samples("job1", limit=100)}
     assert {m: r["status"] for m, r in rows.items()} == {
-        f"{g0}/0": "lost", f"{g0}/1": "lost", f"{g1}/0": "lost", f"{g1}/1": "lost",
-        f"{g3}/0": "generated", f"{g3}/1": "generated"}
+        f"{g0}/0": "lost",
+        f"{g0}/1": "lost",
+        f"{g1}/0": "lost",
+        f"{g1}/1": "lost",
+        f"{g3}/0": "generated",
+        f"{g3}/1": "generated",
+    }
     assert rows[f"{g0}/0"]["generator_id"] == "" and rows[f"{g1}/0"]["generator_id"] == "gen-a"
     r0 = rows[f"{g0}/1"]
-    assert (r0["prompt_index"], r0["gen_version_min"], r0["num_prompt_tokens"]) == (index0, fed_at0, tokens0) and tokens0 > 0
-    assert all(r["trainer_version"] == 0 and "lost by Redis" in r["drop_reason"] for m, r in rows.items() if m[:-2] in (g0, g1))
+    assert (r0["prompt_index"], r0["gen_version_min"], r0["num_prompt_tokens"]) == (
+        index0,
+        fed_at0,
+        tokens0,
+    ) and tokens0 > 0
+    assert all(
+        r["trainer_version"] == 0 and "lost by Redis" in r["drop_reason"] for m, r in rows.items() if m[:-2] in (g0, g1)
+    )
     assert job.feeder.feed_order() == [g2, g3]
     assert job.feeder.top_up(0, job.k) == 2  # the freed slots are fed again
     # at most once per interval; a later look finds nothing new
@@ -442,7 +528,9 @@ def test_an_evaluation_round_waits_only_for_problems_redis_did_not_lose(streams,
     p0, p1, p2 = (eval_group_id(rid, i) for i in range(3))
 
     def sample(gid: str, i: int) -> Scored:
-        r = _scored(gid, i, 0, 1.0).rollout.model_copy(update={"group_size": n, "purpose": "eval", "eval_set": "held_out"})
+        r = _scored(gid, i, 0, 1.0).rollout.model_copy(
+            update={"group_size": n, "purpose": "eval", "eval_set": "held_out"}
+        )
         return Scored(job_id="job1", msg_id=r.msg_id, group_id=gid, policy_version=0, rollout=r, reward=1.0)
 
     job.sink.add([Delivery(f"9-{i}", sample(p0, i)) for i in range(n)], 0)

@@ -47,9 +47,7 @@ def test_grpo_hand_computed():
     # rewards 1,0,0,1: mean 0.5; unbiased std = sqrt(4 * 0.25 / 3) = sqrt(1/3) = 0.57735
     # A = +-0.5 / 0.57735 = +-0.866025
     adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
-    assert torch.allclose(
-        adv, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5
-    )
+    assert torch.allclose(adv, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5)
 
 
 def test_grpo_invariants():
@@ -83,9 +81,7 @@ def test_group_mean_and_rloo_invariants():
         assert torch.allclose(fn(rewards + 7), adv, atol=1e-5)  # a constant shift cancels
         assert torch.equal(fn(torch.ones(2, 4)), torch.zeros(2, 4))  # no signal, no update
     # RLOO is the group-mean advantage scaled by n / (n - 1) (Ahmadian et al. 2024)
-    assert torch.allclose(
-        rloo_advantages(rewards), group_mean_advantages(rewards) * 8 / 7, atol=1e-6
-    )
+    assert torch.allclose(rloo_advantages(rewards), group_mean_advantages(rewards) * 8 / 7, atol=1e-6)
 
 
 # --- aipo (hand-computed) -----------------------------------------------------------------------
@@ -171,9 +167,9 @@ def test_aipo_matches_slow_reference_and_ignores_padding():
     # garbage in padded positions changes nothing
     lp2 = torch.where(mask.bool(), lp, torch.full_like(lp, 123.0))
     beh2 = torch.where(mask.bool(), beh, torch.full_like(beh, -77.0))
-    assert _aipo(
-        LossInputs(lp2, beh2, adv, mask), rho=1.3, num_tokens=n
-    ).loss.item() == pytest.approx(out.loss.item(), abs=1e-5)
+    assert _aipo(LossInputs(lp2, beh2, adv, mask), rho=1.3, num_tokens=n).loss.item() == pytest.approx(
+        out.loss.item(), abs=1e-5
+    )
 
 
 def test_token_mean_is_independent_of_micro_batching():
@@ -188,9 +184,7 @@ def test_token_mean_is_independent_of_micro_batching():
     lp_mb = lp_full.detach().clone().requires_grad_(True)
     for lo in range(0, 8, 2):  # 4 micro-batches, each divided by the global token count
         sl = slice(lo, lo + 2)
-        _aipo(
-            LossInputs(lp_mb[sl], beh[sl], adv[sl], mask[sl]), rho=1.5, num_tokens=n
-        ).loss.backward()
+        _aipo(LossInputs(lp_mb[sl], beh[sl], adv[sl], mask[sl]), rho=1.5, num_tokens=n).loss.backward()
     assert torch.allclose(lp_mb.grad, full_grad, atol=1e-6)
 
 
@@ -203,9 +197,7 @@ def _with_ratios(ratios, adv, lengths=None):
     beh = torch.full_like(r, math.log(0.4))
     lp = (beh + torch.log(r)).requires_grad_(True)
     mask = (
-        torch.ones_like(r)
-        if lengths is None
-        else (torch.arange(r.shape[1]) < torch.tensor(lengths)[:, None]).double()
+        torch.ones_like(r) if lengths is None else (torch.arange(r.shape[1]) < torch.tensor(lengths)[:, None]).double()
     )
     return lp, LossInputs(lp, beh, torch.tensor(adv, dtype=torch.float64), mask)
 
@@ -240,9 +232,7 @@ def test_gspo_hand_computed_on_sequences_of_different_lengths():
         adv=[-1.0, -1.0],
         lengths=[3, 1],
     )
-    cfg = LossConfig(
-        loss="gspo", aggregation="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.05
-    )
+    cfg = LossConfig(loss="gspo", aggregation="seq-mean-token-mean", gspo_clip_low=0.1, gspo_clip_high=0.05)
     out = policy_loss(inp, cfg, _norm(inp.mask))
     # clip range [0.9, 1.05]
     # seq 0: -min(-1.105171, -1.05) = 1.105171, not clipped (A < 0 only clips below)
@@ -252,18 +242,14 @@ def test_gspo_hand_computed_on_sequences_of_different_lengths():
     out.loss.backward()
     # d loss_0 / d log pi_t = s_0 / |y_0| = 1.105171 / 3, then / 2 sequences = 0.184195 per token
     g0 = math.exp(0.1) / 3 / 2
-    assert torch.allclose(
-        lp.grad, torch.tensor([[g0, g0, g0], [0.0, 0.0, 0.0]], dtype=torch.float64)
-    )
+    assert torch.allclose(lp.grad, torch.tensor([[g0, g0, g0], [0.0, 0.0, 0.0]], dtype=torch.float64))
     m = finalize_metrics(out.metrics, _norm(inp.mask))
     assert m["is/truncated_frac"] == 0.5  # 1 of 2 seqs
     # applied per sequence: s_0 = 1.105171 and 0 (clipped): ESS = s_0^2 / (2 * s_0^2) = 0.5
     assert m["is/applied_ess"] == pytest.approx(0.5)
     assert m["is/applied_max"] == pytest.approx(math.exp(0.1))
     # token-mean weights each sequence by its length: (3 * 1.105171 + 1 * 0.9) / 4
-    tm = policy_loss(
-        inp, LossConfig(loss="gspo", gspo_clip_low=0.1, gspo_clip_high=0.05), _norm(inp.mask)
-    )
+    tm = policy_loss(inp, LossConfig(loss="gspo", gspo_clip_low=0.1, gspo_clip_high=0.05), _norm(inp.mask))
     assert tm.loss.item() == pytest.approx((3 * math.exp(0.1) + 0.9) / 4, abs=1e-9)
 
 
@@ -285,9 +271,7 @@ def test_kl_to_reference_hand_computed():
     out.loss.backward()
     # d k3 / d logp = -e^d + 1 = 0.5, times kl_coef
     assert lp.grad.item() == pytest.approx(0.05, abs=1e-12)
-    assert finalize_metrics(out.metrics, BatchNorm(1, 1, 1))["kl_ref"] == pytest.approx(
-        k3, abs=1e-12
-    )
+    assert finalize_metrics(out.metrics, BatchNorm(1, 1, 1))["kl_ref"] == pytest.approx(k3, abs=1e-12)
     # kl_coef = 0 still reports kl_ref but adds nothing to the loss
     off = policy_loss(inp, LossConfig(loss="aipo"), BatchNorm(1, 1, 1))
     assert off.loss.item() == 0.0 and off.metrics["kl_ref/sum"] == pytest.approx(k3)
@@ -351,9 +335,7 @@ def test_ess_equal_weights_is_one_and_one_dominant_weight_is_about_one_over_n():
     assert finalize_metrics(equal.metrics, norm)["is/ess"] == pytest.approx(1.0)
     beh = lp.clone()
     beh[1, 2] -= math.log(1e4)  # one token's weight is 1e4, the other seven 1
-    dominant = finalize_metrics(
-        policy_loss(LossInputs(lp, beh, torch.ones(2), mask), LossConfig(), norm).metrics, norm
-    )
+    dominant = finalize_metrics(policy_loss(LossInputs(lp, beh, torch.ones(2), mask), LossConfig(), norm).metrics, norm)
     # (1e4 + 7)^2 / (8 * (1e8 + 7)) = 0.12518
     assert dominant["is/ess"] == pytest.approx(1 / 8, rel=2e-3)
     assert dominant["is/max"] == pytest.approx(1e4, rel=1e-4)
@@ -394,15 +376,11 @@ def test_metrics_across_micro_batches_equal_metrics_at_once():
     norm = _norm(mask)
     for loss in LOSS_NAMES:
         cfg = LossConfig(loss=loss, kl_coef=0.05)
-        at_once = finalize_metrics(
-            policy_loss(LossInputs(lp, beh, adv, mask, ref, ent), cfg, norm).metrics, norm
-        )
+        at_once = finalize_metrics(policy_loss(LossInputs(lp, beh, adv, mask, ref, ent), cfg, norm).metrics, norm)
         sums: dict[str, float] = {}
         for lo in range(0, 8, 2):
             sl = slice(lo, lo + 2)
-            out = policy_loss(
-                LossInputs(lp[sl], beh[sl], adv[sl], mask[sl], ref[sl], ent[sl]), cfg, norm
-            )
+            out = policy_loss(LossInputs(lp[sl], beh[sl], adv[sl], mask[sl], ref[sl], ent[sl]), cfg, norm)
             sums = accumulate(sums, out.metrics)
         split = finalize_metrics(sums, norm)
         assert (
@@ -428,9 +406,7 @@ def test_metrics_across_micro_batches_equal_metrics_at_once():
 
 
 def test_accumulate_sums_and_maxes_by_key():
-    got = accumulate(
-        accumulate({}, {"is/sum": 1.0, "is/max": 3.0}), {"is/sum": 2.0, "is/max": 2.0, "x": 1.0}
-    )
+    got = accumulate(accumulate({}, {"is/sum": 1.0, "is/max": 3.0}), {"is/sum": 2.0, "is/max": 2.0, "x": 1.0})
     assert got == {"is/sum": 3.0, "is/max": 3.0, "x": 1.0}
 
 
@@ -443,12 +419,7 @@ def _slow_per_token(loss, lp, beh, adv, lengths, cfg):
     for b, n in enumerate(lengths):
         a = float(adv[b])
         if loss == "aipo":
-            rows.append(
-                [
-                    -min(math.exp((lp[b, t] - beh[b, t]).item()), cfg.rho) * a * lp[b, t]
-                    for t in range(n)
-                ]
-            )
+            rows.append([-min(math.exp((lp[b, t] - beh[b, t]).item()), cfg.rho) * a * lp[b, t] for t in range(n)])
         elif loss == "reinforce":
             rows.append([-a * lp[b, t] for t in range(n)])
         elif loss == "ppo_clip":
@@ -546,9 +517,7 @@ def test_gradient_is_independent_of_micro_batching(loss, agg, kl_coef):
         sl = slice(lo, lo + 2)
         width = max(lengths[sl])
         out = policy_loss(
-            LossInputs(
-                split[sl, :width], beh[sl, :width], adv[sl], mask[sl, :width], ref[sl, :width]
-            ),
+            LossInputs(split[sl, :width], beh[sl, :width], adv[sl], mask[sl, :width], ref[sl, :width]),
             cfg,
             norm,
         )
@@ -556,9 +525,7 @@ def test_gradient_is_independent_of_micro_batching(loss, agg, kl_coef):
         total += out.loss.item()
     assert whole.grad.abs().sum() > 0
     assert torch.allclose(split.grad, whole.grad, atol=1e-12)
-    assert total == pytest.approx(
-        policy_loss(LossInputs(lp, beh, adv, mask, ref), cfg, norm).loss.item(), abs=1e-12
-    )
+    assert total == pytest.approx(policy_loss(LossInputs(lp, beh, adv, mask, ref), cfg, norm).loss.item(), abs=1e-12)
 
 
 # --- config, registries, staleness --------------------------------------------------------------
@@ -573,9 +540,7 @@ def test_staleness_filter():
 def test_registry_lookup_lists_valid_names():
     assert lookup(ADVANTAGE_ESTIMATORS, "grpo", "advantage estimator") is grpo_advantages
     assert lookup(LOSSES, "aipo", "loss") is aipo_loss
-    with pytest.raises(
-        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"):
         lookup(LOSSES, "ppo", "loss")
 
 
@@ -587,9 +552,7 @@ def test_registries_match_the_job_spec_names():
 
 
 def test_loss_config_from_spec_and_unknown_names():
-    spec = jobspec.AlgorithmSpec(
-        loss="gspo", aggregation="seq-mean-token-mean", rho=3.0, kl_coef=0.01
-    )
+    spec = jobspec.AlgorithmSpec(loss="gspo", aggregation="seq-mean-token-mean", rho=3.0, kl_coef=0.01)
     cfg = LossConfig.from_spec(spec)
     assert cfg == LossConfig(
         loss="gspo",
@@ -605,9 +568,7 @@ def test_loss_config_from_spec_and_unknown_names():
     assert LossConfig.from_spec(jobspec.AlgorithmSpec(entropy_coef=0.05)).entropy_coef == 0.05
     # the dataclass defaults are the job spec's defaults
     assert LossConfig.from_spec(jobspec.AlgorithmSpec()) == LossConfig()
-    with pytest.raises(
-        ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown loss 'ppo'; valid: \['aipo', 'gspo', 'ppo_clip', 'reinforce'\]"):
         LossConfig(loss="ppo")
     with pytest.raises(ValueError, match="unknown aggregation"):
         LossConfig(aggregation="sum")
@@ -625,11 +586,14 @@ def _sched(name, warmup=2, steps=6, min_ratio=0.1, lr=1e-3):
 #   cosine: 1 - 0.9 (1 - cos(pi p)) / 2     -> t=3: 1 - 0.9 (1 - 0.70711) / 2 = 0.86820
 #           t=4: 1 - 0.9 / 2 = 0.55;  t=5: 1 - 0.9 (1 + 0.70711) / 2 = 0.23180;  t=6: 0.1
 # Step 7 is past the end: the minimum (p is clamped at 1).
-@pytest.mark.parametrize("name,factors", [
-    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
-    ("linear", [0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]),
-    ("cosine", [0.5, 1.0, 0.868198, 0.55, 0.231802, 0.1, 0.1]),
-])
+@pytest.mark.parametrize(
+    "name,factors",
+    [
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]),
+        ("cosine", [0.5, 1.0, 0.868198, 0.55, 0.231802, 0.1, 0.1]),
+    ],
+)
 def test_lr_schedules_hand_computed(name, factors):
     sched = _sched(name)
     got = [lr_at(t, sched) for t in range(1, 8)]
@@ -653,8 +617,13 @@ def test_a_spec_with_only_lr_trains_at_lr_bit_for_bit():
     sched = LrSchedule.from_spec(spec)
     assert sched == LrSchedule(lr=3e-6, steps=10)  # the dataclass defaults are the job spec's defaults
     assert all(lr_at(t, sched) == 3e-6 for t in range(1, 12))  # exactly, past the end too
-    warm = LrSchedule.from_spec(jobspec.JobSpec(model_path="/m", steps=10, algorithm={
-        "lr": 1e-4, "lr_schedule": "linear", "warmup_steps": 3, "min_lr_ratio": 0.5}))
+    warm = LrSchedule.from_spec(
+        jobspec.JobSpec(
+            model_path="/m",
+            steps=10,
+            algorithm={"lr": 1e-4, "lr_schedule": "linear", "warmup_steps": 3, "min_lr_ratio": 0.5},
+        )
+    )
     assert warm == LrSchedule(lr=1e-4, name="linear", warmup_steps=3, min_lr_ratio=0.5, steps=10)
 
 
@@ -716,8 +685,9 @@ def test_entropy_bonus_off_is_a_metric_only_and_on_needs_the_graph():
     assert not inp.entropy.requires_grad
     norm = BatchNorm(num_tokens=2, num_seqs=1, max_len=4)
     out = policy_loss(inp, LossConfig(), norm)
-    assert out.loss.item() == 0.0 and out.metrics["entropy/sum"] == pytest.approx(math.log(4) - 0.75 * math.log(3)
-                                                                                  + math.log(2), abs=1e-6)
+    assert out.loss.item() == 0.0 and out.metrics["entropy/sum"] == pytest.approx(
+        math.log(4) - 0.75 * math.log(3) + math.log(2), abs=1e-6
+    )
     with pytest.raises(ValueError, match="entropy_coef > 0 needs LossInputs.entropy with grad"):
         policy_loss(inp, LossConfig(entropy_coef=0.1), norm)
 
@@ -763,9 +733,7 @@ def test_one_training_step_moves_the_tiny_model(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lp, ent = token_logprobs_and_entropy(model, ids, attn)
     norm = BatchNorm.from_lengths([len(c) for c in comps], max_len=4)
-    out = policy_loss(
-        LossInputs(lp, beh, torch.tensor([1.0, -1.0]), mask, entropy=ent), LossConfig(rho=2.0), norm
-    )
+    out = policy_loss(LossInputs(lp, beh, torch.tensor([1.0, -1.0]), mask, entropy=ent), LossConfig(rho=2.0), norm)
     out.loss.backward()
     opt.step()
     assert math.isfinite(out.loss.item())
@@ -788,8 +756,13 @@ def test_learner_optimizer_gets_betas_eps_and_the_entropy_bonus_raises_the_entro
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
 
     def learner(**algorithm):
-        spec = jobspec.JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
-                               algorithm={"lr": 1e-3, **algorithm})
+        spec = jobspec.JobSpec(
+            model_path=str(path),
+            group_size=4,
+            prompts_per_step=2,
+            sampling={"max_tokens": 4},
+            algorithm={"lr": 1e-3, **algorithm},
+        )
         return Learner(spec, "cpu")
 
     plain = learner()

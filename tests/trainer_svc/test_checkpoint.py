@@ -25,8 +25,9 @@ RENDER = renderer(build_tokenizer())
 
 @pytest.fixture
 def streams():
-    s = JobStreams(connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1",
-                   prefix=f"test-{uuid.uuid4().hex}:")
+    s = JobStreams(
+        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
+    )
     yield s
     s.delete_all()
 
@@ -35,7 +36,9 @@ def streams():
 def tiny(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("m") / "tiny", layers=1, hidden=32, heads=2, intermediate=64, seed=0
+    )
 
 
 def _draws() -> tuple:
@@ -49,16 +52,31 @@ def test_round_trip_restores_weights_optimizer_rng_and_the_next_step(tiny, tmp_p
     from trainer_svc.learner import Learner
     from trainer_svc.sink import flatten_batch
 
-    spec = JobSpec(model_path=str(tiny), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
-                   algorithm={"lr": 1e-3}, task={"n_train": 8, "n_test": 2})
+    spec = JobSpec(
+        model_path=str(tiny),
+        group_size=4,
+        prompts_per_step=2,
+        sampling={"max_tokens": 4},
+        algorithm={"lr": 1e-3},
+        task={"n_train": 8, "n_test": 2},
+    )
     a = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, a.model.config.vocab_size))
     a.step(TrainBatch.of(samples, rewards))  # optimizer state exists (exp_avg, exp_avg_sq, step)
     feeder = Feeder(streams, spec, [Problem(i, f"{i}+1=", str(i + 1)) for i in range(8)], RENDER)
     feeder.top_up(1, spec.staleness_bound)  # cap 2 groups
     final = checkpoint.step_dir(tmp_path, "job1", 1)
-    state = {"job_id": "job1", "step": 1, "policy_version": 1, "k": 1, "lr": 1e-3, "knobs": {},
-             "adaptive": None, "run_id": "r0", "feeder": feeder.state()}
+    state = {
+        "job_id": "job1",
+        "step": 1,
+        "policy_version": 1,
+        "k": 1,
+        "lr": 1e-3,
+        "knobs": {},
+        "adaptive": None,
+        "run_id": "r0",
+        "feeder": feeder.state(),
+    }
     torch.manual_seed(123)
     np.random.seed(7)
     random.seed(5)
@@ -120,9 +138,14 @@ def test_feeder_journals_after_every_publish(streams):
 def test_replay_plan_groups_trained_rows_by_step_in_feed_order():
     # Checkpoint at version 2. Step 3 trained at trainer_version 2, step 4 at 3; rows come in any
     # order and once per sample. g10 sorts after g9 (numeric, not text, order).
-    rows = [{"group_id": "j/b/g10", "trainer_version": 3}, {"group_id": "j/a/g9", "trainer_version": 3},
-            {"group_id": "j/a/g4", "trainer_version": 2}, {"group_id": "j/a/g5", "trainer_version": 2},
-            {"group_id": "j/a/g4", "trainer_version": 2}, {"group_id": "j/a/g1", "trainer_version": 1}]
+    rows = [
+        {"group_id": "j/b/g10", "trainer_version": 3},
+        {"group_id": "j/a/g9", "trainer_version": 3},
+        {"group_id": "j/a/g4", "trainer_version": 2},
+        {"group_id": "j/a/g5", "trainer_version": 2},
+        {"group_id": "j/a/g4", "trainer_version": 2},
+        {"group_id": "j/a/g1", "trainer_version": 1},
+    ]
     assert checkpoint.replay_plan(rows, 2) == {3: ["j/a/g4", "j/a/g5"], 4: ["j/a/g9", "j/b/g10"]}
     assert checkpoint.replay_plan(rows, 4) == {}
     with pytest.raises(ValueError, match="not contiguous"):
@@ -152,9 +175,22 @@ def test_latest_ignores_and_removes_uncommitted_saves(tmp_path):
 
 
 def _scored(group: str, i: int) -> Scored:
-    r = Rollout(job_id="job1", msg_id=f"{group}/{i}", group_id=group, policy_version=0, policy_version_max=0,
-                prompt_index=0, sample_index=i, group_size=2, generator_id="g", prompt_ids=pack_i32([1]),
-                completion_ids=pack_i32([5]), logprobs=pack_f32([-0.1]), completion="2", answer="2")
+    r = Rollout(
+        job_id="job1",
+        msg_id=f"{group}/{i}",
+        group_id=group,
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=i,
+        group_size=2,
+        generator_id="g",
+        prompt_ids=pack_i32([1]),
+        completion_ids=pack_i32([5]),
+        logprobs=pack_f32([-0.1]),
+        completion="2",
+        answer="2",
+    )
     return Scored(job_id="job1", msg_id=r.msg_id, group_id=group, policy_version=0, rollout=r, reward=1.0)
 
 
@@ -168,8 +204,9 @@ def test_take_over_claims_a_dead_predecessors_entries_at_once(streams):
     got = checkpoint.take_over(streams, Consumer(SCORED, GROUP_TRAINERS, "trainer-new", Scored))
     assert sorted(d.message.msg_id for d in got) == ["job1/r/g0/0", "job1/r/g0/1", "job1/r/g1/0"]
     assert all(d.deliveries == 2 for d in got)
-    new = checkpoint.singleton_consumer(streams).consume(Consumer(SCORED, GROUP_TRAINERS, "trainer-new", Scored),
-                                                         count=10, block_ms=None)
+    new = checkpoint.singleton_consumer(streams).consume(
+        Consumer(SCORED, GROUP_TRAINERS, "trainer-new", Scored), count=10, block_ms=None
+    )
     assert [d.message.msg_id for d in new] == ["job1/r/g1/1"]
 
 
@@ -180,13 +217,32 @@ def test_plan_resume_from_the_ledger_checkpoint_and_journal(tmp_path):
     job = "job1"
     ledger.create_job(job, "t", {})
     g = [f"{job}/r/g{i}" for i in range(6)]
-    ledger.record_generated([{"msg_id": f"{gid}/{i}", "job_id": job, "group_id": gid, "sample_index": i,
-                              "prompt_index": n, "generator_id": "gen", "gen_version_min": 0,
-                              "num_prompt_tokens": 1, "num_completion_tokens": 1, "completion": "x"}
-                             for n, gid in enumerate(g) for i in range(2)])
+    ledger.record_generated(
+        [
+            {
+                "msg_id": f"{gid}/{i}",
+                "job_id": job,
+                "group_id": gid,
+                "sample_index": i,
+                "prompt_index": n,
+                "generator_id": "gen",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 1,
+                "num_completion_tokens": 1,
+                "completion": "x",
+            }
+            for n, gid in enumerate(g)
+            for i in range(2)
+        ]
+    )
     # steps 1 and 2 trained (versions 0 and 1); g6's predecessor dropped g4 at version 1
-    ledger.record_used([{"msg_id": f"{gid}/{i}", "status": "trained", "trainer_version": tv}
-                        for gid, tv in ((g[0], 0), (g[1], 0), (g[2], 1), (g[3], 1)) for i in range(2)])
+    ledger.record_used(
+        [
+            {"msg_id": f"{gid}/{i}", "status": "trained", "trainer_version": tv}
+            for gid, tv in ((g[0], 0), (g[1], 0), (g[2], 1), (g[3], 1))
+            for i in range(2)
+        ]
+    )
     ledger.record_used([{"msg_id": f"{g[4]}/{i}", "status": "dropped", "trainer_version": 1} for i in range(2)])
     ledger.record_train_step(job, 1, 1, {"lr": 1e-3})
     ledger.record_train_step(job, 2, 2, {"lr": 5e-4})
@@ -198,8 +254,17 @@ def test_plan_resume_from_the_ledger_checkpoint_and_journal(tmp_path):
     (d / checkpoint.COMMIT).write_text(json.dumps({"step": 1}))
     # the journal after the predecessor's last feed (before step 2 was trained)
     checkpoint.FeedJournal(tmp_path, job).write(
-        {"seq": 6, "epochs": 1, "cursor": 6, "eval_rounds": 2, "temperature": 1.0, "top_p": 1.0,
-         "in_flight": g[2:], "open_evals": {f"{job}/r/e0": 0, f"{job}/r/e1": 1}})
+        {
+            "seq": 6,
+            "epochs": 1,
+            "cursor": 6,
+            "eval_rounds": 2,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "in_flight": g[2:],
+            "open_evals": {f"{job}/r/e0": 0, f"{job}/r/e1": 1},
+        }
+    )
 
     r = checkpoint.plan_resume(tmp_path, job, ledger)
     assert r is not None and r.checkpoint == d and (r.step, r.version) == (1, 1)

@@ -59,10 +59,14 @@ class Case:
     packing: bool = False
 
 
-CASES = {"one-micro-batch-per-rank": Case(64), "padded": Case(4), "cpu-offload": Case(64, cpu_offload=True),
-         "bfloat16": Case(64, dtype="bfloat16"),
-         "bf16-checkpointing-lora": Case(4, dtype="bfloat16", lora=True, checkpointing=True),
-         "packed": Case(64, packing=True)}
+CASES = {
+    "one-micro-batch-per-rank": Case(64),
+    "padded": Case(4),
+    "cpu-offload": Case(64, cpu_offload=True),
+    "bfloat16": Case(64, dtype="bfloat16"),
+    "bf16-checkpointing-lora": Case(4, dtype="bfloat16", lora=True, checkpointing=True),
+    "packed": Case(64, packing=True),
+}
 PACK_TOKENS = 13  # rank 0 packs its share into 4 passes, rank 1 into 3 and one padding pass
 GROUPS, N, MAX_TOKENS = 3, 3, 6
 
@@ -78,12 +82,23 @@ def _timed_steps(learner, samples: list[Scored], rewards: torch.Tensor) -> tuple
 
 
 def _spec(model: str | Path, case: Case) -> JobSpec:
-    return JobSpec(model_path=str(model), group_size=N, prompts_per_step=GROUPS, sampling={"max_tokens": MAX_TOKENS},
-                   lora={"rank": 4, "alpha": 8.0} if case.lora else None,
-                   algorithm={"lr": 1e-3, "micro_batch_size": case.micro_batch_size, "max_grad_norm": 1e6,
-                              "cpu_offload": case.cpu_offload, "packing": case.packing, "dtype": case.dtype,
-                              "gradient_checkpointing": case.checkpointing,
-                              "micro_batch_tokens": PACK_TOKENS})  # no clipping (the bound is 1e6)
+    return JobSpec(
+        model_path=str(model),
+        group_size=N,
+        prompts_per_step=GROUPS,
+        sampling={"max_tokens": MAX_TOKENS},
+        lora={"rank": 4, "alpha": 8.0} if case.lora else None,
+        algorithm={
+            "lr": 1e-3,
+            "micro_batch_size": case.micro_batch_size,
+            "max_grad_norm": 1e6,
+            "cpu_offload": case.cpu_offload,
+            "packing": case.packing,
+            "dtype": case.dtype,
+            "gradient_checkpointing": case.checkpointing,
+            "micro_batch_tokens": PACK_TOKENS,
+        },
+    )  # no clipping (the bound is 1e6)
 
 
 def _batch(vocab: int, seed: int = 0) -> tuple[list[Scored], torch.Tensor]:
@@ -93,13 +108,32 @@ def _batch(vocab: int, seed: int = 0) -> tuple[list[Scored], torch.Tensor]:
     for g in range(GROUPS):
         for i in range(N):
             t = int(rng.integers(1, MAX_TOKENS + 1))
-            r = Rollout(job_id="d", msg_id=f"d/g{g}/{i}", group_id=f"d/g{g}", policy_version=0, policy_version_max=0,
-                        prompt_index=g, sample_index=i, group_size=N, generator_id="d",
-                        prompt_ids=pack_i32([1, *rng.integers(4, vocab, int(rng.integers(2, 6)))]),
-                        completion_ids=pack_i32(rng.integers(4, vocab, t)), logprobs=pack_f32(-rng.random(t) * 3),
-                        completion="", answer="0")
-            samples.append(Scored(job_id="d", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r,
-                                  reward=float(rng.random())))
+            r = Rollout(
+                job_id="d",
+                msg_id=f"d/g{g}/{i}",
+                group_id=f"d/g{g}",
+                policy_version=0,
+                policy_version_max=0,
+                prompt_index=g,
+                sample_index=i,
+                group_size=N,
+                generator_id="d",
+                prompt_ids=pack_i32([1, *rng.integers(4, vocab, int(rng.integers(2, 6)))]),
+                completion_ids=pack_i32(rng.integers(4, vocab, t)),
+                logprobs=pack_f32(-rng.random(t) * 3),
+                completion="",
+                answer="0",
+            )
+            samples.append(
+                Scored(
+                    job_id="d",
+                    msg_id=r.msg_id,
+                    group_id=r.group_id,
+                    policy_version=0,
+                    rollout=r,
+                    reward=float(rng.random()),
+                )
+            )
     return samples, torch.tensor([s.reward for s in samples], dtype=torch.float32).view(GROUPS, N)
 
 
@@ -114,8 +148,11 @@ def _worker(model: str, out: str) -> None:
     ranks = Ranks.from_env("cpu")
     assert ranks.world_size == 2
     # where torchrun placed this rank: its node (GROUP_RANK) and the ranks on that node
-    (Path(out) / f"rank{ranks.rank}.json").write_text(json.dumps(
-        {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}))
+    (Path(out) / f"rank{ranks.rank}.json").write_text(
+        json.dumps(
+            {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")}
+        )
+    )
     if not ranks.is_main:
         for _ in range(len(CASES) + 1):  # each case, then the resume
             follow(TrainerSettings(threads=1), ranks)
@@ -131,16 +168,21 @@ def _worker(model: str, out: str) -> None:
         optim = copy.deepcopy(optim)  # like optimizer.state_dict(), it may share tensors with the live state
         probe_lp = learner.snapshot()[1][1]
         ckpt = checkpoint.step_dir(out, case, STEPS)
-        checkpoint.save(ckpt, learner.model, learner.tokenizer, optim, {"step": STEPS, "policy_version": STEPS},
-                        model_state=weights)
+        checkpoint.save(
+            ckpt, learner.model, learner.tokenizer, optim, {"step": STEPS, "policy_version": STEPS}, model_state=weights
+        )
         learner.step(TrainBatch.of(samples, rewards))  # moves on, then rolls back to the checkpoint
         learner.restore(ckpt)
         back_w, back_o = learner.full_state()
         restored = all(torch.equal(back_w[k], weights[k]) for k in weights) and all(
-            torch.equal(back_o["state"][i]["exp_avg"], s["exp_avg"]) for i, s in optim["state"].items())
+            torch.equal(back_o["state"][i]["exp_avg"], s["exp_avg"]) for i, s in optim["state"].items()
+        )
         torch.save({"weights": weights, "optim": optim}, Path(out) / f"{case}.pt")
-        (Path(out) / f"{case}.json").write_text(json.dumps(
-            {"metrics": metrics, "seconds": seconds, "probe": probe_lp, "restored": restored, "ckpt": str(ckpt)}))
+        (Path(out) / f"{case}.json").write_text(
+            json.dumps(
+                {"metrics": metrics, "seconds": seconds, "probe": probe_lp, "restored": restored, "ckpt": str(ckpt)}
+            )
+        )
         ranks.announce("exit")
     # resume on 2 ranks: rank 0 alone reads the checkpoint, rank 1 builds the base model
     case = next(iter(CASES))
@@ -150,24 +192,30 @@ def _worker(model: str, out: str) -> None:
     weights, optim = learner.full_state()
     saved = checkpoint.read_optimizer(ckpt)
     resumed = all(torch.equal(weights[k], v) for k, v in checkpoint.read_weights(ckpt).items()) and all(
-        torch.equal(optim["state"][i]["exp_avg_sq"], s["exp_avg_sq"]) for i, s in saved["state"].items())
+        torch.equal(optim["state"][i]["exp_avg_sq"], s["exp_avg_sq"]) for i, s in saved["state"].items()
+    )
     (Path(out) / "resume.json").write_text(json.dumps({"resumed": resumed}))
     ranks.announce("exit")
     ranks.close()
 
 
 def _torchrun(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *args], env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)  # vLLM CPU attention needs head_dim >= 32
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )  # vLLM CPU attention needs head_dim >= 32
 
 
 @pytest.mark.slow
@@ -187,11 +235,33 @@ def test_two_nodes_step_like_one(tmp_path, tiny_model):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         __file__, str(tiny_model), str(tmp_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                __file__,
+                str(tiny_model),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=300)[0] for p in nodes]
     finally:
@@ -203,7 +273,9 @@ def test_two_nodes_step_like_one(tmp_path, tiny_model):
     # each node ran one rank of the two, and node 0 holds rank 0 (the one that serves the job)
     placed = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(p["RANK"], p["GROUP_RANK"], p["LOCAL_RANK"], p["LOCAL_WORLD_SIZE"]) for p in placed] == [
-        ("0", "0", "0", "1"), ("1", "1", "0", "1")], placed
+        ("0", "0", "0", "1"),
+        ("1", "1", "0", "1"),
+    ], placed
     _assert_like_one(tmp_path, tiny_model)
     print(f"2-node worker wall time (both torchrun agents, start to exit) {wall:.1f}s")
 
@@ -221,8 +293,9 @@ def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
         # differently (loss ~1e-5 apart, measured); AdamW's first steps move a weight by ~lr (1e-3) whatever
         # the gradient's size, so a near-zero gradient's rounding shows in the weights at up to ~2 lr; a
         # max-type metric (is/max) takes one token's rounding whole (1.8e-3 relative measured with LoRA)
-        loss_tol, rel, param_tol, opt_atol, opt_rtol = ((1e-6, 1e-5, 1e-5, 1e-6, 1e-5) if c.dtype == "float32"
-                                                        else (1e-4, 1e-2, 5e-3, 1e-4, 1e-2))
+        loss_tol, rel, param_tol, opt_atol, opt_rtol = (
+            (1e-6, 1e-5, 1e-5, 1e-6, 1e-5) if c.dtype == "float32" else (1e-4, 1e-2, 5e-3, 1e-4, 1e-2)
+        )
         one = Learner(spec, "cpu")
         samples, rewards = _batch(one.model.config.vocab_size)
         metrics, seconds = _timed_steps(one, samples, rewards)
@@ -257,8 +330,10 @@ def _assert_like_one(tmp_path: Path, tiny_model: Path) -> None:
         # bfloat16: from weights up to param_tol apart (the 2 ranks' checkpoint), measured 1.5e-4
         assert m2["loss"] == pytest.approx(m1["loss"], abs=loss_tol if c.dtype == "float32" else 1e-3)
         size = f"packed to {PACK_TOKENS} tokens" if c.packing else f"micro-batch {c.micro_batch_size}"
-        print(f"\n{case} ({size}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
-              f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}")
+        print(
+            f"\n{case} ({size}): |loss 1 rank - 2 ranks| max {loss_diff:.2e}, |params| max "
+            f"{param_diff:.2e}; step s 1 rank {seconds[-1]:.3f}, 2 ranks {got['seconds'][-1]:.3f}"
+        )
     assert json.loads((tmp_path / "resume.json").read_text())["resumed"], "2 ranks did not resume the checkpoint"
 
 
@@ -284,23 +359,44 @@ def test_job_on_two_ranks(tmp_path, tiny_model):
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     db_url = os.environ.get("DATABASE_URL") or f"sqlite:///{tmp_path / 'ledger.db'}"
     prefix = f"dist-{uuid.uuid4().hex[:8]}:"
-    env = {"REDIS_URL": redis_url, "DATABASE_URL": db_url, "STREAM_PREFIX": prefix, "GEN_GENERATOR_ID": "gen-0",
-           "TRAINER_THREADS": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints")}
+    env = {
+        "REDIS_URL": redis_url,
+        "DATABASE_URL": db_url,
+        "STREAM_PREFIX": prefix,
+        "GEN_GENERATOR_ID": "gen-0",
+        "TRAINER_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+    }
     sup = Supervisor(tmp_path / "logs", env)
     ledger = Ledger(db_url)
-    spec = JobSpec.model_validate({
-        "name": "dist", "model_path": str(tiny_model), "mode": "sync", "steps": steps, "group_size": n,
-        "prompts_per_step": p, "eval_every": 0, "checkpoint_every": 2,
-        "task": {"n_train": 32, "n_test": 4}, "sampling": {"max_tokens": 8}})
+    spec = JobSpec.model_validate(
+        {
+            "name": "dist",
+            "model_path": str(tiny_model),
+            "mode": "sync",
+            "steps": steps,
+            "group_size": n,
+            "prompts_per_step": p,
+            "eval_every": 0,
+            "checkpoint_every": 2,
+            "task": {"n_train": 32, "n_test": 4},
+            "sampling": {"max_tokens": 8},
+        }
+    )
     job_id = f"dist-{uuid.uuid4().hex[:8]}"
     ledger.create_job(job_id, "dist", spec.model_dump(mode="json"))
     t0 = time.monotonic()
     try:
         sup.start("generator", "generator_svc", {"JOB_ID": job_id})
         sup.start("reward", "reward_svc", {"JOB_ID": job_id})
-        sup.start("trainer", "torch.distributed.run", {"JOB_ID": job_id},
-                  args=["--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "trainer_svc"])
+        sup.start(
+            "trainer",
+            "torch.distributed.run",
+            {"JOB_ID": job_id},
+            args=["--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "trainer_svc"],
+        )
         deadline = time.monotonic() + 240
         while ledger.get_job(job_id)["state"] not in ("finished", "failed", "stopped"):
             assert not sup.failed(), "\n".join(f"{x.name}:\n{sup.tail(x.name, 60)}" for x in sup.failed())
@@ -310,7 +406,8 @@ def test_job_on_two_ranks(tmp_path, tiny_model):
         assert sup.wait_all(60), "services did not exit after the job finished"
         codes = {x.name: x.popen.returncode for x in sup.procs}
         assert codes == {"generator": 0, "reward": 0, "trainer": 0}, "\n".join(
-            f"{x.name}:\n{sup.tail(x.name, 80)}" for x in sup.procs if x.popen.returncode)
+            f"{x.name}:\n{sup.tail(x.name, 80)}" for x in sup.procs if x.popen.returncode
+        )
     finally:
         sup.stop_all()
     wall = time.monotonic() - t0

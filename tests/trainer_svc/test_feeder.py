@@ -28,8 +28,9 @@ RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: pl
 
 @pytest.fixture
 def streams():
-    s = JobStreams(connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1",
-                   prefix=f"test-{uuid.uuid4().hex}:")
+    s = JobStreams(
+        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
+    )
     yield s
     s.delete_all()
 
@@ -77,14 +78,20 @@ def test_eval_round_is_greedy_single_samples_outside_the_cap(streams):
     groups = msg.groups()
     assert [m.group_id for m in groups] == [f"{rnd}/0", f"{rnd}/1", f"{rnd}/2"]
     assert {eval_round(m.group_id) for m in groups} == {rnd}
-    assert all(m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 and m.eval_set == "held_out"
-               for m in groups)
+    assert all(
+        m.purpose == "eval" and m.n == 1 and m.sampling.temperature == 0.0 and m.eval_set == "held_out" for m in groups
+    )
     assert feeder.in_flight == set() and feeder.open_evals == {rnd: [2, "held_out"]}
 
 
 def test_training_groups_carry_the_rendered_prompt_ids_metadata_and_stop_rules(streams):
-    spec = JobSpec(model_path="m", prompts_per_step=1, max_staleness=0, group_size=2,
-                   sampling={"stop": ["\n"], "min_tokens": 1, "max_tokens": 6})
+    spec = JobSpec(
+        model_path="m",
+        prompts_per_step=1,
+        max_staleness=0,
+        group_size=2,
+        sampling={"stop": ["\n"], "min_tokens": 1, "max_tokens": 6},
+    )
     problems = [Problem(0, "12+3=", "15", metadata={"difficulty": 2, "tags": ["add"]})]
     Feeder(streams, spec, problems, RENDER).top_up(0, spec.staleness_bound)
     _, (msg,) = streams.read_broadcast(PROMPTS, "0", PromptGroup)
@@ -95,9 +102,22 @@ def test_training_groups_carry_the_rendered_prompt_ids_metadata_and_stop_rules(s
 
 
 def _scored(group, i, size=2):
-    r = Rollout(job_id="job1", msg_id=f"{group}/{i}", group_id=group, policy_version=3, policy_version_max=3,
-                prompt_index=0, sample_index=i, group_size=size, generator_id="g", prompt_ids=pack_i32([1]),
-                completion_ids=pack_i32([5]), logprobs=pack_f32([-0.1]), completion="2", answer="2")
+    r = Rollout(
+        job_id="job1",
+        msg_id=f"{group}/{i}",
+        group_id=group,
+        policy_version=3,
+        policy_version_max=3,
+        prompt_index=0,
+        sample_index=i,
+        group_size=size,
+        generator_id="g",
+        prompt_ids=pack_i32([1]),
+        completion_ids=pack_i32([5]),
+        logprobs=pack_f32([-0.1]),
+        completion="2",
+        answer="2",
+    )
     return Scored(job_id="job1", msg_id=r.msg_id, group_id=group, policy_version=3, rollout=r, reward=1.0)
 
 

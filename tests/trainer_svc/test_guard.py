@@ -53,9 +53,11 @@ def test_importance_weight_blowup_reads_the_weights_the_loss_applies():
         raw_wild = {"is/max": 148.0, "is/ess": 0.03}
         assert is_blowup({**raw_wild, "is/applied_max": 2.0, "is/applied_ess": 0.9}, CFG, loss) is None
         assert "applied importance-weight ESS 0.04" in is_blowup(
-            {**raw_wild, "is/applied_max": 2.0, "is/applied_ess": 0.04}, CFG, loss)
+            {**raw_wild, "is/applied_max": 2.0, "is/applied_ess": 0.04}, CFG, loss
+        )
         assert "applied importance weight max 12" in is_blowup(
-            {"is/applied_max": 12.0, "is/applied_ess": 0.9}, CFG, loss)
+            {"is/applied_max": 12.0, "is/applied_ess": 0.9}, CFG, loss
+        )
         assert is_blowup(raw_wild, CFG, loss) is None  # a ledger from before the applied metrics
     with pytest.raises(ValueError, match="unknown loss 'dpo'; valid"):
         is_blowup({}, CFG, "dpo")
@@ -74,8 +76,9 @@ def test_aipo_batch_with_a_raw_max_of_148_and_healthy_truncated_weights_does_not
     beh[3, 1] -= math.log(148.0)
     mask = torch.ones(64, 5)
     norm = BatchNorm.from_lengths([5] * 64, 5)
-    m = finalize_metrics(policy_loss(LossInputs(lp, beh, torch.ones(64), mask), LossConfig(rho=2.0), norm).metrics,
-                         norm)
+    m = finalize_metrics(
+        policy_loss(LossInputs(lp, beh, torch.ones(64), mask), LossConfig(rho=2.0), norm).metrics, norm
+    )
     assert m["is/max"] == pytest.approx(148.0, rel=1e-5) and m["is/ess"] < GuardSpec().min_ess
     assert m["is/applied_ess"] == pytest.approx(0.99691, abs=1e-5)
     assert is_blowup(m, GuardSpec(), "aipo") is None
@@ -137,8 +140,20 @@ def _batches(seed: int, steps: int, p: float, prompts: int = 8, group: int = 8, 
         n = len(rewards)
         mean = sum(rewards) / n
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1))
-        out.append((mean, {"loss": 0.1, "grad_norm": 1.0, "reward/mean": mean, "reward/std": std,
-                           "samples": float(n), "is/applied_ess": 0.95, "is/applied_max": 2.0}))
+        out.append(
+            (
+                mean,
+                {
+                    "loss": 0.1,
+                    "grad_norm": 1.0,
+                    "reward/mean": mean,
+                    "reward/std": std,
+                    "samples": float(n),
+                    "is/applied_ess": 0.95,
+                    "is/applied_max": 2.0,
+                },
+            )
+        )
     return out
 
 
@@ -233,7 +248,9 @@ def test_trusted_reward_leaves_out_rolled_back_policies():
 
 def test_no_checkpoint_is_the_jobs_policy_never_a_silent_restart():
     # a checkpoint the guard trusts: the newest one (at or before trusted_step's bound)
-    assert recovery("is_blowup", [2, 4, 6], None, CFG) == Recovery("checkpoint", 6, "rolled back to the checkpoint of step 6")
+    assert recovery("is_blowup", [2, 4, 6], None, CFG) == Recovery(
+        "checkpoint", 6, "rolled back to the checkpoint of step 6"
+    )
     assert recovery("reward_collapse", [2, 4, 6], 5, CFG).step == 4
     # none: the default keeps the current policy (with the lr lowered by the caller)
     keep = recovery("reward_collapse", [2, 4, 6], 1, CFG)
@@ -243,7 +260,9 @@ def test_no_checkpoint_is_the_jobs_policy_never_a_silent_restart():
     assert "checkpoint_every" in recovery("is_blowup", [], None, CFG).note
     # a non-finite update has written non-finite weights: nothing to keep
     assert recovery("non_finite", [], None, CFG).action == "fail"
-    assert recovery("non_finite", [3], None, CFG) == Recovery("checkpoint", 3, "rolled back to the checkpoint of step 3")
+    assert recovery("non_finite", [3], None, CFG) == Recovery(
+        "checkpoint", 3, "rolled back to the checkpoint of step 3"
+    )
     initial = CFG.model_copy(update={"on_no_checkpoint": "initial"})
     assert recovery("non_finite", [], None, initial).action == "initial"
     assert recovery("reward_collapse", [4], 1, initial).step == 0
@@ -273,8 +292,9 @@ def test_roll_back_restores_the_checkpoints_weights_and_optimizer(tmp_path):
     from trainer_svc.sink import flatten_batch
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
-    spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
-                   algorithm={"lr": 1e-2})
+    spec = JobSpec(
+        model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4}, algorithm={"lr": 1e-2}
+    )
     learner = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, learner.model.config.vocab_size))
     learner.step(TrainBatch.of(samples, rewards))

@@ -127,8 +127,9 @@ def test_a_cpu_publish_takes_no_staging_copy(monkeypatch):
     rec = _Announcements()
     server = TcpWeightServer(keep=2)
     try:
-        _, checksum = publish_weights(torch.nn.Linear(1, 1), 1, server, rec, rec, "job", 2,
-                                      snapshot=(state, ([1, 2], [0.0])))
+        _, checksum = publish_weights(
+            torch.nn.Linear(1, 1), 1, server, rec, rec, "job", 2, snapshot=(state, ([1, 2], [0.0]))
+        )
         served = server.store.get(1)
         assert isinstance(served, np.ndarray) and served.nbytes == 6 * 4 + 4 * 2
         assert rec.published[0].manifest.checksum == checksum

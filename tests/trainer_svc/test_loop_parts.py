@@ -24,8 +24,12 @@ def test_start_bound_and_in_flight_budget():
     assert start_bound("async", 3, 5) == 5  # adaptive starts at its loosest
     assert groups_in_flight(2, 4) == 12  # (k + 1) * batch
     for spec in (_spec(), _spec(mode="sync"), _spec(max_staleness=3, adaptive_staleness={"k_min": 1, "k_max": 2})):
-        assert start_bound(spec.mode, spec.max_staleness,
-                           spec.adaptive_staleness.k_max if spec.adaptive_staleness else None) == spec.staleness_bound
+        assert (
+            start_bound(
+                spec.mode, spec.max_staleness, spec.adaptive_staleness.k_max if spec.adaptive_staleness else None
+            )
+            == spec.staleness_bound
+        )
     # (1 + 1) * 2 groups of 2, plus an eval round of 2 problems
     assert in_flight_samples(1, 2, 2, 2) == 10
     assert in_flight_samples(0, 2, 2, 0) == 4  # sync: one step's groups
@@ -90,17 +94,42 @@ def test_collapse_guard_trip_moves_the_trajectory_back():
 
 
 def _scored(g: int, i: int, prompt: list[int], comp: list[int], temp: float = 1.0) -> Scored:
-    r = Rollout(job_id="j", msg_id=f"j/g{g}/{i}", group_id=f"j/g{g}", policy_version=g, policy_version_max=g,
-                prompt_index=g, sample_index=i, group_size=2, generator_id="x", prompt_ids=pack_i32(prompt),
-                completion_ids=pack_i32(comp), logprobs=pack_f32(-np.arange(1, len(comp) + 1) / 10),
-                completion="", answer="0", temperature=temp, finish_reason="length" if len(comp) == 3 else "stop")
-    return Scored(job_id="j", msg_id=r.msg_id, group_id=r.group_id, policy_version=g, rollout=r, reward=float(i),
-                  details={"a": float(i)} if i else {})
+    r = Rollout(
+        job_id="j",
+        msg_id=f"j/g{g}/{i}",
+        group_id=f"j/g{g}",
+        policy_version=g,
+        policy_version_max=g,
+        prompt_index=g,
+        sample_index=i,
+        group_size=2,
+        generator_id="x",
+        prompt_ids=pack_i32(prompt),
+        completion_ids=pack_i32(comp),
+        logprobs=pack_f32(-np.arange(1, len(comp) + 1) / 10),
+        completion="",
+        answer="0",
+        temperature=temp,
+        finish_reason="length" if len(comp) == 3 else "stop",
+    )
+    return Scored(
+        job_id="j",
+        msg_id=r.msg_id,
+        group_id=r.group_id,
+        policy_version=g,
+        rollout=r,
+        reward=float(i),
+        details={"a": float(i)} if i else {},
+    )
 
 
 def test_train_batch_micro_batches_pad_like_pad_batch():
-    samples = [_scored(0, 0, [1, 5], [6, 7, 8]), _scored(0, 1, [1], []), _scored(1, 0, [1, 9, 9, 9], [4]),
-               _scored(1, 1, [1, 4], [5, 6], temp=0.5)]
+    samples = [
+        _scored(0, 0, [1, 5], [6, 7, 8]),
+        _scored(0, 1, [1], []),
+        _scored(1, 0, [1, 9, 9, 9], [4]),
+        _scored(1, 1, [1, 4], [5, 6], temp=0.5),
+    ]
     rewards = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     batch = TrainBatch.of(samples, rewards)
     assert len(batch) == 4 and batch.completion_lens.tolist() == [3, 0, 1, 2]
@@ -109,8 +138,9 @@ def test_train_batch_micro_batches_pad_like_pad_batch():
     for lo, hi in ((0, 4), (1, 3), (3, 4)):
         ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, pad_id=0)
         part = samples[lo:hi]
-        want_ids, want_attn, want_mask = pad_batch([s.rollout.prompt_array().tolist() for s in part],
-                                                   [s.rollout.completion_array().tolist() for s in part], 0)
+        want_ids, want_attn, want_mask = pad_batch(
+            [s.rollout.prompt_array().tolist() for s in part], [s.rollout.completion_array().tolist() for s in part], 0
+        )
         assert torch.equal(ids, want_ids) and torch.equal(attn, want_attn) and torch.equal(mask, want_mask)
         for row, s in enumerate(part):
             assert torch.equal(behaviour[row, mask[row].bool()], torch.from_numpy(s.rollout.logprob_array().copy()))
@@ -157,8 +187,15 @@ def test_a_resumed_loop_trains_every_step_at_the_uninterrupted_runs_lr():
     knob_before = {3: 5e-4, 6: 2e-3}  # PATCH lr, applied before these steps
 
     def state() -> LoopState:
-        return LoopState("run", spec.algorithm.lr, StalenessBound(spec), CollapseGuard(spec.guard, "aipo"), _Feeder(),
-                         {}, schedule=LrSchedule.from_spec(spec))
+        return LoopState(
+            "run",
+            spec.algorithm.lr,
+            StalenessBound(spec),
+            CollapseGuard(spec.guard, "aipo"),
+            _Feeder(),
+            {},
+            schedule=LrSchedule.from_spec(spec),
+        )
 
     # the uninterrupted run, checkpointed after step 4; the ledger records each step's lr
     run, ledger_lr, saved = state(), {}, {}
@@ -173,7 +210,8 @@ def test_a_resumed_loop_trains_every_step_at_the_uninterrupted_runs_lr():
     # 1 - 0.9 (1 - cos(pi p)) / 2: t=3..8: 0.939711, 0.775, 0.55, 0.325, 0.160289, 0.1; times the
     # live lr (1e-3, then 5e-4 from step 3, 2e-3 from step 6).
     assert list(ledger_lr.values()) == pytest.approx(
-        [5e-4, 1e-3, 5e-4 * 0.939711, 5e-4 * 0.775, 5e-4 * 0.55, 2e-3 * 0.325, 2e-3 * 0.160289, 2e-4], rel=1e-5)
+        [5e-4, 1e-3, 5e-4 * 0.939711, 5e-4 * 0.775, 5e-4 * 0.55, 2e-3 * 0.325, 2e-3 * 0.160289, 2e-4], rel=1e-5
+    )
 
     # killed after step 6: a new process resumes from the checkpoint of step 4 and re-does 5 and 6
     resumed = state()

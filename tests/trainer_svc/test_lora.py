@@ -42,13 +42,20 @@ def test_saved_names():
 def tiny_model(tmp_path_factory) -> Path:
     from asyncrl.tiny_model import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2,
-                            intermediate=128, seed=0)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("model") / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0
+    )
 
 
 def _spec(model: Path, **lora_kw) -> JobSpec:
-    return JobSpec(model_path=str(model), group_size=2, prompts_per_step=2, sampling={"max_tokens": 4},
-                   algorithm={"lr": 1e-2}, lora={"rank": 4, "alpha": 8.0, **lora_kw})
+    return JobSpec(
+        model_path=str(model),
+        group_size=2,
+        prompts_per_step=2,
+        sampling={"max_tokens": 4},
+        algorithm={"lr": 1e-2},
+        lora={"rank": 4, "alpha": 8.0, **lora_kw},
+    )
 
 
 def _batch(vocab: int):
@@ -58,12 +65,25 @@ def _batch(vocab: int):
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(4):
-        r = Rollout(job_id="j", msg_id=f"j/g{i // 2}/{i}", group_id=f"j/g{i // 2}", policy_version=0,
-                    policy_version_max=0, prompt_index=i // 2, sample_index=i % 2, group_size=2, generator_id="g",
-                    prompt_ids=pack_i32([1, 5, 6]), completion_ids=pack_i32(torch.randint(4, vocab, (4,), generator=g).tolist()),
-                    logprobs=pack_f32([-1.0] * 4), completion="", answer="0")
-        samples.append(Scored(job_id="j", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r,
-                              reward=float(i % 2)))
+        r = Rollout(
+            job_id="j",
+            msg_id=f"j/g{i // 2}/{i}",
+            group_id=f"j/g{i // 2}",
+            policy_version=0,
+            policy_version_max=0,
+            prompt_index=i // 2,
+            sample_index=i % 2,
+            group_size=2,
+            generator_id="g",
+            prompt_ids=pack_i32([1, 5, 6]),
+            completion_ids=pack_i32(torch.randint(4, vocab, (4,), generator=g).tolist()),
+            logprobs=pack_f32([-1.0] * 4),
+            completion="",
+            answer="0",
+        )
+        samples.append(
+            Scored(job_id="j", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r, reward=float(i % 2))
+        )
     return TrainBatch.of(samples, torch.tensor([s.reward for s in samples]).view(2, 2))
 
 
@@ -94,7 +114,11 @@ def test_lora_learner_trains_only_the_adapters_and_checkpoints_resume_restore(tm
     checkpoint.save(ck, learner.model, learner.tokenizer, optim, {"step": 2, "policy_version": 2}, model_state=weights)
     assert (ck / "config.json").exists() and (ck / lora.ADAPTER_DIR / "adapter_model.safetensors").exists()
     config = json.loads((ck / lora.ADAPTER_DIR / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert (
+        config["r"] == 4
+        and config["lora_alpha"] == 8.0
+        and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    )
     # the merged model and base + adapter (as PEFT loads it) are both the trained policy
     merged = probe(AutoModelForCausalLM.from_pretrained(ck))[1]
     assert merged == pytest.approx(lp, abs=1e-5)
@@ -109,7 +133,9 @@ def test_lora_learner_trains_only_the_adapters_and_checkpoints_resume_restore(tm
     assert resumed.step(batch)["loss"] == pytest.approx(learner.step(batch)["loss"], abs=1e-6)
     # roll back to the initial policy (B = 0: the job's model), then to the checkpoint
     resumed.restore(None)
-    assert resumed.snapshot()[1][1] == pytest.approx(probe(AutoModelForCausalLM.from_pretrained(tiny_model))[1], abs=1e-6)
+    assert resumed.snapshot()[1][1] == pytest.approx(
+        probe(AutoModelForCausalLM.from_pretrained(tiny_model))[1], abs=1e-6
+    )
     resumed.restore(ck)
     assert resumed.snapshot()[1][1] == pytest.approx(lp, abs=1e-7)
 
@@ -133,7 +159,12 @@ def test_export_of_a_lora_checkpoint_has_merged_model_and_adapter(tmp_path, tiny
     settings = AdminSettings(database_url=str(ledger.url), export_dir=str(tmp_path / "exports"))
     dest = Path(export(ledger, settings, job_id, 1)["path"])
     files = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
-    assert {"config.json", "model.safetensors", "adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/adapter_model.safetensors",
+    } <= files
     assert not any(f.startswith("trainer_state") for f in files)
 
 
@@ -141,9 +172,15 @@ def test_lora_spec_validation():
     spec = JobSpec(model_path="/m", lora={"rank": 16})
     assert spec.lora.alpha == 16.0 and "down_proj" in spec.lora.target_modules
     assert JobSpec(model_path="/m").lora is None  # full fine-tune by default
-    for bad, where in (({"rank": 0}, "rank"), ({"rank": 1024}, "rank"), ({"alpha": 0}, "alpha"),
-                       ({"dropout": 1.0}, "dropout"), ({"target_modules": []}, "target_modules"),
-                       ({"target_modules": ["q_proj; rm"]}, "target_modules"), ({"ranks": 8}, "ranks")):
+    for bad, where in (
+        ({"rank": 0}, "rank"),
+        ({"rank": 1024}, "rank"),
+        ({"alpha": 0}, "alpha"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"target_modules": []}, "target_modules"),
+        ({"target_modules": ["q_proj; rm"]}, "target_modules"),
+        ({"ranks": 8}, "ranks"),
+    ):
         with pytest.raises(ValidationError, match=where):
             JobSpec(model_path="/m", lora=bad)
 
@@ -153,7 +190,14 @@ def test_announcement_carries_the_adapter_description():
 
     manifest = build_manifest(3, [("w", [2], "float32", 8)], bytearray(8))
     adapter = LoraAdapter(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"])
-    ann = PolicyAnnouncement(job_id="j", msg_id="j/v3", policy_version=3, manifest=manifest, transport="tcp",
-                             address="127.0.0.1:1", lora=adapter)
+    ann = PolicyAnnouncement(
+        job_id="j",
+        msg_id="j/v3",
+        policy_version=3,
+        manifest=manifest,
+        transport="tcp",
+        address="127.0.0.1:1",
+        lora=adapter,
+    )
     assert decode(encode(ann), PolicyAnnouncement).lora == adapter
     assert JobSpec(model_path="/m", lora={"rank": 8, "target_modules": ["q_proj", "v_proj"]}).lora.adapter() == adapter

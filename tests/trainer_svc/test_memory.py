@@ -15,8 +15,15 @@ from trainer_svc.logprobs import token_logprobs, token_logprobs_and_entropy  # n
 
 def _model(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(cfg).float().train()
 
 
@@ -42,8 +49,7 @@ def _run(model, chunk: int, entropy: str):
         lp, ent = token_logprobs(model, ids, attn, temp, chunk_tokens=chunk), None
         loss = (lp * w).sum()
     else:
-        lp, ent = token_logprobs_and_entropy(model, ids, attn, temp, entropy_grad=entropy == "grad",
-                                             chunk_tokens=chunk)
+        lp, ent = token_logprobs_and_entropy(model, ids, attn, temp, entropy_grad=entropy == "grad", chunk_tokens=chunk)
         loss = (lp * w).sum() + (0.3 * ent * w).sum() if entropy == "grad" else (lp * w).sum()
     loss.backward()
     return lp.detach(), None if ent is None else ent.detach(), _grads(model)
@@ -90,8 +96,9 @@ def test_chunked_falls_back_when_logits_are_not_the_plain_head() -> None:
 
     model.forward = scaled
     with torch.no_grad():
-        torch.testing.assert_close(token_logprobs(model, ids, attn, chunk_tokens=4), token_logprobs(model, ids, attn),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            token_logprobs(model, ids, attn, chunk_tokens=4), token_logprobs(model, ids, attn), rtol=0, atol=1e-6
+        )
 
 
 def test_gradient_checkpointing_same_loss_and_grads() -> None:
@@ -115,8 +122,12 @@ def test_memory_knobs_in_the_spec() -> None:
     assert (a.logprob_chunk_tokens, a.gradient_checkpointing, a.cpu_offload) == (0, False, False)
     b = AlgorithmSpec(logprob_chunk_tokens=256, gradient_checkpointing=True, cpu_offload=True)
     assert (b.logprob_chunk_tokens, b.gradient_checkpointing, b.cpu_offload) == (256, True, True)
-    for bad in ({"logprob_chunk_tokens": -1}, {"gradient_checkpointing": "maybe"}, {"cpu_offload": 3},
-                {"logprob_chunk_tokens": 1.5}):
+    for bad in (
+        {"logprob_chunk_tokens": -1},
+        {"gradient_checkpointing": "maybe"},
+        {"cpu_offload": 3},
+        {"logprob_chunk_tokens": 1.5},
+    ):
         with pytest.raises(ValueError):
             AlgorithmSpec(**bad)
 
@@ -136,10 +147,13 @@ def test_learner_step_same_with_the_memory_knobs(tmp_path) -> None:
     torch.set_num_threads(2)
     out = []
     for knobs in ({}, {"logprob_chunk_tokens": 3, "gradient_checkpointing": True}):
-        spec = JobSpec(model_path=str(model_dir), group_size=N, prompts_per_step=GROUPS,
-                       sampling={"max_tokens": MAX_TOKENS},
-                       algorithm={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01, "kl_coef": 0.05,
-                                  **knobs})
+        spec = JobSpec(
+            model_path=str(model_dir),
+            group_size=N,
+            prompts_per_step=GROUPS,
+            sampling={"max_tokens": MAX_TOKENS},
+            algorithm={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01, "kl_coef": 0.05, **knobs},
+        )
         torch.manual_seed(0)
         learner = Learner(spec, "cpu")
         assert learner.model.is_gradient_checkpointing == bool(knobs)

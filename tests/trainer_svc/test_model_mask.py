@@ -15,10 +15,24 @@ from trainer_svc.batch import TrainBatch
 
 
 def _scored(i: int, completion: list[int], logprobs: list[float], mask: bytes = b"", turns: int = 1) -> Scored:
-    r = Rollout(job_id="j", msg_id=f"j/g{i}/0", group_id=f"j/g{i}", policy_version=0, policy_version_max=0,
-                prompt_index=0, sample_index=0, group_size=1, generator_id="g", prompt_ids=pack_i32([1, 5]),
-                completion_ids=pack_i32(completion), logprobs=pack_f32(logprobs), model_mask=mask, turns=turns,
-                completion="", answer="")
+    r = Rollout(
+        job_id="j",
+        msg_id=f"j/g{i}/0",
+        group_id=f"j/g{i}",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=0,
+        sample_index=0,
+        group_size=1,
+        generator_id="g",
+        prompt_ids=pack_i32([1, 5]),
+        completion_ids=pack_i32(completion),
+        logprobs=pack_f32(logprobs),
+        model_mask=mask,
+        turns=turns,
+        completion="",
+        answer="",
+    )
     return Scored(job_id="j", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r, reward=1.0)
 
 
@@ -52,16 +66,22 @@ def test_environment_tokens_get_no_loss_gradient_or_importance_weight() -> None:
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -2 / 3, -2 / 3, 0.0, -2 / 3])
     # importance weights are counted over the model's 3 tokens only (each 1.0 here)
     assert out.metrics["is/applied_n"] == 3.0 and out.metrics["is/applied_sum"] == pytest.approx(3.0)
-    moved = policy_loss(LossInputs(lp.detach() + torch.tensor([[0, 0, 0, 7.0, 0]]), behaviour,
-                                   torch.tensor([2.0]), mask), LossConfig(), norm)
+    moved = policy_loss(
+        LossInputs(lp.detach() + torch.tensor([[0, 0, 0, 7.0, 0]]), behaviour, torch.tensor([2.0]), mask),
+        LossConfig(),
+        norm,
+    )
     assert moved.loss.item() == pytest.approx(out.loss.item())
 
 
-@pytest.mark.parametrize("mask, logprobs, why", [
-    (bytes([1, 1]), [-0.5, -0.25, -0.1], "one per token"),
-    (bytes([1, 2, 1]), [-0.5, -0.25, -0.1], "other than 0"),
-    (bytes([1, 0, 1]), [-0.5, -0.25, -0.1], "environment token"),
-])
+@pytest.mark.parametrize(
+    "mask, logprobs, why",
+    [
+        (bytes([1, 1]), [-0.5, -0.25, -0.1], "one per token"),
+        (bytes([1, 2, 1]), [-0.5, -0.25, -0.1], "other than 0"),
+        (bytes([1, 0, 1]), [-0.5, -0.25, -0.1], "environment token"),
+    ],
+)
 def test_a_bad_mask_is_refused_at_the_wire(mask: bytes, logprobs: list[float], why: str) -> None:
     with pytest.raises(ValueError, match=why):
         _scored(0, [7, 8, 9], logprobs, mask)

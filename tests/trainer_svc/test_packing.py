@@ -48,12 +48,34 @@ def test_position_ids_restart_and_transformers_finds_the_segments() -> None:
     assert find_packed_sequence_indices(position_ids([1, 1, 2])[None]).tolist() == [[0, 1, 2, 2]]
 
 
-def _scored(i: int, prompt: list[int], completion: list[int], logprobs: list[float], temperature: float = 1.0,
-            mask: bytes = b"", n: int = 1, reward: float = 1.0) -> Scored:
-    r = Rollout(job_id="j", msg_id=f"j/g{i // n}/{i % n}", group_id=f"j/g{i // n}", policy_version=0,
-                policy_version_max=0, prompt_index=i // n, sample_index=i % n, group_size=n, generator_id="g",
-                prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion), logprobs=pack_f32(logprobs),
-                model_mask=mask, temperature=temperature, completion="", answer="")
+def _scored(
+    i: int,
+    prompt: list[int],
+    completion: list[int],
+    logprobs: list[float],
+    temperature: float = 1.0,
+    mask: bytes = b"",
+    n: int = 1,
+    reward: float = 1.0,
+) -> Scored:
+    r = Rollout(
+        job_id="j",
+        msg_id=f"j/g{i // n}/{i % n}",
+        group_id=f"j/g{i // n}",
+        policy_version=0,
+        policy_version_max=0,
+        prompt_index=i // n,
+        sample_index=i % n,
+        group_size=n,
+        generator_id="g",
+        prompt_ids=pack_i32(prompt),
+        completion_ids=pack_i32(completion),
+        logprobs=pack_f32(logprobs),
+        model_mask=mask,
+        temperature=temperature,
+        completion="",
+        answer="",
+    )
     return Scored(job_id="j", msg_id=r.msg_id, group_id=r.group_id, policy_version=0, rollout=r, reward=reward)
 
 
@@ -105,9 +127,18 @@ def _batch(vocab: int) -> TrainBatch:
             m[1:3] = 0
             lp[1:3] = 0.0
             mask = m.tobytes()
-        samples.append(_scored(i, [1, *rng.integers(4, vocab, int(rng.integers(1, 9)))],
-                               list(rng.integers(4, vocab, t)), list(lp), temperature=[0.7, 1.0, 1.3][i % 3],
-                               mask=mask, n=N, reward=float(rng.random())))
+        samples.append(
+            _scored(
+                i,
+                [1, *rng.integers(4, vocab, int(rng.integers(1, 9)))],
+                list(rng.integers(4, vocab, t)),
+                list(lp),
+                temperature=[0.7, 1.0, 1.3][i % 3],
+                mask=mask,
+                n=N,
+                reward=float(rng.random()),
+            )
+        )
     return TrainBatch.of(samples, torch.tensor([s.reward for s in samples]).view(GROUPS, N))
 
 
@@ -120,8 +151,13 @@ def tiny(tmp_path_factory):
 
 CONFIGS = {
     "aipo-token-mean": {},
-    "gspo-seq-mean-chunked-entropy-kl": {"loss": "gspo", "aggregation": "seq-mean-token-mean",
-                                         "logprob_chunk_tokens": 7, "entropy_coef": 0.01, "kl_coef": 0.05},
+    "gspo-seq-mean-chunked-entropy-kl": {
+        "loss": "gspo",
+        "aggregation": "seq-mean-token-mean",
+        "logprob_chunk_tokens": 7,
+        "entropy_coef": 0.01,
+        "kl_coef": 0.05,
+    },
     "ppo-sum-norm": {"loss": "ppo_clip", "aggregation": "seq-mean-token-sum-norm"},
 }
 
@@ -135,10 +171,19 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(tiny, config: str) -
     for packing in (False, True):
         # lr 0: the step computes and keeps the gradients, the weights stay; 1e6: no clipping.
         # Budget 24 tokens: several packed passes, and samples longer than it alone.
-        spec = JobSpec(model_path=str(tiny), group_size=N, prompts_per_step=GROUPS,
-                       sampling={"max_tokens": MAX_TOKENS},
-                       algorithm={"micro_batch_size": 5, "packing": packing, "micro_batch_tokens": 24,
-                                  "max_grad_norm": 1e6, **CONFIGS[config]})
+        spec = JobSpec(
+            model_path=str(tiny),
+            group_size=N,
+            prompts_per_step=GROUPS,
+            sampling={"max_tokens": MAX_TOKENS},
+            algorithm={
+                "micro_batch_size": 5,
+                "packing": packing,
+                "micro_batch_tokens": 24,
+                "max_grad_norm": 1e6,
+                **CONFIGS[config],
+            },
+        )
         learner = Learner(spec, "cpu")
         batch = _batch(learner.vocab_size)
         if packing:

@@ -42,8 +42,15 @@ def test_mismatch_k3_by_hand() -> None:
 
 def _model(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(cfg).float().train()
 
 
@@ -80,8 +87,12 @@ def test_bf16_gradients_float32_and_close_to_fp32_with_checkpointing() -> None:
     ids, attn, temp = _batch()
     w = torch.linspace(-1, 1, 12).expand(3, 12)
     grads = {}
-    for name, dtype, ckpt, chunk in (("fp32", "float32", False, 0), ("bf16", "bfloat16", False, 0),
-                                     ("bf16+ckpt", "bfloat16", True, 0), ("bf16+chunk", "bfloat16", False, 4)):
+    for name, dtype, ckpt, chunk in (
+        ("fp32", "float32", False, 0),
+        ("bf16", "bfloat16", False, 0),
+        ("bf16+ckpt", "bfloat16", True, 0),
+        ("bf16+chunk", "bfloat16", False, 4),
+    ):
         model = _model()
         if ckpt:
             assert enable_gradient_checkpointing(model)
@@ -117,10 +128,13 @@ def test_learner_bf16_step_mixed_precision(tmp_path) -> None:
     torch.set_num_threads(2)
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        spec = JobSpec(model_path=str(model_dir), group_size=N, prompts_per_step=GROUPS,
-                       sampling={"max_tokens": MAX_TOKENS},
-                       algorithm={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01, "kl_coef": 0.05,
-                                  "dtype": dtype})
+        spec = JobSpec(
+            model_path=str(model_dir),
+            group_size=N,
+            prompts_per_step=GROUPS,
+            sampling={"max_tokens": MAX_TOKENS},
+            algorithm={"lr": 1e-3, "micro_batch_size": 4, "entropy_coef": 0.01, "kl_coef": 0.05, "dtype": dtype},
+        )
         torch.manual_seed(0)
         learner = Learner(spec, "cpu")
         before = {k: v.clone() for k, v in learner.model.state_dict().items()}
@@ -149,9 +163,13 @@ def test_precision_knobs_in_the_spec() -> None:
     assert GeneratorSpec(dtype="bfloat16").engine_dtype("float32") == "bfloat16"
     assert AlgorithmSpec(dtype="bfloat16").dtype == "bfloat16"
     assert GeneratorSpec(quantization="fp8").quantization == "fp8"
-    for bad in ({"algorithm": {"dtype": "float16"}}, {"algorithm": {"dtype": "fp8"}},
-                {"generator": {"dtype": "int8"}}, {"generator": {"quantization": "awq"}},
-                {"generator": {"dtypes": "bfloat16"}}):
+    for bad in (
+        {"algorithm": {"dtype": "float16"}},
+        {"algorithm": {"dtype": "fp8"}},
+        {"generator": {"dtype": "int8"}},
+        {"generator": {"quantization": "awq"}},
+        {"generator": {"dtypes": "bfloat16"}},
+    ):
         with pytest.raises(ValueError):
             JobSpec(model_path="/m", **bad)
 

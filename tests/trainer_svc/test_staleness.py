@@ -69,8 +69,13 @@ def test_learner_applies_the_staleness_lr_scale(tmp_path):
     from trainer_svc.sink import flatten_batch
 
     path = build_tiny_model(tmp_path / "m", layers=1, hidden=32, heads=2, intermediate=64, seed=0)
-    spec = JobSpec(model_path=str(path), group_size=4, prompts_per_step=2, sampling={"max_tokens": 4},
-                   algorithm={"lr": 1e-3, "staleness_lr": True})
+    spec = JobSpec(
+        model_path=str(path),
+        group_size=4,
+        prompts_per_step=2,
+        sampling={"max_tokens": 4},
+        algorithm={"lr": 1e-3, "staleness_lr": True},
+    )
     learner = Learner(spec, "cpu")
     samples, rewards = flatten_batch(fake_batch(2, 4, 4, learner.model.config.vocab_size))
     metrics = learner.step(TrainBatch.of(samples, rewards), lr_scale=staleness_lr_scale(2.0))

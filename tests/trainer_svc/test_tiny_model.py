@@ -57,9 +57,7 @@ def test_param_count_in_range(model) -> None:
 
 def test_same_seed_same_weights(tmp_path: Path, model) -> None:
     again = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "a"))
-    other = transformers.AutoModelForCausalLM.from_pretrained(
-        build_tiny_model(tmp_path / "b", seed=1)
-    )
+    other = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "b", seed=1))
     w = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(again.state_dict()[w], model.state_dict()[w])
     assert not torch.equal(other.state_dict()[w], model.state_dict()[w])
@@ -138,9 +136,7 @@ def _naive_logprobs(model, prompt: list[int], completion: list[int], temperature
         logits = model(input_ids=ids).logits[0] / temperature  # (L, V)
     logp = torch.log_softmax(logits, dim=-1)
     return (
-        torch.stack([logp[len(prompt) + j - 1, t] for j, t in enumerate(completion)])
-        if completion
-        else torch.zeros(0)
+        torch.stack([logp[len(prompt) + j - 1, t] for j, t in enumerate(completion)]) if completion else torch.zeros(0)
     )
 
 
@@ -159,9 +155,7 @@ def test_sequence_logprobs_matches_naive_loop(model, temperature: float) -> None
         batched = sequence_logprobs(model, prompts, comps, temperature=temperature)
     assert [t.shape for t in batched] == [torch.Size([len(c)]) for c in comps]
     for got, p, c in zip(batched, prompts, comps, strict=True):
-        torch.testing.assert_close(
-            got, _naive_logprobs(model, p, c, temperature), atol=1e-5, rtol=0
-        )
+        torch.testing.assert_close(got, _naive_logprobs(model, p, c, temperature), atol=1e-5, rtol=0)
 
 
 def test_padding_does_not_change_results(model) -> None:

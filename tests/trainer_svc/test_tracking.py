@@ -38,8 +38,17 @@ def _feed(t: Tracking) -> None:
     """Three steps, the evaluation rounds of steps 0 and 2 recorded late, a knob change and a trip."""
     t.eval(0, "held_out", 0.25, None)
     for step in (1, 2, 3):
-        t.step(step, {"loss": 0.5 / step, "reward/mean": 0.1 * step, "off_policy/max": step - 1, "note": "text",
-                      "flag": True, "grad_norm": float("nan") if step == 1 else 1.0})
+        t.step(
+            step,
+            {
+                "loss": 0.5 / step,
+                "reward/mean": 0.1 * step,
+                "off_policy/max": step - 1,
+                "note": "text",
+                "flag": True,
+                "grad_norm": float("nan") if step == 1 else 1.0,
+            },
+        )
         if step == 2:
             t.change(2, "knobs", {"lr": 1e-5})
     t.eval(2, "held_out", 0.5, {"mean@4": 0.5, "pass@4": 0.75})
@@ -63,8 +72,14 @@ def test_no_sink_library_is_imported_unless_chosen():
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow', 'tensorboard', 'tensorboardX')"
         " or m.startswith('torch.utils.tensorboard')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -137,10 +152,14 @@ def test_a_failing_sink_is_warned_about_once_and_training_goes_on(caplog):
             t.step(step, {"loss": 1.0, "name": "x"})
         t.change(3, "knobs", {"lr": 1e-5})
         t.eval(3, "held_out", 0.5, {"pass@2": 1.0})
-    assert good.calls == [("log", 1, {"loss": 1.0}), ("log", 2, {"loss": 1.0}), ("log", 3, {"loss": 1.0}),
-                          ("change", 3, "knobs", {"lr": 1e-5}),
-                          ("log", 3, {"eval/held_out/reward_mean": 0.5, "eval/held_out/pass@2": 1.0}),
-                          ("close", True)]
+    assert good.calls == [
+        ("log", 1, {"loss": 1.0}),
+        ("log", 2, {"loss": 1.0}),
+        ("log", 3, {"loss": 1.0}),
+        ("change", 3, "knobs", {"lr": 1e-5}),
+        ("log", 3, {"eval/held_out/reward_mean": 0.5, "eval/held_out/pass@2": 1.0}),
+        ("close", True),
+    ]
     failed = [r.getMessage() for r in caplog.records if "bad failed (OSError: disk full)" in r.getMessage()]
     assert len(failed) == 1  # once, not once per call
     assert any("bad failed 6 time(s)" in r.getMessage() for r in caplog.records)
@@ -152,8 +171,9 @@ def test_a_sink_that_cannot_open_is_left_out(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="trainer_svc.tracking"):
         t = Tracking.open(settings, JOB, JobSpec(model_path="m", tracking={"sinks": ["wandb", "tensorboard"]}))
     assert list(t.trackers) == ["tensorboard"]
-    assert any("wandb left out" in r.getMessage() and "pip install asyncrl[tracking]" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "wandb left out" in r.getMessage() and "pip install asyncrl[tracking]" in r.getMessage() for r in caplog.records
+    )
     t.step(1, {"loss": 1.0})
     t.close(ok=False)
 
@@ -164,15 +184,19 @@ def test_the_loop_records_guard_trips_and_knobs_in_the_tracking():
 
     rec, changes = _Recorder(), []
     parts: Any = SimpleNamespace(
-        job_id=JOB, tracking=Tracking({"rec": rec}),
+        job_id=JOB,
+        tracking=Tracking({"rec": rec}),
         ledger=SimpleNamespace(record_change=lambda job, actor, change: changes.append((actor, change))),
         state=SimpleNamespace(step=4, lr=1e-3, bound=SimpleNamespace(set_knob=lambda k: None)),
-        feeder=SimpleNamespace(temperature=1.0, top_p=1.0))
+        feeder=SimpleNamespace(temperature=1.0, top_p=1.0),
+    )
     Parts._record_trip(parts, 5, {"kind": "non_finite"})
     Parts.apply_knobs(parts, {"lr": 1e-4, "temperature": 0.7})
     assert changes == [("trainer collapse guard", {"kind": "non_finite"})]
-    assert rec.calls == [("change", 5, "guard", {"kind": "non_finite"}),
-                         ("change", 5, "knobs", {"lr": 1e-4, "temperature": 0.7})]
+    assert rec.calls == [
+        ("change", 5, "guard", {"kind": "non_finite"}),
+        ("change", 5, "knobs", {"lr": 1e-4, "temperature": 0.7}),
+    ]
     assert parts.state.lr == 1e-4 and parts.feeder.temperature == 0.7
 
 
@@ -269,11 +293,11 @@ def _wandb_records(path: Path) -> list[Any]:
         if left < 7:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding
             pos += left
             continue
-        buf += data[pos + 7:pos + 7 + n]
+        buf += data[pos + 7 : pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):  # FULL or LAST: a whole record
             r = pb.Record()
@@ -286,13 +310,16 @@ def _wandb_records(path: Path) -> list[Any]:
 def test_wandb_offline_run_directory(tmp_path):
     # A trainer process of its own, as in a job: W&B's service writes the run file's last records
     # when the process exits. No API key, no W&B settings, a home of its own: offline needs no login.
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-            "from pathlib import Path\n"
-            "from test_tracking import _feed, _open\n"
-            f"_feed(_open(Path({str(tmp_path)!r}), ['wandb']))\n")
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from pathlib import Path\n"
+        "from test_tracking import _feed, _open\n"
+        f"_feed(_open(Path({str(tmp_path)!r}), ['wandb']))\n"
+    )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path / "home")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr
 
     (run_dir,) = (tmp_path / "tracking" / "wandb").glob(f"offline-run-*-{JOB}")
@@ -306,14 +333,19 @@ def test_wandb_offline_run_directory(tmp_path):
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["model_path"] == "models/tiny" and config["tracking"]["sinks"] == ["wandb"]
 
-    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            for r in records if r.HasField("history")]
+    rows = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.HasField("history")
+    ]
     steps = [(row["trainer/step"], row["loss"]) for row in rows if "loss" in row]
     assert steps == [(1, 0.5), (2, 0.25), (3, pytest.approx(0.5 / 3))]
     assert all("note" not in row for row in rows)
-    assert [(row["trainer/step"], row["eval/held_out/reward_mean"]) for row in rows
-            if "eval/held_out/reward_mean" in row] == [(0, 0.25), (2, 0.5)]
+    assert [
+        (row["trainer/step"], row["eval/held_out/reward_mean"]) for row in rows if "eval/held_out/reward_mean" in row
+    ] == [(0, 0.25), (2, 0.5)]
     assert [(row["trainer/step"], json.loads(row["changes/knobs"])) for row in rows if "changes/knobs" in row] == [
-        (2, {"lr": 1e-5})]
+        (2, {"lr": 1e-5})
+    ]
     assert [row["trainer/step"] for row in rows if "changes/guard" in row] == [3]
     assert kinds[-1] == "exit" and records[-1].exit.exit_code == 0

@@ -64,8 +64,11 @@ def submit_admin(
     job_or_404(ledger, job_id)
     if not any(c["step"] == step for c in ledger.checkpoints(job_id)):
         steps = [c["step"] for c in ledger.checkpoints(job_id)]
-        raise HTTPException(404, f"job '{job_id}' has no checkpoint at step {step}; "
-                                 f"GET /jobs/{job_id}/checkpoints lists them ({steps or 'none yet'})")
+        raise HTTPException(
+            404,
+            f"job '{job_id}' has no checkpoint at step {step}; "
+            f"GET /jobs/{job_id}/checkpoints lists them ({steps or 'none yet'})",
+        )
     params = {"job_id": job_id, "step": step, **params}
     for t in ledger.admin_tasks(job_id, kind=kind):
         if t["params"] == params and t["state"] != "failed":
@@ -78,19 +81,28 @@ def submit_admin(
     ledger.create_admin_task(task_id, job_id, kind, params, actor)
     try:
         # A few quick retries, then answer: a request must not hang on a dead queue.
-        celery.send_task(TASK_NAMES[kind], kwargs=params, task_id=task_id, queue=ctx.admin.queue,
-                         retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5})
+        celery.send_task(
+            TASK_NAMES[kind],
+            kwargs=params,
+            task_id=task_id,
+            queue=ctx.admin.queue,
+            retry_policy={"max_retries": 2, "interval_start": 0, "interval_step": 0.5},
+        )
     except Exception as exc:  # the broker is down: say so, and leave no task waiting forever
         ledger.finish_admin_task(task_id, error=f"could not enqueue: {exc}")
-        raise HTTPException(503, f"the admin task queue is unreachable ({type(exc).__name__}); "
-                                 "check ADMIN_CELERY_BROKER_URL / REDIS_URL and retry") from exc
+        raise HTTPException(
+            503,
+            f"the admin task queue is unreachable ({type(exc).__name__}); "
+            "check ADMIN_CELERY_BROKER_URL / REDIS_URL and retry",
+        ) from exc
     task = ledger.get_admin_task(task_id)
     assert task is not None
     return task
 
 
-@router.post("/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202, response_model=AdminTask,
-             responses=TASK_RESPONSES)
+@router.post(
+    "/jobs/{job_id}/checkpoints/{step}/evaluate", status_code=202, response_model=AdminTask, responses=TASK_RESPONSES
+)
 def evaluate_checkpoint(job_id: str, step: Step, ctx: ContextDep, actor: Actor, response: Response) -> AdminTaskRow:
     """Evaluate the checkpoint on the job's held-out set (greedy, the trainer's protocol) in
     the admin worker; the result lands in the ledger's evals (source `checkpoint`) and in
@@ -98,8 +110,9 @@ def evaluate_checkpoint(job_id: str, step: Step, ctx: ContextDep, actor: Actor, 
     return submit_admin(ctx, actor, response, job_id, step, "evaluate", {})
 
 
-@router.post("/jobs/{job_id}/checkpoints/{step}/export", status_code=202, response_model=AdminTask,
-             responses=TASK_RESPONSES)
+@router.post(
+    "/jobs/{job_id}/checkpoints/{step}/export", status_code=202, response_model=AdminTask, responses=TASK_RESPONSES
+)
 def export_checkpoint(
     job_id: str, step: Step, ctx: ContextDep, actor: Actor, response: Response, body: ExportRequest | None = None
 ) -> AdminTaskRow:

@@ -47,8 +47,9 @@ def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> 
     if job["state"] == "paused":
         raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
     if job["state"] == "queued":
-        raise HTTPException(409, f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel "
-                                 "takes it out of the queue)")
+        raise HTTPException(
+            409, f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel takes it out of the queue)"
+        )
     send_control(ledger, streams, job_id, actor, "pause", "paused")
     return StateChange(id=job_id, state="paused")
 
@@ -64,8 +65,9 @@ def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) ->
 
 # exclude_unset: `changed` lists only the knobs given.
 @router.patch("/jobs/{job_id}", response_model=PatchedJob, response_model_exclude_unset=True)
-def patch(job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor
-          ) -> PatchedJob | JSONResponse:
+def patch(
+    job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor
+) -> PatchedJob | JSONResponse:
     """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
     apply them at their next step. The stored spec is updated so a restarted service keeps them."""
     job = live_job(ledger, job_id, "change")

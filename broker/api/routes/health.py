@@ -23,8 +23,11 @@ class HealthProblem(HealthBody):
     error: str = Field(..., description="What is down.")
 
 
-@router.get("/health", response_model=HealthBody,
-            responses={503: {"model": HealthProblem, "description": "Redis or the ledger is down."}})
+@router.get(
+    "/health",
+    response_model=HealthBody,
+    responses={503: {"model": HealthProblem, "description": "Redis or the ledger is down."}},
+)
 async def health(ctx: ContextDep) -> JSONResponse:
     """Redis and the ledger answer: 200 `{"ok": true, ...}`, else 503 `{"ok": false, "error": ...}`,
     within a second either way."""

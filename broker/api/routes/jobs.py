@@ -28,10 +28,20 @@ JOB_ID_PATTERN = r"^[0-9a-f]{12}$"
 
 @router.post("/jobs", status_code=201, response_model=SubmittedJob, responses=error_responses(403, 409, 422))
 def submit(
-    spec: JobSpec, ledger: LedgerDep, ctx: ContextDep, actor: Actor,
-    job_id: Annotated[str | None, Query(pattern=JOB_ID_PATTERN, description=(
-        "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
-        "Lets a launcher start the job's services before the API is up, each told its JOB_ID."))] = None,
+    spec: JobSpec,
+    ledger: LedgerDep,
+    ctx: ContextDep,
+    actor: Actor,
+    job_id: Annotated[
+        str | None,
+        Query(
+            pattern=JOB_ID_PATTERN,
+            description=(
+                "The new job's id, chosen by the client (12 lowercase hex digits); default: a fresh random one. "
+                "Lets a launcher start the job's services before the API is up, each told its JOB_ID."
+            ),
+        ),
+    ] = None,
 ) -> SubmittedJob:
     """Queue a job; the fleet's trainer takes it when the jobs ahead of it (higher priority, or
     submitted earlier) are done (409 when `job_id` is taken). GET /queue shows its place."""
@@ -56,8 +66,9 @@ def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 1
 
 
 # exclude_unset: a generator's `last_loaded_at` and `heartbeat` are absent until known.
-@router.get("/jobs/{job_id}", response_model=JobStatus, response_model_exclude_unset=True,
-            responses=error_responses(404, 422))
+@router.get(
+    "/jobs/{job_id}", response_model=JobStatus, response_model_exclude_unset=True, responses=error_responses(404, 422)
+)
 def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus:
     """The job, its last metrics, evaluations, sample counts, staleness and generators."""
     job = job_or_404(ledger, job_id)
@@ -70,11 +81,13 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus
     for gid, hb in streams.heartbeats().items():
         generators.setdefault(gid, {"versions_loaded": []})["heartbeat"] = hb
     # validated from the dict: a generator's unknown keys stay unset (exclude_unset)
-    return JobStatus.model_validate({
-        **{k: job[k] for k in ("id", "name", "state", "step", "error", "created_at", "started_at", "spec")},
-        "last_metrics": steps[-1]["metrics"] if steps else None,
-        "evals": ledger.evals(job_id),
-        "samples": ledger.status_counts(job_id),
-        "staleness": ledger.staleness_histogram(job_id),
-        "generators": generators,
-    })
+    return JobStatus.model_validate(
+        {
+            **{k: job[k] for k in ("id", "name", "state", "step", "error", "created_at", "started_at", "spec")},
+            "last_metrics": steps[-1]["metrics"] if steps else None,
+            "evals": ledger.evals(job_id),
+            "samples": ledger.status_counts(job_id),
+            "staleness": ledger.staleness_histogram(job_id),
+            "generators": generators,
+        }
+    )

@@ -13,7 +13,9 @@ router = APIRouter(tags=["metrics"])
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={
+        200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    },
 )
 def metrics(ctx: ContextDep) -> Response:
     """Prometheus exposition: request counts and latency, and gauges of the unfinished jobs."""

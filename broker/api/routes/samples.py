@@ -24,7 +24,9 @@ def job_samples(
     ledger: LedgerDep,
     status: Annotated[str | None, Query(description=f"One of: {', '.join(SAMPLE_STATUSES)}.")] = None,
     kind: Annotated[str | None, Query(description=f"One of: {', '.join(SAMPLE_KINDS)}.")] = None,
-    min_step: Annotated[int | None, Query(ge=0, le=2**62, description="Lowest trainer_version (the step that used the sample).")] = None,
+    min_step: Annotated[
+        int | None, Query(ge=0, le=2**62, description="Lowest trainer_version (the step that used the sample).")
+    ] = None,
     max_step: Annotated[int | None, Query(ge=0, le=2**62, description="Highest trainer_version.")] = None,
     min_staleness: Bound = None,
     max_staleness: Bound = None,
@@ -50,5 +52,6 @@ def job_samples(
         "max_reward": max_reward,
     }
     rows = ledger.samples(job_id, **filters, limit=limit, offset=offset)
-    return SamplePage.model_validate({"total": ledger.count_samples(job_id, **filters), "limit": limit, "offset": offset,
-                                      "items": rows})
+    return SamplePage.model_validate(
+        {"total": ledger.count_samples(job_id, **filters), "limit": limit, "offset": offset, "items": rows}
+    )

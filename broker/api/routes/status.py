@@ -36,8 +36,9 @@ def asset(name: str) -> FileResponse:
 
 
 # Out of the OpenAPI schema: the page's own feed, not part of the public /jobs API.
-@router.get("/status/data/{job_id}", response_model=StatusData, dependencies=[Security(authorize)],
-            include_in_schema=False)
+@router.get(
+    "/status/data/{job_id}", response_model=StatusData, dependencies=[Security(authorize)], include_in_schema=False
+)
 def status_data(job_id: str, ledger: LedgerDep) -> StatusData:
     """Per-step series of a job: `steps` (STEP_METRICS by step), held-out `evals` and the
     collapse guard's trips."""
