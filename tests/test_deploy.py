@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
 import re
 import shlex
 import shutil
@@ -280,7 +281,9 @@ def test_docker_compose_config_accepts_the_files(files, tmp_path):
     args = [a for f in files for a in ("-f", str(ROOT / f))]
 
     def config(**variables: str) -> dict:
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **variables}
+        # HOME elsewhere (no .env, no user config), the Docker CLI's plugins where the probe found them
+        docker_config = os.environ.get("DOCKER_CONFIG", str(Path.home() / ".docker"))
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DOCKER_CONFIG": docker_config, **variables}
         res = subprocess.run(
             [*client, *args, "config", "--format", "json"], capture_output=True, text=True, env=env, cwd=tmp_path
         )  # no .env in tmp_path: exactly these variables
