@@ -763,6 +763,8 @@ def test_dockerfiles_copy_real_paths_cache_dependencies_and_drop_root(dockerfile
     deps = next(i for i, ln in enumerate(lines) if re.search(rf'pip install (--find-links \S+ )?"\.\[{extra}\]"', ln))
     pyproject_copy = next(i for i, ln in enumerate(lines) if ln.startswith("COPY") and "pyproject.toml" in ln)
     assert pyproject_copy < deps < first_source, "dependencies must be installed in a layer before the source"
+    # pyproject.toml alone: an edit of README.md (its `readme`, a stand-in in that layer) rebuilds no dependency
+    assert lines[pyproject_copy] == "COPY pyproject.toml ./", lines[pyproject_copy]
     assert re.search(rf"^{extra} = \[", (ROOT / "pyproject.toml").read_text(), re.M), f"no extra [{extra}]"
     # runs as an unprivileged user, set after every install
     users = [i for i, ln in enumerate(lines) if ln.startswith("USER ")]
