@@ -137,7 +137,7 @@ def verify(s: Stack, job_id: str) -> dict[str, Any]:
     """`asyncrl verify` (its exit status) and GET /jobs/{id}/verify (the figures)."""
     cli = s.cli("verify", job_id)
     res = dict(s.get(f"/jobs/{job_id}/verify"))
-    out = {"cli_rc": cli.returncode, "ok": bool(res["ok"]) and cli.returncode == 0, "lost": res["lost"],
+    out = {"cli_rc": cli.returncode, "ok": bool(res["ok"]) and cli.returncode == 0, "lost": res["counts"].get("lost", 0),
            "trained_twice": res["checks"]["trained_once"], "steps": res["steps"], "counts": res["counts"],
            "violations": [f"{v['check']}: {v['message']}" for v in res["violations"]]}
     log(f"verify {job_id}: {'ok' if out['ok'] else 'FAILED'}, lost {out['lost']}, trained twice "
@@ -312,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append("a")
         fleet_before = {svc: started(s, svc) for svc in JOB_SERVICES}
         save()
+    except Exception as exc:  # noqa: BLE001 - recorded, then the script fails
+        return finish(res, failed, args.out, save, s, exc)
 
+    try:
         # -- b. scale the generators, a second job -----------------------------------------------------
         log("b. docker compose up -d --scale generator=2")
         s.compose("up", "-d", "--scale", "generator=2")
@@ -366,7 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         if not (jb["state"] == "finished" and vb["ok"] and vb["lost"] == 0 and vb["trained_twice"] == 0):
             failed.append("c")
         save()
+    except Exception as exc:  # noqa: BLE001 - recorded; d still runs
+        failed.append(f"b/c error: {exc!r}")
+        log(f"FAILED: {exc!r}")
+        save()
 
+    try:
         # -- d. down + up with a job running ----------------------------------------------------------
         job_c = submit(s, spec("compose-down-up", args.steps, 5), tmp)
         wait("a checkpoint of the third job", lambda: [c for c in s.get(f"/jobs/{job_c}/checkpoints")
@@ -407,8 +415,16 @@ def main(argv: list[str] | None = None) -> int:
         if not res["restart_resumed"]:
             failed.append("d")
     except Exception as exc:  # noqa: BLE001 - recorded, then the script fails
+        return finish(res, failed, args.out, save, s, exc)
+    return finish(res, failed, args.out, save, s, None)
+
+
+def finish(res: dict[str, Any], failed: list[str], out: Path, save, s: Stack, exc: Exception | None) -> int:
+    """Record a failure (with the services' state and log tails), write the results, log the figures."""
+    if exc is not None:
         failed.append(f"error: {exc!r}")
         log(f"FAILED: {exc!r}")
+    if failed:
         try:
             res["ps"] = health(s)
             for svc in ("init", "trainer", "generator", "broker"):
@@ -418,11 +434,10 @@ def main(argv: list[str] | None = None) -> int:
             res["ps"] = repr(e2)
     res["failed"] = failed
     save()
-    log(f"results -> {args.out}: " + json.dumps({k: res[k] for k in (
+    log(f"results -> {out}: " + json.dumps({k: res[k] for k in (
         "demo_finished", "verify_ok", "scaled_generators", "kill_lost", "kill_trained_twice", "restart_resumed",
         "image_gb", "build_s", "up_to_finished_s")}))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
