@@ -976,7 +976,7 @@ def test_compose_test_uses_its_own_project_and_cleans_up():
     assert re.search(r"down -v --remove-orphans", script)
     assert "prune" not in script and "docker rm" not in script
     driver = (ROOT / "deploy/compose_test.py").read_text()
-    assert '"docker", "compose", "-p", project' in driver and "prune" not in driver
+    assert re.search(r"\"docker\",\s*\"compose\",\s*\"-p\",\s*project", driver) and "prune" not in driver
     assert "deploy/compose_test.py" in script
 
 
