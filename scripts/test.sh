@@ -13,7 +13,8 @@ export TEST_POSTGRES_URL=${TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.
 set +e
 # Benchmarks run end to end (-m bench) are for bench/; the compose tier (-m compose, scripts/compose-test.sh,
 # ~16-30 min) runs before a change to deploy/ is resolved: neither is in the default run.
-.venv/bin/python -m pytest -m "not gpu and not bench and not compose" "$@"
+# --durations: every run names the tests that cost its time
+.venv/bin/python -m pytest -m "not gpu and not bench and not compose" --durations=25 "$@"
 rc=$?
 set -e
 # pytest exit code 5 = no tests collected (e.g. a -k filter that matches nothing): not a failure.
