@@ -85,6 +85,13 @@ def _echo_json(value: Any) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
 
 
+def _percent(fraction: float | None) -> Text:
+    """A fraction as a percentage cell, red when it is not 0 ("-": nothing to count yet)."""
+    if fraction is None:
+        return Text("-", style="dim")
+    return Text(f"{fraction:.1%}", style="red" if fraction else "")
+
+
 def _cell(value: Any, digits: int = 3) -> Text:
     """Table cell text; user data goes in as Text so that rich markup in it is not interpreted."""
     if value is None:
@@ -230,6 +237,7 @@ def _show_queue(api: str, token: str | None) -> None:
             Column("step", justify="right"),
             Column("priority", justify="right"),
             "started",
+            Column("reward errors", justify="right"),
             title="running",
             title_justify="left",
         )
@@ -241,6 +249,7 @@ def _show_queue(api: str, token: str | None) -> None:
                 _cell(f"{j['step']}/{j['steps']}"),
                 _cell(j["priority"]),
                 _cell(j["started_at"]),
+                _percent(j.get("reward_error_fraction")),
             )
         console.print(running)
     else:
@@ -322,7 +331,9 @@ def status(
         _show_queue(api, token)
         return
     if not watch:
-        _echo_json(_call("GET", api, f"/jobs/{job_id}", token))
+        job = _call("GET", api, f"/jobs/{job_id}", token)
+        _echo_json(job)
+        _echo_reward_errors(job)
         _echo_guard_trips(job_id, api, token)
         return
     job = _follow(job_id, api, token, interval)
@@ -486,6 +497,20 @@ def phases(
             f"{float(p['total_s']):.2f}",
         )
     Console().print(table)
+
+
+def _echo_reward_errors(job: dict[str, Any]) -> None:
+    """The job's reward error fraction on stderr when any reward failed (a scorer that only
+    fails leaves every reward 0: the curves alone would not say why)."""
+    errors = job.get("reward_errors") or {}
+    fraction, by_status = errors.get("fraction"), errors.get("by_status") or {}
+    if fraction:
+        counts = ", ".join(f"{s} {n}" for s, n in sorted(by_status.items()))
+        typer.secho(
+            f"reward errors: {fraction:.1%} of {sum(by_status.values())} scored samples ({counts})",
+            fg="red" if fraction >= 0.5 else "yellow",
+            err=True,
+        )
 
 
 def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:

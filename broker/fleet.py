@@ -44,6 +44,7 @@ from shared.entry import JobOver, accept_drain, drain_requested
 from shared.ids import control_id
 from shared.jobspec import JobSpec
 from shared.logs import escape_control, set_context
+from shared.rewards.base import failed_fraction
 from shared.schema import Control
 from shared.settings import CommonSettings
 
@@ -184,6 +185,7 @@ def queue_view(ledger: Ledger, members: list[dict[str, Any]]) -> dict[str, Any]:
                 "steps": int(j["spec"].get("steps", 0)) if isinstance(j["spec"], dict) else 0,
                 "priority": j["priority"],
                 "started_at": j["started_at"],
+                "reward_error_fraction": failed_fraction(ledger.reward_status_counts(j["id"])),
             }
             for j in running
         ],

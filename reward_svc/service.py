@@ -11,8 +11,10 @@ REWARD_CONSUMER_ID first scores what its predecessor left pending; SIGTERM finis
 A sample whose reward timed out or failed (raised, bad return value, endpoint down) follows the
 reward's `on_failure`: "zero" publishes reward 0.0 with reward_status and reward_reason, "drop"
 dead-letters it (code reward_timeout / reward_error), which makes the trainer drop its group. A
-rollout with no completion tokens, or whose reward is not a finite number, goes to the dead-letter
-stream with the reason; every dead letter is counted by reason in the metrics. A plug-in that does
+reward (or a named component of it) that is not a number within the job's `reward_limits.bounds`
+(1e308, inf, NaN) is such a failure too: status error, the value in the reason. A rollout with no
+completion tokens goes to the dead-letter stream with the reason; every dead letter is counted by
+reason in the metrics. A plug-in that does
 not import fails its job with the reason (broker.fleet); with JOB_ID, the service (it exits non-zero).
 
 One bad entry never costs good work. The stream boundary (broker.streams, shared.schema) refuses
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery
 from shared.jobspec import JobSpec
 from shared.metrics import RewardMetrics, job_registry, serve_metrics
 from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
-from shared.rewards.base import MAX_REASON
+from shared.rewards.base import MAX_REASON, bounded
 from shared.schema import Rollout, Scored, clean_text
 from shared.settings import RewardSettings
 
@@ -228,7 +229,9 @@ def serve_job(
         except Exception as exc:
             raise RewardUnusable(f"the job's reward cannot be built: {exc}") from exc
         consumer = Consumer(ROLLOUTS, GROUP_REWARDERS, settings.consumer_id, Rollout)
-        handler = Scoring(ctx.streams, ctx.ledger, consumer, job_scorers, loop, metrics, settings.batch)
+        handler = Scoring(
+            ctx.streams, ctx.ledger, consumer, job_scorers, loop, metrics, settings.batch, ctx.spec.reward_limits.bounds
+        )
         # a user's stop is the trainer's to finish: only its drain (or a cancel) ends this service
         service = ServiceLoop(
             ctx.streams,
@@ -266,9 +269,11 @@ class Scoring:
         loop: asyncio.AbstractEventLoop,
         metrics: RewardMetrics,
         batch: int,
+        bounds: tuple[float, float] = (-1e6, 1e6),
     ):
         self.streams, self.ledger, self.consumer = streams, ledger, consumer
         self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch
+        self.bounds = bounds  # the job's reward_limits.bounds: a reward outside is the sample's error
 
     def batch_size(self, control: ControlWatcher) -> int:
         return self.batch
@@ -290,7 +295,10 @@ class Scoring:
             todo = self._scorable(record_generated(self.streams, self.ledger, deliveries))
         # score: the whole batch at once
         with phases.span("score"):
-            results = self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))
+            results = [
+                (scorer, bounded(res, *self.bounds))
+                for scorer, res in self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))
+            ]
             batch = [
                 (d, s)
                 for d, (scorer, res) in zip(todo, results, strict=True)
@@ -326,18 +334,14 @@ class Scoring:
 
     def _scored(self, d: Delivery[Rollout], scorer: RewardScorer, res: RewardResult) -> Scored | None:
         """The scored message of one rollout, or None when it is dead-lettered instead: a failed
-        reward under on_failure "drop" (the trainer drops the group), or a non-finite one."""
+        reward under on_failure "drop" (the trainer drops the group). `res` is within the job's
+        bounds or failed (`bounded`), so the reward and components published are finite."""
         r = d.message
         reward = scorer.reward_for(res)
         if reward is None:
             self._dead(d, f"reward {res.status}: {res.reason}", f"reward_{res.status}")
             return None
         details = {clean_text(str(k))[:256]: float(v) for k, v in res.components.items()}
-        bad = [k for k, v in details.items() if not math.isfinite(v)]
-        if not math.isfinite(reward) or bad:
-            what = f"reward {reward}" if not math.isfinite(reward) else f"reward component {bad[0]} {details[bad[0]]}"
-            self._dead(d, f"{what} is not finite", "non_finite_reward")
-            return None
         if not res.ok:
             log.warning(
                 "reward %s on %s: %s (reward %s under on_failure %s)",

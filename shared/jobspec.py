@@ -366,6 +366,45 @@ class GuardSpec(_Strict):
     )
 
 
+# The widest reward range a job may set: the trainer holds rewards as float32, and the group
+# statistics of its advantages (squared differences summed over a group) stay finite up to here.
+MAX_REWARD = 1e12
+
+
+class RewardLimitsSpec(_Strict):
+    """What the job accepts as a reward, and how long it goes on when its scorer only fails."""
+
+    bounds: tuple[
+        Annotated[float, Field(ge=-MAX_REWARD, le=MAX_REWARD)], Annotated[float, Field(ge=-MAX_REWARD, le=MAX_REWARD)]
+    ] = Field(
+        (-1e6, 1e6),
+        description="[low, high]: a reward (or one of its named components) outside this range, or not a "
+        "number, is a reward error of that sample (reward_status error, with the value in the reason; "
+        "the reward's on_failure decides what the sample gets), never trained on as a number. Each "
+        "bound at most 1e12 in size.",
+    )
+    fail_after_error_steps: int = Field(
+        5,
+        ge=0,
+        le=MAX_STEPS,
+        description="Fail the job once this many steps in a row trained on a batch whose every reward failed "
+        "(error or timeout), naming the most common failure; a job with fewer steps fails at its last. "
+        "0: never. (Under on_failure drop such samples are dead-lettered, and the job fails when every "
+        "group dead-letters.)",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RewardLimitsSpec:
+        low, high = self.bounds
+        if not low < high:
+            raise ValueError(f"bounds [{low}, {high}]: the low bound must be below the high one")
+        return self
+
+    def error_steps(self, steps: int) -> int:
+        """Steps in a row of failed rewards that fail a job of `steps` steps (0: never)."""
+        return min(self.fail_after_error_steps, steps)
+
+
 class TrackingSpec(_Strict):
     """Experiment tracking (trainer_svc/tracking.py): the trainer feeds each sink the job spec as
     its config, every step's metrics, every evaluation round, and the run's changes (live knobs,
@@ -535,6 +574,10 @@ class JobSpec(_Strict):
     guard: GuardSpec = Field(
         default_factory=GuardSpec,
         description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip.",
+    )
+    reward_limits: RewardLimitsSpec = Field(
+        default_factory=RewardLimitsSpec,
+        description="The range a reward must lie in, and when a job whose rewards all fail stops.",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     priority: int = Field(

@@ -251,7 +251,7 @@ def _registry(registry: CollectorRegistry | None) -> CollectorRegistry:
 
 def _dead_letters(r: CollectorRegistry, service: str) -> Counter:
     # `reason` is a fixed code (shared.schema.REJECT_CODES or the consumer's own, e.g.
-    # non_finite_reward), never free text: label values must stay few.
+    # empty_completion), never free text: label values must stay few.
     return Counter(
         f"asyncrl_{service}_dead_letters",
         "Messages this process sent to the dead-letter stream, by source stream and reason code.",
@@ -358,7 +358,7 @@ class RewardMetrics:
                 self._status.labels(self._job_id, status).inc(n)
 
     def dead_letter(self, stream: str, reason: str) -> None:
-        """One entry of `stream` dead-lettered for `reason` (a code, e.g. non_finite_reward)."""
+        """One entry of `stream` dead-lettered for `reason` (a code, e.g. empty_completion)."""
         self._dead.labels(self._job_id, stream, reason).inc()
 
 

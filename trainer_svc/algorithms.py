@@ -117,6 +117,12 @@ class LossConfig:
 
 
 # --- advantages ---------------------------------------------------------------------------------
+#
+# Each estimator computes in float64 and returns the rewards' dtype. A float32 group statistic
+# overflows near float32's largest value (3.4e38): a mean or std of inf makes every advantage of the
+# group 0 or NaN, silently. Rewards reach the trainer within the job's `reward_limits.bounds` (at
+# most 1e12 in size: the reward service and trainer_svc/sink.py see to it), so an advantage is
+# always far inside float32; the float64 is the margin for the statistics.
 
 
 def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -127,11 +133,12 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     Args:
         rewards: (G, n) rewards, one row per prompt group.
     Returns:
-        (G, n) advantages; a group whose rewards are all equal gets zeros.
+        (G, n) advantages in the rewards' dtype; a group whose rewards are all equal gets zeros.
     """
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
-    return (rewards - mean) / (std + eps)
+    r = rewards.double()
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, keepdim=True) if r.shape[1] > 1 else torch.zeros_like(mean)
+    return ((r - mean) / (std + eps)).to(rewards.dtype)
 
 
 def group_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -143,9 +150,10 @@ def group_mean_advantages(rewards: torch.Tensor) -> torch.Tensor:
     Args:
         rewards: (G, n).
     Returns:
-        (G, n); each row sums to zero.
+        (G, n) in the rewards' dtype; each row sums to zero.
     """
-    return rewards - rewards.mean(dim=1, keepdim=True)
+    r = rewards.double()
+    return (r - r.mean(dim=1, keepdim=True)).to(rewards.dtype)
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -163,8 +171,9 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     n = rewards.shape[1]
     if n < 2:
         raise ValueError(f"rloo needs at least 2 samples per group, got {n}")
-    loo_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
-    return rewards - loo_mean
+    r = rewards.double()
+    loo_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
+    return (r - loo_mean).to(rewards.dtype)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -48,6 +48,7 @@ from trainer_svc.batch import TrainBatch
 from trainer_svc.evaluation import Evaluator
 from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, GroupAssembler
 from trainer_svc.guard import CollapseGuard
+from trainer_svc.reward_errors import reward_out_of_range
 from trainer_svc.shaping import no_signal
 
 log = logging.getLogger(__name__)
@@ -161,14 +162,14 @@ class TrainSink:
         """Scored samples -> complete groups -> ready, their eval round, or settled as unknown;
         then every eval round they completed is recorded. Returns how many were delivered."""
         for d in deliveries:
-            why = out_of_vocab(d.message, self.vocab_size)
+            code, why = "token_out_of_vocab", out_of_vocab(d.message, self.vocab_size)
+            if why is None:
+                code, why = "reward_out_of_range", reward_out_of_range(d.message, self.spec)
             if why is not None:  # dead-lettered, and its group settled now (as the dead letter would)
-                self.streams.dead_letter(
-                    SCORED, GROUP_TRAINERS, d.entry_id, why, code="token_out_of_vocab", message=d.message
-                )
+                self.streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why, code=code, message=d.message)
                 r = d.message.rollout
                 g = self.assembler.mark_dead(
-                    DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, f"token_out_of_vocab: {why}")
+                    DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, f"{code}: {why}")
                 )
                 if g is not None:
                     self._settle_dead(g, version)

@@ -40,6 +40,7 @@ from trainer_svc.dist import Ranks
 from trainer_svc.learner import follow
 from trainer_svc.offload import Offload
 from trainer_svc.parts import Parts
+from trainer_svc.reward_errors import RewardErrorStreak, RewardsFailed, error_fraction
 from trainer_svc.sink import Batch, overlong_reason, record_used
 from trainer_svc.staleness import staleness_lr_scale
 
@@ -118,6 +119,7 @@ def _train(p: Parts) -> None:
         )
     if st.step == 0:
         p.evaluator.start_due(0, st.version)
+    reward_errors = RewardErrorStreak.for_job(spec)
     while st.step < spec.steps:
         t_start = time.perf_counter()
         control.poll()
@@ -154,6 +156,10 @@ def _train(p: Parts) -> None:
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         times = {"time/wait_s": t_data - t_start, "time/train_s": t_train - t_data, "time/publish_s": publish_s}
         _record(p, batch, step_metrics, times, t_start)
+        # a scorer that only fails fails the job, saying why, rather than let it end `finished`
+        why = reward_errors.observe([s.reward_status for s in batch.samples], [s.reward_reason for s in batch.samples])
+        if why is not None:
+            raise RewardsFailed(why)
         if st.step < spec.steps:
             p.evaluator.start_due(st.step, st.version)
 
@@ -214,6 +220,7 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
         "off_policy/mean": float(np.mean(stale)),
         "off_policy/max": float(max(stale)),
         "off_policy/dropped": float(len(batch.dropped)),
+        "reward/error_fraction": error_fraction([s.reward_status for s in batch.samples]),
         "dynamic_sampling/dropped_groups": float(batch.filtered),
         "staleness/bound": float(st.bound.k),
         "ledger/trained_twice": float(twice),

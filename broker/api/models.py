@@ -72,6 +72,20 @@ class RunningJob(BaseModel):
     steps: int
     priority: int
     started_at: datetime | None
+    reward_error_fraction: float | None = Field(
+        None, description="Of its scored samples, the share whose reward failed (timeout or error); null: none yet."
+    )
+
+
+class RewardErrors(BaseModel):
+    """How a job's rewards went: its scored samples by reward status, and the share that failed."""
+
+    by_status: dict[str, int] = Field(
+        ..., description="Scored samples by reward status: ok, timeout, error (statuses with none are absent)."
+    )
+    fraction: float | None = Field(
+        ..., description="(timeout + error) / scored: the reward error fraction; null before a sample is scored."
+    )
 
 
 class QueueView(BaseModel):
@@ -146,6 +160,7 @@ class JobStatus(BaseModel):
     evals: list[EvalRecord]
     samples: dict[str, int] = Field(..., description="Samples by status (statuses with none are absent).")
     staleness: dict[int, int] = Field(..., description="Trained samples by staleness.")
+    reward_errors: RewardErrors = Field(..., description="Its scored samples by reward status; the error fraction.")
     generators: dict[str, GeneratorState] = Field(..., description="By generator id.")
 
 

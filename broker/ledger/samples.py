@@ -166,6 +166,19 @@ class SampleRepository(Repository):
         with self._db.read() as s:
             return {status: int(n) for status, n in s.execute(stmt)}
 
+    def reward_status_counts(self, job_id: str) -> dict[str, int]:
+        """Number of a job's scored samples per reward status (`ok`, `timeout`, `error`; those with
+        none are absent). Samples dead-lettered before a reward was recorded (on_failure drop)
+        have none and are not counted."""
+        c = samples_t.c
+        stmt = (
+            select(c.reward_status, func.count())
+            .where(c.job_id == job_id, c.reward_status.is_not(None))
+            .group_by(c.reward_status)
+        )
+        with self._db.read() as s:
+            return {status: int(n) for status, n in s.execute(stmt)}
+
     def staleness_histogram(self, job_id: str, *, status: str = "trained") -> dict[int, int]:
         """staleness -> number of samples with `status` (default: trained), ascending.
 

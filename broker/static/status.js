@@ -54,6 +54,12 @@
     return Number(v.toPrecision(3)).toString();
   }
 
+  // a job's reward error fraction (timeout + error over scored), red once any reward failed
+  function rewardErrors(fraction) {
+    if (fraction === null || fraction === undefined) return "";
+    return `reward errors ${fmt(Number((100 * fraction).toPrecision(3)))} %`;
+  }
+
   function ago(seconds) {
     if (seconds < 60) return `${Math.max(0, seconds).toFixed(0)} s ago`;
     if (seconds < 3600) return `${(seconds / 60).toFixed(0)} min ago`;
@@ -215,7 +221,8 @@
     const prio = (p) => (p ? `priority ${p}` : "");
     const rows = [
       ...queue.running.map((j) => el("tr", {}, el("td", { className: "muted" }, "▶"), el("td", {}, jobLink(j.id, j.name)),
-        el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority))))),
+        el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority)),
+          j.reward_error_fraction ? el("div", { className: "why bad" }, rewardErrors(j.reward_error_fraction)) : ""))),
       ...queue.queued.map((q) => el("tr", {}, el("td", {}, `#${q.position}`),
         el("td", {}, jobLink(q.id, q.name), note(`waiting for ${q.waiting_for}`)),
         el("td", {}, badge("queued"), note(prio(q.priority))))),
@@ -273,6 +280,9 @@
     $("job-state").textContent = job.state;
     $("job-state").className = `state ${job.state}`;
     $("job-step").textContent = `step ${job.step}`;
+    const fraction = job.reward_errors ? job.reward_errors.fraction : null;
+    $("job-reward-errors").textContent = rewardErrors(fraction);
+    $("job-reward-errors").className = fraction ? "bad" : "muted";
     $("job-error").hidden = !job.error;
     $("job-error").textContent = job.error || "";
     document.title = `${job.name} (${job.state}) · asyncrl status`;
@@ -281,6 +291,7 @@
     renderCharts();
     renderGenerators(job.generators || {});
     fillDl($("samples"), Object.entries(job.samples || {}));
+    fillDl($("reward-status"), Object.entries((job.reward_errors || {}).by_status || {}));
     fillDl($("staleness"), Object.entries(job.staleness || {}).map(([lag, n]) => [`${lag} behind`, n]));
     fillDl($("last-metrics"), Object.entries(job.last_metrics || {}).sort(([a], [b]) => a.localeCompare(b)));
   }

@@ -61,8 +61,8 @@ class RewardResult:
     """The reward of one sample, or why there is none.
 
     Attributes:
-        reward: the reward (status "ok"; may be non-finite if the function returned that, which the
-            reward service dead-letters), None otherwise.
+        reward: the reward (status "ok"; may be any float the function returned: the reward service
+            makes one outside the job's range, or not finite, an error with `bounded`), None otherwise.
         status: "ok", "timeout" (over the time budget) or "error" (raised, bad return value, the
             remote endpoint failed...).
         reason: "" when ok, else what happened, for people (at most MAX_REASON characters).
@@ -91,6 +91,17 @@ class RewardResult:
         return cls(reward=d["reward"], status=d["status"], reason=d["reason"], components=d["components"])
 
 
+FAILED: tuple[Status, ...] = ("error", "timeout")
+"""The statuses of a reward that failed: what a job's reward error fraction counts."""
+
+
+def failed_fraction(by_status: Mapping[str, int]) -> float | None:
+    """Of samples counted by reward status, the share whose reward failed (FAILED); None when
+    none is counted. E.g. {"ok": 6, "error": 1, "timeout": 1} -> 0.25."""
+    total = sum(by_status.values())
+    return sum(by_status.get(s, 0) for s in FAILED) / total if total else None
+
+
 def failed(status: Status, reason: str) -> RewardResult:
     if len(reason) > MAX_REASON:
         reason = reason[: MAX_REASON - 14] + " ...(truncated)"
@@ -103,6 +114,22 @@ def error_from(exc: BaseException, where: str = "") -> RewardResult:
     at = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
     prefix = f"{where}: " if where else ""
     return failed("error", f"{prefix}{type(exc).__name__}: {exc}{at}")
+
+
+def bounded(result: RewardResult, low: float, high: float) -> RewardResult:
+    """`result` if its reward and every named component is a number in [low, high] (the job's
+    `reward_limits.bounds`), else status error saying which value is out: a reward of 1e308 (or
+    inf, or NaN) is a scorer's failure, not a number to train on (1e308 alone overflows the
+    trainer's float32 rewards, and the advantages with them). A failed result passes unchanged."""
+    if not result.ok:
+        return result
+    values = [("reward", result.reward)] + [(f"reward component {k!r}", v) for k, v in result.components.items()]
+    for what, v in values:
+        if v is None or not low <= v <= high:  # NaN compares false: out too
+            return failed(
+                "error", f"{what} {v!r} is outside the job's range [{low:g}, {high:g}] (reward_limits.bounds)"
+            )
+    return result
 
 
 def coerce(value: Any) -> RewardResult:

@@ -165,6 +165,7 @@ def test_job_status(api: Api) -> None:
         "evals": [],
         "samples": {},
         "staleness": {},
+        "reward_errors": {"by_status": {}, "fraction": None},  # nothing scored yet
         "generators": {},
     }
     assert body["spec"]["model_path"] == "models/tiny"

@@ -109,5 +109,6 @@ def test_job_routes_document_the_answers_they_give(spec: dict[str, Any]) -> None
         "evals",
         "samples",
         "staleness",
+        "reward_errors",
         "generators",
     }

@@ -35,9 +35,29 @@ TRAIN_BLUE = (0x25, 0x63, 0xEB)  # COLORS.train in broker/static/status.js
 
 
 def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny") -> str:
-    """A running job with five train steps, two evals, one generator load and a guard trip."""
+    """A running job with five train steps, two evals, one generator load, a guard trip, and four
+    scored samples of which one reward failed (reward error fraction 0.25)."""
     ledger.create_job(job_id, name, {"name": name})
     ledger.set_job_state(job_id, "running")
+    ids = [f"{job_id}/g0/{i}" for i in range(4)]
+    ledger.record_generated(
+        [
+            {
+                "msg_id": m,
+                "job_id": job_id,
+                "group_id": f"{job_id}/g0",
+                "sample_index": i,
+                "prompt_index": 0,
+                "generator_id": "gen-0",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 2,
+                "num_completion_tokens": 3,
+                "completion": "x",
+            }
+            for i, m in enumerate(ids)
+        ]
+    )
+    ledger.record_scored_ids([(m, 1.0, "ok", None) for m in ids[:3]] + [(ids[3], 0.0, "error", {"reason": "HTTP 500"})])
     for step in range(1, 6):
         ledger.record_train_step(
             job_id,
@@ -217,7 +237,9 @@ def test_the_page_feeds_show_the_queue_and_the_fleet(make_app) -> None:
             assert client.get("/queue").status_code == 401  # data, like /jobs: a token
     finally:
         beacon.close()
-    assert [(j["id"], j["state"], j["step"]) for j in queue["running"]] == [(job_id, "running", 5)]
+    assert [(j["id"], j["state"], j["step"], j["reward_error_fraction"]) for j in queue["running"]] == [
+        (job_id, "running", 5, 0.25)
+    ]
     assert [(q["position"], q["id"], q["priority"], q["waiting_for"]) for q in queue["queued"]] == [
         (1, "job-next01", 5, f"job {job_id} to end"),
         (2, "job-last02", 0, "1 job(s) ahead of it"),
@@ -302,6 +324,9 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert queue.index(job_id) < queue.index("job-next01") < queue.index("job-last02")
     assert "<td>#1</td>" in queue and f"waiting for job {job_id} to end" in queue
     assert "step 5</div>" in queue  # the running job's spec names no steps: no N/0
+    assert '<div class="why bad">reward errors 25 %</div>' in queue
+    assert '<span id="job-reward-errors" class="bad">reward errors 25 %</span>' in dom
+    assert "<dt>error</dt><dd>1</dd>" in dom and "<dt>ok</dt><dd>3</dd>" in dom  # rewards by status
     assert "waiting for 1 job(s) ahead of it" in queue and "priority 5" in queue
     fleet = dom[dom.index('<table id="fleet">') : dom.index('id="no-fleet"')]
     assert "box-trainer" in fleet and "serving" in fleet and job_id in fleet

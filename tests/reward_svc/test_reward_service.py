@@ -57,12 +57,13 @@ def rollout(job: str, name: str, completion: str, *, tokens: int = 3, group: str
     )
 
 
-def open_setup(tmp_path, reward, eval_sets=(), **settings_kw):
+def open_setup(tmp_path, reward, eval_sets=(), spec_kw=None, **settings_kw):
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     job = f"rw-{uuid.uuid4().hex[:8]}"
     prefix = f"test-{uuid.uuid4().hex[:8]}:"
     ledger = Ledger(f"sqlite:///{tmp_path}/ledger.db")
-    spec = JobSpec(model_path="/nonexistent", reward=reward, eval_sets=list(eval_sets)).model_dump(mode="json")
+    spec = JobSpec(model_path="/nonexistent", reward=reward, eval_sets=list(eval_sets), **(spec_kw or {}))
+    spec = spec.model_dump(mode="json")
     ledger.create_job(job, "reward-test", spec, state="running")
     streams = JobStreams(connect(redis_url), job, prefix=prefix, max_message_bytes=4096)
     settings = RewardSettings(
@@ -251,6 +252,55 @@ def test_on_failure_drop_dead_letters_the_failed_rollouts(tmp_path) -> None:
         rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
         assert rows["hang"]["status"] == rows["boom"]["status"] == "generated"  # the trainer drops the groups
         assert streams.pending_count(ROLLOUTS, "rewarders") == 0
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+OUT_OF_RANGE = textwrap.dedent(
+    """
+    def score(completion, answer):
+        rewards = {"huge": 1e308, "inf": float("inf"), "nan": float("nan"), "low": -1.5}
+        if completion == "parts":
+            return {"a": -0.5, "b": 1.25}
+        return rewards.get(completion, 0.5)
+    """
+)
+
+
+def test_a_reward_outside_the_jobs_range_is_the_samples_reward_error(tmp_path) -> None:
+    """reward_limits.bounds [-1, 1]: 1e308 (which overflowed the trainer's advantages into `loss is
+    nan`), inf, NaN, -1.5 and a component of 1.25 (of a sum 0.75) are each that sample's reward error (reward 0.0 under
+    on_failure zero, status error, the value in the reason), on the wire and in the ledger; an
+    in-range reward is scored as usual."""
+    path = tmp_path / "range_rewards.py"
+    path.write_text(OUT_OF_RANGE)
+    spec_kw = {"reward_limits": {"bounds": [-1, 1]}}
+    job, ledger, streams, settings = open_setup(tmp_path, f"{path}:score", spec_kw=spec_kw)
+    try:
+        names = ["huge", "inf", "nan", "low", "parts", "fine"]
+        streams.publish_many(ROLLOUTS, [rollout(job, n, n, group=n) for n in names])
+        serve_until(streams, settings, n_scored=len(names))
+        scored = {
+            s.msg_id.rsplit("/", 1)[1]: s
+            for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))
+        }
+        assert (scored["fine"].reward, scored["fine"].reward_status) == (0.5, "ok")
+        says = {
+            "huge": "reward 1e+308 is outside the job's range [-1, 1]",
+            "inf": "reward inf is outside",
+            "nan": "reward nan is outside",
+            "low": "reward -1.5 is outside",
+            "parts": "reward component 'b' 1.25 is outside",
+        }
+        for name, why in says.items():
+            s = scored[name]
+            assert (s.reward, s.reward_status, s.details) == (0.0, "error", {}), name
+            assert s.reward_reason.startswith(why), (name, s.reward_reason)
+        rows = {r["msg_id"].rsplit("/", 1)[1]: r for r in ledger.samples(job)}
+        assert {n: rows[n]["reward_status"] for n in names} == {**dict.fromkeys(says, "error"), "fine": "ok"}
+        assert ledger.reward_status_counts(job) == {"error": 5, "ok": 1}
+        assert streams.dead_letters() == []
     finally:
         streams.delete_all()
         ledger.close()

@@ -16,6 +16,7 @@ from broker.fleet import wake_fleet
 from broker.ledger.rows import JobRow
 from shared.jobspec import JobSpec
 from shared.logs import escape_control
+from shared.rewards.base import failed_fraction
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus
         g["last_loaded_at"] = row["loaded_at"]
     for gid, hb in streams.heartbeats().items():
         generators.setdefault(gid, {"versions_loaded": []})["heartbeat"] = hb
+    by_status = ledger.reward_status_counts(job_id)
     # validated from the dict: a generator's unknown keys stay unset (exclude_unset)
     return JobStatus.model_validate(
         {
@@ -88,6 +90,7 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus
             "evals": ledger.evals(job_id),
             "samples": ledger.status_counts(job_id),
             "staleness": ledger.staleness_histogram(job_id),
+            "reward_errors": {"by_status": by_status, "fraction": failed_fraction(by_status)},
             "generators": generators,
         }
     )
