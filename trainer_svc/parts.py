@@ -42,6 +42,7 @@ from trainer_svc.evaluation import Evaluator, build_sets
 from trainer_svc.feeder import Feeder
 from trainer_svc.guard import CollapseGuard, RollBack
 from trainer_svc.learner import Learner
+from trainer_svc.redis_state import RedisWatch
 from trainer_svc.sink import Batch, TrainSink
 from trainer_svc.staleness import StalenessBound
 from trainer_svc.state import LoopState
@@ -74,6 +75,7 @@ class Parts:
         default_factory=list
     )  # scored entries of trained steps, acked once a checkpoint covers them
     t_boot: float = field(default_factory=time.perf_counter)
+    redis: RedisWatch | None = None  # whether Redis still holds the job's state (trainer_svc/redis_state.py)
 
     @property
     def reader(self) -> Consumer:
@@ -122,6 +124,8 @@ class Parts:
         # continues from the journal, and the run id keeps them apart from any group a predecessor fed
         # after its last journal write. The predecessor's in-flight groups keep their ids.
         run_id = uuid.uuid4().hex[:8]
+        redis = RedisWatch(streams, run_id)
+        redis.stamp()  # its absence later: Redis lost the job's state
         feeder = Feeder(
             streams,
             spec,
@@ -170,6 +174,7 @@ class Parts:
             resume,
             tracking,
             t_boot=t_boot,
+            redis=redis,
         )
 
     def take_over(self) -> int:
@@ -242,11 +247,13 @@ class Parts:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
         and refill the slots they freed; returns how many entries were read."""
         self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
+        # Redis came back empty: re-announce, re-create the groups, settle what it lost
+        lost = self.redis.recover(self.sink, self.state.version) if self.redis and self.redis.lost() else 0
         with self.prom.phases.span("read"):
             got = self.scored_in.consume(self.reader, count=512, block_ms=block_ms)
         with self.prom.phases.span("assemble"):
             n = self.sink.add(got, self.state.version)
-        freed = self.sink.poll_dead(self.state.version) + self.sink.settle_lost(self.state.version)
+        freed = lost + self.sink.poll_dead(self.state.version) + self.sink.settle_lost(self.state.version)
         if freed and self.state.step < self.spec.steps and not self.control.done:
             self.feed()  # refill the freed slots
         return n
@@ -272,6 +279,7 @@ class Parts:
             self.prom.phases,
             max_staleness=self.state.bound.k,
             lora=None if self.spec.lora is None else self.spec.lora.adapter(),
+            on_announce=None if self.redis is None else self.redis.announced,
         )
 
     def compare_redone(self, checksum: str) -> None:

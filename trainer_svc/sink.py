@@ -251,7 +251,9 @@ class TrainSink:
 
     # --- what Redis lost -----------------------------------------------------------------------
 
-    def settle_lost(self, version: int, *, every: bool = False, min_interval_s: float | None = None) -> int:
+    def settle_lost(
+        self, version: int, *, every: bool = False, min_interval_s: float | None = None, after_flush: bool = False
+    ) -> int:
         """Settle the training groups and evaluation rounds this run fed of which no stream holds
         anything any more: Redis lost them (a failover to a replica that had not yet received
         the prompt, or the outputs made from it; ARCHITECTURE.md, "Redis Cluster"). Nobody will
@@ -271,7 +273,10 @@ class TrainSink:
         reads (a dead-lettered prompt is acked out of the prompts stream): those groups settle as
         dead, not lost. A sample redone after its scored entry was lost is refused by the reward
         as a duplicate (the ledger has it scored; reward_svc/service.py): no trace is left of it
-        either, so its group is lost too."""
+        either, so its group is lost too.
+
+        `after_flush`: Redis came back empty (trainer_svc/redis_state.py), so a group this trainer
+        holds only part of is lost as well: its other members went with everything else."""
         now = self.clock()
         interval = LOST_LOOK_S if min_interval_s is None else min_interval_s
         stuck = bool(self.trained_around) or (self.pending is not None and now - self.begun_at >= LOST_LOOK_S)
@@ -289,7 +294,8 @@ class TrainSink:
         traces = (
             prompts | self.streams.group_ids(ROLLOUTS) | self.streams.group_ids(SCORED, undelivered_to=GROUP_TRAINERS)
         )
-        traces |= self.assembler.open.keys()
+        if not after_flush:
+            traces |= self.assembler.open.keys()
         if self.pending is not None:
             traces |= {g.group_id for g in self.pending.groups}
         self.poll_dead(version)
@@ -303,6 +309,8 @@ class TrainSink:
             self.feeder.done(g)
             self.trained_around.discard(g)
             self.overtaken_since.pop(g, None)
+            if self.assembler.open.pop(g, None) is not None:  # after_flush: its members here go with it
+                self.assembler.closed[g] = None
         problems = 0
         for r in sorted(rounds - prompts):
             if r in self.evaluator.rounds:

@@ -149,13 +149,16 @@ def publish_weights(
     phases: Phases | None = None,
     max_staleness: int | None = None,
     lora: LoraAdapter | None = None,
+    on_announce: Callable[[PolicyAnnouncement], None] | None = None,
 ) -> tuple[float, str]:
     """Serve and announce version `version`; returns (seconds, the version's checksum).
 
     `snapshot`: (full weights, probe) from `Learner.snapshot` when `model` is sharded; None takes
     both from `model`. `phases`: times flatten, checksum, serve and announce. `max_staleness`: the
     staleness bound now, announced with the version (generators admit training groups by it).
-    `lora`: the weights are this LoRA adapter's tensors only (`Learner.snapshot` of a LoRA job)."""
+    `lora`: the weights are this LoRA adapter's tensors only (`Learner.snapshot` of a LoRA job).
+    `on_announce`: called with the announcement once published (trainer_svc/redis_state.py keeps it
+    to publish again if Redis loses it)."""
 
     def span(name: str):
         return phases.span(name) if phases is not None else nullcontext()
@@ -175,22 +178,22 @@ def publish_weights(
         server.serve(manifest, buf if on_cuda and server.name == "ucx" else host)
     with span("announce"):
         ledger.record_policy_version(job_id, version, manifest.checksum, manifest.total_bytes)
-        streams.publish(
-            POLICY,
-            PolicyAnnouncement(
-                job_id=job_id,
-                msg_id=policy_version_id(job_id, version),
-                policy_version=version,
-                manifest=manifest,
-                transport=server.name,
-                address=server.address,
-                trainer_run=run_id,
-                probe_ids=pack_i32(probe_ids),
-                probe_logprobs=pack_f32(probe_lp),
-                max_staleness=max_staleness,
-                lora=lora,
-            ),
+        ann = PolicyAnnouncement(
+            job_id=job_id,
+            msg_id=policy_version_id(job_id, version),
+            policy_version=version,
+            manifest=manifest,
+            transport=server.name,
+            address=server.address,
+            trainer_run=run_id,
+            probe_ids=pack_i32(probe_ids),
+            probe_logprobs=pack_f32(probe_lp),
+            max_staleness=max_staleness,
+            lora=lora,
         )
+        streams.publish(POLICY, ann)
+        if on_announce is not None:
+            on_announce(ann)
         # A version older than the ones the server still holds cannot be fetched: drop its announcement.
         streams.trim_broadcast(POLICY, keep)
     return time.perf_counter() - t0, manifest.checksum

@@ -25,6 +25,7 @@ Services talk to one job's streams through `JobStreams` (job.py), a facade over 
     publishing.py    producing, and publish-if-owned
     groups.py        consumer groups: consume, reclaim, touch, ack, trim
     broadcast.py     broadcast streams (policy, control) and generator heartbeats
+    epoch.py         the epoch key: whether Redis lost the job's state
 """
 
 from .connection import (

@@ -13,6 +13,7 @@ from shared.schema import DEFAULT_MAX_MESSAGE_BYTES, DeadLetter, Message
 from .broadcast import Broadcast, Heartbeats
 from .dead_letters import DeadLetters
 from .entries import Consumer, Delivery, M
+from .epoch import Epoch
 from .groups import Groups
 from .keys import JOB_KEYS, JobKeys, adopt_legacy_keys
 from .publishing import Batches, Publisher
@@ -35,7 +36,8 @@ class JobStreams:
     A facade: the work is done by its parts, each method below names the one it hands to. Key
     names (`JobKeys`), the Lua scripts (`Scripts`), bounded reads (`Reads`), decoding and dead
     letters (`DeadLetters`), the readers' wake-ups (`Wakeups`), producing (`Publisher`), consumer
-    groups (`Groups`), broadcast streams (`Broadcast`) and generator heartbeats (`Heartbeats`).
+    groups (`Groups`), broadcast streams (`Broadcast`), generator heartbeats (`Heartbeats`) and the
+    epoch key (`Epoch`).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class JobStreams:
         )
         self._broadcast = Broadcast(client, keys, reads, self._dead, wakeups)
         self._heartbeats = Heartbeats(client, keys)
+        self._epoch = Epoch(client, keys)
 
     # -- the job and its limits (read-only: the parts hold them) -----------------------------
     @property
@@ -234,6 +237,16 @@ class JobStreams:
 
     def heartbeats(self) -> dict[str, dict]:
         return self._heartbeats.all()
+
+    # -- the epoch key (Epoch) ------------------------------------------------------------------
+    def stamp_epoch(self, token: str) -> None:
+        """Write the job's epoch token (`Epoch.stamp`): its absence later means Redis lost the
+        job's state."""
+        self._epoch.stamp(token)
+
+    def epoch(self) -> str | None:
+        """The job's epoch token, None when Redis holds none (`Epoch.read`)."""
+        return self._epoch.read()
 
     # -- what tests look at -----------------------------------------------------------------
     @property

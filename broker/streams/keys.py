@@ -1,5 +1,5 @@
-"""The names of one job's keys: its streams, its consumer groups, the heartbeat hash and the
-streams' wake-up channels."""
+"""The names of one job's keys: its streams, its consumer groups, the heartbeat hash, the epoch
+key and the streams' wake-up channels."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ PROMPTS, ROLLOUTS, SCORED = "prompts", "rollouts", "scored"
 POLICY, CONTROL, DEAD = "policy", "control", "dead"
 GROUP_GENERATORS, GROUP_REWARDERS, GROUP_TRAINERS = "generators", "rewarders", "trainers"
 HEARTBEATS = "generators"  # the hash of generator heartbeats (not a stream)
+EPOCH = "epoch"  # the trainer's token: gone when Redis lost the job's state (epoch.py)
 
 # Every key of a job, by its name after the job id: what `adopt_legacy_keys` renames.
-JOB_KEYS = (PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD, HEARTBEATS)
+JOB_KEYS = (PROMPTS, ROLLOUTS, SCORED, POLICY, CONTROL, DEAD, HEARTBEATS, EPOCH)
 
 
 @dataclass(frozen=True)
