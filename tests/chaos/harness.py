@@ -49,9 +49,11 @@ def free_port() -> int:
 
 
 class RedisAOF:
-    """A private redis-server with AOF on, restartable on the same port and data directory."""
+    """A private redis-server with AOF on, restartable on the same port and data directory.
+    `appendonly=False`: no persistence at all, so every restart comes back empty."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, appendonly: bool = True):
+        self.appendonly = appendonly
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -68,7 +70,7 @@ class RedisAOF:
                 "--bind",
                 "127.0.0.1",
                 "--appendonly",
-                "yes",
+                "yes" if self.appendonly else "no",
                 "--appendfsync",
                 "everysec",
                 "--save",
