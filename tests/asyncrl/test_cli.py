@@ -390,3 +390,37 @@ def test_phases_reads_the_services_metrics_pages():
     assert table.exit_code == 0 and "trainer" in table.output and "ledger" in table.output
     bad = runner.invoke(app, ["phases", "http://127.0.0.1:1/metrics"])
     assert bad.exit_code == 1 and "127.0.0.1:1" in bad.output
+
+
+def test_status_shows_the_reward_error_fraction(api, tmp_path):
+    """A job with four scored samples, one reward an error: `asyncrl status JOB` says 25 % on stderr
+    (stdout stays the JSON, `reward_errors` in it), the queue view's running table too."""
+    job = api.submit(tmp_path)
+    result = api.cli("status", job)
+    assert result.exit_code == 0 and "reward errors" not in result.stderr, result.output  # nothing scored
+    ids = [f"{job}/g0/{i}" for i in range(4)]
+    api.ledger.record_generated(
+        [
+            {
+                "msg_id": m,
+                "job_id": job,
+                "group_id": f"{job}/g0",
+                "sample_index": i,
+                "prompt_index": 0,
+                "generator_id": "gen-0",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 2,
+                "num_completion_tokens": 3,
+                "completion": "x",
+            }
+            for i, m in enumerate(ids)
+        ]
+    )
+    api.ledger.record_scored_ids([(m, 1.0, "ok", None) for m in ids[:3]] + [(ids[3], 0.0, "error", None)])
+    api.ledger.set_job_state(job, "running")
+    result = api.cli("status", job)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reward_errors"] == {"by_status": {"error": 1, "ok": 3}, "fraction": 0.25}
+    assert "reward errors: 25.0% of 4 scored samples (error 1, ok 3)" in result.stderr
+    result = api.cli("status")
+    assert result.exit_code == 0 and "reward errors" in result.stdout and "25.0%" in result.stdout, result.output
