@@ -124,10 +124,19 @@ class Groups:
 
         For work that can outlast `claim_idle_ms` (a batch of multi-turn episodes): call it more
         often than that while the work makes progress; a consumer that dies (or hangs) stops
-        calling it, and its entries are reclaimed as before.
+        calling it, and its entries are reclaimed as before. A group that vanished (Redis came
+        back empty) holds nothing: all False.
         """
         if not entry_ids:
             return []
+        try:
+            return self._touch(c, entry_ids)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return [False] * len(entry_ids)  # the group vanished (Redis lost it): nothing is held
+
+    def _touch(self, c: Consumer, entry_ids: list[str]) -> list[bool]:
         held = self.scripts.run(TOUCH, [self.keys.key(c.stream)], [c.group, c.name, *entry_ids])
         if held is not None:
             return [bool(x) for x in held]

@@ -9,6 +9,7 @@ from contextlib import suppress
 from typing import Any
 
 import redis
+from redis.exceptions import ResponseError
 
 from shared.schema import Message, encode
 
@@ -93,9 +94,24 @@ class Publisher:
         or that was acked already, publishes nothing: the claimer's copy is the only one, so a
         redelivered input never yields two different outputs. Atomic, so a crash leaves either
         both the outputs and the ack or neither (AOF logs a script's effects as one MULTI/EXEC).
+        A consumer group that vanished (Redis came back empty) holds nothing: nothing is published.
         """
         if not batches:
             return []
+        try:
+            return self._publish_if_owned(c, stream, batches)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning(
+                "group %s of %s vanished (Redis lost it): %d entries read before are not published",
+                c.group,
+                self.keys.key(c.stream),
+                len(batches),
+            )
+            return [False] * len(batches)
+
+    def _publish_if_owned(self, c: Consumer, stream: str, batches: Batches) -> list[bool]:
         if self.scripts.enabled:
             argv: list[Any] = [c.group, c.name, FIELD, self.wakeups.channel(stream)]
             for entry_id, msgs in batches:

@@ -288,6 +288,25 @@ def test_touch_leaves_entries_acked_or_taken_over_alone(make: MakeStreams) -> No
     assert a.touch(reader("A"), []) == []
 
 
+@pytest.mark.parametrize("scripted", [True, False])
+def test_after_redis_lost_the_group_a_consumer_holds_nothing(make: MakeStreams, scripted: bool) -> None:
+    """Redis came back empty (every key of the job gone, the epoch key too): a consumer that read
+    entries before publishes nothing for them and touches nothing, rather than fail on NOGROUP
+    (a generator exited 1 there), with the Lua scripts and without."""
+    a = make()
+    a._scripts.enabled = scripted
+    a.ensure_group(PROMPTS, G)
+    ids = a.publish_many(PROMPTS, [prompt(0), prompt(1)])
+    assert len(consume(a, "A")) == 2
+    a.stamp_epoch("run1.1")
+    assert a.epoch() == "run1.1"
+    a.delete_all()
+    assert a.epoch() is None
+    assert a.publish_if_owned(reader("A"), CONTROL, [(ids[0], [prompt(7)]), (ids[1], [prompt(8)])]) == [False, False]
+    assert a.touch(reader("A"), ids) == [False, False]
+    assert a.length(CONTROL) == 0
+
+
 def test_too_many_deliveries_go_to_the_dead_stream(make: MakeStreams) -> None:
     a, b = make(claim_idle_ms=50, max_deliveries=2), make(claim_idle_ms=50, max_deliveries=2)
     a.ensure_group(PROMPTS, G)
