@@ -13,7 +13,7 @@ After each the job must train a step generated after the restart (two steps on: 
 batch in flight, which may have been complete before it) or fail, naming why, within
 RESUME_WITHIN_S, counted from the moment Redis is back and, in 2, the generator's engine is ready
 (its start is the generator's, not the job's). `redis_empty_restart_stalled` (results/hostile.json)
-counts the phases where neither happened; then the job must finish and verify. The trainer's
+counts the phases where neither happened; then the job must go on, stop when told and verify. The trainer's
 recovery is trainer_svc/redis_state.py.
 """
 
@@ -27,14 +27,15 @@ from hostile_results import record_hostile
 
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
+from broker.streams import CONTROL, JobStreams, connect
 from broker.verify import verify
 from chaos.harness import RedisAOF, Stack, new_prefix
 from shared.jobspec import JobSpec
+from shared.schema import Control
 
 pytestmark = [pytest.mark.hostile, pytest.mark.integration, pytest.mark.slow]
 
 RESUME_WITHIN_S = 60.0
-STEPS = 8
 
 
 def test_a_job_goes_on_after_redis_comes_back_empty(tmp_path, tiny_model):
@@ -47,7 +48,7 @@ def test_a_job_goes_on_after_redis_comes_back_empty(tmp_path, tiny_model):
             "name": "redis-empty",
             "model_path": str(tiny_model),
             "mode": "sync",  # every group needs the newest version: a generator without it waits
-            "steps": STEPS,
+            "steps": 1_000_000,  # ended by the user's stop once both phases are done
             "group_size": 2,
             "prompts_per_step": 2,
             "eval_every": 0,
@@ -57,10 +58,11 @@ def test_a_job_goes_on_after_redis_comes_back_empty(tmp_path, tiny_model):
     )
     job_id = f"empty-{os.urandom(4).hex()}"
     ledger.create_job(job_id, "redis-empty", spec.model_dump(mode="json"))
+    prefix = new_prefix("empty")
     env = {
         "REDIS_URL": rds.url,
         "DATABASE_URL": db_url,
-        "STREAM_PREFIX": new_prefix("empty"),
+        "STREAM_PREFIX": prefix,
         "PYTHONUNBUFFERED": "1",
         "TRAINER_THREADS": "1",
         "TRAINER_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
@@ -124,9 +126,14 @@ def test_a_job_goes_on_after_redis_comes_back_empty(tmp_path, tiny_model):
         record_hostile(redis_empty_restart_stalled=stalled)
         print(f"resumed {resumed_s} s after Redis came back empty; test {time.monotonic() - t_test:.0f} s")
         assert stalled == 0, resumed_s
-        assert wait_until(lambda: state() in ("finished", "failed"), 300, "the job's end")
+        at = stack.step()
+        assert wait_until(lambda: stack.step() > at + 2, 120, "steps after both phases")
+        JobStreams(connect(rds.url), job_id, prefix=prefix).publish(
+            CONTROL, Control(job_id=job_id, msg_id="empty-stop", policy_version=0, command="stop", reason="done")
+        )
+        assert wait_until(lambda: state() in ("stopped", "finished", "failed"), 120, "the stop")
         job = ledger.get_job(job_id)
-        assert job["state"] == "finished", job["error"]
+        assert job["state"] == "stopped", job["error"]
         assert log("trainer-0").count("Redis lost job") == 2
         result = verify(ledger, job_id)
         assert result.ok, result.violations
