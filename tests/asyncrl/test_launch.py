@@ -246,7 +246,18 @@ def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
     env, port = _launcher_env(tmp_path)
     env["REWARD_JOB_WAIT_S"] = "0"  # the job does not exist: the reward service fails at once
     res = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
+        # one restart (the budget's own tests are RestartPolicy's), not the default five with back-off
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch",
+            "--roles",
+            "broker,reward",
+            "--max-restarts",
+            "1",
+            "--logdir",
+            str(tmp_path / "logs"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
