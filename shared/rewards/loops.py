@@ -3,15 +3,16 @@
 A user's coroutine that blocks (time.sleep, a busy loop, a sync socket read) would stall the loop
 it runs in; in the reward service's own loop that stops every reward, the ledger writes and the
 acks, and no time budget can fire (cancellation only lands at an `await`). Here it stalls only
-this loop: the service's wait for the call ends at the budget. A loop that then does not answer
-within `GRACE_S` is blocked: it is abandoned, like a hung thread of shared.rewards.pool's
-ThreadRunner (it stops as soon as the blocking call returns, if ever), and a fresh loop serves
-the next calls.
+this loop (and so the calls in flight in it): the service's wait for each ends at its budget. A
+loop that then does not answer within `GRACE_S` is blocked: it is abandoned, like a hung thread of
+shared.rewards.pool's ThreadRunner (it stops as soon as the blocking call returns, if ever), and a
+fresh loop serves the next calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -59,11 +60,11 @@ class LoopThread:
             raise TimeoutError from None
 
     async def _answers(self, loop: asyncio.AbstractEventLoop) -> bool:
-        ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop)
+        ping: concurrent.futures.Future[None] = concurrent.futures.Future()
+        loop.call_soon_threadsafe(ping.set_result, None)
         try:
             await asyncio.wait_for(asyncio.wrap_future(ping), GRACE_S)
         except asyncio.TimeoutError:
-            ping.cancel()
             return False
         return True
 

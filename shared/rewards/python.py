@@ -92,17 +92,13 @@ def import_object(path: str, what: str = "reward function") -> Any:
                 spec.loader.exec_module(module)
             except (Exception, SystemExit) as exc:  # sys.exit at import: the plug-in's error, not the caller's end
                 del sys.modules[name]
-                raise RewardLoadError(
-                    f"{what} {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise RewardLoadError(f"{what} {path!r}: importing {str(file)!r} failed: {_why(exc)}") from exc
         where = repr(str(file))
     else:
         try:
             module = importlib.import_module(module_part)
         except (Exception, SystemExit) as exc:
-            raise RewardLoadError(
-                f"{what} {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise RewardLoadError(f"{what} {path!r}: cannot import module {module_part!r}: {_why(exc)}") from exc
         where = f"module {module_part!r}"
     obj: Any = module
     for part in attr.split("."):
@@ -111,6 +107,12 @@ def import_object(path: str, what: str = "reward function") -> Any:
         except AttributeError:
             raise RewardLoadError(f"{what} {path!r}: {where} has no attribute {attr!r}") from None
     return obj
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
