@@ -110,14 +110,15 @@ def test_a_stopping_job_cannot_be_paused_and_an_ended_one_refuses_every_change(c
     assert c.post(f"/jobs/{job}/stop").json()["state"] == "stopping"
     r = c.post(f"/jobs/{job}/pause")
     assert r.status_code == 409 and "stopping" in r.json()["error"]
-    assert c.patch(f"/jobs/{job}", json={"lr": 1e-4}).status_code == 200  # knobs still apply to its last step
+    r = c.patch(f"/jobs/{job}", json={"lr": 1e-4})  # its services no longer take a change: none is stored
+    assert r.status_code == 409 and "stopping" in r.json()["error"]
     assert ledger.move_job(job, ("stopping",), "stopped")  # the trainer's end
     for method, path, body in (("post", "pause", None), ("post", "resume", None), ("post", "cancel", None)):
         r = getattr(c, method)(f"/jobs/{job}/{path}", json=body)
         assert r.status_code == 409 and "already stopped" in r.json()["error"], path
     assert c.patch(f"/jobs/{job}", json={"lr": 1e-3}).status_code == 409
     assert ledger.get_job(job)["state"] == "stopped"
-    assert [m.command for m in _controls(streams, job)] == ["stop", "set"]
+    assert [m.command for m in _controls(streams, job)] == ["stop"]
 
 
 def test_a_change_that_cannot_be_published_changes_nothing(client):

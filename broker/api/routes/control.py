@@ -81,6 +81,8 @@ def patch(
     if not changes:
         raise HTTPException(422, "nothing to change: give at least one of " + ", ".join(JobPatch.model_fields))
     with live_job(ledger, job_id, "change") as edit:
+        if edit.job["state"] == "stopping":  # its services take no command but drain and cancel any more
+            raise HTTPException(409, f"job '{job_id}' is stopping: it ends after its current step; nothing to change")
         try:
             spec = JobSpec.model_validate(change.apply(edit.job["spec"]))
         except ValidationError as exc:
