@@ -69,9 +69,10 @@ class Api:
     ledger: Ledger
     prefix: str
     client: httpx.Client
+    redis: Any
 
     def streams(self, job_id: str) -> JobStreams:
-        return JobStreams(connect(REDIS_URL), job_id, prefix=self.prefix)
+        return JobStreams(self.redis, job_id, prefix=self.prefix)
 
     def running_job(self) -> str:
         """A submitted job that a trainer took (running), as the fleet's trainer claims it."""
@@ -94,7 +95,7 @@ def api_server(tmp: Path, ledger_url: str) -> Iterator[Api]:
         "BROKER_TOKENS": TOKEN,
         "LOG_LEVEL": "WARNING",
     }
-    log_path = tmp / f"broker-{port}.log"
+    log_path, redis = tmp / f"broker-{port}.log", connect(REDIS_URL)
     with log_path.open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "broker"], cwd=REPO, env=env, stdout=log, stderr=log)
     limits = httpx.Limits(max_connections=PATCHES, max_keepalive_connections=PATCHES)
@@ -112,7 +113,7 @@ def api_server(tmp: Path, ledger_url: str) -> Iterator[Api]:
             except httpx.TransportError:
                 time.sleep(0.1)
         with Ledger(ledger_url, migrate=False) as ledger:
-            yield Api(f"http://127.0.0.1:{port}", ledger, prefix, client)
+            yield Api(f"http://127.0.0.1:{port}", ledger, prefix, client, redis)
     finally:
         client.close()
         proc.terminate()
@@ -121,11 +122,10 @@ def api_server(tmp: Path, ledger_url: str) -> Iterator[Api]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        r = connect(REDIS_URL)
-        keys = list(r.scan_iter(match=f"{prefix}*"))
+        keys = list(redis.scan_iter(match=f"{prefix}*"))
         if keys:
-            r.delete(*keys)
-        r.close()
+            redis.delete(*keys)
+        redis.close()
 
 
 @pytest.fixture(scope="module")
