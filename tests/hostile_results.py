@@ -16,8 +16,16 @@ from typing import Any
 HOSTILE_RESULTS = Path(__file__).resolve().parent.parent / "results" / "hostile.json"
 
 
-COUNTERS = ("good_lost", "good_dead_lettered", "service_exits", "server_errors", "schemathesis_cases")
-PEAKS = ("peak_rss_mib",)
+COUNTERS = (
+    "good_lost",
+    "good_dead_lettered",
+    "service_exits",
+    "server_errors",
+    "schemathesis_cases",
+    "patch_lost_updates",
+    "terminal_state_overwritten",
+)
+PEAKS = ("peak_rss_mib", "http_gzip_bomb_peak_rss_mib")
 
 
 def record_hostile(**figures: Any) -> None:
