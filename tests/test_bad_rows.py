@@ -218,7 +218,7 @@ def test_every_bad_row_kind_is_named_or_dropped_within_the_memory_bound(tmp_path
 def test_a_bad_row_job_fails_at_load_naming_the_row_and_the_next_job_runs(fleet: Fleet) -> None:
     data = _jsonl_with(fleet.tmp / "bad_rows.jsonl", b'{"prompt": "\\ud800=", "answer": 1}')
     bad = fleet.submit("bad-row", task={"path": str(data), "n_test": 8, "n_train": 64})
-    good = fleet.submit("after-bad-row")
+    good = fleet.submit("after-bad-row", steps=1)
     failed = fleet.wait(bad)
     handled = (
         failed["state"] == "failed"
