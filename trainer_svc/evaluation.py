@@ -20,7 +20,7 @@ from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
 from shared.evalmetrics import episode_means, round_metrics
 from shared.ids import eval_group_id, eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
-from shared.prompts import Rendered
+from shared.prompts import Rendered, usable
 from shared.schema import EvalItem, SamplingParams, pack_i32, unpack_i32
 from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
@@ -50,11 +50,12 @@ def build_sets(
     spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
 ) -> dict[str, EvalSet]:
     """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
-    items and its sampling (the job's stop rules, the set's temperature, n and length)."""
+    items and its sampling (the job's stop rules, the set's temperature, n and length). A problem
+    that cannot be rendered fails the build or is left out (task.bad_rows; shared.prompts.usable)."""
     out = {}
     for es in spec.evaluation_sets():
         items = []
-        for p in problems[es.name]:
+        for p in usable(problems[es.name], render, spec.task.bad_rows, f"evaluation set {es.name}"):
             r = render(p)
             items.append(
                 EvalItem(

@@ -21,7 +21,7 @@ from typing import Any
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from shared.ids import eval_round_id, group_seq, id_prefix, sample_ids, train_group_id
 from shared.jobspec import JobSpec
-from shared.prompts import Rendered
+from shared.prompts import Rendered, usable
 from shared.schema import (
     DeadLetter,
     DecodeError,
@@ -46,6 +46,9 @@ class Feeder:
     """Group ids (and so every msg_id derived from them) start with the job id: they are the
     ledger's idempotency keys and must be unique across all jobs sharing one database.
 
+    Raises (at construction): DatasetError, TemplateLimitError: a training problem cannot be
+    rendered (shared.prompts.usable).
+
     `journal`, when given, is called with `state()` after every publish, so a restarted trainer
     knows exactly what its predecessor fed (trainer_svc.checkpoint.FeedJournal)."""
 
@@ -64,7 +67,9 @@ class Feeder:
         # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
         self.prefix = id_prefix(streams.job_id, run_id)
         self.spec = spec
-        self.train = list(train)
+        # every training prompt rendered once now, so a row the tokenizer or the chat template
+        # refuses fails the job before step 0 (or is dropped: task.bad_rows); fed ones are cached
+        self.train = usable(train, render, spec.task.bad_rows, "training")
         self.journal = journal
         self.rng = random.Random(spec.seed)
         self.order: list[int] = []

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from shared.entry import accept_drain
-from shared.jobspec import JobSpec
+from shared.jobspec import JobSpec, local_model_dir
 from shared.settings import TrainerSettings
 from trainer_svc import checkpoint, lora
 from trainer_svc.algorithms import (
@@ -38,7 +38,9 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
     """The policy and tokenizer from `path` (a checkpoint), else the job's model. With `spec.lora`
     (and `adapters`): the job's model with fresh LoRA adapters (a checkpoint's top-level weights
     are merged: never the base to adapt; `Learner` loads its adapter folder)."""
-    path = path or spec.model_path
+    path = local_model_dir(path or spec.model_path, "model_path" if path is None else "checkpoint")
+    if spec.lora is not None and adapters:
+        local_model_dir(spec.model_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora_spec = spec.lora if adapters else None
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
