@@ -213,9 +213,13 @@ class Fleet:
 
     def jobs(self) -> Iterator[JobContext]:
         """The jobs to serve, one at a time, each as a fresh JobContext: with JOB_ID, that job
-        once (JobOver if its spec no longer validates); else the fleet's, until SIGTERM."""
+        once (JobOver if it already ended, or if its spec no longer validates); else the fleet's,
+        until SIGTERM."""
         if self.settings.job_id:
             job = wait_for_job(self.ledger, self.settings.job_id, self.settings.job_wait_s)
+            if job["state"] not in LIVE_STATES:  # over: a restart must not serve it into the same end
+                error = f": {escape_control(str(job['error']))[:500]}" if job.get("error") else ""
+                raise JobOver(f"job {job['id']} is already {job['state']}{error}")
             reason = spec_problem(job)
             if reason is not None:
                 fail_job(self.ledger, job, reason)
