@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: a fresh PostgreSQL database on demand.
+"""Fixtures shared by every test package: a fresh PostgreSQL database on demand, and one standing
+fleet of real services for the session (tests/shared_fleet.py).
 
 PostgreSQL runs on this machine kind; when it is unreachable the PostgreSQL cases fail (they are
 never skipped). Point `TEST_POSTGRES_URL` at another server's admin database to use it.
@@ -14,6 +15,7 @@ from contextlib import AbstractContextManager, contextmanager
 import psycopg
 import pytest
 from psycopg import sql
+from shared_fleet import Fleet, standing_fleet  # tests/ is on sys.path
 from sqlalchemy.engine import make_url
 
 PG_ADMIN_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -42,3 +44,12 @@ def fresh_postgres_database() -> Iterator[str]:
 def postgres_database() -> Callable[[], AbstractContextManager[str]]:
     """A factory of fresh databases, usable from fixtures of any scope: `with postgres_database() as url`."""
     return fresh_postgres_database
+
+
+@pytest.fixture(scope="session")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One standing fleet (broker, generator, reward service, trainer; SQLite ledger) for every test
+    that only needs real jobs to run: its vLLM engine is built once per session. Do not kill or
+    reconfigure its processes from a test."""
+    with standing_fleet(tmp_path_factory.mktemp("fleet")) as f:
+        yield f

@@ -1,7 +1,9 @@
 """Chaos suite: a real async job (two vLLM generators, reward, trainer as processes) through
-SIGKILLs of every role (>= 10 each), a graceful Redis restart with AOF, corrupted and oversized
+SIGKILLs of every role, a graceful Redis restart with AOF, Redis outages, corrupted and oversized
 stream entries and SIGTERM drains; then the ledger must verify, nothing may be lost or trained
-twice, and the fault table is printed (and written to results/chaos.md with CHAOS_WRITE_RESULTS=1).
+twice, and the fault table is printed. Two sizes of the same run (`Scale`): `ci` in the default run
+(4 kills per role, outages of 5 and 20 s), `full` under `-m bench` (10 kills per role, outages of 5,
+15 and 60 s), whose figures go to results/chaos.md and .json with CHAOS_WRITE_RESULTS=1.
 
 Phases of the one job (seeded schedule, loopback only, a private redis-server):
 
@@ -30,6 +32,7 @@ import random
 import signal
 import statistics
 import time
+from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
 
@@ -61,15 +64,26 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.slow]
 
 SEED = 20250601
 K, P, N = 2, 4, 4  # max staleness, prompts per step, group size
-KILLS_PER_ROLE = 10
-BASELINE_S = 20.0
 DUTY = 0.10
-DUTY_MAX_S = 110.0
-STORM_MAX_S = 240.0
-REDIS_RESTART_AFTER_S = 45.0
 INJECT_EVERY_S = 8.0
-OUTAGE_S = float(os.environ.get("CHAOS_REDIS_OUTAGE_S", "60"))
-OUTAGES_S = (5.0, 15.0, OUTAGE_S)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much chaos one run deals: the same phases, faults and checks at two sizes."""
+
+    kills_per_role: int
+    baseline_s: float
+    duty_max_s: float
+    storm_max_s: float
+    redis_restart_after_s: float
+    outages_s: tuple[float, ...]
+
+
+# the default run: every kind of fault, fewer of each (each role killed 4 times, Redis down 5 and 20 s)
+CI = Scale(4, 10.0, 60.0, 120.0, 20.0, (5.0, 20.0))
+# `pytest -m bench tests/chaos`: the measured suite behind results/chaos.{md,json} and docs/reliability.md
+FULL = Scale(10, 20.0, 110.0, 240.0, 45.0, (5.0, 15.0, float(os.environ.get("CHAOS_REDIS_OUTAGE_S", "60"))))
 MAX_MESSAGE_BYTES = 256 * 1024
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "chaos.md"
 RESULTS_JSON = RESULTS.with_suffix(".json")
@@ -164,7 +178,9 @@ def _poison_rollouts(job_id: str, rng: random.Random) -> list[bytes]:
     ]
 
 
-def test_chaos(tmp_path, tiny_model, capsys):
+@pytest.mark.parametrize("scale", [pytest.param(CI, id="ci"), pytest.param(FULL, id="full", marks=pytest.mark.bench)])
+def test_chaos(tmp_path, tiny_model, capsys, scale: Scale):
+    KILLS_PER_ROLE, OUTAGES_S = scale.kills_per_role, scale.outages_s
     rng = random.Random(SEED)
     rds = RedisAOF(tmp_path / "redis")
     db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
@@ -249,13 +265,13 @@ def test_chaos(tmp_path, tiny_model, capsys):
 
         # 1. baseline
         t0 = time.time()
-        time.sleep(BASELINE_S)
+        time.sleep(scale.baseline_s)
         phases["baseline"] = (t0, time.time())
 
         # 2. duty: faults on 10 % of the time
         t0, outage = time.time(), 0.0
         for name, guess_s in (("reward-0", 3.0), ("trainer-0", 6.0), ("reward-0", 3.0)):
-            if (outage + guess_s) / DUTY > DUTY_MAX_S:  # the phase would outgrow its budget
+            if (outage + guess_s) / DUTY > scale.duty_max_s:  # the phase would outgrow its budget
                 break
             time.sleep(rng.uniform(0.0, 1.0))
             f = stack.kill(name, "duty")
@@ -279,7 +295,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
         def kills(role: str) -> int:
             return sum(1 for f in stack.faults if f.kind == "sigkill" and f.role == role)
 
-        while time.time() - t0 < STORM_MAX_S:
+        while time.time() - t0 < scale.storm_max_s:
             now = time.time()
             if all(kills(r) >= KILLS_PER_ROLE for r in ("generator", "reward", "trainer")) and all(
                 s == "up" for s in state.values()
@@ -298,7 +314,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
                     pending[name] = stack.kill(name, "storm")
                     state[name] = "down"
                     restart_at[name] = time.time() + 0.5
-            if not redis_done and now - t0 >= REDIS_RESTART_AFTER_S:
+            if not redis_done and now - t0 >= scale.redis_restart_after_s:
                 f = Fault("redis_restart", "redis", "redis", time.time(), "storm", stack.step())
                 rds.shutdown()
                 time.sleep(1.0)
@@ -322,7 +338,7 @@ def test_chaos(tmp_path, tiny_model, capsys):
         assert redis_done, "the storm ended before the Redis restart"
         wait_until(lambda: stack.step() > max(f.step_at for f in stack.faults), 120, "a step after the storm")
 
-        # 4. outages: Redis SIGKILLed, down 5, 15 and OUTAGE_S seconds, each time restarted from its
+        # 4. outages: Redis SIGKILLed, down scale.outages_s seconds, each time restarted from its
         # AOF; no service may exit, and the job must step again after each
         t0 = time.time()
         for down_s in OUTAGES_S:
@@ -501,10 +517,11 @@ def test_chaos(tmp_path, tiny_model, capsys):
     (tmp_path / "chaos.json").write_text(json.dumps(summary, indent=2))
     from hostile_results import record_hostile  # tests/ is on sys.path
 
-    record_hostile(
-        redis_outage_60s_lost=lost_in("redis_outage", "redis"), redis_outages_s=list(OUTAGES_S), service_exits=0
-    )  # healthy() held through every phase
-    if os.environ.get("CHAOS_WRITE_RESULTS"):
+    if scale == FULL:  # the figures of the measured suite
+        record_hostile(
+            redis_outage_60s_lost=lost_in("redis_outage", "redis"), redis_outages_s=list(OUTAGES_S), service_exits=0
+        )  # healthy() held through every phase
+    if os.environ.get("CHAOS_WRITE_RESULTS") and scale == FULL:
         RESULTS.write_text(table)
         RESULTS_JSON.write_text(json.dumps(summary, indent=2) + "\n")
     with capsys.disabled():
