@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # The least a step waits for a missing group's turn while later groups are ready (see the module
 # docstring): above a healthy run's out-of-order lag (one generate call and its scoring).
 ORDER_WAIT_MIN_S = 2.0
+# Groups whose feed the sink remembers after they left the feeder (TrainSink.fed_seen): several
+# steps' worth, a few KiB each.
+FED_REMEMBER = 4096
 # How often a step looks whether Redis lost the groups it waits for (TrainSink.settle_lost): once
 # it has waited this long, or a later group overtook a missing one; then at most this often.
 LOST_LOOK_S = 30.0
@@ -150,6 +153,9 @@ class TrainSink:
         self.rejected: collections.Counter[str] = collections.Counter()  # samples dead-lettered, by rule
         self.rejected_reported = 0  # of which the step metrics already counted this many
         self.replay_dead: dict[str, str] = {}  # replayed groups that were dead-lettered: why
+        # what the recent groups were fed as, kept after they left the feeder (a late copy of a
+        # used group is held to it too); the newest FED_REMEMBER
+        self.fed_seen: dict[str, Fed] = {}
         self.assembler = GroupAssembler()
         self.dead_letters = DeadLetterWatch(streams, streams.job_id)  # groups that can no longer complete
         self.ready: dict[str, Group] = {}  # complete training groups by id, until their turn
@@ -187,6 +193,12 @@ class TrainSink:
         and what its group was fed as (None: a group this run did not feed)."""
         r = s.rollout
         fed = self.feeder.fed_as(s.group_id) if r.purpose == "train" else self.evaluator.fed_as(s.group_id)
+        if fed is None:
+            fed = self.fed_seen.get(s.group_id)
+        elif s.group_id not in self.fed_seen:
+            self.fed_seen[s.group_id] = fed
+            if len(self.fed_seen) > FED_REMEMBER:
+                del self.fed_seen[next(iter(self.fed_seen))]
         held = self.assembler.open.get(s.group_id)
         peer = next(iter(held.samples.values())).rollout if held is not None and held.samples else None
         try:

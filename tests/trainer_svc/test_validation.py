@@ -208,10 +208,13 @@ class _Job:
         )
         self.sink.newest_version = 0
         self.streams, self.n = streams, 0
+        self.index: dict[str, int] = {}  # each group's problem, as it was fed
         self.feeder.top_up(0, 1)
 
     def sample(self, gid: str, i: int, **rollout: Any) -> Scored:
-        index = int(self.feeder.fed[gid][0])
+        if gid not in self.index:
+            self.index[gid] = int(self.feeder.fed[gid][0])
+        index = self.index[gid]
         fields = {
             "job_id": "job1",
             "msg_id": f"{gid}/{i}",
@@ -265,6 +268,12 @@ def test_forged_copies_and_extra_members_are_dead_lettered_alone_and_the_group_t
     assert job.sink.rejected == {"temperature": 1, "ids": 1, "group_size": 1, "job": 1}
     assert job.sink.take_rejected() == 4 and job.sink.take_rejected() == 0
     assert job.ledger.rows == []  # no row touched: none of them is a sample the job fed
+    # a late copy of a group already used: held to what the group was fed as all the same
+    job.sink.release(b)
+    assert g0 not in job.feeder.in_flight
+    job.add(job.sample(g0, 1, temperature=1e-30), job.sample(g0, 1))
+    late = job.dead()[4:]
+    assert [(d.code, d.reason.split(":")[0]) for d in late] == [(NOT_A_MEMBER, "temperature")]
 
 
 def test_a_bad_sample_in_a_members_place_drops_its_group_with_the_reason(streams):
