@@ -16,7 +16,15 @@ from typing import Any
 HOSTILE_RESULTS = Path(__file__).resolve().parent.parent / "results" / "hostile.json"
 
 
-COUNTERS = ("good_lost", "good_dead_lettered", "service_exits", "server_errors", "schemathesis_cases")
+COUNTERS = (
+    "good_lost",
+    "good_dead_lettered",
+    "service_exits",
+    "server_errors",
+    "schemathesis_cases",
+    "forged_rollout_jobs_failed",
+    "crash_loops",
+)
 PEAKS = ("peak_rss_mib",)
 
 
