@@ -175,7 +175,8 @@ def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
     were dropped (Parts.isolate); the step is to be taken again with others.
 
     Raises:
-        Exception: what the step raised, when no group of the batch alone is to blame.
+        RuntimeError: naming what the step raised and its groups, when no group of the batch
+            alone is to blame.
     """
     spec, st, data = p.spec, p.state, batch.data
     assert data is not None
@@ -190,7 +191,12 @@ def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
         except Exception as exc:
             if p.isolate(batch, exc):
                 return None
-            raise
+            groups = [g.group_id for g in batch.groups]
+            more = f" (+{len(groups) - 4} more)" if len(groups) > 4 else ""
+            raise RuntimeError(
+                f"step {batch.step} raised {type(exc).__name__}: {exc} on groups {groups[:4]}{more}; "
+                f"not isolated to a group of them (Parts.isolate)"[:2000]
+            ) from exc
         with p.prom.phases.span("guard"):
             trip = st.guard.inspect(metrics, rewards, versions, retry=tripped, redo=batch.redo is not None)
         if trip is None:
