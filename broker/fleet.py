@@ -253,14 +253,20 @@ class Fleet:
         """Run `serve_job` on each job of `jobs()` until SIGTERM: it returns the job's final control
         state ("terminating": this process was asked to stop, the job goes on). An exception of
         `job_faults` is the job's own fault (the job fails, `on_job_fault` runs); any other is
-        retried (`failed`). With JOB_ID every exception propagates: the one job's service fails."""
+        retried (`failed`). With JOB_ID every exception propagates: the one job's service fails,
+        and a job fault fails the job first (a restart would meet the same fault: it finds the job
+        ended instead, `jobs`)."""
         for ctx in self.jobs():
             try:
                 state = serve_job(ctx)
             except Exception as exc:
-                if self.settings.job_id:
-                    raise
                 fault = isinstance(exc, job_faults)
+                if self.settings.job_id:
+                    if fault:
+                        fail_everywhere(
+                            self.ledger, ctx.streams, ctx.job_id, f"{self.role}: {type(exc).__name__}: {exc}"
+                        )
+                    raise
                 if not fault:
                     log.exception("%s: job %s", self.role, ctx.job_id)
                 self.failed(ctx, exc, the_jobs_fault=fault)

@@ -283,6 +283,9 @@ def test_a_plugin_that_does_not_import_stops_the_service_at_start_up(tmp_path) -
         with pytest.raises(service.RewardUnusable, match="missing_rewards.py' does not exist") as exc:
             service.run(settings)  # JOB_ID's one job: the service fails (a fleet fails the job alone)
         assert isinstance(exc.value.__cause__, RewardLoadError)
+        # and the job with it: a restarted service finds it ended instead of failing the same way again
+        failed = ledger.get_job(job)
+        assert failed["state"] == "failed" and "missing_rewards.py' does not exist" in failed["error"]
     finally:
         streams.delete_all()
         ledger.close()
