@@ -51,6 +51,19 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
     return model, tokenizer
 
 
+def model_context(config: Any) -> int | None:
+    """The most tokens (prompt + completion) a sample of this model can hold: its
+    max_position_embeddings, times its rope_scaling factor where it has one (an engine extends the
+    context so: a looser bound rather than one that refuses what the engine generated); None when
+    the config states none."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return None
+    scaling = getattr(config, "rope_scaling", None)
+    factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+    return int(positions * max(1.0, float(factor) if isinstance(factor, (int, float)) else 1.0))
+
+
 def shape_overlong(batch: TrainBatch, spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The job's over-long treatment (algorithm.overlong): rewards (G, n) with DAPO's soft length
     penalty added to truncated samples ("penalty"), and a (B,) weight that masks truncated samples
@@ -102,8 +115,7 @@ class Learner:
         if spec.lora and model_path and self.ranks.is_main and (Path(model_path) / lora.ADAPTER_DIR).is_dir():
             lora.load_adapter_state(model, lora.read_adapter(Path(model_path) / lora.ADAPTER_DIR))
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
-        positions = getattr(model.config, "max_position_embeddings", None)
-        self.context = int(positions) if isinstance(positions, int) else None  # tokens a sample may hold
+        self.context = model_context(model.config)  # tokens a sample may hold in all
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)

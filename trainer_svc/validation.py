@@ -26,7 +26,8 @@ The rules, by name (a dead letter's reason starts with it):
   completion token; at most `sampling.max_tokens` completion tokens (single turn; an evaluation
   set's own where it sets one) or
   `limits.max_total_tokens` in all (an environment's episode); at most the model's context
-  (`max_position_embeddings`) in all.
+  (`max_position_embeddings`, times a rope_scaling factor: trainer_svc/learner.py `model_context`)
+  in all.
 - `prompt`: the prompt index is the one its group was fed, and a single-turn sample's prompt
   token ids are exactly the group's (the generator generates from those ids; an environment
   renders its own opening, so multi-turn prompts are only counted).

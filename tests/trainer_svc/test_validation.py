@@ -162,6 +162,20 @@ def test_an_environments_episode_is_held_to_its_total_not_max_tokens():
     assert _rule(_sample(completion_ids=pack_i32([7] * 18), logprobs=pack_f32([-1.0] * 18)), job=env) == "tokens"
 
 
+def test_the_models_context_is_its_positions_times_a_rope_scaling_factor():
+    from types import SimpleNamespace
+
+    from trainer_svc.learner import model_context
+
+    assert model_context(SimpleNamespace(max_position_embeddings=256)) == 256
+    yarn = SimpleNamespace(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    assert model_context(yarn) == 131072  # what an engine serves: never refuse what it generated
+    assert (
+        model_context(SimpleNamespace()) is None
+        and model_context(SimpleNamespace(max_position_embeddings=None)) is None
+    )
+
+
 def test_a_member_of_a_group_nobody_fed_must_agree_with_the_others():
     peer = _sample(i=0).rollout
     assert _rule(_sample(), fed=None, peer=peer) is None
