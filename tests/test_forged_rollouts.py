@@ -384,7 +384,7 @@ def test_forged_rollouts_through_the_launcher(tmp_path: Path, backend: str, post
     from asyncrl.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
-    port, prefix, steps = free_port(), f"forged-{uuid.uuid4().hex[:8]}:", 8
+    port, prefix, steps = free_port(), f"forged-{uuid.uuid4().hex[:8]}:", 12
     spec = {
         "name": "forged",
         "model_path": str(model),
