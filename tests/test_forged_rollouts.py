@@ -20,7 +20,8 @@ single-turn job). Each is injected two ways, while the job runs:
   member 0, the trainer dead-letters it (`invalid_sample`) and drops the group with the reason; if
   it lost, the group trains whole.
 
-The default run injects each kind once into one job on the session's fleet (~1 min). The bench
+The default run injects each kind once as a copy and the ahead kinds twice into one job on the
+session's fleet (~20 s). The bench
 version (`-m bench`) runs the launcher with a job spec (JOB_ID mode, restarts on failure: where the
 crash loop was) on both ledgers, each kind three times as a copy and twice ahead, and records
 `forged_rollout_jobs_failed` and `crash_loops` (services restarted twice or more) in
@@ -362,7 +363,8 @@ def test_forged_rollouts_in_a_live_job_are_dead_lettered_and_the_job_finishes(fl
     steps = 4
     job_id = fleet.submit("forged", steps=steps, max_staleness=1)
     streams = JobStreams(connect(fleet.redis_url), job_id, prefix=fleet.prefix)
-    forger = Forger(streams, copies=1, ahead=1, last_version=steps - 2).start()
+    # twice each ahead: six of the eight groups first in flight dropped, the step lives on refills
+    forger = Forger(streams, copies=1, ahead=2, last_version=steps - 2).start()
     try:
         job = fleet.wait(job_id, timeout=400)
     finally:
@@ -377,6 +379,7 @@ def test_forged_rollouts_in_a_live_job_are_dead_lettered_and_the_job_finishes(fl
 
 
 @pytest.mark.bench
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_forged_rollouts_through_the_launcher(tmp_path: Path, backend: str, postgres_database) -> None:
     from shared_fleet import free_port
@@ -423,7 +426,7 @@ def test_forged_rollouts_through_the_launcher(tmp_path: Path, backend: str, post
                 streams = JobStreams(connect(_redis_url()), job_id, prefix=prefix)
                 forger = Forger(streams, copies=3, ahead=2, last_version=steps - 2).start()
                 try:
-                    code = launcher.wait(900)
+                    code = launcher.wait(1200)
                 finally:
                     forger.stop()
                 job = ledger.get_job(job_id)

@@ -246,14 +246,20 @@ class Parts:
 
     def take_scored(self, block_ms: int) -> int:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
-        and refill the slots they freed; returns how many entries were read."""
+        and refill the slots they freed (and those of groups the sink dropped for a member it
+        dead-lettered itself); returns how many entries were read."""
         self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
         with self.prom.phases.span("read"):
             got = self.scored_in.consume(self.reader, count=512, block_ms=block_ms)
+        flying = len(self.feeder.in_flight)
         with self.prom.phases.span("assemble"):
-            n = self.sink.add(got, self.state.version)
+            n = self.sink.add(got, self.state.version)  # a member it dead-letters may drop its group
         freed = self.sink.poll_dead(self.state.version) + self.sink.settle_lost(self.state.version)
-        if freed and self.state.step < self.spec.steps and not self.control.done:
+        if (
+            (freed or len(self.feeder.in_flight) < flying)
+            and self.state.step < self.spec.steps
+            and not self.control.done
+        ):
             self.feed()  # refill the freed slots
         return n
 

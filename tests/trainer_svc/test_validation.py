@@ -344,3 +344,35 @@ def test_a_resume_that_cannot_be_exact_names_the_dead_letter_not_redis(streams):
     other.sink.expect_replay({1: [h0]})
     with pytest.raises(RuntimeError, match="no dead letter names it: Redis lost it"):
         other.sink.check_replay(0)
+
+
+def test_slots_of_groups_dropped_for_a_rejected_member_are_fed_again(streams):
+    """Every group in flight loses its member 0 to a forgery: the four are dropped as they complete,
+    and the read that dropped them feeds four more (otherwise the step would wait for ever)."""
+    from types import SimpleNamespace
+
+    from shared.metrics import Phases
+    from trainer_svc.parts import Parts
+
+    job = _Job(streams)
+    groups = job.feeder.feed_order()
+    got = [
+        Delivery(f"9-{k}-{i}", job.sample(g, i, temperature=0.0 if i == 0 else 1.0))
+        for k, g in enumerate(groups)
+        for i in range(2)
+    ]
+    fed: list[int] = []
+    parts = SimpleNamespace(
+        ranks=SimpleNamespace(keepalive=lambda: None),
+        prom=SimpleNamespace(phases=Phases("trainer")),
+        scored_in=SimpleNamespace(consume=lambda *a, **k: got),
+        reader=None,
+        sink=job.sink,
+        feeder=job.feeder,
+        state=SimpleNamespace(version=0, step=0),
+        spec=job.spec,
+        control=SimpleNamespace(done=False),
+        feed=lambda: fed.append(job.feeder.top_up(0, 1)),
+    )
+    assert Parts.take_scored(parts, 0) == 8
+    assert not set(groups) & job.feeder.in_flight and fed == [4] and len(job.feeder.in_flight) == 4
