@@ -21,11 +21,10 @@ single-turn job). Each is injected two ways, while the job runs:
   it lost, the group trains whole.
 
 The default run injects each kind once as a copy and the ahead kinds twice into one job on the
-session's fleet (~20 s). The bench
-version (`-m bench`) runs the launcher with a job spec (JOB_ID mode, restarts on failure: where the
-crash loop was) on both ledgers, each kind three times as a copy and twice ahead, and records
-`forged_rollout_jobs_failed` and `crash_loops` (services restarted twice or more) in
-results/hostile.json.
+session's fleet (~20 s). The bench version (`-m bench`) runs the launcher with a job spec (JOB_ID
+mode, restarts on failure: where the crash loop was) on both ledgers, each kind three times as a
+copy and twice ahead, and records `forged_rollout_jobs_failed` and `crash_loops` (services
+restarted twice or more) in results/hostile.json.
 """
 
 from __future__ import annotations
