@@ -25,6 +25,8 @@ COUNTERS = (
     "patch_lost_updates",
     "terminal_state_overwritten",
     "bad_row_jobs_failed",
+    "forged_rollout_jobs_failed",
+    "crash_loops",
 )
 PEAKS = (
     "peak_rss_mib",

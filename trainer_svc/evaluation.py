@@ -9,6 +9,7 @@ pass@k, maj@n; shared.evalmetrics) to the ledger with the wall-clock seconds sin
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
 from trainer_svc.feeder import Feeder, Group
 from trainer_svc.tracking import Tracking
+from trainer_svc.validation import Fed
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class EvalSet:
     spec: EvalSetSpec
     items: list[EvalItem]  # its problems, rendered once
     sampling: SamplingParams
+
+    @functools.cached_property
+    def indices(self) -> frozenset[int]:
+        return frozenset(it.prompt_index for it in self.items)
 
 
 @dataclass
@@ -124,6 +130,18 @@ class Evaluator:
             return False
         rnd.groups.append(g)
         return True
+
+    def fed_as(self, group_id: str) -> Fed | None:
+        """What evaluation group `group_id` was fed as (its set's n and max_tokens, its problem),
+        or None when no open round of this run has it."""
+        rnd = self.rounds.get(eval_round(group_id))
+        if rnd is None:
+            return None
+        es = self.sets[rnd.name]
+        index = group_id.rsplit("/", 1)[1]
+        if not index.isdigit() or int(index) not in es.indices:
+            return None
+        return Fed(es.spec.sampling.n, prompt_index=int(index), max_tokens=es.sampling.max_tokens)
 
     def dead(self, g: Group) -> None:
         """A problem that can never complete (dead-lettered): its round expects one fewer."""

@@ -388,6 +388,26 @@ def test_a_service_whose_job_no_longer_validates_fails_it_and_exits_0(
     assert job["state"] == "failed" and "algorithm.lr" in job["error"]
 
 
+def test_a_service_restarted_into_an_ended_job_exits_0_without_serving_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that failed its job exits 1 and its supervisor restarts it: the restart must not
+    take over the job's pending entries and replay them into the same error (issue 31)."""
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    with Ledger(url) as ledger:
+        ledger.create_job("ended", "e", SPEC, state="running")
+        ledger.move_job("ended", ("running",), "failed", error="trainer: ValueError('temperature must be > 0')")
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("JOB_ID", "ended")
+    fleet = Fleet(TrainerSettings(), "trainer", "t0")
+    try:
+        with pytest.raises(JobOver, match=r"job ended is already failed: trainer: ValueError\('temperature"):
+            next(fleet.jobs())
+    finally:
+        fleet.close()
+
+
 # -- the edge: body size, auth before the body ---------------------------------------------------
 
 
