@@ -8,9 +8,11 @@ box (asyncrl/local.py) when no API answers and none was named.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -109,6 +111,8 @@ def quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for name in ("alembic", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # `kill -USR1 <pid>`: every thread's stack to stderr, where a stuck command is stuck (as the services)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @app.command()

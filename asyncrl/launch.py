@@ -281,11 +281,14 @@ def supervise(
     policy: RestartPolicy = RestartPolicy(),
     long_lived: Sequence[str] = LONG_LIVED,
     idle: Callable[[], bool] | None = None,
+    job_end: Callable[[], JobEnd | None] | None = None,
 ) -> int:
     """Watch `sup`'s processes until the job's services are all done, one fails past `policy`,
     `idle()` says the fleet has nothing left to do, or `stop` is set. A failed process (non-zero
     exit, or one of `long_lived` exiting at all) is restarted when `policy` allows, with the
-    reason logged.
+    reason logged, unless `job_end()` (the one job a `--spec` / `--job-id` run serves) says that
+    job has ended: a restart would only serve it into the same end (or, before the services
+    refused an ended job, replay its last batch into the same error until the restarts ran out).
 
     Returns:
         1 when a process failed and was not restarted, 0 when every job service (generator,
@@ -313,6 +316,17 @@ def supervise(
                         policy.window_s,
                     )
                 continue
+            ended = job_end() if job_end is not None and policy.on_failure else None
+            if ended is not None:
+                log.error(
+                    "%s exited with code %s; not restarted: its job %s. Last lines of %s:\n%s",
+                    p.name,
+                    code,
+                    ended,
+                    p.log_path,
+                    sup.tail(p.name),
+                )
+                return 1
             delay = policy.delay(p, now)
             if delay is None:
                 why = "restart budget spent" if policy.on_failure else "no restart policy"
@@ -344,6 +358,42 @@ def supervise(
                 log.info("no job is queued or running: the fleet exits (--exit-when-idle)")
                 return 0
     return 130
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How the one job of a `--spec` / `--job-id` run ended: its state and error."""
+
+    job_id: str
+    state: str
+    error: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.job_id} is {self.state}" + (f": {self.error}" if self.error else "")
+
+
+class JobState:
+    """`--spec` / `--job-id`: the one job's end, read from this box's API; None while it is live
+    (queued, running, paused, stopping) or when the API cannot say (it is not up yet, a transient
+    error: a restart is then decided as without it)."""
+
+    LIVE = ("queued", "running", "paused", "stopping")  # broker.fleet.LIVE_STATES
+
+    def __init__(self, api: str, job_id: str):
+        self.api, self.job_id = api, job_id
+
+    def __call__(self) -> JobEnd | None:
+        import httpx
+
+        try:
+            resp = httpx.get(f"{self.api}/jobs/{self.job_id}", headers=_auth_headers(), timeout=5)
+            body = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("state"), str) or body["state"] in self.LIVE:
+            return None
+        state, error = body["state"], body.get("error")
+        return JobEnd(self.job_id, state, str(error)[:500] if error else None)
 
 
 class QueueEmpty:
@@ -555,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 1
+    api: str | None = None  # this box's API, when it runs the broker
     try:
         # Every process starts at once: none needs another to be up first (services wait for
         # their job in the ledger), so their imports and engine builds overlap the API's start.
@@ -603,14 +654,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _submit(api, args.spec, sup.env["JOB_ID"])
                 log.info("submitted %s as job %s", args.spec, sup.env["JOB_ID"])
         policy = RestartPolicy(args.restart == "on-failure", args.max_restarts, args.restart_window)
-        idle = QueueEmpty(api) if args.exit_when_idle else None
+        idle = QueueEmpty(api) if args.exit_when_idle and api else None
+        # the one job's end: a service of an ended job is not restarted, and a failed job fails the run
+        job_id = sup.env.get("JOB_ID") or os.environ.get("JOB_ID")
+        job_end = JobState(api, job_id) if api and job_id else None
         if fleet:
             log.info("serving the queue of jobs submitted to the API until stopped%s", " or idle" if idle else "")
         code = (
             130
             if stop.is_set()
-            else supervise(sup, stop, policy=policy, idle=idle, long_lived=ROLES if fleet else LONG_LIVED)
+            else supervise(
+                sup, stop, policy=policy, idle=idle, long_lived=ROLES if fleet else LONG_LIVED, job_end=job_end
+            )
         )
+        if code == 0 and job_end is not None and (ended := job_end()) is not None and ended.state == "failed":
+            log.error("job %s", ended)
+            code = 1
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
     finally:

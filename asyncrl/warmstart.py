@@ -181,7 +181,9 @@ def warm_start(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if task_spec is None:
-        task_spec = TaskSpec(name=task, n_train=n_train, n_test=n_test, path=path, test_path=test_path)
+        task_spec = TaskSpec.model_validate(
+            {"name": task, "n_train": n_train, "n_test": n_test, "path": path, "test_path": test_path}
+        )
     train, test = load_task(task_spec, seed)
     prompts = encode_prompts(tokenizer, train)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -215,9 +215,13 @@ class Fleet:
 
     def jobs(self) -> Iterator[JobContext]:
         """The jobs to serve, one at a time, each as a fresh JobContext: with JOB_ID, that job
-        once (JobOver if its spec no longer validates); else the fleet's, until SIGTERM."""
+        once (JobOver if it already ended, or if its spec no longer validates); else the fleet's,
+        until SIGTERM."""
         if self.settings.job_id:
             job = wait_for_job(self.ledger, self.settings.job_id, self.settings.job_wait_s)
+            if job["state"] not in LIVE_STATES:  # over: a restart must not serve it into the same end
+                error = f": {escape_control(str(job['error']))[:500]}" if job.get("error") else ""
+                raise JobOver(f"job {job['id']} is already {job['state']}{error}")
             reason = spec_problem(job)
             if reason is not None:
                 fail_job(self.ledger, job, reason)
@@ -251,14 +255,20 @@ class Fleet:
         """Run `serve_job` on each job of `jobs()` until SIGTERM: it returns the job's final control
         state ("terminating": this process was asked to stop, the job goes on). An exception of
         `job_faults` is the job's own fault (the job fails, `on_job_fault` runs); any other is
-        retried (`failed`). With JOB_ID every exception propagates: the one job's service fails."""
+        retried (`failed`). With JOB_ID every exception propagates: the one job's service fails,
+        and a job fault fails the job first (a restart would meet the same fault: it finds the job
+        ended instead, `jobs`)."""
         for ctx in self.jobs():
             try:
                 state = serve_job(ctx)
             except Exception as exc:
-                if self.settings.job_id:
-                    raise
                 fault = isinstance(exc, job_faults)
+                if self.settings.job_id:
+                    if fault:
+                        fail_everywhere(
+                            self.ledger, ctx.streams, ctx.job_id, f"{self.role}: {type(exc).__name__}: {exc}"
+                        )
+                    raise
                 if not fault:
                     log.exception("%s: job %s", self.role, ctx.job_id)
                 self.failed(ctx, exc, the_jobs_fault=fault)

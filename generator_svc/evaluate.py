@@ -25,7 +25,7 @@ from typing import Any
 from shared.datasets import load_task
 from shared.jobspec import JobSpec
 from shared.logs import setup_logging
-from shared.prompts import renderer
+from shared.prompts import renderer, usable
 from shared.rewards import RewardInput, build_scorer
 
 log = logging.getLogger("evaluate")
@@ -66,6 +66,7 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
         from transformers import AutoTokenizer
 
         render = renderer(AutoTokenizer.from_pretrained(checkpoint), spec.chat_template, spec.chat_template_kwargs)
+        test = usable(test, render, spec.task.bad_rows, "held-out")  # the chat template within its limits
         rendered = [render(p) for p in test]
         greedy = spec.sampling.params(temperature=0.0, top_p=1.0)
         t1 = time.perf_counter()

@@ -62,6 +62,7 @@ from shared.entry import Drained, JobEnded, drain_requested
 from shared.environments.episode import Codec, codec_for
 from shared.environments.registry import load_environment
 from shared.ids import sample_id
+from shared.jobspec import local_model_dir
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, job_registry, serve_metrics
 from shared.placement import takes_turns
@@ -486,6 +487,7 @@ class Engines:
 
     def for_job(self, ctx: JobContext, turns: bool) -> Engine:
         s, spec = self.settings, ctx.spec
+        local_model_dir(spec.model_path)  # never a Hub id: nothing is downloaded
         dtype = spec.generator.engine_dtype(s.dtype)
         lora_rank = None if spec.lora is None else spec.lora.rank
         key = engine_key(

@@ -14,8 +14,12 @@ dead-letters it (code reward_timeout / reward_error), which makes the trainer dr
 reward (or a named component of it) that is not a number within the job's `reward_limits.bounds`
 (1e308, inf, NaN) is such a failure too: status error, the value in the reason. A rollout with no
 completion tokens goes to the dead-letter stream with the reason; every dead letter is counted by
-reason in the metrics. A plug-in that does
-not import fails its job with the reason (broker.fleet); with JOB_ID, the service (it exits non-zero).
+reason in the metrics. A plug-in that does not import fails its job with the reason (broker.fleet),
+and so does one whose import exits, crashes the interpreter or hangs (imported in a child process
+first, shared.rewards.pool `probe_import`); with JOB_ID the service then exits 0 (nothing left to
+serve). A reward's named components are bounded (shared.rewards.base MAX_COMPONENTS: more is the
+sample's reward error), and a scored message over the stream's MAX_MESSAGE_BYTES is dead-lettered
+(`oversized`), never published.
 
 One bad entry never costs good work. The stream boundary (broker.streams, shared.schema) refuses
 what does not validate; a rollout that validates but that the ledger refuses (a value some column
@@ -38,16 +42,17 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from broker.fleet import Fleet
+from broker.fleet import Fleet, fail_everywhere
 from broker.ledger import RewardLedger, write_isolating
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
+from shared.entry import JobOver
 from shared.jobspec import JobSpec
 from shared.metrics import RewardMetrics, job_registry, serve_metrics
 from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
-from shared.rewards.base import MAX_REASON, bounded
-from shared.schema import Rollout, Scored, clean_text
+from shared.rewards.base import MAX_REASON, RewardLimits, bounded
+from shared.schema import Rollout, Scored, clean_text, encode
 from shared.settings import RewardSettings
 
 log = logging.getLogger(__name__)
@@ -174,8 +179,9 @@ class Scorers:
     (or an evaluation set's) is the same plug-in as one held reuses its workers; the others are
     built for it, and the ones no longer used are closed."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, limits: RewardLimits | None = None):
         self.workers = workers
+        self.limits = limits or RewardLimits()
         self.held: dict[str, RewardScorer] = {}
 
     def for_job(self, spec: JobSpec) -> dict[str, RewardScorer]:
@@ -189,7 +195,7 @@ class Scorers:
         try:
             for name, r in wanted.items():
                 if keys[name] not in keep:
-                    keep[keys[name]] = build_scorer(r, workers=self.workers)
+                    keep[keys[name]] = build_scorer(r, workers=self.workers, limits=self.limits)
         finally:
             self.held = keep
         return {name: keep[keys[name]] for name in wanted}
@@ -208,7 +214,7 @@ def run(settings: RewardSettings) -> None:
     """Score jobs (broker.fleet: JOB_ID's one job, else the fleet's queue) with kept worker pools."""
     registry = serve_metrics(settings.metrics_port, "reward")
     fleet = Fleet(settings, "reward", settings.consumer_id)
-    scorers = Scorers(settings.workers)
+    scorers = Scorers(settings.workers, RewardLimits(settings.http_max_bytes, settings.import_timeout_s))
     loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
         fleet.serve(lambda ctx: serve_job(settings, ctx, scorers, loop, registry), job_faults=(RewardUnusable,))
@@ -227,7 +233,11 @@ def serve_job(
         try:
             job_scorers = scorers.for_job(ctx.spec)
         except Exception as exc:
-            raise RewardUnusable(f"the job's reward cannot be built: {exc}") from exc
+            reason = f"the job's reward cannot be built: {exc}"
+            if settings.job_id:  # the one job this service serves: it fails, and nothing is left to serve
+                fail_everywhere(ctx.ledger, ctx.streams, ctx.job_id, f"reward: {reason}")
+                raise JobOver(f"job {ctx.job_id} failed: {reason}") from exc
+            raise RewardUnusable(reason) from exc
         consumer = Consumer(ROLLOUTS, GROUP_REWARDERS, settings.consumer_id, Rollout)
         handler = Scoring(
             ctx.streams, ctx.ledger, consumer, job_scorers, loop, metrics, settings.batch, ctx.spec.reward_limits.bounds
@@ -351,7 +361,7 @@ class Scoring:
                 reward,
                 scorer.on_failure,
             )
-        return Scored(
+        scored = Scored(
             job_id=r.job_id,
             msg_id=r.msg_id,
             group_id=r.group_id,
@@ -362,6 +372,12 @@ class Scoring:
             reward_status=res.status,
             reward_reason=clean_text(res.reason)[:MAX_REASON],
         )
+        # What the trainer would refuse to read (and a 40 MiB entry it would have to skip) is never published.
+        size, limit = len(encode(scored)), self.streams.max_message_bytes
+        if size > limit:
+            self._dead(d, f"the scored message is {size} bytes, over MAX_MESSAGE_BYTES ({limit})", "oversized")
+            return None
+        return scored
 
     def _dead(self, d: Delivery[Rollout], reason: str, code: str) -> None:
         self.streams.dead_letter(ROLLOUTS, GROUP_REWARDERS, d.entry_id, reason, code=code, message=d.message)

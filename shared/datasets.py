@@ -13,15 +13,25 @@ Every row goes through one mapping (``prompt_field`` or ``prompt_template``, or 
 ``messages_field``; ``answer_field``; the other columns become ``Problem.metadata``), then one
 split (a separate test set, or a seeded disjoint split of the training rows) and one mixture.
 
-Readers: pyarrow for JSON Lines, CSV and Parquet (no cache copy, typed columns), ``datasets``'
-``load_from_disk`` for saved folders (memory-mapped), the standard library's ``json`` for JSON
-arrays (which pyarrow cannot read) and for finding the line of a JSON Lines error (pyarrow counts
-rows per block). All of them are imported inside the readers: this module imports with pydantic
-alone, so the API validates specs without them.
+Readers, each streaming with bounded memory (``max_columns`` checked before the rows are read,
+``max_rows`` as they are read, ``max_row_bytes`` per line or element, nesting at most ``MAX_DEPTH``):
+the standard library's ``json`` line by line for JSON Lines (a bad line is one bad row, named by
+its line) and element by element for JSON arrays; pyarrow for CSV (block by block) and Parquet
+(batch by batch, after its footer's counts); ``datasets``' ``load_from_disk`` for saved folders
+(memory-mapped, batch by batch). Only problems are kept. pyarrow and ``datasets`` are imported
+inside the readers: this module imports with pydantic alone, so the API validates specs without
+them.
+
+Every row is checked at load, before the job trains: what cannot make a problem (a missing
+field, text that is not UTF-8 or holds a lone surrogate, too deep, too long, too wide) is a bad
+row, which fails the load naming the file and the row, or is dropped and counted
+(``task.bad_rows``).
 """
 
 from __future__ import annotations
 
+import codecs
+import csv
 import dataclasses
 import datetime
 import decimal
@@ -33,10 +43,10 @@ import random
 import re
 import stat
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -56,9 +66,20 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_MAX_BYTES = 2 * GiB
-DEFAULT_MAX_ROWS = 10_000_000
+# Memory grows with the rows kept (about 0.6 KiB each as problems, plus their text): 1M rows stay
+# under 1 GiB (docs/reliability.md, the dataset probes).
+DEFAULT_MAX_ROWS = 1_000_000
+DEFAULT_MAX_COLUMNS = 1000
+DEFAULT_MAX_ROW_BYTES = 4 * MiB
+MAX_DEPTH = 32
+"""Deepest nesting of a row's values (lists and objects in its columns)."""
+MAX_FORMAT_WIDTH = 1000
+"""Largest width or precision in a prompt_template's format spec ({x:>10})."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+BadRows = Literal["reject", "drop"]
 # Held-out size when it is split off the training rows and neither n_test nor test_fraction is set.
 DEFAULT_SPLIT_N_TEST = 100
 # A separate test set is used whole up to this many rows: every evaluation round generates one
@@ -105,9 +126,15 @@ def template_fields(template: str) -> list[str]:
         raise ValueError(
             f"prompt_template does not parse as a str.format template ({e}); write a literal brace as '{{{{' or '}}}}'"
         ) from None
-    for _literal, name, _spec, conversion in parsed:
+    for _literal, name, spec, conversion in parsed:
         if name is None:
             continue
+        if spec and "{" in spec:
+            raise ValueError(f"prompt_template field {{{name}:{spec}}}: a format spec may not hold a field")
+        if spec and any(int(d) > MAX_FORMAT_WIDTH for d in re.findall(r"\d+", spec)):
+            raise ValueError(
+                f"prompt_template field {{{name}:{spec}}}: widths and precisions are at most {MAX_FORMAT_WIDTH}"
+            )
         top = re.split(r"[.\[]", name, maxsplit=1)[0]
         if not top or top.isdigit():
             raise ValueError(f"prompt_template uses a positional field {{{name}}}; name a column, e.g. {{question}}")
@@ -122,6 +149,15 @@ def template_fields(template: str) -> list[str]:
     if not fields:
         raise ValueError("prompt_template names no column; e.g. 'Q: {question}\\nA:'")
     return fields
+
+
+def _template_padding(template: str) -> int:
+    """An upper bound of the characters the template's format specs add (widths, precisions)."""
+    return sum(
+        max((int(d) for d in re.findall(r"\d+", spec)), default=0)
+        for _literal, name, spec, _conversion in string.Formatter().parse(template)
+        if name is not None and spec
+    )
 
 
 class DatasetSource(_Strict):
@@ -298,7 +334,32 @@ class TaskSpec(_Strict):
         DEFAULT_MAX_ROWS,
         ge=1,
         le=1_000_000_000,
-        description="Most rows read from one file or folder (default 10M).",
+        description="Most rows read from one file or folder (default 1M, about 1 GiB of memory as problems; "
+        "counted as they are read).",
+    )
+    max_columns: int = Field(
+        DEFAULT_MAX_COLUMNS,
+        ge=1,
+        le=1_000_000,
+        description="Most columns of one file or folder (CSV header, Parquet schema, saved table), and most "
+        "fields of one JSON row; checked before the rows are read (default 1000).",
+    )
+    max_row_bytes: int = Field(
+        DEFAULT_MAX_ROW_BYTES,
+        ge=1,
+        le=GiB,
+        description="Longest row: a JSON Lines or CSV line in bytes, a JSON array element in characters, "
+        "and the prompt a prompt_template builds (default 4 MiB). A longer JSON Lines line is skipped "
+        "unread (a bad row); in CSV or a JSON array it fails the load.",
+    )
+    bad_rows: BadRows = Field(
+        "reject",
+        description="A row that cannot be used: a field missing, empty or of the wrong type; text that is "
+        "not UTF-8 or holds a lone surrogate; JSON that does not parse or nests deeper than 32 levels; "
+        "a line over max_row_bytes; more fields than max_columns; a prompt the tokenizer or the chat "
+        "template refuses. `reject` fails the job at load (before step 0) naming the file and the row; "
+        "`drop` leaves such rows out and the trainer's log counts them per file, with the first "
+        "reasons. A file that cannot be read at all fails the job either way.",
     )
 
     @model_validator(mode="before")
@@ -379,19 +440,28 @@ class TaskSpec(_Strict):
 # --- reading ---------------------------------------------------------------------------------
 
 
+class _RowError(Exception):
+    """A row-level problem; the caller prefixes the file and row."""
+
+
+Row = dict[str, Any]
+ReadRow = tuple[str, "Row | _RowError"]
+"""Where a row is ("data.jsonl line 17"), and the row, or why it cannot be read (task.bad_rows decides)."""
+
+_CHUNK = 1 << 20  # bytes read at a time where a file is scanned
+_BATCH = 1024  # rows turned into Python objects at a time
+_SPACE = " \t\n\r"
+
+
 @dataclass
 class _Table:
-    """Rows of one dataset as plain Python dicts, with how to name a row in an error."""
+    """One dataset's rows, read lazily as ``ReadRow`` pairs. A file that cannot be read at all
+    raises DatasetError while its rows are iterated (still at load, before any training step)."""
 
     name: str
-    rows: list[dict[str, Any]]
-    locate: Callable[[int], str]  # 0-based row -> "data.jsonl line 17"
+    rows: Iterable[ReadRow]
     source: DatasetSource | None = None  # None for generated rows
     presampled: bool = False  # generated already in a seeded random order: not reshuffled
-
-
-def _rows_label(label: str) -> Callable[[int], str]:
-    return lambda i: f"{label} row {i + 1}"
 
 
 def _check_size(label: str, size: int, spec: TaskSpec) -> None:
@@ -402,11 +472,34 @@ def _check_size(label: str, size: int, spec: TaskSpec) -> None:
         )
 
 
-def _check_rows(label: str, n: int, spec: TaskSpec) -> None:
+def _check_count(label: str, n: int, spec: TaskSpec) -> None:
+    """A row count known before reading (Parquet's footer, a saved folder's table)."""
     if n > spec.max_rows:
         raise DatasetError(
             f"{label} has {n} rows, over task.max_rows={spec.max_rows}; raise task.max_rows or cut the file"
         )
+
+
+def _check_columns(label: str, n: int, spec: TaskSpec) -> None:
+    if n > spec.max_columns:
+        raise DatasetError(
+            f"{label} has {n} columns, over task.max_columns={spec.max_columns}; drop the columns the job "
+            "does not need (every column other than the prompt and answer becomes the rows' metadata), "
+            "or raise task.max_columns"
+        )
+
+
+def _capped(label: str, spec: TaskSpec, rows: Iterable[ReadRow]) -> Iterator[ReadRow]:
+    """``rows``, refused once they pass task.max_rows (counted as they are read, so a file of
+    millions of rows is refused before they are all in memory) or when there are none."""
+    n = 0
+    for item in rows:
+        n += 1
+        if n > spec.max_rows:
+            raise DatasetError(
+                f"{label} has more rows than task.max_rows={spec.max_rows}; raise task.max_rows or cut the file"
+            )
+        yield item
     if n == 0:
         raise DatasetError(f"{label} has no rows")
 
@@ -436,7 +529,7 @@ def _kind(mode: int) -> str:
 
 
 def _open_table(source: DatasetSource, spec: TaskSpec) -> _Table:
-    """Check, then read one dataset. Regular files and saved folders only, within the caps."""
+    """Check, then open one dataset. Regular files and saved folders only, within the caps."""
     path, label = Path(source.path), source.path
     st = _stat(path, label)
     fmt: str | None = source.format
@@ -466,7 +559,7 @@ def _open_table(source: DatasetSource, spec: TaskSpec) -> _Table:
     if source.split is not None and fmt != "save_to_disk":
         raise DatasetError(f"{label}: split applies to save_to_disk folders; remove it")
     table = READERS[fmt](path, label, source, spec)
-    return dataclasses.replace(table, name=source.label, source=source)
+    return dataclasses.replace(table, name=source.label, source=source, rows=_capped(label, spec, table.rows))
 
 
 def _folder_size(path: Path, label: str) -> int:
@@ -483,59 +576,126 @@ def _folder_size(path: Path, label: str) -> int:
     return total
 
 
-def _arrow_rows(table: Any, label: str, spec: TaskSpec) -> list[dict[str, Any]]:
-    _check_rows(label, table.num_rows, spec)
-    rows: list[dict[str, Any]] = table.to_pylist()
-    return rows
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of each non-blank line of ``f``, never holding more than ``limit`` + 1
+    bytes of one: a longer line is skipped unread and comes as None."""
+    lineno = 0
+    while raw := f.readline(limit + 1):
+        lineno += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = f.readline(_CHUNK)
+            yield lineno, None
+        elif raw.strip():
+            yield lineno, raw
+
+
+def _json_object(raw: bytes) -> Row | _RowError:
+    """One JSON Lines record, or why it is not one."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _RowError(f"not UTF-8 ({e.reason} at byte {e.start + 1} of the line)")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _RowError(f"not valid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return _RowError(f"JSON nested too deeply to parse (a row may nest {MAX_DEPTH} levels)")
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        return _RowError(f"not readable as JSON ({e})")
+    if not isinstance(record, dict):
+        return _RowError(f"expected a JSON object, got {type(record).__name__}")
+    return record
 
 
 def _read_jsonl(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
-    import pyarrow as pa
-    import pyarrow.json as pj
+    # Line by line with the standard library, not pyarrow: one line in memory at a time, each
+    # row's error names its line, and a column whose type changes between rows reads as written.
+    def rows() -> Iterator[ReadRow]:
+        with path.open("rb") as f:
+            for lineno, raw in _lines(f, spec.max_row_bytes):
+                where = f"{label} line {lineno}"
+                if raw is None:
+                    yield where, _RowError(f"longer than task.max_row_bytes={spec.max_row_bytes} (skipped unread)")
+                else:
+                    yield where, _json_object(raw)
 
-    try:
-        table = pj.read_json(str(path))
-    except pa.ArrowInvalid:
-        # pyarrow numbers rows within a block and rejects a column whose JSON type changes
-        # between rows; the line-by-line read names the bad line, or reads the mixed column.
-        return _read_json_lines(path, label, spec)
-    return _Table(label, _arrow_rows(table, label, spec), lambda i: f"{label} line {_jsonl_line(path, i)}")
-
-
-def _jsonl_line(path: Path, i: int) -> int:
-    """The 1-based line of the ``i``-th record (blank lines hold none); only for error messages."""
-    with path.open("rb") as f:
-        k = -1
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                k += 1
-                if k == i:
-                    return lineno
-    return i + 1
+    return _Table(label, rows())
 
 
-def _read_json_lines(path: Path, label: str, spec: TaskSpec) -> _Table:
-    rows: list[dict[str, Any]] = []
-    lines: list[int] = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            where = f"{label} line {lineno}"
+class _JsonArray:
+    """The elements of a file holding one JSON array, one at a time: at most one element (up to
+    ``limit`` characters) and one chunk of the file are held. The standard library parses each
+    element (``raw_decode``); an element that does not parse ends the read, since the array
+    cannot be followed past it (JSON Lines can: there each line is a row)."""
+
+    def __init__(self, path: Path, label: str, limit: int) -> None:
+        self.path, self.label, self.limit = path, label, limit
+        self.buf, self.pos, self.eof, self.row = "", 0, False, 0
+        # Bytes that are not UTF-8 become lone surrogates, so the row holding them is a bad row
+        # (named, droppable) rather than the end of the read.
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        self.json = json.JSONDecoder()
+
+    def _error(self, what: str) -> DatasetError:
+        return DatasetError(f"{self.label} row {self.row}: {what}; a JSON array cannot be read past it")
+
+    def _fill(self, f: BinaryIO) -> bool:
+        if self.eof:
+            return False
+        chunk = f.read(_CHUNK)
+        self.eof = not chunk
+        self.buf, self.pos = self.buf[self.pos :] + self.utf8.decode(chunk, final=self.eof), 0
+        return True
+
+    def _next_char(self, f: BinaryIO) -> str:
+        """The next character that is not white space ('' at the end of the file), not consumed."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in _SPACE:
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._fill(f):
+                return ""
+
+    def _element(self, f: BinaryIO) -> Row | _RowError:
+        while True:
             try:
-                record = json.loads(raw)
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{where}: not UTF-8 ({e.reason})") from None
+                value, end = self.json.raw_decode(self.buf, self.pos)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            rows.append(record)
-            lines.append(lineno)
-            if len(rows) > spec.max_rows:
-                _check_rows(label, len(rows), spec)
-    _check_rows(label, len(rows), spec)
-    return _Table(label, rows, lambda i: f"{label} line {lines[i]}")
+                if len(self.buf) - self.pos > self.limit:
+                    raise self._error(f"longer than task.max_row_bytes={self.limit} characters") from None
+                if not self._fill(f):
+                    raise self._error(f"not valid JSON ({e.msg})") from None
+                continue
+            except RecursionError:
+                raise self._error(f"JSON nested too deeply to parse (a row may nest {MAX_DEPTH} levels)") from None
+            except ValueError as e:  # e.g. an integer of more digits than Python converts
+                raise self._error(f"not readable as JSON ({e})") from None
+            if end == len(self.buf) and self._fill(f):
+                continue  # a number at the end of the chunk may go on in the next one
+            break
+        size, self.pos = end - self.pos, end
+        if size > self.limit:
+            return _RowError(f"longer than task.max_row_bytes={self.limit} characters")
+        return value if isinstance(value, dict) else _RowError(f"expected a JSON object, got {type(value).__name__}")
+
+    def rows(self) -> Iterator[ReadRow]:
+        with self.path.open("rb") as f:
+            self._next_char(f)
+            self.pos += 1  # the '[' the caller found
+            while (c := self._next_char(f)) != "]":
+                if self.row:
+                    if c != ",":
+                        raise self._error(f"expected ',' or ']' after it, found {c!r}" if c else "the array never ends")
+                    self.pos += 1
+                    self._next_char(f)
+                self.row += 1
+                yield f"{self.label} row {self.row}", self._element(f)
+            self.pos += 1
+            if self._next_char(f):
+                raise DatasetError(f"{self.label}: data after the array's closing ']'")
 
 
 def _read_json(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
@@ -543,22 +703,26 @@ def _read_json(path: Path, label: str, source: DatasetSource, spec: TaskSpec) ->
         head = f.read(4096).lstrip()
     if not head.startswith(b"["):
         # Hugging Face's convention: a .json file that is not an array is JSON Lines.
-        try:
-            return _read_jsonl(path, label, source, spec)
-        except DatasetError as e:
-            raise DatasetError(f"{e} (a .json file is read as a JSON array of objects or as JSON Lines)") from None
+        return _read_jsonl(path, label, source, spec)
+    return _Table(label, _JsonArray(path, label, spec.max_row_bytes).rows())
+
+
+def _arrow_rows(label: str, batches: Iterable[Any], broken: str) -> Iterator[ReadRow]:
+    """Rows of arrow record batches as Python dicts, ``_BATCH`` at a time; an arrow error while
+    reading is a DatasetError prefixed with ``broken``."""
+    import pyarrow as pa
+
+    n = 0
     try:
-        with path.open("rb") as f:
-            data = json.load(f)
+        for batch in batches:
+            for start in range(0, batch.num_rows, _BATCH):
+                for row in batch.slice(start, _BATCH).to_pylist():
+                    n += 1
+                    yield f"{label} row {n}", row
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{label}: {broken}{e}") from None
     except UnicodeDecodeError as e:
-        raise DatasetError(f"{label}: not UTF-8 ({e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{label} line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    _check_rows(label, len(data), spec)
-    for i, record in enumerate(data):
-        if not isinstance(record, dict):
-            raise DatasetError(f"{label} row {i + 1}: expected a JSON object, got {type(record).__name__}")
-    return _Table(label, data, _rows_label(label))
+        raise DatasetError(f"{label} row {n + 1} or near it: not UTF-8 ({e.reason})") from None
 
 
 def _read_parquet(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
@@ -567,23 +731,65 @@ def _read_parquet(path: Path, label: str, source: DatasetSource, spec: TaskSpec)
 
     try:
         pf = pq.ParquetFile(str(path))
-        _check_rows(label, pf.metadata.num_rows, spec)  # from the footer, before reading rows
-        table = pf.read()
     except (pa.ArrowException, OSError) as e:
         raise DatasetError(f"{label}: not a readable Parquet file ({e})") from None
-    return _Table(label, _arrow_rows(table, label, spec), _rows_label(label))
+    meta = pf.metadata  # the footer: counts and sizes before a row is read
+    _check_columns(label, len(pf.schema_arrow), spec)
+    _check_count(label, meta.num_rows, spec)
+    unpacked = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    if unpacked > spec.max_bytes:
+        raise DatasetError(
+            f"{label} holds {unpacked} bytes uncompressed, over task.max_bytes={spec.max_bytes}; "
+            "raise task.max_bytes or split the data"
+        )
+    return _Table(label, _arrow_rows(label, pf.iter_batches(batch_size=_BATCH), "not a readable Parquet file: "))
+
+
+def _long_line(path: Path, limit: int) -> int | None:
+    """The number of the first line of the file longer than ``limit`` bytes, or None; one chunk
+    in memory at a time."""
+    lineno, run = 1, 0  # run: bytes of the current line so far
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            parts = chunk.split(b"\n")
+            if run + len(parts[0]) > limit:
+                return lineno
+            if len(parts) > 1:
+                for k, part in enumerate(parts[1:-1], start=1):
+                    if len(part) > limit:
+                        return lineno + k
+                lineno, run = lineno + len(parts) - 1, 0
+            run += len(parts[-1])
+            if run > limit:
+                return lineno
+    return None
 
 
 def _read_csv(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
-    import pyarrow as pa
     import pyarrow.csv as pc
 
-    try:
-        table = pc.read_csv(str(path))
-    except (pa.ArrowException, OSError) as e:
-        raise DatasetError(f"{label}: {e}") from None
-    # Rows count from the first line after the header.
-    return _Table(label, _arrow_rows(table, label, spec), _rows_label(label))
+    # pyarrow's CSV reader takes a line of any length into memory: the lines are measured first.
+    if (lineno := _long_line(path, spec.max_row_bytes)) is not None:
+        raise DatasetError(
+            f"{label} line {lineno} is longer than task.max_row_bytes={spec.max_row_bytes}; "
+            "a CSV file cannot be read past it (raise task.max_row_bytes, or cut the line)"
+        )
+    with path.open("rb") as f:
+        header = f.readline(spec.max_row_bytes + 1)
+    _check_columns(label, len(next(csv.reader([header.decode("utf-8", "replace")]), [])), spec)
+
+    # Streamed block by block; a column holding bytes that are not UTF-8 reads as binary, and its
+    # cells are decoded here with those bytes as lone surrogates: only their rows are bad rows.
+    def batches() -> Iterator[Any]:  # opened as it is read: opening parses the first block
+        yield from pc.open_csv(str(path), read_options=pc.ReadOptions(block_size=_CHUNK))
+
+    def rows() -> Iterator[ReadRow]:
+        for where, row in _arrow_rows(label, batches(), ""):  # rows count from the line after the header
+            if isinstance(row, dict):
+                row = {k: v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v for k, v in row.items()}
+            yield where, row
+
+    return _Table(label, rows())
 
 
 def _read_saved(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -> _Table:
@@ -605,8 +811,17 @@ def _read_saved(path: Path, label: str, source: DatasetSource, spec: TaskSpec) -
             ds = ds[source.split]
     elif source.split is not None:
         raise DatasetError(f"{label} holds one Dataset, not a DatasetDict; remove split={source.split!r}")
-    _check_rows(label, len(ds), spec)
-    return _Table(label, ds.to_list(), _rows_label(label))
+    _check_columns(label, len(ds.column_names), spec)
+    _check_count(label, len(ds), spec)
+
+    def rows() -> Iterator[ReadRow]:
+        n = 0
+        for batch in ds.iter(batch_size=_BATCH):  # memory-mapped: one batch in Python at a time
+            for values in zip(*batch.values(), strict=True):
+                n += 1
+                yield f"{label} row {n}", dict(zip(batch.keys(), values, strict=True))
+
+    return _Table(label, rows())
 
 
 Reader = Callable[[Path, str, DatasetSource, TaskSpec], _Table]
@@ -622,21 +837,36 @@ READERS: dict[str, Reader] = {
 # --- mapping rows to problems ----------------------------------------------------------------
 
 
-class _RowError(Exception):
-    """A row-level problem; the caller prefixes the file and row."""
+def _unicode(text: str, what: str) -> str:
+    """``text``, refused when it holds a lone surrogate (``"\\ud800"`` is valid JSON but not
+    Unicode text: no tokenizer encodes it, nor UTF-8, nor the wire or the ledger)."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return text
+    c, at = ord(m.group()), m.start() + 1
+    if 0xDC80 <= c <= 0xDCFF:  # how the JSON array reader keeps a byte that is not UTF-8
+        why = f"the byte 0x{c - 0xDC00:02x} at character {at} is not UTF-8 (or it is a \\u{c:04x} escape)"
+    else:
+        why = f"a lone surrogate (\\u{c:04x} at character {at}) is not valid Unicode text"
+    raise _RowError(f"{what}: {why}; no tokenizer can encode it; fix or drop the row")
 
 
-def _plain(value: Any, field: str) -> Any:
+def _plain(value: Any, field: str, depth: int = 0) -> Any:
     """``value`` as JSON-like plain Python: numpy and arrow scalars unwrapped, dates as ISO text,
-    decimals as text, non-finite floats as None, tuples as lists."""
-    if value is None or isinstance(value, (bool, int, str)):
+    decimals as text, non-finite floats as None, tuples as lists; text checked (``_unicode``) and
+    nesting bounded (``MAX_DEPTH``)."""
+    if depth > MAX_DEPTH:
+        raise _RowError(f"field {field!r} is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        return _unicode(value, f"field {field!r}")
+    if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, field) for k, v in value.items()}
+        return {_unicode(str(k), f"a key of field {field!r}"): _plain(v, field, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v, field) for v in value]
+        return [_plain(v, field, depth + 1) for v in value]
     if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, decimal.Decimal):
@@ -645,15 +875,18 @@ def _plain(value: Any, field: str) -> Any:
         raise _RowError(f"field {field!r} holds binary data, which cannot reach the reward; drop or convert the column")
     module = type(value).__module__.split(".")[0]
     if module == "numpy" and hasattr(value, "tolist"):
-        return _plain(value.tolist(), field)  # numpy scalar or array
+        return _plain(value.tolist(), field, depth)  # numpy scalar or array
     if module == "pyarrow" and hasattr(value, "as_py"):
-        return _plain(value.as_py(), field)
+        return _plain(value.as_py(), field, depth)
     raise _RowError(f"field {field!r} holds a {type(value).__name__}, not a JSON-like value")
 
 
 def _columns(row: Mapping[str, Any]) -> str:
     # Readers that build a table (pyarrow) give every row every column, None where it had none.
-    return ", ".join(k for k, v in row.items() if v is not None) or "(none)"
+    # For error messages: at most 20 names, a lone surrogate in one escaped.
+    names = [str(k).encode("utf-8", "backslashreplace").decode() for k, v in row.items() if v is not None]
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return ", ".join(names[:20]) + more if names else "(none)"
 
 
 def _text(row: Mapping[str, Any], field: str, what: str) -> str:
@@ -708,9 +941,12 @@ class _FieldMap:
     messages_field: str | None
     system_prompt: str | None
     template: str | None
-    template_cols: tuple[str, ...]
+    template_cols: tuple[str, ...]  # one per replacement field of the template, repeats included
+    template_pad: int  # the most padding the template's format specs add
     clean_prompt: Callable[[str], str]  # applied to the prompt column's text, not to a template's output
     clean_answer: Callable[[str], str]
+    max_columns: int
+    max_chars: int  # the longest prompt a template may build (task.max_row_bytes)
 
     @classmethod
     def of(cls, spec: TaskSpec, preset: Preset, source: DatasetSource | None) -> _FieldMap:
@@ -723,8 +959,11 @@ class _FieldMap:
             system_prompt=spec.system_prompt,
             template=template,
             template_cols=tuple(template_fields(template)) if template else (),
+            template_pad=_template_padding(template) if template else 0,
             clean_prompt=preset.clean_prompt,
             clean_answer=preset.clean_answer,
+            max_columns=spec.max_columns,
+            max_chars=spec.max_row_bytes,
         )
 
     def used(self) -> set[str]:
@@ -738,26 +977,43 @@ class _FieldMap:
             cols.add(self.prompt_field)
         return cols
 
-    def problem(self, row: Mapping[str, Any], index: int, source: str, used: set[str]) -> Problem:
+    def _templated(self, row: Mapping[str, Any]) -> str:
+        assert self.template is not None
+        for col in self.template_cols:
+            if row.get(col) is None:
+                raise _RowError(
+                    f"field {col!r} (used by prompt_template) is missing or null; "
+                    f"the row's columns are: {_columns(row)}"
+                )
+        # Bounded before it is built: a short template repeating a long column could make a prompt
+        # of gigabytes. (An upper bound: the template's text, its padding, each field's value.)
+        sizes = {col: len(str(row[col])) for col in set(self.template_cols)}
+        if len(self.template) + self.template_pad + sum(sizes[c] for c in self.template_cols) > self.max_chars:
+            raise _RowError(
+                f"prompt_template would build a prompt of over task.max_row_bytes={self.max_chars} characters"
+            )
+        try:
+            prompt = self.template.format_map(row)
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise _RowError(f"prompt_template cannot be filled from this row ({type(e).__name__}: {e})") from None
+        if not prompt.strip():
+            raise _RowError("prompt_template gives an empty prompt")
+        return prompt
+
+    def problem(self, row: Mapping[str, Any], index: int, source: str, used: set[str], where: str) -> Problem:
+        if len(row) > self.max_columns:
+            raise _RowError(f"has {len(row)} fields, over task.max_columns={self.max_columns}")
         messages: list[dict[str, str]] | None = None
         if self.messages_field:
             messages = _messages(row, self.messages_field)
+            for m in messages:
+                _unicode(m["content"], f"field {self.messages_field!r} (messages)")
             prompt = messages[-1]["content"]
         elif self.template:
-            for col in self.template_cols:
-                if row.get(col) is None:
-                    raise _RowError(
-                        f"field {col!r} (used by prompt_template) is missing or null; "
-                        f"the row's columns are: {_columns(row)}"
-                    )
-            try:
-                prompt = self.template.format_map(row)
-            except (KeyError, IndexError, ValueError, TypeError) as e:
-                raise _RowError(f"prompt_template cannot be filled from this row ({type(e).__name__}: {e})") from None
-            if not prompt.strip():
-                raise _RowError("prompt_template gives an empty prompt")
+            prompt = _unicode(self._templated(row), "the prompt (prompt_template over the row)")
         else:
-            prompt = self.clean_prompt(_text(row, self.prompt_field, "prompt"))
+            text = _text(row, self.prompt_field, "prompt")
+            prompt = _unicode(self.clean_prompt(text), f"field {self.prompt_field!r}")
         if self.system_prompt is not None:
             messages = messages or [{"role": "user", "content": prompt}]
             if messages[0]["role"] != "system":
@@ -777,7 +1033,8 @@ class _FieldMap:
                 raise _RowError(f"field {f!r} (answer) {e}") from None
             if not answer:
                 raise _RowError(f"field {f!r} (answer) is empty (set answer_field to null if the reward needs none)")
-        metadata = {k: _plain(v, k) for k, v in row.items() if k not in used}
+            _unicode(answer, f"field {f!r} (answer)")
+        metadata = {_unicode(str(k), "a column name"): _plain(v, k) for k, v in row.items() if k not in used}
         return Problem(
             index=index,
             prompt=prompt,
@@ -785,18 +1042,37 @@ class _FieldMap:
             metadata=metadata,
             messages=tuple(messages) if messages is not None else None,
             source=source,
+            origin=where,
         )
 
 
 def _problems(table: _Table, spec: TaskSpec, preset: Preset) -> list[Problem]:
+    """The table's rows as problems, read whole before any is used. A row that cannot be used
+    fails the load naming its file and row (task.bad_rows reject), or is left out and counted
+    (drop); a file that cannot be read fails it either way."""
     mapping = _FieldMap.of(spec, preset, table.source)
     used = mapping.used()
-    out = []
-    for i, row in enumerate(table.rows):
+    out: list[Problem] = []
+    dropped: list[str] = []
+    for where, row in table.rows:
         try:
-            out.append(mapping.problem(row, i, table.name, used))
+            if isinstance(row, _RowError):
+                raise row
+            out.append(mapping.problem(row, len(out), table.name, used, where))
         except _RowError as e:
-            raise DatasetError(f"{table.locate(i)}: {e}") from None
+            if spec.bad_rows == "reject":
+                raise DatasetError(f"{where}: {e} (task.bad_rows=drop leaves such rows out)") from None
+            dropped.append(f"{where}: {e}")
+    if dropped:
+        if not out:
+            raise DatasetError(f"{table.name}: every row is bad ({len(dropped)} dropped), e.g. {dropped[0]}")
+        log.warning(
+            "%s: %d bad rows dropped (task.bad_rows=drop), %d kept; first: %s",
+            table.name,
+            len(dropped),
+            len(out),
+            "; ".join(dropped[:3]),
+        )
     return out
 
 
@@ -817,8 +1093,11 @@ def _arithmetic_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_T
     train, test = synthetic_arithmetic(seed, spec.n_train or ARITHMETIC_N_TRAIN, spec.n_test or ARITHMETIC_N_TEST)
 
     def table(problems: list[Problem], part: str) -> _Table:
-        rows = [{"prompt": p.prompt, "answer": p.answer} for p in problems]
-        return _Table("arithmetic", rows, _rows_label(f"arithmetic ({part})"), presampled=True)
+        rows = [
+            (f"arithmetic ({part}) row {i + 1}", {"prompt": p.prompt, "answer": p.answer})
+            for i, p in enumerate(problems)
+        ]
+        return _Table("arithmetic", rows, presampled=True)
 
     return [table(train, "train")], [table(test, "test")]
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, Strict, ValidationError, model_validator
 
 from shared.datasets import TASKS, DatasetSource, TaskSpec
 from shared.environments.spec import EnvironmentSpec
 from shared.rewards.spec import REWARDS, RewardSpec
 from shared.schema import LORA_MODULE, LoraAdapter, SamplingParams
-from shared.spectypes import PrintableStr, SpecModel, refuse_nul
+from shared.spectypes import PrintableStr, SpecModel, refuse_bad_text
 from shared.staleness_bound import groups_in_flight, start_bound
 from shared.tracking import TrackingSink
 
@@ -30,6 +31,7 @@ __all__ = [
     "TaskSpec",
     "TrackingSpec",
     "format_validation_error",
+    "local_model_dir",
     "stored_spec",
 ]
 
@@ -156,8 +158,12 @@ class AlgorithmSpec(_Strict):
         le=1.0,
         description="linear, cosine: the last step's lr as a fraction of lr (0: the last step makes no update).",
     )
-    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+    # a JSON array is a tuple (strict=False for the container), its items stay strict floats
+    betas: tuple[
+        Annotated[float, Strict(), Field(ge=0.0, lt=1.0)], Annotated[float, Strict(), Field(ge=0.0, lt=1.0)]
+    ] = Field(
         (0.9, 0.999),
+        strict=False,
         description="AdamW (beta1, beta2): decay rates of the gradient's first and second moment estimates.",
     )
     eps: float = Field(
@@ -378,6 +384,7 @@ class RewardLimitsSpec(_Strict):
         Annotated[float, Field(ge=-MAX_REWARD, le=MAX_REWARD)], Annotated[float, Field(ge=-MAX_REWARD, le=MAX_REWARD)]
     ] = Field(
         (-1e6, 1e6),
+        strict=False,  # a JSON array is a tuple; its items stay as strict as every number of the spec
         description="[low, high]: a reward (or one of its named components) outside this range, or not a "
         "number, is a reward error of that sample (reward_status error, with the value in the reason; "
         "the reward's on_failure decides what the sample gets), never trained on as a number. Each "
@@ -593,8 +600,8 @@ class JobSpec(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_nul(cls, data: Any) -> Any:
-        refuse_nul(cls.__name__, data)
+    def _text_is_storable(cls, data: Any) -> Any:
+        refuse_bad_text(cls.__name__, data)
         return data
 
     @model_validator(mode="before")
@@ -661,6 +668,24 @@ class JobSpec(_Strict):
         return groups_in_flight(self.staleness_bound, self.prompts_per_step)
 
 
+def local_model_dir(path: str | Path, what: str = "model_path") -> Path:
+    """`path` as the local model directory it must be, checked before anything loads from it: a
+    path that is not a directory would otherwise be taken by transformers for a Hub model id and
+    fetched (a network attempt; the spec promises none).
+
+    Raises:
+        ValueError: `path` is not a directory on this machine (the message says what it is).
+    """
+    p = Path(path)
+    if p.is_dir():
+        return p
+    what_it_is = "is a file" if p.is_file() else "does not exist" if not p.exists() else "is not a directory"
+    raise ValueError(
+        f"{what} {str(path)!r} {what_it_is} on this machine: give the local directory of an HF-format model "
+        "(config.json, the weights, the tokenizer); models are never downloaded"
+    )
+
+
 def stored_spec(stored: Mapping[str, Any]) -> JobSpec:
     """A job's spec as the ledger stored it (a JSON dict), read into a JobSpec: the one reader for
     what a job was (broker/verify.py's nominal in-flight bound, asyncrl/guard_calibration.py's rows),
@@ -711,6 +736,12 @@ def _leave_out(data: dict[str, Any], loc: tuple[int | str, ...]) -> bool:
 class JobPatch(_Strict):
     """The knobs that may change while a job runs; services apply them at their next step."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_storable(cls, data: Any) -> Any:
+        refuse_bad_text(cls.__name__, data)
+        return data
+
     lr: float | None = Field(
         None,
         gt=0.0,
@@ -741,6 +772,10 @@ class JobPatch(_Strict):
         return out
 
 
+def _storable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def format_validation_error(exc: Exception) -> list[dict]:
     """Turn a pydantic ValidationError into [{field, message}] that says what to fix."""
     errors = getattr(exc, "errors", None)
@@ -751,8 +786,9 @@ def format_validation_error(exc: Exception) -> list[dict]:
         loc = list(e.get("loc", ()))
         if loc and loc[0] == "body":  # FastAPI prefixes request-body fields with "body"
             loc = loc[1:]
-        field = ".".join(str(p) for p in loc)
-        msg = e.get("msg", "invalid")
+        # a 422 body is JSON in UTF-8: a lone surrogate in a field name is written as its escape
+        field = _storable(".".join(str(p) for p in loc))
+        msg = _storable(e.get("msg", "invalid"))
         if e.get("type") == "json_invalid":
             field, msg = (
                 "",

@@ -402,7 +402,13 @@ class TrainerMetrics:
             buckets=_SLOW_BUCKETS,
             registry=r,
         ).labels(job_id)
+        self._job_id = job_id
+        self._dead = _dead_letters(r, "trainer")
         self.phases = Phases("trainer", r, job_id)
+
+    def dead_letter(self, stream: str, reason: str) -> None:
+        """One entry of `stream` dead-lettered for `reason` (a code, e.g. invalid_sample)."""
+        self._dead.labels(self._job_id, stream, reason).inc()
 
     def step(self, step: int, version: int, metrics: Mapping[str, float]) -> None:
         """One finished step and its metrics dict; keys it lacks leave their gauge as it was."""

@@ -208,6 +208,20 @@ class RewardSettings(CommonSettings):
         "its time budget is killed with its worker, which is replaced. 0 runs them in threads of the service "
         "instead, where a hung call can only be abandoned, still running.",
     )
+    http_max_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest answer an HTTP scorer or judge may send, on the wire and decoded (gzip, deflate); a "
+        "larger one is that batch's reward error, read no further.",
+    )
+    import_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="Time to import a Python reward plug-in, done first in a child process: an import that "
+        "exits, crashes or runs past it fails the job with the reason.",
+    )
     metrics_port: int = Field(0, ge=0)
 
 

@@ -49,6 +49,8 @@ class Problem:
             system prompt or reads a messages column: the system turn first, the user turn last.
             None for plain-text problems.
         source: the name of the dataset the problem came from (mixing, logs).
+        origin: where its row is, for error messages (``"data.jsonl line 17"``); "" when made
+            in code. Not compared.
     """
 
     index: int
@@ -57,6 +59,7 @@ class Problem:
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
     messages: tuple[dict[str, str], ...] | None = field(default=None, hash=False)
     source: str = ""
+    origin: str = field(default="", compare=False)
 
 
 # --- arithmetic -----------------------------------------------------------------------------

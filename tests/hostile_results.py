@@ -22,10 +22,26 @@ COUNTERS = (
     "service_exits",
     "server_errors",
     "schemathesis_cases",
+    "patch_lost_updates",
+    "terminal_state_overwritten",
+    "bad_row_jobs_failed",
+    "forged_rollout_jobs_failed",
+    "crash_loops",
     "redis_empty_restart_stalled",
     "all_rewards_error_jobs_finished",
 )
-PEAKS = ("peak_rss_mib",)
+PEAKS = (
+    "peak_rss_mib",
+    "http_gzip_bomb_peak_rss_mib",
+    # tests/test_bad_rows.py: the loader's peak RSS per dataset probe (the bench size's, when it ran)
+    "dataset_lone_surrogate_peak_rss_mib",
+    "dataset_invalid_utf8_peak_rss_mib",
+    "dataset_deep_nesting_peak_rss_mib",
+    "dataset_huge_line_peak_rss_mib",
+    "dataset_wide_csv_peak_rss_mib",
+    "dataset_many_rows_csv_peak_rss_mib",
+    "dataset_sparse_file_peak_rss_mib",
+)
 
 
 def record_hostile(**figures: Any) -> None:
@@ -33,7 +49,7 @@ def record_hostile(**figures: Any) -> None:
 
     Each test's figures are kept under `by_test` (the calling test's id, from pytest), replacing
     what that test wrote before, so a rerun does not count twice. The top-level figures are
-    recomputed from them: counters (`COUNTERS`) are summed over the tests, `peak_rss_mib` is the
+    recomputed from them: counters (`COUNTERS`) are summed over the tests, peaks (`PEAKS`) are the
     largest, anything else is the latest value written. Each call also stamps `machine` and
     `date`. Safe across processes (an flock on a side file).
     """

@@ -54,7 +54,11 @@ class Fleet:
         }
 
     def submit(self, name: str, steps: int = 2, **extra: Any) -> str:
-        r = httpx.post(f"{self.api}/jobs", json=self.spec(name, steps, **extra), timeout=30)
+        return self.post(self.spec(name, steps, **extra))
+
+    def post(self, spec: dict[str, Any]) -> str:
+        """Submit a whole spec; the new job's id."""
+        r = httpx.post(f"{self.api}/jobs", json=spec, timeout=30)
         assert r.status_code == 201, r.text
         assert r.json()["state"] == "queued"
         return str(r.json()["id"])

@@ -1,4 +1,5 @@
-"""The collapse guard tripping in a live job (services as processes, real vLLM, real Redis).
+"""The collapse guard tripping in a live job (the session's standing fleet: services as processes,
+real vLLM, real Redis).
 
 A warm-started tiny model trained with a destructive learning rate (the demo's 1e-4 x 20) loses its
 reward within a few steps. The guard must see the collapse, roll back to a checkpoint from before
@@ -8,18 +9,11 @@ the ledger and show it through the API, and the job must still finish with its l
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import uuid
-
 import httpx
 import pytest
+from shared_fleet import Fleet  # tests/ is on sys.path
 
 from asyncrl.demo import prepare_model
-from asyncrl.launch import Supervisor
-from broker.ledger import Ledger
-from broker.redis_server import resolve_redis_url
 from broker.verify import verify
 from trainer_svc import checkpoint
 
@@ -28,32 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LR, STEPS, EVERY = 2e-3, 20, 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_path):
+def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_path, fleet: Fleet):
     model = prepare_model(tmp_path / "model", seed=0)
-    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
-    port, prefix = _free_port(), f"guard-{uuid.uuid4().hex[:8]}:"
-    ckpts = tmp_path / "checkpoints"
-    sup = Supervisor(
-        tmp_path / "logs",
-        {
-            "REDIS_URL": redis_url,
-            "DATABASE_URL": db_url,
-            "STREAM_PREFIX": prefix,
-            "BROKER_PORT": str(port),
-            "GEN_GENERATOR_ID": "gen-0",
-            "TRAINER_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "TRAINER_CHECKPOINT_DIR": str(ckpts),
-        },
-    )
-    api = f"http://127.0.0.1:{port}"
+    ckpts = fleet.tmp / "checkpoints"
     spec = {
         "name": "guard-live",
         "model_path": str(model),
@@ -70,30 +41,11 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_p
         # before it (the default, lower_lr, would keep the collapsed policy and go on)
         "guard": {"reward_window": 3, "min_best_reward": 0.1, "max_trips": 8, "on_no_checkpoint": "initial"},
     }
-    ledger = Ledger(db_url)
-    try:
-        sup.start("broker", "broker")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert not sup.failed() and time.monotonic() < deadline, sup.tail("broker")
-            time.sleep(0.2)
-        job_id = httpx.post(f"{api}/jobs", json=spec, timeout=30).json()["id"]
-        for role in ("generator_svc", "reward_svc", "trainer_svc"):
-            sup.start(role.removesuffix("_svc"), role, {"JOB_ID": job_id})
-        deadline = time.monotonic() + 600
-        while (job := httpx.get(f"{api}/jobs/{job_id}", timeout=30).json())["state"] not in ("finished", "failed"):
-            assert not sup.failed(), "\n".join(f"{p.name}:\n{sup.tail(p.name)}" for p in sup.failed())
-            assert time.monotonic() < deadline, sup.tail("trainer")
-            time.sleep(0.5)
-        assert job["state"] == "finished", (job.get("error"), sup.tail("trainer"))
-        changes = httpx.get(f"{api}/jobs/{job_id}/changes", timeout=30).json()
-    finally:
-        sup.stop_all()
+    job_id = fleet.post(spec)
+    job = fleet.wait(job_id, timeout=600)
+    assert job["state"] == "finished", (job.get("error"), fleet.sup.tail("trainer"))
+    changes = httpx.get(f"{fleet.api}/jobs/{job_id}/changes", timeout=30).json()
+    ledger = fleet.ledger
 
     trips = [c["changes"] for c in changes if c["actor"] == "trainer collapse guard"]
     rewards = [round(s["metrics"]["reward/mean"], 3) for s in ledger.train_steps(job_id)]
@@ -114,7 +66,7 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_p
         # the redone step is checkpointed at once: a resume must not redo the discarded steps
         assert (checkpoint.step_dir(ckpts, job_id, t["step"]) / checkpoint.COMMIT).exists(), t
     assert job["last_metrics"]["guard/trips"] == len(trips)
-    assert "collapse guard: " in (tmp_path / "logs" / "trainer.log").read_text()
+    assert "collapse guard: " in fleet.log("trainer")
     steps = [s["step"] for s in ledger.train_steps(job_id)]
     assert steps == list(range(1, STEPS + 1))  # every step number once, the redone ones included
     result = verify(ledger, job_id)

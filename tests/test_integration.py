@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from shared_fleet import Fleet  # tests/ is on sys.path
 
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
@@ -423,44 +424,31 @@ class SandboxedEcho(ToolEnv):
 """
 
 
-def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, tiny_model):
-    """Issue 16's path through every service as processes: episodes of 3 model turns, each answered
-    by the sandboxed Python tool, published as ids with a model mask, scored, trained on the
-    model's tokens only; the ledger records turns, token kinds and the stop reason; verify passes."""
-    db_url = f"sqlite:///{tmp_path / 'ledger.db'}"
+def test_a_multi_turn_job_with_a_sandboxed_tool(tmp_path, fleet: Fleet):
+    """Issue 16's path through every service as processes (the session's standing fleet): episodes
+    of 3 model turns, each answered by the sandboxed Python tool, published as ids with a model mask,
+    scored, trained on the model's tokens only; the ledger records turns, token kinds and the stop
+    reason; verify passes."""
     env_file = tmp_path / "sandbox_env.py"
     env_file.write_text(SANDBOX_ENV)
-    sup, api, _, _ = _stack(tmp_path, db_url, "mt")
-    ledger = Ledger(db_url)
-    steps = 3
-    try:
-        _start_broker(sup, api)
-        # a turn ends at a digit or lowercase letter (ids 4..39 of the tiny tokenizer): "stop", so
-        # the episode goes on to the environment instead of ending cut at max_tokens
-        spec = {
-            "name": "multi-turn",
-            "model_path": str(tiny_model),
-            "mode": "async",
-            "steps": steps,
-            "group_size": 4,
-            "prompts_per_step": 2,
-            "eval_every": 0,
-            "task": {"n_train": 32, "n_test": 4},
-            "reward": "exact_match",
-            "sampling": {"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
-            "environment": {
-                "name": f"{env_file}:SandboxedEcho",
-                "limits": {"max_turns": 3, "max_total_tokens": 200, "step_timeout_s": 20},
-            },
-        }
-        resp = httpx.post(f"{api}/jobs", json=spec, timeout=30)
-        assert resp.status_code in (200, 201), resp.text
-        job_id = resp.json()["id"]
-        for name, module in (("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc")):
-            sup.start(name, module, {"JOB_ID": job_id})
-        _wait_finished(sup, ledger, job_id)
-    finally:
-        sup.stop_all()
+    ledger, steps = fleet.ledger, 3
+    # a turn ends at a digit or lowercase letter (ids 4..39 of the tiny tokenizer): "stop", so
+    # the episode goes on to the environment instead of ending cut at max_tokens
+    job_id = fleet.submit(
+        "multi-turn",
+        steps,
+        mode="async",
+        prompts_per_step=2,
+        task={"n_train": 32, "n_test": 4},
+        reward="exact_match",
+        sampling={"max_tokens": 24, "stop_token_ids": list(range(4, 40))},
+        environment={
+            "name": f"{env_file}:SandboxedEcho",
+            "limits": {"max_turns": 3, "max_total_tokens": 200, "step_timeout_s": 20},
+        },
+    )
+    job = fleet.wait(job_id)
+    assert job["state"] == "finished", job.get("error")
     trained = [s for s in ledger.samples(job_id, kind="train", limit=10_000) if s["status"] == "trained"]
     assert len(trained) == steps * 2 * 4
     assert all(s["turns"] == 3 and s["stop_reason"] == "done" for s in trained), [

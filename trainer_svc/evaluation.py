@@ -9,6 +9,7 @@ pass@k, maj@n; shared.evalmetrics) to the ledger with the wall-clock seconds sin
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,12 +21,13 @@ from broker.streams import GROUP_TRAINERS, SCORED, JobStreams
 from shared.evalmetrics import episode_means, round_metrics
 from shared.ids import eval_group_id, eval_round
 from shared.jobspec import EvalSetSpec, JobSpec
-from shared.prompts import Rendered
+from shared.prompts import Rendered, usable
 from shared.schema import EvalItem, SamplingParams, pack_i32, unpack_i32
 from shared.tasks import Problem
 from trainer_svc.algorithms import staleness
 from trainer_svc.feeder import Feeder, Group
 from trainer_svc.tracking import Tracking
+from trainer_svc.validation import Fed
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ class EvalSet:
     spec: EvalSetSpec
     items: list[EvalItem]  # its problems, rendered once
     sampling: SamplingParams
+
+    @functools.cached_property
+    def indices(self) -> frozenset[int]:
+        return frozenset(it.prompt_index for it in self.items)
 
 
 @dataclass
@@ -50,11 +56,12 @@ def build_sets(
     spec: JobSpec, problems: Mapping[str, Sequence[Problem]], render: Callable[[Problem], Rendered]
 ) -> dict[str, EvalSet]:
     """Each evaluation set of the job with its problems (`problems[name]`) rendered as round
-    items and its sampling (the job's stop rules, the set's temperature, n and length)."""
+    items and its sampling (the job's stop rules, the set's temperature, n and length). A problem
+    that cannot be rendered fails the build or is left out (task.bad_rows; shared.prompts.usable)."""
     out = {}
     for es in spec.evaluation_sets():
         items = []
-        for p in problems[es.name]:
+        for p in usable(problems[es.name], render, spec.task.bad_rows, f"evaluation set {es.name}"):
             r = render(p)
             items.append(
                 EvalItem(
@@ -123,6 +130,18 @@ class Evaluator:
             return False
         rnd.groups.append(g)
         return True
+
+    def fed_as(self, group_id: str) -> Fed | None:
+        """What evaluation group `group_id` was fed as (its set's n and max_tokens, its problem),
+        or None when no open round of this run has it."""
+        rnd = self.rounds.get(eval_round(group_id))
+        if rnd is None:
+            return None
+        es = self.sets[rnd.name]
+        index = group_id.rsplit("/", 1)[1]
+        if not index.isdigit() or int(index) not in es.indices:
+            return None
+        return Fed(es.spec.sampling.n, prompt_index=int(index), max_tokens=es.sampling.max_tokens)
 
     def dead(self, g: Group) -> None:
         """A problem that can never complete (dead-lettered): its round expects one fewer."""

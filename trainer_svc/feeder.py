@@ -18,10 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from broker.streams import DEAD, PROMPTS, ROLLOUTS, SCORED, JobStreams
 from shared.ids import eval_round_id, group_seq, id_prefix, sample_ids, train_group_id
 from shared.jobspec import JobSpec
-from shared.prompts import Rendered
+from shared.prompts import Rendered, usable
 from shared.schema import (
     DeadLetter,
     DecodeError,
@@ -37,6 +39,7 @@ from shared.schema import (
 )
 from shared.staleness_bound import slot_versions
 from shared.tasks import Problem
+from trainer_svc.validation import NOT_A_MEMBER, Fed
 
 # A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
 Render = Callable[[Problem], Rendered]
@@ -45,6 +48,9 @@ Render = Callable[[Problem], Rendered]
 class Feeder:
     """Group ids (and so every msg_id derived from them) start with the job id: they are the
     ledger's idempotency keys and must be unique across all jobs sharing one database.
+
+    Raises (at construction): DatasetError, TemplateLimitError: a training problem cannot be
+    rendered (shared.prompts.usable).
 
     `journal`, when given, is called with `state()` after every publish, so a restarted trainer
     knows exactly what its predecessor fed (trainer_svc.checkpoint.FeedJournal)."""
@@ -64,7 +70,9 @@ class Feeder:
         # A restarted trainer (new run id) must not reuse the ids of the samples its predecessor fed.
         self.prefix = id_prefix(streams.job_id, run_id)
         self.spec = spec
-        self.train = list(train)
+        # every training prompt rendered once now, so a row the tokenizer or the chat template
+        # refuses fails the job before step 0 (or is dropped: task.bad_rows); fed ones are cached
+        self.train = usable(train, render, spec.task.bad_rows, "training")
         self.journal = journal
         self.rng = random.Random(spec.seed)
         self.order: list[int] = []
@@ -72,9 +80,11 @@ class Feeder:
         self.cursor = 0  # position in `order`; a new shuffled epoch starts when it runs out
         self.seq = 0  # groups fed so far: the group id's counter
         self.in_flight: set[str] = set()
-        # training groups in flight -> [prompt index, version fed at, prompt tokens]: what the
-        # ledger records of a group Redis lost before anyone generated it (sink.TrainSink.settle_lost)
-        self.fed: dict[str, list[int]] = {}
+        # training groups in flight -> [prompt index, version fed at, prompt tokens, temperature]:
+        # what the ledger records of a group Redis lost before anyone generated it
+        # (sink.TrainSink.settle_lost), and what its samples must repeat (trainer_svc/validation.py)
+        self.fed: dict[str, list[float]] = {}
+        self._problems: dict[int, Problem] = {}  # training problems by index, once asked for
         self.eval_rounds = 0
         self.open_evals: dict[str, list[Any]] = {}  # eval round id -> [step it evaluates, eval set], until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
@@ -106,7 +116,10 @@ class Feeder:
         self.seq = int(state["seq"])
         self.eval_rounds = int(state["eval_rounds"])
         self.in_flight = set(state["in_flight"])
-        self.fed = {str(g): [int(x) for x in v] for g, v in state.get("fed", {}).items()}  # journals before it: none
+        # journals before `fed`: none; before its temperature: three entries
+        self.fed = {
+            str(g): [int(x) for x in v[:3]] + [float(x) for x in v[3:4]] for g, v in state.get("fed", {}).items()
+        }
         # [step, eval set]; a bare step is a round of the default set (journals before named sets)
         self.open_evals = {
             str(k): [int(v), "held_out"] if isinstance(v, int) else [int(v[0]), str(v[1])]
@@ -162,10 +175,41 @@ class Feeder:
             )
         self.streams.publish_many(PROMPTS, msgs)
         self.in_flight.update(m.group_id for m in msgs)
-        self.fed.update((m.group_id, [m.prompt_index, version, len(m.prompt_array())]) for m in msgs)
+        self.fed.update(
+            (m.group_id, [m.prompt_index, version, len(m.prompt_array()), m.sampling.temperature]) for m in msgs
+        )
         if msgs and self.journal is not None:  # after the XADD: a journaled group was really fed
             self.journal(self.state())
         return len(msgs)
+
+    def fed_as(self, group_id: str) -> Fed | None:
+        """What training group `group_id`, in flight, was fed as (validation.Fed: its prompt, its
+        temperature where the journal knew it); None for a group not in flight."""
+        if group_id not in self.in_flight:
+            return None
+        f = self.fed.get(group_id)
+        if f is None:  # a step a predecessor trained, re-done on resume: only its size is known
+            return Fed(self.spec.group_size)
+        index = int(f[0])
+        return Fed(
+            self.spec.group_size,
+            prompt_index=index,
+            prompt_ids=self.prompt_ids(index),
+            temperature=float(f[3]) if len(f) > 3 else None,
+        )
+
+    def prompt_ids(self, index: int) -> np.ndarray | None:
+        """The token ids training problem `index` is fed as (rendered once, as `top_up` does);
+        None for an index the task does not have."""
+        r = self._rendered.get(index)
+        if r is None:
+            if not self._problems:
+                self._problems = {p.index: p for p in self.train}
+            p = self._problems.get(index)
+            if p is None:
+                return None
+            r = self._rendered[index] = self.render(p)
+        return np.asarray(r.ids, dtype=np.int32)
 
     def done(self, group_id: str) -> None:
         self.in_flight.discard(group_id)
@@ -219,8 +263,10 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        arrived = {s.rollout.sample_index for s in self.samples.values()}
-        return len(arrived | self.dead.keys()) >= self.size
+        """Every index 0 .. size - 1 has arrived or died (a count would let a member outside the
+        group stand in for a missing one)."""
+        have = {s.rollout.sample_index for s in self.samples.values()} | self.dead.keys()
+        return all(i in have for i in range(self.size))
 
     @property
     def purpose(self) -> str:
@@ -308,8 +354,9 @@ _DEAD_KINDS: dict[str, tuple[type[Message], ...]] = {
 
 
 # Dead-letter codes that lose no group member: the reward service's second entry of a msg_id it
-# already scored (reward_svc.service.DUPLICATE) is a copy; the first one is alive.
-NOT_A_LOSS = frozenset({"duplicate_msg_id"})
+# already scored (reward_svc.service.DUPLICATE) is a copy; the first one is alive. The trainer's
+# NOT_A_MEMBER held no member's place (trainer_svc/validation.py).
+NOT_A_LOSS = frozenset({"duplicate_msg_id", NOT_A_MEMBER})
 
 
 def dead_members(dl: DeadLetter) -> list[DeadMember]:

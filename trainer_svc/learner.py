@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from shared.entry import accept_drain
-from shared.jobspec import JobSpec
+from shared.jobspec import JobSpec, local_model_dir
 from shared.settings import TrainerSettings
 from trainer_svc import checkpoint, lora
 from trainer_svc.algorithms import (
@@ -38,7 +38,9 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
     """The policy and tokenizer from `path` (a checkpoint), else the job's model. With `spec.lora`
     (and `adapters`): the job's model with fresh LoRA adapters (a checkpoint's top-level weights
     are merged: never the base to adapt; `Learner` loads its adapter folder)."""
-    path = path or spec.model_path
+    path = local_model_dir(path or spec.model_path, "model_path" if path is None else "checkpoint")
+    if spec.lora is not None and adapters:
+        local_model_dir(spec.model_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora_spec = spec.lora if adapters else None
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
@@ -49,6 +51,19 @@ def load_policy(spec: JobSpec, device: str, path: str | Path | None = None, adap
         model = lora.wrap(model, lora_spec, spec.seed)
     model.train()
     return model, tokenizer
+
+
+def model_context(config: Any) -> int | None:
+    """The most tokens (prompt + completion) a sample of this model can hold: its
+    max_position_embeddings, times its rope_scaling factor where it has one (an engine extends the
+    context so: a looser bound rather than one that refuses what the engine generated); None when
+    the config states none."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0:
+        return None
+    scaling = getattr(config, "rope_scaling", None)
+    factor = scaling.get("factor", 1.0) if isinstance(scaling, dict) else 1.0
+    return int(positions * max(1.0, float(factor) if isinstance(factor, (int, float)) else 1.0))
 
 
 def shape_overlong(batch: TrainBatch, spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +117,7 @@ class Learner:
         if spec.lora and model_path and self.ranks.is_main and (Path(model_path) / lora.ADAPTER_DIR).is_dir():
             lora.load_adapter_state(model, lora.read_adapter(Path(model_path) / lora.ADAPTER_DIR))
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # token ids it can embed
+        self.context = model_context(model.config)  # tokens a sample may hold in all
         a = spec.algorithm
         if a.gradient_checkpointing:
             enable_gradient_checkpointing(model)
@@ -130,9 +146,52 @@ class Learner:
     def step(self, batch: TrainBatch, lr_scale: float = 1.0, lr: float | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (samples in group order). The step size is `lr` if given
         (the loop's: the schedule's at its step, LoopState.step_lr), else the base lr times
-        `lr_scale`. Returns the step's metrics."""
+        `lr_scale`. Returns the step's metrics. Whatever raises does so before the optimizer
+        steps: a step that raises leaves the weights and the optimizer state as they were."""
         spec = self.spec
         self.ranks.announce("step", tensors=batch.tensors(), terms=list(batch.term_names), lr_scale=lr_scale, lr=lr)
+        rewards, norm, sums = self._gradients(batch)
+        grad_norm = float(
+            full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
+        )
+        lr = self.lr * lr_scale if lr is None else lr
+        metrics = {
+            **finalize_metrics(sums, norm),
+            **batch.reward_terms(),
+            "overlong/truncated": float(int(batch.truncated.sum())),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": float(norm.num_tokens),
+            "samples": float(len(batch)),
+        }
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return metrics
+
+    def check(self, batch: TrainBatch) -> None:
+        """Raise what `step` would raise on `batch`, changing nothing: the loss and its gradients,
+        cleared after, and no optimizer step. The probe a failed step is bisected with
+        (trainer_svc/isolation.py).
+
+        Raises:
+            RuntimeError: the model spans several ranks (every pass there is a collective that
+                rank 0 alone cannot make).
+        """
+        if self.ranks.world_size > 1:
+            raise RuntimeError("Learner.check runs at world size 1 only")
+        try:
+            self._gradients(batch)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _gradients(self, batch: TrainBatch) -> tuple[torch.Tensor, BatchNorm, dict[str, float]]:
+        """Advantages, then the loss and backward of every micro-batch of this rank's share:
+        the gradients of the whole batch accumulated; returns the rewards as shaped (G, n), the
+        batch's normalisation and the metric sums over every rank."""
+        spec = self.spec
         rewards, keep = shape_overlong(batch, spec)
         advantages = self.advantage_fn(rewards).reshape(-1) * keep  # (B,)
         norm = BatchNorm.from_lengths(batch.model_token_counts(), max_len=spec.sampling.max_tokens)
@@ -149,25 +208,7 @@ class Learner:
         )
         for part in parts:
             sums = accumulate(sums, self._backward(batch, advantages, norm, part))
-        sums = self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
-        grad_norm = float(
-            full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.algorithm.max_grad_norm))
-        )
-        lr = self.lr * lr_scale if lr is None else lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        return {
-            **finalize_metrics(sums, norm),
-            **batch.reward_terms(),
-            "overlong/truncated": float(int(batch.truncated.sum())),
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": float(norm.num_tokens),
-            "samples": float(len(batch)),
-        }
+        return rewards, norm, self.ranks.reduce_metrics(sums)  # every rank's micro-batches: the global batch
 
     def _backward(
         self, batch: TrainBatch, advantages: torch.Tensor, norm: BatchNorm, part: tuple[int, int] | list[int] | None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +38,15 @@ from shared.settings import TrainerSettings
 from shared.transport import WeightServer, make_server
 from trainer_svc import checkpoint
 from trainer_svc.algorithms import LrSchedule
+from trainer_svc.batch import TrainBatch
 from trainer_svc.dist import Ranks
 from trainer_svc.evaluation import Evaluator, build_sets
-from trainer_svc.feeder import Feeder
+from trainer_svc.feeder import Feeder, Group
 from trainer_svc.guard import CollapseGuard, RollBack
+from trainer_svc.isolation import culprits
 from trainer_svc.learner import Learner
 from trainer_svc.redis_state import RedisWatch
-from trainer_svc.sink import Batch, TrainSink
+from trainer_svc.sink import Batch, TrainSink, flatten_batch
 from trainer_svc.staleness import StalenessBound
 from trainer_svc.state import LoopState
 from trainer_svc.tracking import Tracking
@@ -98,6 +101,7 @@ class Parts:
             torch.set_num_threads(settings.threads)
         torch.manual_seed(spec.seed)
         prom = TrainerMetrics(registry, job_id)  # registry: this job's (train.run serves the process's)
+        streams.on_dead_letter = prom.dead_letter
         # resume: the newest committed checkpoint, the feed journal and the ledger (trainer_svc/checkpoint.py)
         resume = checkpoint.plan_resume(settings.checkpoint_dir, job_id, ledger)
         learner = Learner(spec, settings.device, resume.checkpoint if resume else None, ranks)
@@ -167,7 +171,7 @@ class Parts:
             state,
             feeder,
             evaluator,
-            TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size),
+            TrainSink(spec, streams, ledger, feeder, evaluator, guard, learner.vocab_size, learner.context),
             control,
             server,
             checkpoint.singleton_consumer(streams),
@@ -189,9 +193,11 @@ class Parts:
                 self.feeder.restore(resume.feeder)
             sink.expect_replay(resume.replay)
             self.evaluator.restore(self.feeder.open_evals, resume.eval_steps)
+        # samples of versions a predecessor published are not from the future
+        sink.newest_version = max([state.version, *(resume.checksums if resume is not None else ())])
         taken = checkpoint.take_over(self.streams, self.reader)
         sink.add(taken, state.version)
-        sink.check_replay()
+        sink.check_replay(state.version)
         if resume is not None and resume.checkpoint is not None:
             self.learner.restore(resume.checkpoint, weights=False)  # the weights came with the model
             applied = state.restore(checkpoint.load_state(resume.checkpoint))
@@ -245,18 +251,56 @@ class Parts:
 
     def take_scored(self, block_ms: int) -> int:
         """Read the scored stream into the sink (blocking up to `block_ms`), settle dead letters,
-        and refill the slots they freed; returns how many entries were read."""
+        and refill the slots they freed (and those of groups the sink dropped for a member it
+        dead-lettered itself); returns how many entries were read."""
         self.ranks.keepalive()  # the other ranks wait in a collective meanwhile: keep it from timing out
         # Redis came back empty: re-announce, re-create the groups, settle what it lost
         lost = self.redis.recover(self.sink, self.state.version) if self.redis and self.redis.lost() else 0
         with self.prom.phases.span("read"):
             got = self.scored_in.consume(self.reader, count=512, block_ms=block_ms)
+        flying = len(self.feeder.in_flight)
         with self.prom.phases.span("assemble"):
-            n = self.sink.add(got, self.state.version)
+            n = self.sink.add(got, self.state.version)  # a member it dead-letters may drop its group
         freed = lost + self.sink.poll_dead(self.state.version) + self.sink.settle_lost(self.state.version)
-        if freed and self.state.step < self.spec.steps and not self.control.done:
+        if (
+            (freed or len(self.feeder.in_flight) < flying)
+            and self.state.step < self.spec.steps
+            and not self.control.done
+        ):
             self.feed()  # refill the freed slots
         return n
+
+    def isolate(self, batch: Batch, exc: Exception) -> bool:
+        """The step raised `exc` on `batch`: find the groups that raise on their own (bisected
+        with Learner.check, trainer_svc/isolation.py), drop them with the error as the reason and
+        put the others back for the step's next try (TrainSink.isolate). Returns False, with
+        nothing changed, when the input cannot be blamed: no group raises alone (the error does not
+        repeat, or needs several groups together), every group of a batch of several does (the
+        model's or the job's fault, not one input's), the step re-does a predecessor's (its groups
+        are fixed), or the model spans several ranks (a pass there is a collective).
+
+        Raises:
+            RuntimeError: the groups dropped this way ended the job's progress (TrainSink.isolate).
+        """
+        if batch.redo is not None or self.ranks.world_size > 1:
+            return False
+        log.error("step %d raised %s: %s; looking for the groups it comes from", batch.step, type(exc).__name__, exc)
+
+        def probe(groups: Sequence[Group]) -> None:
+            samples, rewards = flatten_batch(list(groups))
+            self.learner.check(TrainBatch.of(samples, rewards))
+
+        found = culprits(batch.groups, probe)
+        if not found or len(found) == len(batch.groups) > 1:
+            log.error(
+                "no group of step %d raises it alone (%d of %d do): not the input's",
+                batch.step,
+                len(found),
+                len(batch.groups),
+            )
+            return False
+        self.sink.isolate(batch, {batch.groups[i].group_id: f"{type(e).__name__}: {e}" for i, e in found.items()})
+        return True
 
     def wait_paused(self) -> None:
         self.ranks.keepalive()
@@ -264,6 +308,7 @@ class Parts:
 
     def publish(self) -> tuple[float, str]:
         """Serve and announce the current version; (seconds, checksum)."""
+        self.sink.newest_version = max(self.sink.newest_version or 0, self.state.version)
         with self.prom.phases.span("snapshot"):  # the probe's forward included
             snapshot = self.learner.snapshot()
         return publish_weights(

@@ -30,11 +30,11 @@ class RewardsFailed(RuntimeError):
 def reward_out_of_range(s: Scored, spec: JobSpec) -> str | None:
     """Why the trainer must not train on a scored sample's reward (outside the job's
     `reward_limits.bounds`: the reward service never publishes one, so it was not scored by
-    it), or None. A reward of 1e308 would be inf as the batch's float32 and every advantage
-    of its group NaN."""
+    it), or None; the sink's rule "reward" (trainer_svc/sink.py `_vet`). A reward of 1e308 would
+    be inf as the batch's float32 and every advantage of its group NaN."""
     low, high = spec.reward_limits.bounds
     if not low <= s.reward <= high:
-        return f"reward {s.reward!r} is outside the job's range [{low:g}, {high:g}] (reward_limits.bounds)"
+        return f"{s.reward!r} is outside the job's range [{low:g}, {high:g}] (reward_limits.bounds)"
     return None
 
 

@@ -50,12 +50,19 @@ from trainer_svc.feeder import DeadLetterWatch, DeadMember, Feeder, Group, Group
 from trainer_svc.guard import CollapseGuard
 from trainer_svc.reward_errors import reward_out_of_range
 from trainer_svc.shaping import no_signal
+from trainer_svc.validation import INVALID_SAMPLE, NOT_A_MEMBER, STEP_ERROR, Fed, JobLimits, Rejection, check
 
 log = logging.getLogger(__name__)
+
+# A member's dead-letter code by the rule it broke, where it has its own (else INVALID_SAMPLE).
+MEMBER_CODES = {"vocab": "token_out_of_vocab", "reward": "reward_out_of_range"}
 
 # The least a step waits for a missing group's turn while later groups are ready (see the module
 # docstring): above a healthy run's out-of-order lag (one generate call and its scoring).
 ORDER_WAIT_MIN_S = 2.0
+# Groups whose feed the sink remembers after they left the feeder (TrainSink.fed_seen): several
+# steps' worth, a few KiB each.
+FED_REMEMBER = 4096
 # How often a step looks whether Redis lost the groups it waits for (TrainSink.settle_lost): once
 # it has waited this long, or a later group overtook a missing one; then at most this often.
 LOST_LOOK_S = 30.0
@@ -139,9 +146,20 @@ class TrainSink:
         evaluator: Evaluator,
         guard: CollapseGuard,
         vocab_size: int,
+        context: int | None = None,
     ):
         self.spec, self.streams, self.ledger, self.feeder, self.evaluator = spec, streams, ledger, feeder, evaluator
         self.guard, self.vocab_size = guard, vocab_size
+        self.limits = JobLimits.of(spec, streams.job_id, context)  # what every sample must keep to
+        # the newest policy version the job has published (Parts sets it before anything is read);
+        # None: not known, and no sample is held to it
+        self.newest_version: int | None = None
+        self.rejected: collections.Counter[str] = collections.Counter()  # samples dead-lettered, by rule
+        self.rejected_reported = 0  # of which the step metrics already counted this many
+        self.replay_dead: dict[str, str] = {}  # replayed groups that were dead-lettered: why
+        # what the recent groups were fed as, kept after they left the feeder (a late copy of a
+        # used group is held to it too); the newest FED_REMEMBER
+        self.fed_seen: dict[str, Fed] = {}
         self.assembler = GroupAssembler()
         self.dead_letters = DeadLetterWatch(streams, streams.job_id)  # groups that can no longer complete
         self.ready: dict[str, Group] = {}  # complete training groups by id, until their turn
@@ -160,19 +178,13 @@ class TrainSink:
 
     def add(self, deliveries: list, version: int) -> int:
         """Scored samples -> complete groups -> ready, their eval round, or settled as unknown;
-        then every eval round they completed is recorded. Returns how many were delivered."""
+        then every eval round they completed is recorded. A sample that breaks a rule of the job
+        or its group (trainer_svc/validation.py) or that the model cannot embed is dead-lettered
+        instead (`_reject`). Returns how many were delivered."""
         for d in deliveries:
-            code, why = "token_out_of_vocab", out_of_vocab(d.message, self.vocab_size)
-            if why is None:
-                code, why = "reward_out_of_range", reward_out_of_range(d.message, self.spec)
-            if why is not None:  # dead-lettered, and its group settled now (as the dead letter would)
-                self.streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why, code=code, message=d.message)
-                r = d.message.rollout
-                g = self.assembler.mark_dead(
-                    DeadMember(r.group_id, r.group_size, r.sample_index, r.purpose, f"{code}: {why}")
-                )
-                if g is not None:
-                    self._settle_dead(g, version)
+            why, fed = self._vet(d.message)
+            if why is not None:
+                self._reject(d, why, fed, version)
                 continue
             g = self.assembler.add(d.entry_id, d.message)
             if g is not None:
@@ -180,15 +192,82 @@ class TrainSink:
         self.evaluator.record_complete(version)
         return len(deliveries)
 
+    def _vet(self, s: Scored) -> tuple[Rejection | None, Fed | None]:
+        """Why sample `s` may not be used (the job's rules, the model's vocabulary, then the job's
+        reward range: trainer_svc/reward_errors.py), or None;
+        and what its group was fed as (None: a group this run did not feed)."""
+        r = s.rollout
+        fed = self.feeder.fed_as(s.group_id) if r.purpose == "train" else self.evaluator.fed_as(s.group_id)
+        if fed is None:
+            fed = self.fed_seen.get(s.group_id)
+        elif s.group_id not in self.fed_seen:
+            self.fed_seen[s.group_id] = fed
+            if len(self.fed_seen) > FED_REMEMBER:
+                del self.fed_seen[next(iter(self.fed_seen))]
+        held = self.assembler.open.get(s.group_id)
+        peer = next(iter(held.samples.values())).rollout if held is not None and held.samples else None
+        try:
+            why = check(s, self.limits, fed, self.newest_version, peer)
+            if why is None and (oov := out_of_vocab(s, self.vocab_size)) is not None:
+                why = Rejection("vocab", oov)
+            if why is None and (oor := reward_out_of_range(s, self.spec)) is not None:
+                why = Rejection("reward", oor)
+        except Exception as exc:  # a rule that cannot even be evaluated on it: no use either
+            why = Rejection("error", f"{type(exc).__name__}: {exc}")
+        return why, fed
+
+    def _reject(self, d, why: Rejection, fed: Fed | None, version: int) -> None:
+        """Dead-letter sample `d` with `why`. If it holds its group's place (a group this run fed,
+        its msg_id the place's, no copy of it arrived first), the group can no longer complete as
+        fed: the member is dead, and the group is dropped with the reason once the others are in
+        (as for a member any service dead-letters). Otherwise (a sample of no group fed, an extra
+        member, a second copy) it is dead-lettered alone (NOT_A_MEMBER) and its group is untouched."""
+        s, r = d.message, d.message.rollout
+        held = self.assembler.open.get(s.group_id)
+        member = (
+            fed is not None
+            and why.rule not in ("job", "ids")
+            and r.sample_index < fed.size
+            and s.group_id not in self.assembler.closed
+            and not (held is not None and s.msg_id in held.samples)
+        )
+        code = NOT_A_MEMBER if not member else MEMBER_CODES.get(why.rule, INVALID_SAMPLE)
+        self.rejected[why.rule] += 1
+        self.streams.dead_letter(SCORED, GROUP_TRAINERS, d.entry_id, why.reason, code=code, message=s)
+        if member:
+            assert fed is not None
+            g = self.assembler.mark_dead(
+                DeadMember(r.group_id, fed.size, r.sample_index, r.purpose, f"{code}: {why.reason}")
+            )
+            if g is not None:
+                self._settle_dead(g, version)
+
+    def take_rejected(self) -> int:
+        """Samples dead-lettered by `add` since the last call (a step's `samples/rejected`)."""
+        total = sum(self.rejected.values())
+        new, self.rejected_reported = total - self.rejected_reported, total
+        return new
+
     def poll_dead(self, version: int) -> int:
         """Settle the groups the dead-letter stream says can no longer complete; returns how many
         (their feeder slots are free again)."""
-        freed = [g for g in map(self.assembler.mark_dead, self.dead_letters.poll()) if g is not None]
+        freed = [g for g in map(self.assembler.mark_dead, self._as_fed(self.dead_letters.poll())) if g is not None]
         for g in freed:
             self._settle_dead(g, version)
         if freed:
             self.evaluator.record_complete(version)  # eval rounds the dead groups completed
         return len(freed)
+
+    def _as_fed(self, dead: list[DeadMember]) -> list[DeadMember]:
+        """Dead members as the job fed their groups: a training group has the job's group_size
+        whatever the dead letter's payload claims (anyone may write one), and a member outside it
+        is none."""
+        n = self.spec.group_size
+        return [
+            m if m.purpose != "train" else DeadMember(m.group_id, n, m.sample_index, m.purpose, m.reason)
+            for m in dead
+            if m.purpose != "train" or m.sample_index is None or m.sample_index < n
+        ]
 
     def _route(self, g: Group, version: int) -> None:
         if g.dead:
@@ -227,6 +306,8 @@ class TrainSink:
             self.evaluator.dead(g)
         self.feeder.done(g.group_id)
         log.warning("group %s: %s", g.group_id, why)
+        if any(g.group_id in ids for ids in self.replay.values()):
+            self.replay_dead[g.group_id] = why
         if g.purpose == "train":
             self.dead_streak.append(why.replace(g.group_id, "<group>"))  # alike reasons count together
             self._check_progress()
@@ -304,7 +385,8 @@ class TrainSink:
             tuple[str, str | None, int, int, int, int]
         ] = []  # (group id, eval set, prompt index, prompt tokens, n, fed at)
         for g in groups:
-            index, fed_at, tokens = self.feeder.fed.get(g, [-1, version, 0])  # unknown: fed by a journal before `fed`
+            # unknown: fed by a journal before `fed`
+            index, fed_at, tokens = (int(x) for x in self.feeder.fed.get(g, [-1, version, 0])[:3])
             lost.append((g, None, index, tokens, self.spec.group_size, fed_at))
             self.feeder.done(g)
             self.trained_around.discard(g)
@@ -371,19 +453,27 @@ class TrainSink:
         self.replay = dict(replay)
         self.feeder.in_flight |= {g for ids in replay.values() for g in ids}
 
-    def check_replay(self) -> None:
+    def check_replay(self, version: int) -> None:
         """After the take-over: every replayed group must be here, or the resume cannot be exact.
 
         Raises:
-            RuntimeError: naming the first missing group.
+            RuntimeError: naming the first missing group and why it is missing: the dead letter
+                that names it (a trainer restarted max_deliveries times while it was pending, a
+                member another service dead-letters), else Redis lost it.
         """
+        self.poll_dead(version)
         have = set(self.ready)
         missing = sorted({g for ids in self.replay.values() for g in ids} - have, key=group_seq)
         if missing:
+            first = missing[0]
+            cause = (
+                f"it was {self.replay_dead[first]}"
+                if first in self.replay_dead
+                else "no stream holds it and no dead letter names it: Redis lost it"
+            )
             raise RuntimeError(
                 f"cannot resume exactly: steps {sorted(self.replay)} trained {len(missing)} groups after the last "
-                f"checkpoint whose samples are no longer pending in Redis (first: {missing[0]}); Redis lost them "
-                "or they were dead-lettered after too many deliveries"
+                f"checkpoint whose samples are no longer pending in Redis (first: {first}); {cause}"[:2000]
             )
 
     # --- out -----------------------------------------------------------------------------------
@@ -498,6 +588,37 @@ class TrainSink:
             if flat
             else f"staleness > {b.bound}"
         )
+
+    def isolate(self, b: Batch, bad: dict[str, str]) -> None:
+        """The step raised on `b` because of groups `bad` (group id -> the error each raises on its
+        own: trainer_svc/isolation.py): their samples are dropped with it, their entries
+        dead-lettered (STEP_ERROR) and their slots freed; the other groups wait for the step's
+        next try, in feed order; what filling `b` dropped is recorded and acked now.
+
+        Raises:
+            RuntimeError: the job cannot make progress (`_check_progress`).
+        """
+        for g in b.groups:
+            if g.group_id not in bad:
+                self.ready[g.group_id] = g
+                continue
+            why = f"{STEP_ERROR}: the training step raises on this group alone: {bad[g.group_id]}"[:1000]
+            record_used(
+                self.ledger,
+                [
+                    {"msg_id": m, "status": "dropped", "trainer_version": b.version, "drop_reason": why}
+                    for m in g.msg_ids
+                ],
+            )
+            for entry in g.entries:
+                self.streams.dead_letter(SCORED, GROUP_TRAINERS, entry, f"group {g.group_id}: {why}", code=STEP_ERROR)
+            self.feeder.done(g.group_id)
+            self.rejected["step"] += len(g.samples)
+            log.error("group %s: %s", g.group_id, why)
+            self.dead_streak.append(why.replace(g.group_id, "<group>"))
+        record_used(self.ledger, b.dropped)
+        self.streams.ack(SCORED, GROUP_TRAINERS, b.drop_entries)
+        self._check_progress()
 
     def dropped_any(self) -> bool:
         """Whether filling the batch begun has dropped groups (their feeder slots are free)."""

@@ -139,9 +139,14 @@ def _train(p: Parts) -> None:
         t_data = time.perf_counter()
         p.prom.phases.observe("wait", t_data - t_start)
 
-        # advantages, loss, step; the collapse guard looks at the update before anyone sees it
+        # advantages, loss, step; the collapse guard looks at the update before anyone sees it. A
+        # step that raises is taken again without the groups that raise on their own (Parts.isolate)
         offload.to_device()
-        step_metrics, tripped = _train_step(p, batch)
+        done = _train_step(p, batch)
+        if done is None:
+            offload.to_host()
+            continue
+        step_metrics, tripped = done
         st.version += 1
         st.step += 1
         set_context(policy_version=st.version)
@@ -170,18 +175,34 @@ def _train(p: Parts) -> None:
     p.finish()
 
 
-def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool]:
+def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
     """One optimizer step on `batch`, redone after each guard trip that rolls back; returns its
-    metrics and whether the guard tripped."""
+    metrics and whether the guard tripped. None: the step raised on groups of the batch, which
+    were dropped (Parts.isolate); the step is to be taken again with others.
+
+    Raises:
+        RuntimeError: naming what the step raised and its groups, when no group of the batch
+            alone is to blame.
+    """
     spec, st, data = p.spec, p.state, batch.data
     assert data is not None
     lr_scale = staleness_lr_scale(float(np.mean(batch.staleness))) if spec.algorithm.staleness_lr else 1.0
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
     tripped = False
     while True:
-        with p.prom.phases.span("learner_step"):
-            # the schedule's lr at this step, scaled by the live lr and staleness (a re-done step: as recorded)
-            metrics = p.learner.step(data, lr=st.step_lr(batch.step, lr_scale))
+        try:
+            with p.prom.phases.span("learner_step"):
+                # the schedule's lr at this step, scaled by the live lr and staleness (a re-done step: as recorded)
+                metrics = p.learner.step(data, lr=st.step_lr(batch.step, lr_scale))
+        except Exception as exc:
+            if p.isolate(batch, exc):
+                return None
+            groups = [g.group_id for g in batch.groups]
+            more = f" (+{len(groups) - 4} more)" if len(groups) > 4 else ""
+            raise RuntimeError(
+                f"step {batch.step} raised {type(exc).__name__}: {exc} on groups {groups[:4]}{more}; "
+                f"not isolated to a group of them (Parts.isolate)"[:2000]
+            ) from exc
         with p.prom.phases.span("guard"):
             trip = st.guard.inspect(metrics, rewards, versions, retry=tripped, redo=batch.redo is not None)
         if trip is None:
@@ -224,6 +245,7 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
         "dynamic_sampling/dropped_groups": float(batch.filtered),
         "staleness/bound": float(st.bound.k),
         "ledger/trained_twice": float(twice),
+        "samples/rejected": float(p.sink.take_rejected()),  # dead-lettered by the trainer since the last step
         "resume/redone": float(batch.redo is not None),
         "guard/trips": float(st.guard.trips),
         **times,

@@ -13,8 +13,8 @@ reaches the access log.
 The app then gets the body whole, as one message (it is at most the cap). A request refused
 before its body was read is answered with `Connection: close`, so the server reads no more of it.
 
-`AccessLogFilter` keeps `?token=` values (the status page's) and control characters out of
-uvicorn's access log.
+`AccessLogFilter` keeps credential values in the query (the status page's `?token=`, under any
+encoding of the key) and control characters out of uvicorn's access log.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_plus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,7 +34,10 @@ from shared.spectypes import CONTROL_CHARS
 Rejection = tuple[int, str, dict[str, str]]
 """An answer instead of the app's: status, `error` text, extra headers."""
 
-_TOKEN_PARAM = re.compile(r"((?:^|[?&])(?:token|access_token)=)[^&#\s]*", re.IGNORECASE)
+# A query key that names a credential, once decoded (the status page's `token`, and any other
+# key a client might put a secret under: access_token, api_key, password, ...).
+_CREDENTIAL_KEY = re.compile(r"token|secret|passw|pwd|key|auth|credential|signature|session", re.IGNORECASE)
+_QUERY = re.compile(r"\?([^\s#]*)")
 
 
 def control_in_target(scope: Scope) -> str | None:
@@ -129,9 +132,37 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _decoded_key(raw: str) -> str:
+    """A query key as the app could read it: percent- and plus-decoded, as often as that changes
+    it (a bounded number of times), so `tok%65n` and `tok%2565n` both read `token`."""
+    key = raw
+    for _ in range(4):
+        decoded = unquote_plus(key, errors="replace")
+        if decoded == key:
+            break
+        key = decoded
+    return key.strip()
+
+
+def _redact_query(query: str) -> str:
+    parts = re.split(r"([&;])", query)  # separators kept: the line is otherwise unchanged
+    for k in range(0, len(parts), 2):
+        key, eq, _value = parts[k].partition("=")
+        if eq and _CREDENTIAL_KEY.search(_decoded_key(key)):
+            parts[k] = f"{key}=***"
+        elif not eq and _CREDENTIAL_KEY.search(_decoded_key(key).partition("=")[0]):
+            parts[k] = "***"  # `token%3Dsecret`: the app reads no token, but the secret is still one
+    return "".join(parts)
+
+
 def clean_log_text(text: str) -> str:
-    """`text` with `token=` values replaced by `***` and control characters escaped."""
-    return escape_control(_TOKEN_PARAM.sub(r"\1***", text))
+    """`text` with the values of credential-like query keys (`token=`, however the key is
+    encoded: `tok%65n=`, `TOKEN=`, `+token=`) replaced by `***`, and control characters escaped."""
+    if "?" in text:
+        text = _QUERY.sub(lambda m: "?" + _redact_query(m.group(1)), text)
+    elif "=" in text and not any(c.isspace() for c in text):  # a bare query string
+        text = _redact_query(text)
+    return escape_control(text)
 
 
 class AccessLogFilter(logging.Filter):

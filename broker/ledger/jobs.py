@@ -2,17 +2,50 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
 
 from broker.ledger.engine import Database, Repository
-from broker.ledger.models import jobs_t, utcnow
+from broker.ledger.models import job_changes_t, jobs_t, utcnow
 from broker.ledger.rows import JOB_STATES, JobRow, check_one_of
 
-__all__ = ["JobRepository", "job_started_at"]
+__all__ = ["JobEdit", "JobRepository", "job_started_at"]
+
+
+class JobEdit:
+    """A job's row held for a change (`JobRepository.edit_job`): `job` is the row as it is now,
+    and no other writer can change it until the edit ends; `set` and `record_change` write in the
+    edit's transaction, committed when the `with` block ends (rolled back if it raises)."""
+
+    def __init__(self, session: Session, job: JobRow) -> None:
+        self._session = session
+        self.job = job
+
+    def set(self, *, state: str | None = None, spec: dict[str, Any] | None = None, error: str | None = None) -> None:
+        """Set the job's state (and its error: None clears it) and/or its spec.
+
+        Raises:
+            ValueError: unknown state.
+        """
+        values: dict[str, Any] = {"updated_at": utcnow()}
+        if state is not None:
+            check_one_of(state, JOB_STATES, "job state")
+            values.update(state=state, error=error)
+        if spec is not None:
+            values["spec"] = spec
+        self._session.execute(update(jobs_t).where(jobs_t.c.id == self.job["id"]).values(**values))
+        self.job = cast(JobRow, {**self.job, **values})
+
+    def record_change(self, actor: str, changes: dict[str, Any]) -> None:
+        """Append the audit record of this change (as `ChangeRepository.record_change`)."""
+        self._session.execute(
+            insert(job_changes_t).values(job_id=self.job["id"], actor=actor, changes=changes, created_at=utcnow())
+        )
 
 
 class JobRepository(Repository):
@@ -42,6 +75,18 @@ class JobRepository(Repository):
         )
         with self._db.write() as s:
             return s.execute(stmt).first() is not None
+
+    @contextmanager
+    def edit_job(self, job_id: str) -> Iterator[JobEdit | None]:
+        """Hold the job's row for a read-decide-write change (None: no such job): one write
+        transaction with the row locked, `SELECT ... FOR UPDATE` on PostgreSQL, the database's
+        write lock on SQLite (BEGIN IMMEDIATE). Concurrent edits of a job, and the services' own
+        state moves (`move_job`), therefore happen one after the other, each seeing the last one's
+        result; what the block does besides (publishing the change on the job's control stream)
+        happens in that same order. Keep the block short: it holds the lock."""
+        with self._db.write() as s:
+            row = s.execute(select(jobs_t).where(jobs_t.c.id == job_id).with_for_update()).mappings().first()
+            yield JobEdit(s, cast(JobRow, dict(row))) if row is not None else None
 
     def get_job(self, job_id: str) -> JobRow | None:
         with self._db.read() as s:
@@ -141,14 +186,6 @@ class JobRepository(Repository):
             LookupError: no such job.
         """
         _update_job(self._db, job_id, step=step)
-
-    def update_spec(self, job_id: str, spec: dict[str, Any]) -> None:
-        """Replace a job's stored spec (live knob changes, so a restarted service picks them up).
-
-        Raises:
-            LookupError: no such job.
-        """
-        _update_job(self._db, job_id, spec=spec)
 
 
 def _update_job(db: Database, job_id: str, **values: Any) -> None:

@@ -10,6 +10,26 @@ from typing import Any, Literal, Protocol
 
 Status = Literal["ok", "timeout", "error"]
 MAX_REASON = 2000  # Scored.reward_reason's limit
+# Named components of one sample's reward (a function's dict, an HTTP scorer's, a sum's terms and
+# theirs) and the length of a name: each is a metric and a field of the scored message, so a
+# plug-in that returns 200k of them is an error, not a 40 MiB stream entry.
+MAX_COMPONENTS = 256
+MAX_COMPONENT_NAME = 256
+
+
+@dataclass(frozen=True)
+class RewardLimits:
+    """What the reward service bounds whatever the job's spec says (shared.settings.RewardSettings).
+
+    Attributes:
+        max_response_bytes: an HTTP scorer's or a judge's answer, on the wire and once decoded
+            (gzip, deflate); a larger answer is the batch's error, read no further.
+        import_timeout_s: importing a Python plug-in in a child process first (an import that
+            exits, crashes or hangs fails the job with the reason, not the service).
+    """
+
+    max_response_bytes: int = 4 * 1024 * 1024
+    import_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -138,10 +158,18 @@ def coerce(value: Any) -> RewardResult:
     if isinstance(value, Mapping):
         if not value:
             return failed("error", "returned an empty dict; give at least one named component")
+        if len(value) > MAX_COMPONENTS:
+            return failed("error", f"returned a dict of {len(value)} named components; at most {MAX_COMPONENTS}")
         comps: dict[str, float] = {}
         for k, v in value.items():
             if not isinstance(k, str) or not _is_number(v):
-                return failed("error", f"returned a dict with entry {k!r}: {v!r}; expected str keys and number values")
+                return failed(
+                    "error", f"returned a dict with entry {k!r:.200}: {v!r:.200}; expected str keys and number values"
+                )
+            if len(k) > MAX_COMPONENT_NAME:
+                return failed(
+                    "error", f"returned a component name of {len(k)} characters; at most {MAX_COMPONENT_NAME}"
+                )
             comps[k] = float(v)
         return RewardResult(reward=math.fsum(comps.values()), components=comps)
     if _is_number(value):
@@ -200,6 +228,9 @@ class BuildContext(Protocol):
     runner), and the runner of sync leaves (set once every leaf is known)."""
 
     def build(self, spec: Any) -> KindScorer: ...
+
+    @property
+    def limits(self) -> RewardLimits: ...
 
     def register_sync(self, spec: Any, fn: Any) -> int: ...
 

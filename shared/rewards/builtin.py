@@ -7,6 +7,7 @@ offline checkpoint evaluation. They follow the user-function convention of share
 
 from __future__ import annotations
 
+import decimal
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -17,13 +18,16 @@ from shared.tasks import extract_answer
 RewardFn = Callable[..., float]  # (completion, answer) plus the keywords it names
 
 
-def _norm_number(s: str) -> str:
+def _norm_number(s: str) -> decimal.Decimal | str:
+    """A number as an exact decimal (``"1,234"``, ``"1234.0"`` and ``"1.234e3"`` are equal; two
+    20-digit integers that differ in the last digit are not, as they would be through a float),
+    else the stripped text."""
     s = s.strip().replace(",", "")
     try:
-        f = float(s)
-    except ValueError:
+        d = decimal.Decimal(s)
+    except decimal.InvalidOperation:
         return s
-    return str(int(f)) if f.is_integer() else repr(f)
+    return d if d.is_finite() else s
 
 
 def exact_match(completion: str, answer: str) -> float:

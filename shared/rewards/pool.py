@@ -118,19 +118,21 @@ class _Worker:
         self._init = init
         self.ready = False
 
-    def handshake(self, deadline: float) -> None:
-        """Send the spec, wait for the worker to load it. Raises RewardLoadError with its error."""
+    def handshake(self, deadline: float, what: str = "", budget_s: float = START_TIMEOUT_S) -> None:
+        """Send the spec, wait for the worker to load it. Raises RewardLoadError with its error.
+
+        `what`: who loads, for the error (default: this reward worker); `budget_s`: the time the
+        deadline allows, for the error."""
+        what = what or f"reward worker {self.index}"
         try:
             reply = self.request_raw(self._init, deadline)
         except TimeoutError:
             self.kill()
-            raise RewardLoadError(
-                f"reward worker {self.index} did not load the reward within {START_TIMEOUT_S:g} s"
-            ) from None
+            raise RewardLoadError(f"{what} did not load the reward within {budget_s:g} s") from None
         except (EOFError, BrokenPipeError):
             code = self.kill()
             raise RewardLoadError(
-                f"reward worker {self.index} exited during start-up (exit code {code}); see its stderr"
+                f"{what} ended while loading the reward ({exit_text(code)}); see its stderr"
             ) from None
         if "error" in reply:
             self.kill()
@@ -163,6 +165,38 @@ class _Worker:
         except (OSError, subprocess.TimeoutExpired):
             pass
         self.kill()
+
+
+def exit_text(code: int | None) -> str:
+    """How a child ended, for people: "exit code 0", "killed by SIGSEGV"."""
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def probe_import(spec: dict[str, Any], label: str, timeout_s: float) -> None:
+    """Load the reward leaf `spec` (a Python plug-in's JSON) in a child process first, as a
+    worker does, and discard it: an import that raises, calls sys.exit, kills the interpreter
+    (a segfault, os._exit) or runs past `timeout_s` costs that child, never the caller.
+
+    Raises:
+        RewardLoadError: naming the plug-in and how its import failed.
+    """
+    w = _Worker(pack_frame({"sys_path": [p for p in sys.path if p], "leaves": [spec]}), 0)
+    what = f"the import of {label} (in a child process; REWARD_IMPORT_TIMEOUT_S)"
+    try:
+        w.handshake(time.monotonic() + timeout_s, what, timeout_s)  # kills the child when it fails
+    except RewardLoadError:
+        raise
+    except BaseException:
+        w.kill()
+        raise
+    w.stop()
 
 
 class WorkerPool:

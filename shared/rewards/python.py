@@ -21,16 +21,19 @@ A number is the reward. A dict of named numbers is the reward's components: the 
 and each is logged by name (Scored.details). Anything else, or an exception, is status `error` with
 the reason; running past `timeout_s` is status `timeout`.
 
-Where it runs: `async def` functions run in the reward service's event loop (concurrently, so they
-must not block: a blocking call inside one stalls every reward; cancellation at the time budget
-only takes effect at an `await`). Sync functions run in worker processes (REWARD_WORKERS > 0: a
-worker over the budget is killed and replaced) or in threads (REWARD_WORKERS=0: a thread over the
-budget is abandoned, still running; see shared.rewards.pool).
+Where it runs: `async def` functions run concurrently in an event loop of their own, in a thread
+of the reward service (shared.rewards.loops): they must not block, but one that does costs its
+time budget and that loop (abandoned and replaced), never the service. Sync functions run in
+worker processes (REWARD_WORKERS > 0: a worker over the budget is killed and replaced) or in
+threads (REWARD_WORKERS=0: a thread over the budget is abandoned, still running; see
+shared.rewards.pool).
 
 A file outside the project, `path/to/my_rewards.py:score`, is imported as a module of its own
 (relative paths from the reward service's working directory); `my_rewards:score` needs the module
-on the reward service's PYTHONPATH. The module is imported when the service starts, so an import
-error fails the service at start-up naming what failed.
+on the reward service's PYTHONPATH. The module is imported when the service builds the job's
+scorer, first in a child process under a time limit (shared.rewards.pool `probe_import`): an
+import that raises, calls sys.exit, crashes the interpreter or hangs is a RewardLoadError naming
+what failed (the job fails with it), not the service's end.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from shared.rewards.base import (
     failed,
 )
 from shared.rewards.builtin import REWARD_FUNCTIONS
+from shared.rewards.loops import Blocked, LoopThread
 from shared.rewards.spec import BuiltinReward, PythonReward
 
 
@@ -86,19 +90,15 @@ def import_object(path: str, what: str = "reward function") -> Any:
             sys.modules[name] = module  # before exec: dataclasses and typing look the module up
             try:
                 spec.loader.exec_module(module)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # sys.exit at import: the plug-in's error, not the caller's end
                 del sys.modules[name]
-                raise RewardLoadError(
-                    f"{what} {path!r}: importing {str(file)!r} failed: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise RewardLoadError(f"{what} {path!r}: importing {str(file)!r} failed: {_why(exc)}") from exc
         where = repr(str(file))
     else:
         try:
             module = importlib.import_module(module_part)
-        except Exception as exc:
-            raise RewardLoadError(
-                f"{what} {path!r}: cannot import module {module_part!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except (Exception, SystemExit) as exc:
+            raise RewardLoadError(f"{what} {path!r}: cannot import module {module_part!r}: {_why(exc)}") from exc
         where = f"module {module_part!r}"
     obj: Any = module
     for part in attr.split("."):
@@ -107,6 +107,12 @@ def import_object(path: str, what: str = "reward function") -> Any:
         except AttributeError:
             raise RewardLoadError(f"{what} {path!r}: {where} has no attribute {attr!r}") from None
     return obj
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
@@ -218,6 +224,7 @@ class FunctionScorer:
         self._chunk = spec.batch_size if isinstance(spec, PythonReward) and spec.batched else 1
         self._ctx = ctx
         self._leaf = None if self._fn.is_async else ctx.register_sync(spec, self._fn)
+        self._loop = LoopThread(self._fn.label) if self._fn.is_async else None
 
     async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         chunks = [list(items[i : i + self._chunk]) for i in range(0, len(items), self._chunk)]
@@ -225,16 +232,19 @@ class FunctionScorer:
         return [r for chunk in done for r in chunk]
 
     async def _one(self, chunk: list[RewardInput]) -> list[RewardResult]:
-        if self._leaf is not None:
+        if self._loop is None:
+            assert self._leaf is not None
             return await self._ctx.runner.run(self._leaf, chunk, self._timeout)
         try:
-            return await asyncio.wait_for(self._fn.call_async(chunk), self._timeout)
-        except asyncio.TimeoutError:
-            return [
-                failed(
-                    "timeout", f"{self._fn.label}: over the time budget of {self._timeout:g} s (timeout_s); cancelled"
-                )
-            ] * len(chunk)
+            return await self._loop.run(lambda: self._fn.call_async(chunk), self._timeout)
+        except Blocked:
+            why = "it blocked its event loop, which is abandoned and replaced (an async def must not block)"
+        except TimeoutError:
+            why = "cancelled"
+        return [
+            failed("timeout", f"{self._fn.label}: over the time budget of {self._timeout:g} s (timeout_s); {why}")
+        ] * len(chunk)
 
     async def aclose(self) -> None:
-        return None
+        if self._loop is not None:
+            self._loop.close()

@@ -10,15 +10,19 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter
 
 from shared.rewards.base import (
+    MAX_COMPONENT_NAME,
+    MAX_COMPONENTS,
     BuildContext,
     KindScorer,
     RewardInput,
+    RewardLimits,
     RewardResult,
     SyncRunner,
     error_from,
+    failed,
 )
 from shared.rewards.combine import SumScorer
-from shared.rewards.pool import ThreadRunner, WorkerPool
+from shared.rewards.pool import ThreadRunner, WorkerPool, probe_import
 from shared.rewards.python import FunctionScorer, LoadedFunction
 from shared.rewards.remote import HttpScorer, JudgeScorer
 from shared.rewards.spec import (
@@ -54,9 +58,10 @@ KINDS: dict[str, Builder] = {
 
 class ScorerBuilder:
     """The BuildContext (shared.rewards.base) of one scorer build: the builder of nested rewards,
-    and the runner of sync functions (set once every sync leaf is known)."""
+    the service's limits, and the runner of sync functions (set once every sync leaf is known)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: RewardLimits | None = None) -> None:
+        self._limits = limits or RewardLimits()
         self.sync_specs: list[dict[str, Any]] = []
         self.sync_leaves: list[LoadedFunction] = []
         self._runner: SyncRunner | None = None
@@ -67,7 +72,13 @@ class ScorerBuilder:
             builder = KINDS[obj.kind]
         except KeyError:
             raise ValueError(f"unknown reward kind {obj.kind!r}; valid: {sorted(KINDS)}") from None
+        if isinstance(obj, PythonReward):  # a user's module: imported in a child first (pool.probe_import)
+            probe_import(obj.model_dump(mode="json"), repr(obj.function), self._limits.import_timeout_s)
         return builder(obj, self)
+
+    @property
+    def limits(self) -> RewardLimits:
+        return self._limits
 
     def register_sync(self, spec: BuiltinReward | PythonReward, fn: LoadedFunction) -> int:
         """A sync function leaf; returns its index for the runner."""
@@ -112,7 +123,7 @@ class RewardScorer:
             return [error_from(exc, "reward")] * len(items)
         if len(results) != len(items):
             raise AssertionError(f"reward {self.description} returned {len(results)} results for {len(items)} items")
-        return results
+        return [_bounded(r) for r in results]
 
     def score_sync(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         if self._loop is None:
@@ -149,7 +160,19 @@ class RewardScorer:
         self.close()
 
 
-def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> RewardScorer:
+def _bounded(r: RewardResult) -> RewardResult:
+    """`r`, or an error if its components pass the bounds (a sum adds its terms' components up)."""
+    if len(r.components) > MAX_COMPONENTS:
+        return failed("error", f"the reward has {len(r.components)} named components; at most {MAX_COMPONENTS}")
+    long = next((k for k in r.components if len(k) > MAX_COMPONENT_NAME), None)
+    if long is not None:
+        return failed("error", f"a component name of {len(long)} characters; at most {MAX_COMPONENT_NAME}")
+    return r
+
+
+def build_scorer(
+    spec: str | BaseModel | dict[str, Any], workers: int = 0, limits: RewardLimits | None = None
+) -> RewardScorer:
     """The scorer of a reward spec (JobSpec.reward), with its plug-ins imported and checked.
 
     Args:
@@ -157,6 +180,7 @@ def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> Re
             its JSON form (validated here).
         workers: processes for sync Python functions and the built-ins (REWARD_WORKERS); 0 runs
             them in threads (a hung one is abandoned, see shared.rewards.pool).
+        limits: the service's bounds (HTTP answers, plug-in imports); default `RewardLimits()`.
 
     Raises:
         RewardLoadError: a plug-in does not import or cannot be called by the convention, a worker
@@ -167,7 +191,7 @@ def build_scorer(spec: str | BaseModel | dict[str, Any], workers: int = 0) -> Re
     if isinstance(spec, dict):
         spec = TypeAdapter(RewardSpec).validate_python(spec)
     assert isinstance(spec, str | BaseModel)
-    ctx = ScorerBuilder()
+    ctx = ScorerBuilder(limits)
     root = ctx.build(spec)
     try:
         runner: SyncRunner = (

@@ -11,14 +11,21 @@ status error with the reply quoted in the reason.
 Both retry connection errors, 429 and 5xx answers with exponential back-off (tenacity), all
 within the spec's time budget; over the budget the samples are status `timeout`, any other
 failure status `error` with the reason (the URL, the HTTP status and the answer's start).
+
+An answer is read as it streams in and decoded here (identity, gzip or deflate; no other
+Content-Encoding is asked for or accepted), at most `RewardLimits.max_response_bytes` on the wire
+and as many decoded: a larger answer (a gzip bomb: 1 MiB that inflates to 1 GiB) is the batch's
+error, and the service holds at most the cap of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,19 +45,88 @@ from shared.rewards.spec import HttpReward, JudgeReward
 QUOTE = 500  # characters of a reply or an error body quoted in a reason
 
 
+ERROR_BODY_BYTES = 16 * 1024  # of an error answer (4xx, 5xx), read to quote its start
+
+
+class _Status(Exception):
+    """A non-2xx answer: its status code and the start of its body."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"HTTP {code}")
+        self.code, self.text = code, text
+
+
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code == 429 or exc.response.status_code >= 500
+    if isinstance(exc, _Status):
+        return exc.code == 429 or exc.code >= 500
     return isinstance(exc, httpx.TransportError)
 
 
-class _Poster:
-    """POST JSON with retries; one httpx client per event loop that uses it."""
+class _TooLarge(Exception):
+    pass
 
-    def __init__(self, headers: dict[str, str], retries: int, timeout_s: float) -> None:
-        self._headers = headers
+
+def _decoder(encoding: str) -> Any:
+    """A zlib decompressor for the Content-Encoding (None: identity). Raises ValueError for others."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if encoding == "deflate":  # RFC 9110: the zlib format (some servers send raw deflate: retried below)
+        return zlib.decompressobj(zlib.MAX_WBITS)
+    raise ValueError(f"Content-Encoding {encoding!r} is not supported (identity, gzip or deflate)")
+
+
+async def read_capped(resp: httpx.Response, cap: int) -> bytes:
+    """The streamed response's body, decoded, reading at most `cap` bytes from the wire and
+    decoding at most `cap` (+ 1) bytes of it.
+
+    Raises:
+        _TooLarge: the body is over `cap` on the wire or decoded.
+        ValueError: an unsupported Content-Encoding, or a body that does not decode.
+    """
+    decoder = _decoder(resp.headers.get("content-encoding", ""))
+    raw_deflate = False
+    out = bytearray()
+    async for chunk in resp.aiter_raw():
+        if resp.num_bytes_downloaded > cap:
+            raise _TooLarge(f"over {cap} bytes on the wire")
+        if decoder is None:
+            out += chunk
+        else:
+            data = chunk
+            while data:
+                try:
+                    out += decoder.decompress(data, cap + 1 - len(out))
+                except zlib.error as exc:
+                    if raw_deflate or out or resp.headers.get("content-encoding", "").strip().lower() != "deflate":
+                        raise ValueError(f"the body does not decode: {exc}") from None
+                    decoder, raw_deflate = zlib.decompressobj(-zlib.MAX_WBITS), True
+                    continue
+                if len(out) > cap:
+                    raise _TooLarge(f"over {cap} bytes decoded")
+                data = decoder.unconsumed_tail
+        if len(out) > cap:
+            raise _TooLarge(f"over {cap} bytes")
+    if decoder is not None:  # what the decoder still holds, still within the cap
+        while more := decoder.decompress(b"", cap + 1 - len(out)):
+            out += more
+            if len(out) > cap:
+                raise _TooLarge(f"over {cap} bytes decoded")
+    return bytes(out)
+
+
+class _Poster:
+    """POST JSON with retries; one httpx client per event loop that uses it. Answers are read
+    within `max_bytes` (`read_capped`)."""
+
+    def __init__(self, headers: dict[str, str], retries: int, timeout_s: float, max_bytes: int) -> None:
+        # Only the encodings read_capped decodes (httpx would offer br and zstd when installed).
+        self._headers = {"Accept-Encoding": "gzip, deflate", **headers}
         self._retries = retries
         self._timeout_s = timeout_s
+        self._max_bytes = max_bytes
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -60,6 +136,30 @@ class _Poster:
             self._client = httpx.AsyncClient(headers=self._headers, timeout=httpx.Timeout(self._timeout_s))
             self._loop = loop
         return self._client
+
+    async def _once(self, url: str, body: dict[str, Any]) -> Any:
+        """One POST: the answer's JSON. Raises _Status for a non-2xx answer, RemoteError for one
+        over the cap or not JSON, httpx errors for the transport."""
+        async with self._http().stream("POST", url, json=body) as resp:
+            if resp.status_code >= 400:
+                try:
+                    text = (await read_capped(resp, ERROR_BODY_BYTES)).decode("utf-8", "replace")
+                except (_TooLarge, ValueError) as exc:
+                    text = f"(body not read: {exc})"
+                raise _Status(resp.status_code, text[:QUOTE])
+            try:
+                data = await read_capped(resp, self._max_bytes)
+            except _TooLarge as exc:
+                raise RemoteError(
+                    "error",
+                    f"POST {url}: the answer is {exc} (REWARD_HTTP_MAX_BYTES = {self._max_bytes}); not read further",
+                ) from None
+            except ValueError as exc:
+                raise RemoteError("error", f"POST {url}: {exc}") from None
+        try:
+            return json.loads(data)
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise RemoteError("error", f"POST {url}: the answer is not JSON ({exc})") from None
 
     async def post(self, url: str, body: dict[str, Any]) -> Any:
         """The answer's JSON. Raises a RemoteError (status, reason) on every failure."""
@@ -76,31 +176,28 @@ class _Poster:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
-                    resp = await self._http().post(url, json=body)
-                    resp.raise_for_status()
-                    return resp.json()
+                    return await self._once(url, body)
             raise AssertionError("unreachable: tenacity reraises the last error")
 
         tries = f"{self._retries + 1} attempt(s) allowed"
         try:
             return await asyncio.wait_for(go(), self._timeout_s)
+        except RemoteError:
+            raise
         except asyncio.TimeoutError:
             raise RemoteError(
                 "timeout",
                 f"POST {url}: no answer within the time budget of "
                 f"{self._timeout_s:g} s (timeout_s; {attempts} attempt(s))",
             ) from None
-        except httpx.HTTPStatusError as exc:
-            text = exc.response.text[:QUOTE]
+        except _Status as exc:
             raise RemoteError(
-                "error", f"POST {url}: HTTP {exc.response.status_code} {text!r} after {attempts} attempt(s) ({tries})"
+                "error", f"POST {url}: HTTP {exc.code} {exc.text!r} after {attempts} attempt(s) ({tries})"
             ) from None
         except httpx.HTTPError as exc:
             raise RemoteError(
                 "error", f"POST {url}: {type(exc).__name__}: {exc} after {attempts} attempt(s) ({tries})"
             ) from None
-        except ValueError as exc:  # the body is not JSON
-            raise RemoteError("error", f"POST {url}: the answer is not JSON ({exc})") from None
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -124,7 +221,7 @@ class HttpScorer:
 
     def __init__(self, spec: HttpReward, ctx: BuildContext) -> None:
         self._spec = spec
-        self._poster = _Poster(dict(spec.headers), spec.retries, spec.timeout_s)
+        self._poster = _Poster(dict(spec.headers), spec.retries, spec.timeout_s, ctx.limits.max_response_bytes)
 
     async def score(self, items: Sequence[RewardInput]) -> list[RewardResult]:
         n = self._spec.batch_size
@@ -196,7 +293,7 @@ class JudgeScorer:
                 raise RewardLoadError(f"judge: the environment variable {spec.api_key_env} (api_key_env) is not set")
             headers["Authorization"] = f"Bearer {key}"
         self._url = spec.base_url.rstrip("/") + "/chat/completions"
-        self._poster = _Poster(headers, spec.retries, spec.timeout_s)
+        self._poster = _Poster(headers, spec.retries, spec.timeout_s, ctx.limits.max_response_bytes)
         self._slots = asyncio.Semaphore(spec.concurrency)
 
     def messages(self, it: RewardInput) -> list[dict[str, str]]:

@@ -385,7 +385,7 @@ def as_object(
     """The object form of a reward: a bare built-in name becomes BuiltinReward, an import path PythonReward."""
     if isinstance(spec, str):
         _bare_reward(spec)
-        return BuiltinReward(name=spec) if spec in REWARDS else PythonReward(function=spec)
+        return BuiltinReward.model_validate({"name": spec}) if spec in REWARDS else PythonReward(function=spec)
     if isinstance(spec, BuiltinReward | PythonReward | SumReward | HttpReward | JudgeReward | ModelReward):
         return spec
     raise TypeError(f"not a reward spec: {spec!r}")

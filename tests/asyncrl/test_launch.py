@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncrl.launch import RestartPolicy, Supervisor, main, plan, supervise
+from asyncrl.launch import JobEnd, JobState, RestartPolicy, Supervisor, main, plan, supervise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,6 +142,40 @@ def test_on_failure_restarts_within_the_budget_and_logs_why(modules, tmp_path, c
     assert "boom" in sup.tail("reward")
 
 
+def test_a_service_of_an_ended_job_is_not_restarted(modules, tmp_path, caplog):
+    """A `--spec` job the trainer failed: restarting the trainer would only replay the job's last
+    batch into the same error (issue 31); the run ends 1 at once, naming the job's error."""
+    stop = threading.Event()
+    policy = RestartPolicy(on_failure=True, max_restarts=5, window_s=60, backoff_s=0.05)
+    sup = Supervisor(tmp_path / "a", {})
+    sup.start("trainer", "bad_mod")
+    ended = JobEnd("j1", "failed", "trainer: ValueError: temperature must be > 0, got 0.0")
+    with caplog.at_level("ERROR", logger="asyncrl.launch"):
+        assert supervise(sup, stop, poll_s=0.02, policy=policy, job_end=lambda: ended) == 1
+    assert sup.procs[0].restarts == []
+    assert any("not restarted: its job j1 is failed: trainer: ValueError" in r.message for r in caplog.records)
+    # while the job is live (or the API cannot say) the restart policy decides, as before
+    flaky = Supervisor(tmp_path / "b", {})
+    flaky.start("trainer", "flaky_mod")
+    assert supervise(flaky, stop, poll_s=0.02, policy=policy, job_end=lambda: None) == 0
+    assert len(flaky.procs[0].restarts) == 2
+
+
+def test_job_state_reads_the_jobs_end_from_the_api(monkeypatch):
+    answers = {"j1": {"state": "running"}, "j2": {"state": "failed", "error": "trainer: boom"}}
+
+    def get(url: str, **_: object) -> httpx.Response:
+        job = url.rsplit("/", 1)[1]
+        if job not in answers:
+            return httpx.Response(404, json={"detail": "no such job"})
+        return httpx.Response(200, json=answers[job])
+
+    monkeypatch.setattr(httpx, "get", get)
+    assert JobState("http://api", "j1")() is None
+    assert JobState("http://api", "j2")() == JobEnd("j2", "failed", "trainer: boom")
+    assert JobState("http://api", "j3")() is None  # the API cannot say: decided as without it
+
+
 def test_plan_names_unique_generators_and_the_admin_worker():
     services = plan(
         ["broker", "generator", "reward", "trainer", "admin"],
@@ -246,7 +280,18 @@ def test_cli_stops_everything_when_a_service_fails_and_shows_its_log(tmp_path):
     env, port = _launcher_env(tmp_path)
     env["REWARD_JOB_WAIT_S"] = "0"  # the job does not exist: the reward service fails at once
     res = subprocess.run(
-        [sys.executable, "-m", "asyncrl.launch", "--roles", "broker,reward", "--logdir", str(tmp_path / "logs")],
+        # one restart (the budget's own tests are RestartPolicy's), not the default five with back-off
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch",
+            "--roles",
+            "broker,reward",
+            "--max-restarts",
+            "1",
+            "--logdir",
+            str(tmp_path / "logs"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

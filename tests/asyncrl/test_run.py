@@ -199,19 +199,40 @@ def test_ctrl_c_cancels_the_job_on_the_fleet_run_started_and_stops_it(box, tiny_
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    polls: list[str] = []  # what each poll of the API saw: the story of a failure
+
+    def stuck(what: str) -> str:
+        """The command's threads' stacks (it registers faulthandler on SIGUSR1), its output, the polls
+        and the fleet's logs."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            proc.kill()
+        out, err = proc.communicate(timeout=60)
+        logs = "\n".join(
+            f"== {f}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+            for f in sorted((tmp_path / "runs" / "launch").glob("*/*.log"))
+        )
+        return f"{what}\nstdout:\n{out}\nstderr:\n{err}\npolls: {polls[-20:]}\n{logs}"
+
     try:
         deadline = time.monotonic() + 300
         while True:  # until its job trains
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)
+            assert proc.poll() is None and time.monotonic() < deadline, stuck("the job never trained")
             try:
-                jobs = httpx.get(f"{box.api}/jobs", timeout=2).json()
-            except (httpx.TransportError, ValueError):
+                jobs = httpx.get(f"{box.api}/jobs", timeout=10).json()
+                polls.append(f"{time.strftime('%X')} {[(j['id'], j['state'], j['step']) for j in jobs]}")
+            except (httpx.TransportError, ValueError) as exc:
+                polls.append(f"{time.strftime('%X')} {exc!r}")
                 jobs = []
             if jobs and jobs[0]["step"] >= 1:
                 break
             time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(stuck("no exit within 180 s of Ctrl-C"))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -102,3 +102,38 @@ def test_changes_are_audited_with_the_actor_and_read_only_tokens_cannot_change(c
     log = c.get(f"/jobs/{job}/changes", headers=ro).json()
     assert [e["changes"] for e in log] == [{"command": "set", "settings": {"lr": 3e-4}}, {"command": "pause"}]
     assert all(e["actor"].startswith("rw token ") and RW not in e["actor"] for e in log)
+
+
+def test_a_stopping_job_cannot_be_paused_and_an_ended_one_refuses_every_change(client):
+    c, ledger, streams = client
+    job = _job(c)
+    assert c.post(f"/jobs/{job}/stop").json()["state"] == "stopping"
+    r = c.post(f"/jobs/{job}/pause")
+    assert r.status_code == 409 and "stopping" in r.json()["error"]
+    r = c.patch(f"/jobs/{job}", json={"lr": 1e-4})  # its services no longer take a change: none is stored
+    assert r.status_code == 409 and "stopping" in r.json()["error"]
+    assert ledger.move_job(job, ("stopping",), "stopped")  # the trainer's end
+    for method, path, body in (("post", "pause", None), ("post", "resume", None), ("post", "cancel", None)):
+        r = getattr(c, method)(f"/jobs/{job}/{path}", json=body)
+        assert r.status_code == 409 and "already stopped" in r.json()["error"], path
+    assert c.patch(f"/jobs/{job}", json={"lr": 1e-3}).status_code == 409
+    assert ledger.get_job(job)["state"] == "stopped"
+    assert [m.command for m in _controls(streams, job)] == ["stop"]
+
+
+def test_a_change_that_cannot_be_published_changes_nothing(client):
+    from broker.api.deps import request_redis
+
+    c, ledger, streams = client
+    job = _job(c)
+    before = ledger.get_job(job)
+    api = c.app.state.api  # type: ignore[attr-defined]
+    api.redis, up = request_redis("redis://127.0.0.1:1/0"), api.redis  # nothing listens on port 1
+    try:
+        assert c.post(f"/jobs/{job}/pause").status_code == 503
+        assert c.patch(f"/jobs/{job}", json={"lr": 0.5}).status_code == 503
+    finally:
+        api.redis = up
+    after = ledger.get_job(job)
+    assert (after["state"], after["spec"]) == (before["state"], before["spec"]) == ("running", before["spec"])
+    assert ledger.job_changes(job) == [] and _controls(streams, job) == []

@@ -288,6 +288,39 @@ def test_unbounded_numbers_long_strings_and_control_characters_are_422(
     assert any(f["field"].startswith(field_name) for f in resp.json()["fields"]), resp.text
 
 
+@pytest.mark.parametrize(
+    ("value", "field_name"),
+    [
+        ({"steps": True}, "steps"),
+        ({"steps": "3"}, "steps"),
+        ({"group_size": "4"}, "group_size"),
+        ({"reward": {"kind": "python", "function": "m:f", "kwargs": {"s": "\ud800"}}}, "reward.kwargs.s"),
+        ({"environment": {"name": "tools", "kwargs": {"s": "\udfff"}}}, "environment.kwargs.s"),
+        ({"chat_template_kwargs": {"k\ud800": 1}}, "chat_template_kwargs.k\\ud800"),
+        ({"task": {"system_prompt": "a\x1b[2Jb"}}, "task.system_prompt"),
+    ],
+)
+def test_loose_types_lone_surrogates_and_control_characters_are_422_and_nothing_is_stored(
+    sqlite_server: Server, value: dict, field_name: str
+) -> None:
+    """Issue 31: a lone surrogate in reward kwargs used to be stored, then POST answered 500 and every
+    GET of the job 500 for ever. The body is sent as ASCII JSON (`\\ud800` escapes), as a client
+    would."""
+    before = sqlite_server.call("GET", "/jobs").json()
+    body = json.dumps({**SPEC, **value})
+    resp = sqlite_server.call("POST", "/jobs", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    assert [f["field"] for f in resp.json()["fields"]] == [field_name], resp.text
+    assert sqlite_server.call("GET", "/jobs").json() == before  # nothing stored
+    job_id = sqlite_server.submit()
+    patch = json.dumps({"lr": 1e-4, "k\ud800": 1})
+    resp = sqlite_server.call(
+        "PATCH", "/jobs/{job_id}", path=f"/jobs/{job_id}", content=patch, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 422, resp.text
+    assert sqlite_server.call("GET", "/jobs/{job_id}", path=f"/jobs/{job_id}").status_code == 200
+
+
 def test_what_is_stored_validates_again(sqlite_server: Server) -> None:
     from shared.jobspec import JobSpec
 
@@ -353,6 +386,26 @@ def test_a_service_whose_job_no_longer_validates_fails_it_and_exits_0(
     with Ledger(url, migrate=False) as ledger:
         job = ledger.get_job("poisoned")
     assert job["state"] == "failed" and "algorithm.lr" in job["error"]
+
+
+def test_a_service_restarted_into_an_ended_job_exits_0_without_serving_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that failed its job exits 1 and its supervisor restarts it: the restart must not
+    take over the job's pending entries and replay them into the same error (issue 31)."""
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    with Ledger(url) as ledger:
+        ledger.create_job("ended", "e", SPEC, state="running")
+        ledger.move_job("ended", ("running",), "failed", error="trainer: ValueError('temperature must be > 0')")
+    monkeypatch.setenv("DATABASE_URL", url)
+    monkeypatch.setenv("REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("JOB_ID", "ended")
+    fleet = Fleet(TrainerSettings(), "trainer", "t0")
+    try:
+        with pytest.raises(JobOver, match=r"job ended is already failed: trainer: ValueError\('temperature"):
+            next(fleet.jobs())
+    finally:
+        fleet.close()
 
 
 # -- the edge: body size, auth before the body ---------------------------------------------------
@@ -688,10 +741,13 @@ def test_the_status_page_token_stays_out_of_the_access_log(sqlite_server: Server
     secret = f"tok-{uuid4().hex}"
     assert sqlite_server.call("GET", "/status", path=f"/status?job=x&token={secret}", token=None).status_code == 200
     assert sqlite_server.call("GET", "/status", path=f"/status?token={secret}", token=None).status_code == 200
+    # the key percent-encoded (issue 31): the app reads `token` all the same, and so does the filter
+    assert sqlite_server.call("GET", "/status", path=f"/status?tok%65n={secret}", token=None).status_code == 200
     time.sleep(0.2)
     log = sqlite_server.log()
     assert secret not in log
     assert "GET /status?job=x&token=*** HTTP/1.1" in log
+    assert "GET /status?tok%65n=*** HTTP/1.1" in log
 
 
 def test_a_job_name_with_a_newline_forges_no_log_line(sqlite_server: Server) -> None:

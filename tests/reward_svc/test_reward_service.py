@@ -3,7 +3,9 @@ sandboxed `python_exec` reward, it scores what can be scored, dead-letters what 
 reason and a per-reason metric), and keeps running until the job drains; with a user plug-in that
 hangs or raises on some rollouts, the others are scored anyway and the failures follow the
 reward's on_failure (reward 0.0 with the status in the ledger and on the wire, or dead letters);
-a plug-in that does not import stops the service at start-up."""
+a plug-in's outputs are bounded (named components; a scored message over MAX_MESSAGE_BYTES is
+dead-lettered, never published); a plug-in that does not import (raises, exits, crashes, hangs)
+fails its job with the reason."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, FIELD, ROLLOUTS, SCORED, JobStreams, connect
 from reward_svc import service
+from shared.entry import JobOver
 from shared.jobspec import JobSpec
 from shared.rewards import RewardLoadError
 from shared.schema import Control, Rollout, Scored, decode, pack_f32, pack_i32
@@ -327,12 +330,59 @@ def test_an_eval_set_with_its_own_reward_is_scored_with_it(tmp_path) -> None:
         ledger.close()
 
 
-def test_a_plugin_that_does_not_import_stops_the_service_at_start_up(tmp_path) -> None:
-    job, ledger, streams, settings = open_setup(tmp_path, f"{tmp_path}/missing_rewards.py:score")
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        (None, "missing_rewards.py' does not exist"),
+        ("import sys\nsys.exit(0)\n", "failed: it called sys.exit(0)"),
+        ("import os\nos._exit(0)\n", "ended while loading the reward (exit code 0)"),
+        ("import ctypes\nctypes.string_at(0)\n", "ended while loading the reward (killed by SIGSEGV)"),
+        ("import time\ntime.sleep(600)\n", "did not load the reward within 2 s"),
+    ],
+)
+def test_a_plugin_that_does_not_import_fails_its_job_with_the_reason(tmp_path, source, says) -> None:
+    path = tmp_path / "missing_rewards.py"
+    if source is not None:
+        path.write_text(source + "\ndef score(completion, answer):\n    return 1.0\n")
+    limit = 2.0 if "within" in says else 60.0  # the others end when the child does
+    job, ledger, streams, settings = open_setup(tmp_path, f"{path}:score", import_timeout_s=limit)
     try:
-        with pytest.raises(service.RewardUnusable, match="missing_rewards.py' does not exist") as exc:
-            service.run(settings)  # JOB_ID's one job: the service fails (a fleet fails the job alone)
-        assert isinstance(exc.value.__cause__, RewardLoadError)
+        with pytest.raises(JobOver, match="reward cannot be built") as exc:
+            service.run(settings)  # JOB_ID's one job fails, the service exits 0 (a fleet's goes on)
+        assert says in str(exc.value) and isinstance(exc.value.__cause__, RewardLoadError)
+        row = ledger.get_job(job)
+        assert row["state"] == "failed" and says in row["error"] and row["error"].startswith("reward: ")
+        assert [m.command for m in streams.read_broadcast(CONTROL, "0", Control)[1]] == ["cancel"]
+    finally:
+        streams.delete_all()
+        ledger.close()
+
+
+def test_a_plugins_outputs_are_bounded_components_and_message_size(tmp_path) -> None:
+    path = tmp_path / "wide_rewards.py"
+    path.write_text(
+        "def score(completion, answer):\n"
+        "    n = {'huge': 200_000, 'wide': 100}.get(completion, 1)\n"
+        "    return {f'{completion}-{i:06d}-' + 'x' * 80: 0.0 for i in range(n)}\n"
+    )
+    job, ledger, streams, settings = open_setup(tmp_path, f"{path}:score", workers=0)  # messages of 4096 bytes
+    try:
+        streams.publish_many(ROLLOUTS, [rollout(job, n, n, group=n) for n in ("huge", "wide", "ok")])
+        serve_until(streams, settings, n_scored=2, n_dead=1)
+        scored = {
+            s.msg_id.rsplit("/", 1)[1]: s
+            for s in (decode(f[FIELD], Scored) for _, f in streams.r.xrange(streams.key(SCORED)))
+        }
+        assert set(scored) == {"huge", "ok"}
+        assert (
+            scored["huge"].reward_status == "error"
+            and "200000 named components; at most 256" in scored["huge"].reward_reason
+        )
+        assert scored["huge"].details == {} and len(scored["ok"].details) == 1
+        (dead,) = streams.dead_letters()
+        assert dead.code == "oversized" and "over MAX_MESSAGE_BYTES (4096)" in dead.reason
+        assert all(len(raw) <= 4096 for _, f in streams.r.xrange(streams.key(SCORED)) for raw in [f[FIELD]])
+        assert streams.pending_count(ROLLOUTS, "rewarders") == 0
     finally:
         streams.delete_all()
         ledger.close()

@@ -394,7 +394,7 @@ def test_size_and_row_caps(tmp_path: Path) -> None:
     size = path.stat().st_size
     with pytest.raises(DatasetError, match=rf"d.jsonl is 0.00 GiB \({size} bytes\), over task.max_bytes=10"):
         load_task(spec(path=str(path), max_bytes=10), 0)
-    with pytest.raises(DatasetError, match="d.jsonl has 5 rows, over task.max_rows=4"):
+    with pytest.raises(DatasetError, match="d.jsonl has more rows than task.max_rows=4"):  # counted as read
         load_task(spec(path=str(path), max_rows=4), 0)
     parquet = _write("parquet", tmp_path / "p", qa_rows(5))
     with pytest.raises(DatasetError, match="has 5 rows, over task.max_rows=4"):
@@ -744,3 +744,131 @@ def test_light_import() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- bad rows and bounds (issue 31): rejected at load naming the row, or dropped and counted ---------
+
+GOOD = [json.dumps({"prompt": f"{i}+1=", "answer": i + 1}) for i in range(8)]
+
+
+def _bad_lines(kind: str) -> bytes:
+    """A JSON Lines row of one bad kind (line 4 of the file `_with_bad_row` writes)."""
+    return {
+        "lone_surrogate": b'{"prompt": "\\ud800=", "answer": 1}',
+        "lone_surrogate_answer": b'{"prompt": "x", "answer": "\\udfff"}',
+        "surrogate_in_metadata": b'{"prompt": "x", "answer": 1, "note": {"k": ["\\ud83d"]}}',
+        "not_utf8": b'{"prompt": "\xff\xfe", "answer": 1}',
+        "deep_nesting": b'{"prompt": "x", "answer": 1, "m": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # past recursion
+        "nesting_over_32": b'{"prompt": "x", "answer": 1, "m": ' + b"[" * 40 + b"]" * 40 + b"}",
+        "huge_line": b'{"prompt": "' + b"x" * (1 << 16) + b'", "answer": 1}',
+        "wide_row": json.dumps({"prompt": "x", "answer": 1, **{f"c{i}": i for i in range(50)}}).encode(),
+        "huge_integer": b'{"prompt": "x", "answer": ' + b"9" * 5000 + b"}",
+    }[kind]
+
+
+BAD_KINDS = {
+    "lone_surrogate": r"field 'prompt': a lone surrogate \(\\ud800 at character 1\) is not valid Unicode text",
+    "lone_surrogate_answer": r"field 'answer' \(answer\): a lone surrogate \(\\udfff",
+    "surrogate_in_metadata": r"field 'note': a lone surrogate \(\\ud83d",
+    "not_utf8": r"not UTF-8 \(invalid start byte at byte 13 of the line\)",
+    "deep_nesting": r"JSON nested too deeply to parse \(a row may nest 32 levels\)",
+    "nesting_over_32": r"field 'm' is nested deeper than 32 levels",
+    "huge_line": r"longer than task.max_row_bytes=32768 \(skipped unread\)",
+    "wide_row": r"has 52 fields, over task.max_columns=20",
+    "huge_integer": r"not readable as JSON \(Exceeds the limit \(4300 digits\)",
+}
+LIMITS = {"max_row_bytes": 32768, "max_columns": 20}
+
+
+def _with_bad_row(path: Path, bad: bytes) -> Path:
+    path.write_bytes(b"\n".join([*(g.encode() for g in GOOD[:3]), bad, *(g.encode() for g in GOOD[3:])]) + b"\n")
+    return path
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize("kind", sorted(BAD_KINDS))
+def test_a_bad_row_fails_the_load_naming_it_or_is_dropped_and_counted(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _with_bad_row(tmp_path / "d.jsonl", _bad_lines(kind))
+    with pytest.raises(DatasetError, match=rf"^{path} line 4: {BAD_KINDS[kind]}") as e:
+        load_task(spec(path=str(path), n_test=1, **LIMITS), 0)
+    assert "task.bad_rows=drop" in str(e.value)  # says how to go on without it
+    with caplog.at_level(logging.WARNING, logger="shared.datasets"):
+        train, test = load_task(spec(path=str(path), n_test=1, bad_rows="drop", **LIMITS), 0)
+    assert len(train) + len(test) == len(GOOD)
+    assert f"{path}: 1 bad rows dropped (task.bad_rows=drop), {len(GOOD)} kept; first: {path} line 4:" in caplog.text
+    assert all(p.origin.startswith(f"{path} line ") for p in train + test)  # every problem knows its row
+
+
+@pytest.mark.hostile
+def test_a_json_array_streams_and_names_its_bad_rows(tmp_path: Path) -> None:
+    rows = [g.encode() for g in GOOD]
+    arr = tmp_path / "a.json"
+    # a lone surrogate, bytes that are not UTF-8 and a non-object: bad rows; the rest reads
+    arr.write_bytes(b"[\n" + b",\n".join([*rows, b'{"prompt": "\\ud800"}', b'{"prompt": "\xff"}', b"5"]) + b"\n]\n")
+    with pytest.raises(DatasetError, match=r"a.json row 9: field 'prompt': a lone surrogate"):
+        load_task(spec(path=str(arr), n_test=1), 0)
+    assert len(load_source(DatasetSource(path=str(arr)), spec(path=str(arr), bad_rows="drop"), 0)) == len(GOOD)
+    arr.write_bytes(b"[" + b",".join(rows) + b', {"prompt": "' + b"x" * 9000 + b'"}]')  # read whole: a bad row
+    with pytest.raises(DatasetError, match=r"a.json row 9: longer than task.max_row_bytes=4096 characters"):
+        load_source(DatasetSource(path=str(arr)), spec(path=str(arr), max_row_bytes=4096), 0)
+    for content, match in [
+        (b"[" + b",".join(rows) + b"," + b"[" * 100_000 + b"]" * 100_000 + b"]", r"row 9: JSON nested too deeply"),
+        (b"[" + b",".join(rows) + b', {"prompt": "' + b"x" * (3 << 20) + b"]", r"row 9: longer than task.max_row"),
+        (b"[" + b",".join(rows) + b"] trailing", r"data after the array's closing"),
+        (b"[" + b",".join(rows) + b" {}]", r"row 8: expected ',' or ']' after it"),
+        (b"[" + b",".join(rows), r"row 8: the array never ends"),
+    ]:
+        arr.write_bytes(content)
+        with pytest.raises(DatasetError, match=match):  # the array cannot be followed past these: any bad_rows
+            load_source(DatasetSource(path=str(arr)), spec(path=str(arr), bad_rows="drop", max_row_bytes=4096), 0)
+
+
+@pytest.mark.hostile
+def test_wide_long_and_not_utf8_csv(tmp_path: Path) -> None:
+    wide = tmp_path / "wide.csv"
+    wide.write_text(",".join(["prompt", "answer", *(f"c{i}" for i in range(30))]) + "\n" + "1+1=,2" + ",0" * 30 + "\n")
+    with pytest.raises(DatasetError, match=r"wide.csv has 32 columns, over task.max_columns=20; drop the columns"):
+        load_task(spec(path=str(wide), max_columns=20), 0)
+    long = tmp_path / "long.csv"
+    long.write_text("prompt,answer\n" + "".join(f"{i}+1=,{i + 1}\n" for i in range(5)) + "x" * 5000 + ",1\n")
+    with pytest.raises(DatasetError, match=r"long.csv line 7 is longer than task.max_row_bytes=4096"):
+        load_task(spec(path=str(long), max_row_bytes=4096, bad_rows="drop"), 0)
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"prompt,answer\n" + b"".join(f"{i}+1=,{i + 1}\n".encode() for i in range(5)) + b"caf\xe9,1\n")
+    with pytest.raises(
+        DatasetError, match=r"latin.csv row 6: field 'prompt': the byte 0xe9 at character 4 is not UTF-8"
+    ):
+        load_task(spec(path=str(latin), n_test=1), 0)
+    assert len(load_source(DatasetSource(path=str(latin)), spec(path=str(latin), bad_rows="drop"), 0)) == 5
+
+
+@pytest.mark.hostile
+def test_parquet_and_saved_folders_are_bounded_before_their_rows_are_read(tmp_path: Path) -> None:
+    wide = [{"prompt": "p", "answer": 1, **{f"c{i}": i for i in range(30)}} for _ in range(3)]
+    for fmt in ("parquet", "save_to_disk"):
+        path = _write(fmt, tmp_path / f"wide_{fmt}", wide)
+        with pytest.raises(DatasetError, match=r"has 32 columns, over task.max_columns=20"):
+            load_source(DatasetSource(path=str(path)), spec(path=str(path), max_columns=20), 0)
+
+
+@pytest.mark.hostile
+def test_prompt_templates_cannot_build_huge_prompts(tmp_path: Path) -> None:
+    for template, match in [
+        ("{q:>99999}", "widths and precisions are at most 1000"),
+        ("{q:{w}}", "a format spec may not hold a field"),
+    ]:
+        with pytest.raises(ValidationError, match=match):
+            spec(path="d.jsonl", prompt_template=template)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "x" * 300, "a": 1}, {"q": "y", "a": 2}, {"q": "z", "a": 3}])
+    repeat = spec(path=str(path), prompt_template="{q}" * 20, answer_field="a", max_row_bytes=4096, n_test=1)
+    with pytest.raises(DatasetError, match=r"d.jsonl line 1: prompt_template would build a prompt of over"):
+        load_task(repeat, 0)
+    assert len(load_task(repeat.model_copy(update={"bad_rows": "drop"}), 0)[0]) == 1
+
+
+def test_every_row_dropped_is_an_error_naming_one(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", ['{"prompt": "\\ud800", "answer": 1}'] * 3)
+    with pytest.raises(DatasetError, match=r"d.jsonl: every row is bad \(3 dropped\), e.g. .*d.jsonl line 1: "):
+        load_task(spec(path=str(path), bad_rows="drop"), 0)

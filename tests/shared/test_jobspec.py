@@ -385,3 +385,83 @@ def test_stored_spec_refuses_what_is_no_job_spec() -> None:
     for stored in ({}, {"mode": "sync"}, {"model_path": "/m", "placement": "colocated", "mode": "async"}):
         with pytest.raises(ValidationError):
             stored_spec(stored)
+
+
+# --- strict types and storable text (issue 31) --------------------------------------------------
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("patch", "loc"),
+    [
+        ({"steps": True}, ("steps",)),
+        ({"steps": "3"}, ("steps",)),
+        ({"steps": 3.0}, ("steps",)),
+        ({"group_size": "4"}, ("group_size",)),
+        ({"seed": False}, ("seed",)),
+        ({"guard": {"enabled": 1}}, ("guard", "enabled")),
+        ({"algorithm": {"packing": "true"}}, ("algorithm", "packing")),
+        ({"algorithm": {"lr": "1e-4"}}, ("algorithm", "lr")),
+        ({"algorithm": {"betas": ["0.9", 0.99]}}, ("algorithm", "betas", 0)),
+        ({"task": {"name": "dataset", "path": "d.jsonl", "max_rows": "10"}}, ("task", "max_rows")),
+    ],
+)
+def test_integers_booleans_and_numbers_are_strict(patch: dict[str, Any], loc: tuple[Any, ...]) -> None:
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate({"model_path": "m", **patch})
+    assert [e["loc"] for e in err.value.errors()] == [loc]
+    # what stays valid: an integer where a float is asked, a JSON array for a pair
+    spec = JobSpec.model_validate({"model_path": "m", "algorithm": {"lr": 1, "betas": [0.9, 0.99]}, "steps": 3})
+    assert spec.algorithm.lr == 1.0 and spec.algorithm.betas == (0.9, 0.99)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(
+    ("patch", "loc", "kind"),
+    [
+        (
+            {"reward": {"kind": "python", "function": "m:f", "kwargs": {"s": "\ud800"}}},
+            ("reward", "kwargs", "s"),
+            "surrogate",
+        ),
+        (
+            {"environment": {"name": "tools", "kwargs": {"t": ["ok", "\udfff"]}}},
+            ("environment", "kwargs", "t", 1),
+            "surrogate",
+        ),
+        ({"chat_template_kwargs": {"k\ud800": 1}}, ("chat_template_kwargs", "k\\ud800"), "surrogate"),
+        ({"task": {"system_prompt": "be \x1b[2J brief"}}, ("task", "system_prompt"), "control"),
+        ({"sampling": {"stop": ["\x07"]}}, ("sampling", "stop", 0), "control"),
+        (
+            {"reward": {"kind": "python", "function": "m:f", "kwargs": {"s": "a\x85b"}}},
+            ("reward", "kwargs", "s"),
+            "control",
+        ),
+    ],
+)
+def test_text_that_cannot_be_stored_or_logged_is_refused_with_its_field(
+    patch: dict[str, Any], loc: tuple[Any, ...], kind: str
+) -> None:
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate({"model_path": "m", **patch})
+    (e,) = err.value.errors()
+    assert e["loc"] == loc and e["type"] == f"{kind}_character"
+    assert format_validation_error(err.value)[0]["field"].encode("utf-8")  # the 422 body encodes
+    # tab, newline and carriage return are text
+    assert JobSpec.model_validate(
+        {"model_path": "m", "task": {"system_prompt": "a\tb\r\nc"}, "sampling": {"stop": ["\n"]}}
+    )
+
+
+@pytest.mark.hostile
+def test_a_model_path_that_is_not_a_directory_is_refused_before_any_load(tmp_path: Path) -> None:
+    from shared.jobspec import local_model_dir
+
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert local_model_dir(tmp_path) == tmp_path
+    with pytest.raises(ValueError, match=r"model_path '.*model.safetensors' is a file on this machine: give the local"):
+        local_model_dir(tmp_path / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"model_path 'Qwen/Qwen2.5-0.5B' does not exist on this machine.*never downloaded"
+    ):
+        local_model_dir("Qwen/Qwen2.5-0.5B")  # a Hub id: refused, not fetched

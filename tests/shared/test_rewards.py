@@ -44,6 +44,13 @@ from shared.rewards import spec as rspec
         ("", "42", 0.0),
         ("no number", "42", 0.0),
         ("4", "42", 0.0),
+        # integer-exact: neighbours a float cannot tell apart score 0 (issue 31)
+        ("12345678901234567890", "12345678901234567891", 0.0),
+        ("x = 12345678901234567891", "12345678901234567891", 1.0),
+        ("9007199254740993", "9007199254740992", 0.0),
+        ("0.1", "0.10000000000000001", 0.0),
+        ("3.50", "3.5", 1.0),
+        ("1,234.0", "1234", 1.0),
     ],
 )
 def test_exact_match(completion, answer, expected):

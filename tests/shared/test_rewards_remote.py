@@ -1,25 +1,60 @@
 """Remote rewards against a real HTTP server on localhost (FastAPI under uvicorn, in a thread): the
 batch protocol, retries with back-off on 503 until the endpoint recovers, a dead endpoint and a
 hung one (status error / timeout with the reason), malformed answers, and the judge's request and
-reply rules on an OpenAI-shaped route. The judge against a real `vllm serve` is in
-tests/reward_svc/test_judge_vllm.py."""
+reply rules on an OpenAI-shaped route, and the answer's byte cap on the wire and decoded (a gzip
+bomb, with the scoring process's peak RSS recorded in results/hostile.json). The judge against a
+real `vllm serve` is in tests/reward_svc/test_judge_vllm.py."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import gzip
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from hostile_results import record_hostile
 
 from shared.rewards import RewardInput, RewardLoadError, RewardResult, build_scorer
+from shared.rewards.base import RewardLimits
 from shared.rewards.remote import parse_number, parse_yes_no
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def gzip_bomb(mib: int) -> bytes:
+    """A gzip body that inflates to `mib` MiB of zeros (1024 MiB: about 1 MiB on the wire). Built
+    from one compressed MiB: after a full flush deflate forgets its history, so every further MiB
+    of zeros compresses to the same bytes (checked)."""
+    block = bytes(MIB)
+    c = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    first, again, third = (c.compress(block) + c.flush(zlib.Z_FULL_FLUSH) for _ in range(3))
+    assert again == third
+    body = first + again * (mib - 1) + c.flush()
+    crc = 0
+    for _ in range(mib):
+        crc = zlib.crc32(block, crc)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+    return header + body + crc.to_bytes(4, "little") + ((mib * MIB) % 2**32).to_bytes(4, "little")
+
+
+def test_the_gzip_bomb_is_what_it_says() -> None:
+    assert zlib.decompress(gzip_bomb(3), 31) == bytes(3 * MIB)
+    assert len(gzip_bomb(1024)) < 1.1 * MIB
 
 
 def _free_port() -> int:
@@ -74,6 +109,27 @@ class Server:
         async def text():
             return PlainTextResponse("not json")
 
+        @app.post("/encoded/{how}")
+        async def encoded(how: str, request: Request):
+            self.headers.append(dict(request.headers))
+            n = len((await request.json())["items"])
+            payload = json.dumps({"rewards": [1.0] * n}).encode()
+            bodies = {
+                "gzip": (payload, "gzip", gzip.compress),
+                "deflate": (payload, "deflate", zlib.compress),
+                "raw-deflate": (
+                    payload,
+                    "deflate",
+                    lambda b: (c := zlib.compressobj(wbits=-15)).compress(b) + c.flush(),
+                ),
+                "br": (payload, "br", lambda b: b"not brotli"),
+                "big": (payload + b" " * 2 * MIB, "identity", lambda b: b),
+                "bomb": (b"", "gzip", lambda b: gzip_bomb(64)),
+                "bomb-1g": (b"", "gzip", lambda b: gzip_bomb(1024)),
+            }
+            content, encoding, encode = bodies[how]
+            return Response(encode(content), headers={"content-encoding": encoding}, media_type="application/json")
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             body = await request.json()
@@ -118,8 +174,8 @@ def item(completion: str, **kw) -> RewardInput:
     return RewardInput(prompt=kw.pop("prompt", "2+2="), completion=completion, answer=kw.pop("answer", "4"), **kw)
 
 
-def score(spec, items) -> list[RewardResult]:
-    with build_scorer(spec) as scorer:
+def score(spec, items, limits: RewardLimits | None = None) -> list[RewardResult]:
+    with build_scorer(spec, limits=limits) as scorer:
         return scorer.score_sync(items)
 
 
@@ -172,6 +228,63 @@ def test_http_failures_are_recorded_with_the_reason(server):
     assert r.status == "error" and "with 2 entries, got 1 rewards" in r.reason
     (r,) = score({"kind": "http", "url": f"{server.url}/text"}, [item("a")])
     assert r.status == "error" and "not JSON" in r.reason
+
+
+def test_http_answers_are_decoded_within_the_byte_cap(server):
+    limits = RewardLimits(max_response_bytes=MIB)
+
+    def one(how: str) -> RewardResult:
+        (r,) = score({"kind": "http", "url": f"{server.url}/encoded/{how}"}, [item("a")], limits)
+        return r
+
+    for how in ("gzip", "deflate", "raw-deflate"):
+        assert one(how) == RewardResult(1.0), how
+    assert all(h["accept-encoding"] == "gzip, deflate" for h in server.headers)  # only what it decodes
+    big, bomb, br = one("big"), one("bomb"), one("br")
+    assert big.status == "error" and f"over {MIB} bytes on the wire (REWARD_HTTP_MAX_BYTES" in big.reason
+    assert bomb.status == "error" and f"over {MIB} bytes decoded" in bomb.reason  # 64 KiB in, 64 MiB out
+    assert br.status == "error" and "Content-Encoding 'br' is not supported" in br.reason
+
+
+@pytest.mark.hostile
+def test_a_gzip_bomb_costs_the_scoring_process_at_most_the_cap(server):
+    """The issue's probe: 1 MiB of gzip that inflates to 1 GiB, four at once, scored in a fresh
+    process (the reward service's scorer, default limits) whose peak RSS is read from the kernel."""
+    probe = """
+import json, sys
+from shared.rewards import RewardInput, build_scorer
+def rss(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) / 1024
+with build_scorer({"kind": "http", "url": sys.argv[1], "batch_size": 1, "retries": 0}) as scorer:
+    before = rss("VmRSS")
+    results = scorer.score_sync([RewardInput("p", str(i), "a") for i in range(4)])
+print(json.dumps({"statuses": [r.status for r in results], "reason": results[0].reason,
+                  "before_mib": before, "peak_mib": rss("VmHWM")}))
+"""
+    gzip_bomb(1024)  # built before the clock starts
+    out = subprocess.run(
+        [sys.executable, "-c", probe, f"{server.url}/encoded/bomb-1g"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    got = json.loads(out.stdout)
+    assert got["statuses"] == ["error"] * 4 and "bytes decoded (REWARD_HTTP_MAX_BYTES" in got["reason"], got
+    peak = round(got["peak_mib"], 1)
+    record_hostile(
+        http_gzip_bomb_peak_rss_mib=peak,
+        peak_rss_mib=peak,
+        http_gzip_bomb={
+            "body_mib": round(len(gzip_bomb(1024)) / MIB, 2),
+            "inflates_to_mib": 1024,
+            "requests": 4,
+            "rss_before_mib": round(got["before_mib"], 1),
+            "cap_mib": 4,
+        },
+    )
+    assert peak < 128, got  # the documented bound: 4 answers of at most 4 MiB over the interpreter's ~45 MiB
 
 
 def test_judge_sends_the_template_and_reads_the_reply_by_rule(server, monkeypatch):

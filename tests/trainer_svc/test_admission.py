@@ -139,7 +139,8 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
         "top_p",
         "fed",
     }
-    assert st["fed"] == {g: feeder.fed[g] for g in feeder.feed_order()}  # [prompt index, version fed at, tokens]
+    # [prompt index, version fed at, tokens, temperature]
+    assert st["fed"] == {g: feeder.fed[g] for g in feeder.feed_order()}
     again = Feeder(streams, _spec(max_staleness=1), _problems(20), RENDER)
     again.restore(st)
     assert again.feed_order() == feeder.feed_order() and again.fed == feeder.fed
@@ -151,18 +152,24 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
 # --- the sink: feed order, never arrival order -----------------------------------------------
 
 
-def _scored(gid: str, i: int, version: int, reward: float) -> Scored:
+def _scored(gid: str, i: int, version: int, reward: float, feeder: Feeder | None = None) -> Scored:
+    """Sample `i` of group `gid`; of the prompt `feeder` fed the group, when given (the trainer
+    holds a sample to it: trainer_svc/validation.py)."""
+    index, ids = 0, [1, 5]
+    if feeder is not None and gid in feeder.fed:
+        index = int(feeder.fed[gid][0])
+        ids = feeder.prompt_ids(index).tolist()
     r = Rollout(
         job_id="job1",
         msg_id=f"{gid}/{i}",
         group_id=gid,
         policy_version=version,
         policy_version_max=version,
-        prompt_index=0,
+        prompt_index=index,
         sample_index=i,
         group_size=2,
         generator_id="g",
-        prompt_ids=pack_i32([1, 5]),
+        prompt_ids=pack_i32(ids),
         completion_ids=pack_i32([6]),
         logprobs=pack_f32([-0.1]),
         completion="2",
@@ -183,7 +190,8 @@ class _Job:
 
     def arrive(self, gid: str, gen_version: int) -> None:
         self.sink.add(
-            [Delivery(f"{self.n}-{i}", _scored(gid, i, gen_version, float(i))) for i in range(2)], self.version
+            [Delivery(f"{self.n}-{i}", _scored(gid, i, gen_version, float(i), self.feeder)) for i in range(2)],
+            self.version,
         )
         self.n += 1
 
@@ -307,7 +315,7 @@ def test_a_dropped_group_lets_the_next_in_feed_order_move_up(streams):
     job = _Job(streams, _spec(max_staleness=1, algorithm={"dynamic_sampling": True}))
     job.feeder.top_up(0, job.k)
     g0, g1, g2, g3 = job.feeder.feed_order()
-    flat = [Delivery(f"f-{i}", _scored(g0, i, 0, 1.0)) for i in range(2)]  # equal rewards: no signal
+    flat = [Delivery(f"f-{i}", _scored(g0, i, 0, 1.0, job.feeder)) for i in range(2)]  # equal rewards: no signal
     job.sink.add(flat, 0)
     job.arrive(g1, 0)
     job.arrive(g2, 0)
@@ -422,7 +430,7 @@ def test_groups_redis_lost_are_recorded_lost_and_their_slots_freed(streams, tmp_
 
     job, ledger, now = _lost_job(streams, tmp_path, 1)
     g0, g1, g2, g3 = job.feeder.feed_order()
-    index0, fed_at0, tokens0 = job.feeder.fed[g0]
+    index0, fed_at0, tokens0, _ = job.feeder.fed[g0]
     ledger.record_generated(
         [
             {
@@ -529,7 +537,7 @@ def test_an_evaluation_round_waits_only_for_problems_redis_did_not_lose(streams,
 
     def sample(gid: str, i: int) -> Scored:
         r = _scored(gid, i, 0, 1.0).rollout.model_copy(
-            update={"group_size": n, "purpose": "eval", "eval_set": "held_out"}
+            update={"group_size": n, "purpose": "eval", "eval_set": "held_out", "prompt_index": int(gid[-1])}
         )
         return Scored(job_id="job1", msg_id=r.msg_id, group_id=gid, policy_version=0, rollout=r, reward=1.0)
 

@@ -131,3 +131,25 @@ def test_assembler_completes_groups_and_ignores_duplicates():
     assert g.gen_version_min == 3 and g.purpose == "train"
     assert asm.add("4-0", _scored("g0", 1)) is None  # a late duplicate of a finished group
     assert asm.strays == ["4-0"] and "g0" not in asm.open
+
+
+@pytest.mark.hostile
+def test_a_training_problem_the_tokenizer_refuses_fails_the_feeder_before_any_feed(streams, caplog):
+    """Rendered at construction (before step 0), not when the feeder reaches the row: the error names
+    the row; with task.bad_rows drop the row is left out, counted, and the rest feeds."""
+    from shared.datasets import DatasetError
+
+    bad = [*_problems(5), Problem(5, "\ud800=", "1", origin="d.jsonl line 6"), *_problems(9)[6:]]
+    spec = JobSpec(model_path="m", prompts_per_step=2, group_size=2)
+    with pytest.raises(DatasetError, match=r"^d.jsonl line 6: the tokenizer cannot encode it"):
+        Feeder(streams, spec, bad, RENDER)
+    assert streams.read_broadcast(PROMPTS, "0", PromptGroup)[1] == []  # nothing was fed
+    drop = JobSpec.model_validate(
+        {"model_path": "m", "prompts_per_step": 2, "group_size": 2, "task": {"bad_rows": "drop"}}
+    )
+    with caplog.at_level("WARNING", logger="shared.prompts"):
+        feeder = Feeder(streams, drop, bad, RENDER)
+    assert sorted(p.index for p in feeder.train) == [0, 1, 2, 3, 4, 6, 7, 8]
+    assert "training: 1 problems dropped (task.bad_rows=drop), 8 kept; first: d.jsonl line 6" in caplog.text
+    fed = [feeder._next_problem().index for _ in range(16)]
+    assert 5 not in fed and sorted(fed[:8]) == [0, 1, 2, 3, 4, 6, 7, 8]

@@ -83,7 +83,8 @@ def test_redis_emptied_mid_job_is_seen_and_the_job_goes_on(streams, tmp_path):
     job.feeder.top_up(0, 1)
     g0, g1, g2, g3 = job.feeder.feed_order()
     job.arrive(g0, 0)
-    job.sink.add([Delivery("7-0", _scored(g1, 0, 0, 1.0))], 0)
+    job.sink.add([Delivery("7-0", _scored(g1, 0, 0, 1.0, job.feeder))], 0)
+    late = _scored(g1, 1, 0, 1.0, job.feeder)  # g1's other member, as fed
     assert g1 in job.sink.assembler.open
 
     now[0] += EPOCH_CHECK_S
@@ -107,7 +108,7 @@ def test_redis_emptied_mid_job_is_seen_and_the_job_goes_on(streams, tmp_path):
     b = job.step()
     assert b is not None and [g.group_id for g in b.groups] == [g0, g4]
     # a late copy of the lost half-group's sample (from a consumer that read it before the flush) is a stray
-    job.sink.add([Delivery("8-0", _scored(g1, 1, 0, 1.0))], 1)
+    job.sink.add([Delivery("8-0", late)], 1)
     assert job.sink.assembler.strays == ["8-0"] and g1 not in job.sink.assembler.open
     ledger.close()
 

@@ -85,7 +85,7 @@ def test_the_trainer_checks_a_scored_rewards_range_itself():
     assert reward_out_of_range(_scored("job1/g0", 0, 0, 1.0), spec) is None
     assert reward_out_of_range(_scored("job1/g0", 0, 0, -1.0), spec) is None
     why = reward_out_of_range(_scored("job1/g0", 0, 0, 1e308), spec)
-    assert why == "reward 1e+308 is outside the job's range [-1, 1] (reward_limits.bounds)"
+    assert why == "1e+308 is outside the job's range [-1, 1] (reward_limits.bounds)"
 
 
 def test_a_scored_sample_outside_the_range_is_dead_lettered_and_its_group_settled(streams):
@@ -96,13 +96,14 @@ def test_a_scored_sample_outside_the_range_is_dead_lettered_and_its_group_settle
     job.feeder.top_up(0, job.k)
     (g0,) = job.feeder.feed_order()
     job.sink.ledger = _Rows()
-    job.sink.add([Delivery("1-0", _scored(g0, 0, 0, 1e308)), Delivery("1-1", _scored(g0, 1, 0, 0.0))], 0)
+    f = job.feeder
+    job.sink.add([Delivery("1-0", _scored(g0, 0, 0, 1e308, f)), Delivery("1-1", _scored(g0, 1, 0, 0.0, f))], 0)
     (dead,) = streams.dead_letters()
     assert (dead.code, dead.stream, dead.entry_id) == ("reward_out_of_range", SCORED, "1-0")
-    assert dead.reason == "reward 1e+308 is outside the job's range [-1e+06, 1e+06] (reward_limits.bounds)"
+    assert dead.reason == "reward: 1e+308 is outside the job's range [-1e+06, 1e+06] (reward_limits.bounds)"
     assert g0 not in job.feeder.in_flight  # settled: its slot is free for the next group
     assert {r["msg_id"]: r["status"] for r in job.sink.ledger.rows} == {f"{g0}/0": "dropped", f"{g0}/1": "dropped"}
-    assert "reward_out_of_range: reward 1e+308" in job.sink.ledger.rows[0]["drop_reason"]
+    assert "reward_out_of_range: reward: 1e+308 is outside" in job.sink.ledger.rows[0]["drop_reason"]
     job.feeder.top_up(0, job.k)
     (g1,) = job.feeder.feed_order()
     job.arrive(g1, 0)

@@ -14,7 +14,7 @@ from broker.api.deps import Actor, ContextDep, LedgerDep
 from broker.api.errors import error_responses
 from broker.api.models import AdminTask, CheckpointRecord
 from broker.ledger.rows import AdminTaskRow, CheckpointRow
-from shared.spectypes import PrintableStr, refuse_nul
+from shared.spectypes import PrintableStr, refuse_bad_text
 
 router = APIRouter(tags=["checkpoints"])
 
@@ -38,8 +38,8 @@ class ExportRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_nul(cls, data: Any) -> Any:
-        refuse_nul(cls.__name__, data)
+    def _text_is_storable(cls, data: Any) -> Any:
+        refuse_bad_text(cls.__name__, data)
         return data
 
 

@@ -23,43 +23,48 @@ router = APIRouter(tags=["control"], responses=error_responses(403, 404, 409, 42
 def stop(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Drain: the trainer finishes its current step and the final evaluation, then every service
     of the job leaves it. A queued job is stopped at once: it never starts."""
-    live_job(ledger, job_id, "stop")
-    if ledger.move_job(job_id, ("queued",), "stopped"):
-        ledger.record_change(job_id, actor, {"command": "stop"})
-        return StateChange(id=job_id, state="stopped")
-    send_control(ledger, streams, job_id, actor, "stop", "stopping")
+    with live_job(ledger, job_id, "stop") as edit:
+        if edit.job["state"] == "queued":
+            edit.set(state="stopped")
+            edit.record_change(actor, {"command": "stop"})
+            return StateChange(id=job_id, state="stopped")
+        send_control(edit, streams, actor, "stop", "stopping")
     return StateChange(id=job_id, state="stopping")
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=StateChange)
 def cancel(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Immediate: services leave the job without finishing the step or evaluating; a queued job
-    never starts."""
-    live_job(ledger, job_id, "cancel")
-    send_control(ledger, streams, job_id, actor, "cancel", "cancelled")
+    never starts. Final: a later pause, resume or change is refused (409)."""
+    with live_job(ledger, job_id, "cancel") as edit:
+        send_control(edit, streams, actor, "cancel", "cancelled")
     return StateChange(id=job_id, state="cancelled")
 
 
 @router.post("/jobs/{job_id}/pause", status_code=202, response_model=StateChange)
 def pause(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
     """Generation, scoring and training stop taking new work; nothing in flight is lost."""
-    job = live_job(ledger, job_id, "pause")
-    if job["state"] == "paused":
-        raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
-    if job["state"] == "queued":
-        raise HTTPException(
-            409, f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel takes it out of the queue)"
-        )
-    send_control(ledger, streams, job_id, actor, "pause", "paused")
+    with live_job(ledger, job_id, "pause") as edit:
+        state = edit.job["state"]
+        if state == "paused":
+            raise HTTPException(409, f"job '{job_id}' is already paused; POST .../resume to continue")
+        if state == "queued":
+            raise HTTPException(
+                409,
+                f"job '{job_id}' is queued, not running; nothing to pause (POST .../cancel takes it out of the queue)",
+            )
+        if state == "stopping":
+            raise HTTPException(409, f"job '{job_id}' is stopping: it ends after its current step; nothing to pause")
+        send_control(edit, streams, actor, "pause", "paused")
     return StateChange(id=job_id, state="paused")
 
 
 @router.post("/jobs/{job_id}/resume", status_code=202, response_model=StateChange)
 def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) -> StateChange:
-    job = live_job(ledger, job_id, "resume")
-    if job["state"] != "paused":
-        raise HTTPException(409, f"job '{job_id}' is {job['state']}, not paused; nothing to resume")
-    send_control(ledger, streams, job_id, actor, "resume", "running")
+    with live_job(ledger, job_id, "resume") as edit:
+        if edit.job["state"] != "paused":
+            raise HTTPException(409, f"job '{job_id}' is {edit.job['state']}, not paused; nothing to resume")
+        send_control(edit, streams, actor, "resume", "running")
     return StateChange(id=job_id, state="running")
 
 
@@ -69,23 +74,27 @@ def patch(
     job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor
 ) -> PatchedJob | JSONResponse:
     """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
-    apply them at their next step. The stored spec is updated so a restarted service keeps them."""
-    job = live_job(ledger, job_id, "change")
+    apply them at their next step. The stored spec is updated so a restarted service keeps them.
+    Concurrent changes apply one after the other, each to the spec the last one left, in the
+    order the services receive them: the stored spec is what the services run."""
     changes = change.changes()
     if not changes:
         raise HTTPException(422, "nothing to change: give at least one of " + ", ".join(JobPatch.model_fields))
-    try:
-        spec = JobSpec.model_validate(change.apply(job["spec"]))
-    except ValidationError as exc:
-        body = errors_body("the change makes the spec invalid", format_validation_error(exc))
-        return JSONResponse(status_code=422, content=body)
-    if "max_staleness" in changes and spec.mode == "sync":
-        raise HTTPException(422, "max_staleness has no effect in sync mode (the bound is 0)")
-    try:
-        stored = storable(spec)
-    except ValueError as exc:
-        raise HTTPException(422, f"the change makes the spec invalid: {exc}") from None
-    ledger.update_spec(job_id, stored)
-    send_control(ledger, streams, job_id, actor, "set", None, settings=changes)
+    with live_job(ledger, job_id, "change") as edit:
+        if edit.job["state"] == "stopping":  # its services take no command but drain and cancel any more
+            raise HTTPException(409, f"job '{job_id}' is stopping: it ends after its current step; nothing to change")
+        try:
+            spec = JobSpec.model_validate(change.apply(edit.job["spec"]))
+        except ValidationError as exc:
+            body = errors_body("the change makes the spec invalid", format_validation_error(exc))
+            return JSONResponse(status_code=422, content=body)
+        if "max_staleness" in changes and spec.mode == "sync":
+            raise HTTPException(422, "max_staleness has no effect in sync mode (the bound is 0)")
+        try:
+            stored = storable(spec)
+        except ValueError as exc:
+            raise HTTPException(422, f"the change makes the spec invalid: {exc}") from None
+        edit.set(spec=stored)
+        send_control(edit, streams, actor, "set", None, settings=changes)
     # validated as the JSON was before: `changed` holds only the knobs given (exclude_unset)
     return PatchedJob.model_validate({"id": job_id, "changed": changes, "spec": stored})
