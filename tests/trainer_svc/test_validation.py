@@ -373,6 +373,7 @@ def test_slots_of_groups_dropped_for_a_rejected_member_are_fed_again(streams):
         spec=job.spec,
         control=SimpleNamespace(done=False),
         feed=lambda: fed.append(job.feeder.top_up(0, 1)),
+        redis=None,  # no watch on Redis losing the job's state (trainer_svc/redis_state.py)
     )
     assert Parts.take_scored(parts, 0) == 8
     assert not set(groups) & job.feeder.in_flight and fed == [4] and len(job.feeder.in_flight) == 4
