@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import io
 import json
 import logging
 import os
@@ -111,8 +112,10 @@ def quiet_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for name in ("alembic", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # `kill -USR1 <pid>`: every thread's stack to stderr, where a stuck command is stuck (as the services)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1 <pid>`: every thread's stack to stderr, where a stuck command is stuck (as the
+    # services); not where stderr is no file (a command invoked in-process, as typer's CliRunner does)
+    with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @app.command()
