@@ -46,7 +46,10 @@ for mode in ("reject", "drop"):
         out[mode] = {"rows": len(train) + len(test)}
     except DatasetError as e:
         out[mode] = {"error": str(e)[:1000]}
-out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's peak across exec)
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM:")]
+kib = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out["peak_rss_mib"] = kib / 1024
 print(json.dumps(out))
 """
 

@@ -295,7 +295,7 @@ def check_job(ledger: Ledger, streams: JobStreams, job: dict[str, Any], forger: 
             assert all(f"{INVALID_SAMPLE}: {rule}" in (s["drop_reason"] or "") for s in rows), rows[0]["drop_reason"]
         else:
             assert statuses <= {"trained", "generated", "scored"}, (g, statuses)
-    rejected = sum(int(s["metrics"].get("samples/rejected", 0)) for s in ledger.train_steps(job_id))
+    rejected = sum(int(s["metrics"].get("rejected/samples", 0)) for s in ledger.train_steps(job_id))
     return {
         "copies": len(forger.copied),
         "ahead": len(forger.ahead_groups),

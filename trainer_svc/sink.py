@@ -243,7 +243,7 @@ class TrainSink:
                 self._settle_dead(g, version)
 
     def take_rejected(self) -> int:
-        """Samples dead-lettered by `add` since the last call (a step's `samples/rejected`)."""
+        """Samples dead-lettered by `add` since the last call (a step's `rejected/samples`)."""
         total = sum(self.rejected.values())
         new, self.rejected_reported = total - self.rejected_reported, total
         return new

@@ -245,7 +245,9 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
         "dynamic_sampling/dropped_groups": float(batch.filtered),
         "staleness/bound": float(st.bound.k),
         "ledger/trained_twice": float(twice),
-        "samples/rejected": float(p.sink.take_rejected()),  # dead-lettered by the trainer since the last step
+        # dead-lettered by the trainer since the last step; not "samples/...": "samples" is a metric,
+        # and MLflow's file store makes each metric name a file
+        "rejected/samples": float(p.sink.take_rejected()),
         "resume/redone": float(batch.redo is not None),
         "guard/trips": float(st.guard.trips),
         **times,

@@ -198,6 +198,10 @@ def test_ctrl_c_cancels_the_job_on_the_fleet_run_started_and_stops_it(box, tiny_
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # Ctrl-C reaches the command as at a terminal: a suite started in the background (`cmd &` in a
+        # script) runs with SIGINT ignored, a child inherits that, and Python then installs no
+        # KeyboardInterrupt handler: the command never saw the test's SIGINT and followed on
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     polls: list[str] = []  # what each poll of the API saw: the story of a failure
 
