@@ -88,6 +88,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def healthy(api: str) -> bool:
+    """Whether the job API at `api` answers /health with 200."""
+    try:
+        return httpx.get(f"{api}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(sup: Supervisor, api: str, timeout: float) -> None:
+    """Until the API answers; fails with the broker's log when a process failed or time ran out."""
+    deadline = time.monotonic() + timeout
+    while not healthy(api):
+        assert not sup.failed() and time.monotonic() < deadline, f"broker did not come up:\n{sup.tail('broker')}"
+        time.sleep(0.2)
+
+
 @contextmanager
 def standing_fleet(tmp: Path) -> Iterator[Fleet]:
     """Start the four services of a fleet under `tmp` and yield it once the API answers."""
@@ -116,15 +132,7 @@ def standing_fleet(tmp: Path) -> Iterator[Fleet]:
     try:
         for name, module in SERVICES:
             sup.start(name, module)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert not sup.failed() and time.monotonic() < deadline, sup.tail("broker")
-            time.sleep(0.2)
+        wait_healthy(sup, api, 120)
         with Ledger(db_url) as ledger:
             yield Fleet(sup, api, ledger, model, tmp, prefix, redis_url)
     finally:

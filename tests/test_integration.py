@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from shared_fleet import Fleet  # tests/ is on sys.path
+from shared_fleet import Fleet, free_port, wait_healthy  # tests/ is on sys.path
 
 from asyncrl.launch import Supervisor
 from broker.ledger import Ledger
@@ -61,12 +60,6 @@ def db_url(request, tmp_path_factory, postgres_database):
     else:
         with postgres_database() as url:
             yield url
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inject_malformed(streams: JobStreams, job_id: str) -> int:
@@ -543,7 +536,7 @@ def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
     broker port: (supervisor, API base URL, Redis URL, stream prefix)."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     prefix = f"{tag}-{uuid.uuid4().hex[:8]}:"
-    port = _free_port()
+    port = free_port()
     env = {
         "REDIS_URL": redis_url,
         "DATABASE_URL": db_url,
@@ -562,14 +555,4 @@ def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
 
 def _start_broker(sup: Supervisor, api: str, timeout: float = 60) -> None:
     sup.start("broker", "broker")
-    deadline = time.monotonic() + timeout
-    while not _healthy(api):
-        assert not sup.failed() and time.monotonic() < deadline, f"broker did not come up:\n{sup.tail('broker')}"
-        time.sleep(0.2)
-
-
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    wait_healthy(sup, api, timeout)
