@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,6 +187,61 @@ class Supervisor:
             if p.name == name and p.log_path.exists():
                 return "\n".join(p.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+    def stuck_report(self, names: Sequence[str], lines: int = 25) -> str:
+        """Where each of `names` is: its last `lines` log lines (stack dumps left out) and, after
+        `dump_stacks`, its threads' stacks through this project's code (`project_stacks`). Short
+        enough to survive a CI log's truncation."""
+        out = []
+        for name in names:
+            text = self.tail(name, 100_000)
+            log_lines, stacks = split_stack_dump(text)
+            out += [f"--- {name}:", *log_lines[-lines:], *project_stacks(stacks)]
+        return "\n".join(out)
+
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+_FRAME = re.compile(r'^\s+File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)$')
+
+
+def split_stack_dump(text: str) -> tuple[list[str], list[list[str]]]:
+    """A log's own lines, and the threads of the last faulthandler dump in it (each its header
+    line and frame lines, most recent first)."""
+    lines: list[str] = []
+    threads: list[list[str]] = []
+    current: list[str] | None = None
+    in_dump = False  # inside a dump: thread blocks separated by blank lines
+    for line in text.splitlines():
+        if _THREAD.match(line):
+            if not in_dump:
+                threads = []  # a later dump replaces an earlier one
+            current, in_dump = [line], True
+            threads.append(current)
+        elif current is not None and _FRAME.match(line):
+            current.append(line)
+        elif in_dump and not line.strip():
+            current = None
+        else:
+            current, in_dump = None, False
+            lines.append(line)
+    return lines, threads
+
+
+def project_stacks(threads: list[list[str]]) -> list[str]:
+    """Each thread that runs this project's code, one line: its innermost frames of ours
+    (func@module:line, most recent first), after the library frame it is in."""
+    root = str(Path(__file__).resolve().parent.parent)
+    out = []
+    for t in threads:
+        frames = [m.groupdict() for m in map(_FRAME.match, t[1:]) if m]
+        ours = [f for f in frames if f["path"].startswith(root) and "/.venv/" not in f["path"]]
+        if not ours:
+            continue
+        inner = frames[0]
+        where = f"{Path(inner['path']).name}:{inner['line']} {inner['func']}"
+        chain = " <- ".join(f"{f['func']}@{Path(f['path']).stem}:{f['line']}" for f in ours[:8])
+        out.append(f"  [{t[0].split(' (')[0]}] in {where}: {chain}")
+    return out
 
 
 def _killpg(pgid: int) -> None:

@@ -218,7 +218,7 @@ def cluster_job(
                     sup.dump_stacks()
                     raise RuntimeError(
                         f"job not finished after {timeout_s:.0f} s (state {state}):\n"
-                        + "\n".join(f"--- {n}:\n{sup.tail(n, 120)}" for n in ("trainer", "generator", "reward"))
+                        + sup.stuck_report(("trainer", "generator", "reward"))
                     )
                 if fail_over and fo is None and len(ledger.train_steps(job_id)) >= 2:
                     done_before = len(ledger.train_steps(job_id))

@@ -18,6 +18,14 @@ that is gone means Redis lost the job's state; the trainer then, within seconds:
    delivered to this trainer is lost too, its other members went with the rest), which frees the
    feeder's slots; the caller feeds them again, and the job goes on.
 
+Redis can also lose only the newest writes: a failover to a replica that had not yet received
+them (ARCHITECTURE.md, "Redis Cluster"). The epoch key, written long before, survives; the newest
+policy announcement may not, and the same standstill follows (the groups fed at that version wait
+for a generator holding it; the trainer's next announcement waits for those groups). So at the
+same cadence the watch also reads the policy stream's newest announcement and, where it is not this
+trainer's newest, publishes that again (`keep_announced`). The groups the failover lost are
+settled by the sink (TrainSink.settle_lost).
+
 What cannot be recovered fails the job with its reason: a resume that needs pending entries Redis
 no longer holds (trainer_svc/sink.py check_replay), a re-announcement that cannot be published.
 A token of another trainer's (a successor took the job over from this stale process) is only
@@ -67,6 +75,7 @@ class RedisWatch:
         self.checked_at = -math.inf
         self.announcement: PolicyAnnouncement | None = None  # the newest this trainer published
         self.recoveries = 0
+        self.reannounced = 0  # announcements published again after a partial loss (keep_announced)
         self._foreign: str | None = None  # another trainer's token, logged once
 
     def stamp(self) -> None:
@@ -83,7 +92,9 @@ class RedisWatch:
 
     def lost(self) -> bool:
         """Whether Redis lost the job's state since the last stamp: its epoch key is gone. Reads
-        the key at most every EPOCH_CHECK_S (False in between, and before the first stamp)."""
+        the key at most every EPOCH_CHECK_S (False in between, and before the first stamp); while
+        the key is this trainer's, also makes sure its newest announcement is there
+        (`keep_announced`)."""
         now = self.clock()
         if self.token is None or now - self.checked_at < EPOCH_CHECK_S:
             return False
@@ -96,7 +107,31 @@ class RedisWatch:
                 seen,
                 self.token,
             )
+        if seen == self.token:
+            self.keep_announced()
         return seen is None
+
+    def keep_announced(self) -> bool:
+        """Publish this trainer's newest announcement again where the policy stream's newest is not
+        it (nor a newer one of this run): Redis lost it, the job's other state kept (see the module
+        docstring). Returns whether it was published."""
+        ann = self.announcement
+        if ann is None:
+            return False
+        latest = self.streams.latest(POLICY, PolicyAnnouncement)
+        if latest is not None:
+            there = latest[1]
+            if there.trainer_run == ann.trainer_run and there.manifest.version >= ann.manifest.version:
+                return False
+        self.reannounced += 1
+        log.warning(
+            "the policy stream's newest announcement is %s, not this trainer's version %d (Redis lost it: a "
+            "failover to a replica that had not received it?); publishing it again",
+            "gone" if latest is None else f"version {latest[1].manifest.version}",
+            ann.manifest.version,
+        )
+        self.streams.publish(POLICY, ann)
+        return True
 
     def recover(self, sink: TrainSink, version: int) -> int:
         """Redis lost the job's state: stamp anew, re-create the consumer groups, publish the last

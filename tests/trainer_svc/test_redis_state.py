@@ -40,7 +40,7 @@ def streams():
     s.delete_all()
 
 
-def _announcement(version: int) -> PolicyAnnouncement:
+def _announcement(version: int, run: str = "") -> PolicyAnnouncement:
     m = Manifest(
         version=version,
         total_bytes=4,
@@ -50,7 +50,13 @@ def _announcement(version: int) -> PolicyAnnouncement:
         checksum="0" * 16,
     )
     return PolicyAnnouncement(
-        job_id="job1", msg_id=f"job1/v{version}", policy_version=version, manifest=m, transport="tcp", address="a:1"
+        job_id="job1",
+        msg_id=f"job1/v{version}",
+        policy_version=version,
+        manifest=m,
+        transport="tcp",
+        address="a:1",
+        trainer_run=run,
     )
 
 
@@ -120,3 +126,28 @@ def test_another_trainers_token_is_not_a_loss(streams):
     streams.stamp_epoch("new.1")  # a successor took the job over
     now[0] += EPOCH_CHECK_S
     assert not watch.lost() and watch._foreign == "new.1"
+
+
+def test_a_lost_announcement_is_published_again(streams):
+    """A failover can lose the newest announcement alone (the epoch key, written long before,
+    survives): generators then wait for the version the fed groups need, and the trainer waits for
+    those groups. At its next look the watch finds the stream's newest is an older version of its
+    own and publishes its newest again; an announcement that is there, or a newer one of the same
+    run, is left alone."""
+    now = [0.0]
+    watch = RedisWatch(streams, "run1", clock=lambda: now[0])
+    watch.stamp()
+    v3, v4 = _announcement(3, "run1"), _announcement(4, "run1")
+    streams.publish(POLICY, v3)
+    watch.announced(v3)
+    now[0] += EPOCH_CHECK_S
+    assert not watch.lost() and watch.reannounced == 0  # v3 is there
+    watch.announced(v4)  # published to a primary that then failed over: the stream has v3 only
+    now[0] += EPOCH_CHECK_S
+    assert not watch.lost() and watch.reannounced == 1
+    assert streams.latest(POLICY, PolicyAnnouncement)[1] == v4
+    now[0] += EPOCH_CHECK_S
+    assert not watch.lost() and watch.reannounced == 1  # there now: once
+    streams.publish(POLICY, _announcement(2, "run2"))  # another run's announcement on top
+    now[0] += EPOCH_CHECK_S
+    assert not watch.lost() and watch.reannounced == 2  # not this run's v4: published again
