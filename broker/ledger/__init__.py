@@ -36,6 +36,7 @@ from broker.ledger.models import (
     JobChange,
     PolicyVersion,
     Sample,
+    StepInput,
     TrainStep,
     UTCDateTime,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "PolicyVersion",
     "RewardLedger",
     "Sample",
+    "StepInput",
     "TrainStep",
     "TrainerLedger",
     "UTCDateTime",

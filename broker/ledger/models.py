@@ -18,6 +18,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     String,
     Table,
     Text,
@@ -37,6 +38,7 @@ __all__ = [
     "JobChange",
     "PolicyVersion",
     "Sample",
+    "StepInput",
     "TrainStep",
     "UTCDateTime",
     "utcnow",
@@ -191,6 +193,31 @@ class TrainStep(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class StepInput(Base):
+    """What one train step stepped on, so `asyncrl replay` can take it again (trainer_svc/replay.py):
+    kept apart from `train_steps` because its blob is the size of the batch, and the curves and the
+    resume plan read every train step."""
+
+    __tablename__ = "step_inputs"
+
+    job_id: Mapped[str] = mapped_column(String, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    policy_version: Mapped[int] = mapped_column(Integer)  # the version the step produced
+    lr: Mapped[float] = mapped_column(Float)  # the step size it took (schedule, live lr, staleness)
+    # The weights' checksum after the step: the published version's manifest checksum.
+    checksum: Mapped[str] = mapped_column(String)
+    # A collapse-guard roll-back before this step's last try: the checkpoint step whose weights and
+    # optimizer state it started from (0: the initial model); null: it followed the previous step.
+    restored_from: Mapped[int | None] = mapped_column(Integer)
+    # The software and hardware bit-exactness depends on (torch build, threads, device, flags).
+    identity: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # How `data` is encoded: format, codec, the uncompressed size and digest, tensor-less fields.
+    meta: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The batch's tensors and the RNG state the step began with (safetensors, compressed).
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Eval(Base):
     """A held-out evaluation result; one per (job, step, source), a re-run replaces it.
 
@@ -269,5 +296,6 @@ policy_versions_t = cast(Table, PolicyVersion.__table__)
 generator_loads_t = cast(Table, GeneratorLoad.__table__)
 samples_t = cast(Table, Sample.__table__)
 train_steps_t = cast(Table, TrainStep.__table__)
+step_inputs_t = cast(Table, StepInput.__table__)
 evals_t = cast(Table, Eval.__table__)
 admin_tasks_t = cast(Table, AdminTask.__table__)

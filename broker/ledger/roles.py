@@ -23,6 +23,7 @@ from broker.ledger.rows import (
     SampleIn,
     SampleRow,
     ScoredItem,
+    StepInputIn,
     TrainStepRow,
     UsedItem,
 )
@@ -76,6 +77,8 @@ class TrainerLedger(Protocol):
     ) -> None: ...
 
     def last_train_step(self, job_id: str) -> TrainStepRow | None: ...
+
+    def record_step_input(self, row: StepInputIn) -> None: ...
 
     def train_steps(self, job_id: str) -> list[TrainStepRow]: ...
 

@@ -34,6 +34,8 @@ __all__ = [
     "SampleIn",
     "SampleRow",
     "ScoredItem",
+    "StepInputIn",
+    "StepInputRow",
     "TrainStepRow",
     "UsedItem",
     "check_one_of",
@@ -204,6 +206,24 @@ class TrainStepRow(TypedDict):
     step: int
     policy_version: int  # the version the step produced
     metrics: dict[str, Any]
+    created_at: datetime
+
+
+class StepInputIn(TypedDict):
+    """What one train step stepped on (`record_step_input`; trainer_svc/replay.py writes and reads it)."""
+
+    job_id: str
+    step: int
+    policy_version: int  # the version the step produced
+    lr: float
+    checksum: str  # the weights' after the step
+    restored_from: int | None  # a guard roll-back's checkpoint step the step started from (0: initial)
+    identity: dict[str, Any]  # software and hardware (trainer_svc/replay.py software_identity)
+    meta: dict[str, Any]  # the encoding of `data`
+    data: bytes  # the batch and RNG state, encoded
+
+
+class StepInputRow(StepInputIn):
     created_at: datetime
 
 

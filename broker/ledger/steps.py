@@ -1,5 +1,5 @@
-"""Train steps (each step's metrics and the policy version it produced) and the checkpoints
-committed at them."""
+"""Train steps (each step's metrics and the policy version it produced), what each stepped on (for
+`asyncrl replay`) and the checkpoints committed at them."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any, cast
 from sqlalchemy import select, update
 
 from broker.ledger.engine import Repository
-from broker.ledger.models import checkpoints_t, jobs_t, train_steps_t, utcnow
-from broker.ledger.rows import CheckpointRow, TrainStepRow
+from broker.ledger.models import checkpoints_t, jobs_t, step_inputs_t, train_steps_t, utcnow
+from broker.ledger.rows import CheckpointRow, StepInputIn, StepInputRow, TrainStepRow
 
 __all__ = ["StepRepository"]
 
@@ -61,6 +61,31 @@ class StepRepository(Repository):
         stmt = select(train_steps_t).where(train_steps_t.c.job_id == job_id).order_by(train_steps_t.c.step)
         with self._db.read() as s:
             return [cast(TrainStepRow, dict(r)) for r in s.execute(stmt).mappings()]
+
+    def record_step_input(self, row: StepInputIn) -> None:
+        """Upsert what a step stepped on (a step re-done after a resume overwrites its record, as
+        its metrics: the weights that follow are the re-done step's)."""
+        ins = self._db.insert(step_inputs_t).values(**row, created_at=utcnow())
+        keep = ("job_id", "step", "created_at")
+        stmt = ins.on_conflict_do_update(
+            index_elements=["job_id", "step"],
+            set_={c.name: ins.excluded[c.name] for c in step_inputs_t.columns if c.name not in keep},
+        )
+        with self._db.write() as s:
+            s.execute(stmt)
+
+    def step_input(self, job_id: str, step: int) -> StepInputRow | None:
+        """What step `step` of the job stepped on; None when it was not recorded."""
+        t = step_inputs_t
+        with self._db.read() as s:
+            row = s.execute(select(t).where(t.c.job_id == job_id, t.c.step == step)).mappings().first()
+        return cast(StepInputRow, dict(row)) if row is not None else None
+
+    def step_input_steps(self, job_id: str) -> list[int]:
+        """The steps of the job whose inputs were recorded, ascending (their blobs not read)."""
+        t = step_inputs_t
+        with self._db.read() as s:
+            return list(s.execute(select(t.c.step).where(t.c.job_id == job_id).order_by(t.c.step)).scalars())
 
     def record_checkpoint(self, job_id: str, step: int, policy_version: int, path: str) -> None:
         """Record a committed checkpoint (idempotent per job and step)."""

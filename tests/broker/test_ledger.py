@@ -23,8 +23,18 @@ from broker.ledger.jobs import JobRepository
 from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0008"
-TABLES = {"jobs", "policy_versions", "generator_loads", "samples", "train_steps", "evals", "job_changes", "checkpoints"}
+HEAD = "0009"
+TABLES = {
+    "jobs",
+    "policy_versions",
+    "generator_loads",
+    "samples",
+    "train_steps",
+    "evals",
+    "job_changes",
+    "checkpoints",
+    "step_inputs",
+}
 
 
 def sample(msg_id: str, *, job_id: str = "job", gen_version: int = 0, **extra: Any) -> dict:
@@ -80,6 +90,7 @@ def test_models_match_the_migrations(ledger: Ledger) -> None:
         (ledger_rows.GeneratorLoadRow, "generator_loads"),
         (ledger_rows.TrainStepRow, "train_steps"),
         (ledger_rows.CheckpointRow, "checkpoints"),
+        (ledger_rows.StepInputRow, "step_inputs"),
         (ledger_rows.EvalRow, "evals"),
         (ledger_rows.AdminTaskRow, "admin_tasks"),
     ],
@@ -456,6 +467,38 @@ def test_train_steps_upsert(ledger: Ledger) -> None:
     # numpy scalars are stored as numbers; non-finite values as null (JSON has no NaN).
     ledger.record_train_step("job", 3, 3, {"loss": np.float32(0.5), "n": np.int64(4), "kl": float("nan")})
     assert ledger.train_steps("job")[2]["metrics"] == {"loss": 0.5, "n": 4, "kl": None}
+
+
+def test_step_inputs_keep_their_bytes_and_a_redone_step_overwrites(ledger: Ledger) -> None:
+    blob = bytes(range(256)) * 40  # every byte value: stored and read back as it is
+    row = {
+        "job_id": "job",
+        "step": 2,
+        "policy_version": 2,
+        "lr": 1e-4,
+        "checksum": "ab12",
+        "restored_from": None,
+        "identity": {"torch": "2.13.0+cpu", "threads": 1},
+        "meta": {"format": 1, "term_names": []},
+        "data": blob,
+    }
+    ledger.record_step_input(row)  # type: ignore[arg-type]
+    ledger.record_step_input({**row, "step": 1, "data": b"one"})  # type: ignore[arg-type]
+    assert ledger.step_input_steps("job") == [1, 2]
+    got = ledger.step_input("job", 2)
+    assert got is not None and bytes(got["data"]) == blob
+    assert {k: got[k] for k in row if k != "data"} == {k: v for k, v in row.items() if k != "data"}  # type: ignore[literal-required]
+    first = got["created_at"]
+    # a step re-done after a resume: its record replaced (what follows is the re-done step's)
+    ledger.record_step_input({**row, "checksum": "cd34", "restored_from": 0, "data": b"again"})  # type: ignore[arg-type]
+    again = ledger.step_input("job", 2)
+    assert again is not None and (again["checksum"], again["restored_from"], bytes(again["data"])) == (
+        "cd34",
+        0,
+        b"again",
+    )
+    assert again["created_at"] == first
+    assert ledger.step_input("job", 3) is None and ledger.step_input_steps("other") == []
 
 
 def test_evals_upsert(ledger: Ledger) -> None:
