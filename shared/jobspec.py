@@ -578,6 +578,13 @@ class JobSpec(_Strict):
         le=MAX_STEPS,
         description="Save an HF-format checkpoint every N steps (0: only when the job ends or stops).",
     )
+    record_steps: bool = Field(
+        True,
+        description="Record in the ledger what each step trained on (its batch of token ids, behaviour logprobs, "
+        "rewards and versions, compressed; its lr and RNG state) and the weights' checksum after it, so that "
+        "`asyncrl replay` can re-run the training bit for bit. Costs about the batch's size per step (a few "
+        "bytes per token); false: nothing recorded, and replay says it cannot.",
+    )
     guard: GuardSpec = Field(
         default_factory=GuardSpec,
         description="Collapse guard: roll back to the last checkpoint and lower the lr on a trip.",

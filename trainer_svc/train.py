@@ -40,6 +40,7 @@ from trainer_svc.dist import Ranks
 from trainer_svc.learner import follow
 from trainer_svc.offload import Offload
 from trainer_svc.parts import Parts
+from trainer_svc.replay import Taken, capture_rng, software_identity, step_input
 from trainer_svc.reward_errors import RewardErrorStreak, RewardsFailed, error_fraction
 from trainer_svc.sink import Batch, overlong_reason, record_used
 from trainer_svc.staleness import staleness_lr_scale
@@ -146,7 +147,7 @@ def _train(p: Parts) -> None:
         if done is None:
             offload.to_host()
             continue
-        step_metrics, tripped = done
+        tripped = done.tripped
         st.version += 1
         st.step += 1
         set_context(policy_version=st.version)
@@ -160,7 +161,7 @@ def _train(p: Parts) -> None:
 
         # ledger + metrics; trained entries are held until a checkpoint covers them, the rest acked
         times = {"time/wait_s": t_data - t_start, "time/train_s": t_train - t_data, "time/publish_s": publish_s}
-        _record(p, batch, step_metrics, times, t_start)
+        _record(p, batch, done, checksum, times, t_start)
         # a scorer that only fails fails the job, saying why, rather than let it end `finished`
         why = reward_errors.observe([s.reward_status for s in batch.samples], [s.reward_reason for s in batch.samples])
         if why is not None:
@@ -175,10 +176,11 @@ def _train(p: Parts) -> None:
     p.finish()
 
 
-def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
+def _train_step(p: Parts, batch: Batch) -> Taken | None:
     """One optimizer step on `batch`, redone after each guard trip that rolls back; returns its
-    metrics and whether the guard tripped. None: the step raised on groups of the batch, which
-    were dropped (Parts.isolate); the step is to be taken again with others.
+    metrics, whether the guard tripped and what a replay needs of its last try (lr, RNG state, the
+    checkpoint a roll-back restored). None: the step raised on groups of the batch, which were
+    dropped (Parts.isolate); the step is to be taken again with others.
 
     Raises:
         RuntimeError: naming what the step raised and its groups, when no group of the batch
@@ -188,12 +190,14 @@ def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
     assert data is not None
     lr_scale = staleness_lr_scale(float(np.mean(batch.staleness))) if spec.algorithm.staleness_lr else 1.0
     rewards, versions = data.rewards.view(-1).tolist(), data.versions.tolist()
-    tripped = False
+    tripped, restored = False, None
     while True:
+        # the schedule's lr at this step, scaled by the live lr and staleness (a re-done step: as recorded)
+        lr = st.step_lr(batch.step, lr_scale)
+        rng = capture_rng(p.learner.device)  # what the step draws from (dropout), for a replay
         try:
             with p.prom.phases.span("learner_step"):
-                # the schedule's lr at this step, scaled by the live lr and staleness (a re-done step: as recorded)
-                metrics = p.learner.step(data, lr=st.step_lr(batch.step, lr_scale))
+                metrics = p.learner.step(data, lr=lr)
         except Exception as exc:
             if p.isolate(batch, exc):
                 return None
@@ -208,15 +212,17 @@ def _train_step(p: Parts, batch: Batch) -> tuple[dict[str, float], bool] | None:
         if trip is None:
             break
         tripped = True
-        if not p.roll_back(st.guard.trip(*trip, batch.step, st.version)):  # the policy was kept: the step stands
+        rb = st.guard.trip(*trip, batch.step, st.version)
+        if not p.roll_back(rb):  # the policy was kept: the step stands
             break
+        restored = rb.back_to  # the next try starts from this checkpoint's weights and optimizer state
     st.guard.stood(batch.step)
-    return metrics, tripped
+    return Taken(metrics, tripped, lr, rng, restored)
 
 
-def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[str, float], t_start: float) -> None:
-    """The step in the ledger (samples used, metrics), Prometheus, the tracking sinks and the log;
-    acks what it may."""
+def _record(p: Parts, batch: Batch, taken: Taken, checksum: str, times: dict[str, float], t_start: float) -> None:
+    """The step in the ledger (samples used, what it stepped on for a replay, metrics), Prometheus,
+    the tracking sinks and the log; acks what it may. `checksum`: the weights' it produced."""
     spec, st, phases, stale = p.spec, p.state, p.prom.phases, batch.staleness
     t_ledger = time.perf_counter()
     used: list[UsedItem] = [
@@ -235,8 +241,15 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
     twice = len(used) + len(batch.dropped) - changed - (len(used) if batch.redo is not None else 0)
     if twice:
         log.error("step %d: %d samples were already used in the ledger", st.step, twice)
+    t_record = time.perf_counter()
+    if spec.record_steps:
+        assert batch.data is not None
+        identity = software_identity(p.learner.device, p.ranks.world_size)
+        row = step_input(p.job_id, st.step, st.version, batch.data, taken, checksum, identity)
+        with phases.span("ledger"):
+            p.ledger.record_step_input(row)
     metrics = {
-        **step_metrics,
+        **taken.metrics,
         **episode_means([s.rollout.env_metrics for s in batch.samples]),
         "off_policy/mean": float(np.mean(stale)),
         "off_policy/max": float(max(stale)),
@@ -251,6 +264,7 @@ def _record(p: Parts, batch: Batch, step_metrics: dict[str, float], times: dict[
         "resume/redone": float(batch.redo is not None),
         "guard/trips": float(st.guard.trips),
         **times,
+        "time/record_s": time.perf_counter() - t_record,  # encoding and writing the step's input (replay)
         "time/ledger_s": time.perf_counter() - t_ledger,
         "time/step_s": time.perf_counter() - t_start,
         # seconds per phase since the previous step's record (its ledger writes and acks included)

@@ -65,7 +65,7 @@ class StepRepository(Repository):
     def record_step_input(self, row: StepInputIn) -> None:
         """Upsert what a step stepped on (a step re-done after a resume overwrites its record, as
         its metrics: the weights that follow are the re-done step's)."""
-        ins = self._db.insert(step_inputs_t).values(**row, created_at=utcnow())
+        ins = self._db.insert(step_inputs_t).values({**row, "created_at": utcnow()})
         keep = ("job_id", "step", "created_at")
         stmt = ins.on_conflict_do_update(
             index_elements=["job_id", "step"],
