@@ -662,6 +662,106 @@ def verify(job_id: str, api: str = API, token: str | None = TOKEN) -> None:
         raise typer.Exit(1)
 
 
+@app.command("replay")
+def replay_job(
+    job_id: str,
+    to_step: int | None = typer.Option(
+        None, "--to-step", min=1, help="The last step to replay (default: the last recorded)."
+    ),
+    from_step: int = typer.Option(
+        1,
+        "--from-step",
+        min=1,
+        help="Start from the newest checkpoint before this step (default 1: from the initial model).",
+    ),
+    db: str = typer.Option(
+        "sqlite:///runs/ledger.db",
+        "--db",
+        envvar="DATABASE_URL",
+        help="The job's ledger (as the services' DATABASE_URL).",
+    ),
+    device: str | None = typer.Option(None, help="Torch device (default: the recorded one where this box has it)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the outcome as JSON rather than a table."),
+) -> None:
+    """Re-run the trainer side of a job from its ledger and checkpoints alone: the same batches in
+    the same order, at the same lr and RNG state, and compare the weights' checksum (and the loss
+    and the other learner metrics) with those recorded at training time, step by step. Runs here,
+    on this box's torch (the model and checkpoints must be readable at their recorded paths).
+    Exits 0 when every replayed step matched bit for bit, 1 at the first step that differs (named)
+    or when the job cannot be replayed (the reason)."""
+    from transformers.utils import logging as hf_logging
+
+    from broker.ledger import Ledger
+    from trainer_svc.replay import CannotReplay, Start, StepResult, replay, report
+
+    quiet_logging()
+    hf_logging.disable_progress_bar()  # the model loads: not the user's business here
+    console = Console(stderr=as_json)
+    events: list[Start | StepResult] = []
+    with Ledger(db) as ledger:
+        try:
+            with console.status(f"replaying job {job_id}") as status:
+                for ev in replay(ledger, job_id, from_step=from_step, to_step=to_step, device=device):
+                    events.append(ev)
+                    if isinstance(ev, Start):
+                        _echo_replay_start(console, ev)
+                    status.update(f"replaying job {job_id}: step {ev.step} done")
+        except CannotReplay as exc:
+            _fail(str(exc))
+    out = report(job_id, events)
+    if as_json:
+        _echo_json(out)
+    else:
+        _echo_replay_table(console, job_id, events, out)
+    if not out["bitwise"]:
+        raise typer.Exit(1)
+
+
+def _echo_replay_start(console: Console, start: Any) -> None:
+    console.print(Text(f"start: after step {start.step}, from {start.source}"), soft_wrap=True)
+    if start.not_comparable:
+        console.print(
+            Text("not comparable (bit-exactness not expected): " + "; ".join(start.not_comparable), style="yellow"),
+            soft_wrap=True,
+        )
+    else:
+        console.print(Text("software and hardware as recorded: comparable", style="dim"))
+
+
+def _echo_replay_table(console: Console, job_id: str, events: list[Any], out: dict[str, Any]) -> None:
+    table = Table(
+        "step",
+        "version",
+        "lr",
+        Column("loss", justify="right"),
+        "recorded",
+        "replayed",
+        "result",
+        title=f"replay of job {job_id}",
+    )
+    for e in events[1:]:
+        table.add_row(
+            _cell(e.step),
+            _cell(e.version),
+            Text(f"{e.lr:.3g}"),
+            _cell(e.loss, 5),
+            _cell(e.expected[:12]),
+            _cell(e.got[:12] or None),
+            Text("same", style="green") if e.same else Text("DIFFERS", style="bold red"),
+        )
+    console.print(table)
+    if out["bitwise"]:
+        n = len(out["steps"])
+        span = f"steps {out['steps'][0]['step']}..{out['steps'][-1]['step']}" if n else "no step"
+        console.print(Text(f"{span} replayed bit for bit", style="green"))
+        return
+    first = out["first_differing_step"]
+    where = "the starting weights" if first == out["start"]["step"] and not out["steps"] else f"step {first}"
+    console.print(Text(f"{where} differs: " + "; ".join(out["differs"]), style="bold red"), soft_wrap=True)
+    if out["not_comparable"]:
+        console.print(Text("(recorded on other software or hardware: see above)", style="yellow"))
+
+
 # -- admin tasks (the job API hands them to the Celery worker) ------------------------------
 
 

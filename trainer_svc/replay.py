@@ -338,9 +338,27 @@ def replay(
     rec_ident = first["identity"]
     if device is None:
         device = "cuda" if rec_ident.get("device") == "cuda" and torch.cuda.is_available() else "cpu"
-    # the recorded thread count: a reduction's order depends on it
-    if isinstance(rec_ident.get("threads"), int) and rec_ident["threads"] > 0:
-        torch.set_num_threads(rec_ident["threads"])
+    threads = torch.get_num_threads()
+    try:
+        # the recorded thread count: a reduction's order depends on it
+        if isinstance(rec_ident.get("threads"), int) and rec_ident["threads"] > 0:
+            torch.set_num_threads(rec_ident["threads"])
+        yield from _replay_from(ledger, job_id, spec, start, to_step, ckpts, first, device)
+    finally:
+        torch.set_num_threads(threads)  # the caller's again
+
+
+def _replay_from(
+    ledger: Ledger,
+    job_id: str,
+    spec: JobSpec,
+    start: int,
+    to_step: int,
+    ckpts: dict[int, Path],
+    first: StepInputRow,
+    device: str,
+) -> Iterator[Start | StepResult]:
+    rec_ident = first["identity"]
 
     # the learner as the trainer built it (Parts.build): seed, then the model
     torch.manual_seed(spec.seed)
@@ -417,3 +435,29 @@ def _replay_step(
         [f"(+{len(diffs) - MAX_DIFFS_NAMED} more metrics)"] if len(diffs) > MAX_DIFFS_NAMED else []
     )
     return result
+
+
+def report(job_id: str, events: list[Start | StepResult]) -> dict[str, Any]:
+    """A replay's outcome as JSON: `bitwise` (every step replayed and the same; the start too),
+    `first_differing_step` (0: the starting weights; None), what differed there, and what of the
+    software differs from the recording (`not_comparable`)."""
+    start = next(e for e in events if isinstance(e, Start))
+    steps = [e for e in events if isinstance(e, StepResult)]
+    bad = next((s for s in steps if not s.same), None)
+    first: int | None = None if start.same else start.step
+    differs = [] if start.same else [f"starting weights: checksum {start.expected} recorded, {start.checksum} loaded"]
+    if bad is not None:
+        first, differs = bad.step, bad.differs
+    not_comparable = sorted({d for e in [start, *steps] for d in e.not_comparable})
+    return {
+        "job_id": job_id,
+        "bitwise": first is None,
+        "first_differing_step": first,
+        "differs": differs,
+        "not_comparable": not_comparable,
+        "start": {"step": start.step, "source": start.source, "checksum": start.checksum, "expected": start.expected},
+        "steps": [
+            {"step": s.step, "version": s.version, "lr": s.lr, "loss": s.loss, "expected": s.expected, "got": s.got}
+            for s in steps
+        ],
+    }

@@ -6,9 +6,10 @@ trainer_svc/train.py) is replayed in tests/test_replay_job.py."""
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,6 +21,7 @@ from broker.ledger.rows import StepInputIn, StepInputRow
 from shared.jobspec import JobSpec
 from trainer_svc import checkpoint
 from trainer_svc import learner as learner_mod
+from trainer_svc.algorithms import LossOutputs
 from trainer_svc.batch import TrainBatch
 from trainer_svc.learner import Learner
 from trainer_svc.replay import (
@@ -151,6 +153,17 @@ def _run(ledger: Ledger, **kw: Any) -> tuple[Start, list[StepResult]]:
     return start, steps  # type: ignore[return-value]
 
 
+def flip_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner's policy loss with its sign flipped, in this process only."""
+    real = learner_mod.policy_loss
+
+    def flipped(*args: Any, **kwargs: Any) -> LossOutputs:
+        out = real(*args, **kwargs)
+        return replace(out, loss=-out.loss)
+
+    monkeypatch.setattr(learner_mod, "policy_loss", flipped)
+
+
 def _in(row: StepInputRow) -> StepInputIn:
     """A row as read, as `record_step_input` takes it."""
     return cast(StepInputIn, {k: v for k, v in row.items() if k != "created_at"})
@@ -174,13 +187,7 @@ def test_a_replay_from_a_later_step_starts_at_the_checkpoint_before_it(recorded:
 
 
 def test_a_sign_flipped_loss_differs_at_the_first_step(recorded: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = learner_mod.policy_loss
-
-    def flipped(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        return type(out)(-out.loss, out.metrics)
-
-    monkeypatch.setattr(learner_mod, "policy_loss", flipped)
+    flip_the_loss(monkeypatch)
     start, steps = _run(recorded.ledger)
     assert start.same  # the weights it starts from are the recorded ones
     assert [s.step for s in steps] == [1] and not steps[0].same  # stops at the first difference
@@ -232,3 +239,28 @@ def test_what_cannot_be_replayed_says_why(recorded: Recorded, tmp_path: Path) ->
         list(replay(ledger, "rp0000000002"))
     with pytest.raises(CannotReplay, match="outside the recorded steps"):
         list(replay(ledger, JOB, from_step=STEPS + 1))
+
+
+def test_the_command_prints_each_step_and_exits_1_naming_the_first_difference(
+    recorded: Recorded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from asyncrl.cli import app
+
+    db = str(recorded.ledger.url.render_as_string(hide_password=False))
+    ok = CliRunner().invoke(app, ["replay", JOB, "--db", db])
+    assert ok.exit_code == 0, ok.output
+    assert "comparable" in ok.output and "steps 1..3 replayed bit for bit" in ok.output
+    as_json = CliRunner().invoke(app, ["replay", JOB, "--db", db, "--json", "--to-step", "2"])
+    out = json.loads(as_json.stdout)
+    assert (out["bitwise"], out["first_differing_step"], [s["step"] for s in out["steps"]]) == (True, None, [1, 2])
+
+    flip_the_loss(monkeypatch)
+    bad = CliRunner().invoke(app, ["replay", JOB, "--db", db, "--json"])
+    assert bad.exit_code == 1
+    out = json.loads(bad.stdout)
+    assert (out["bitwise"], out["first_differing_step"]) == (False, 1)
+    assert out["differs"][0].startswith("weights checksum")
+    gone = CliRunner().invoke(app, ["replay", "nosuchjob000", "--db", db])
+    assert gone.exit_code == 1 and "no job 'nosuchjob000'" in gone.output
