@@ -41,7 +41,8 @@ from trainer_svc.replay import (
 )
 
 JOB = "rp0000000001"
-STEPS, CHECKPOINT_AT = 3, 2
+# step ROLLED_BACK is taken after a collapse-guard roll-back to the checkpoint at CHECKPOINT_AT
+STEPS, CHECKPOINT_AT, ROLLED_BACK = 4, 2, 4
 
 
 def _batch(vocab: int, seed: int) -> TrainBatch:
@@ -116,7 +117,8 @@ class Recorded:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     """STEPS steps of the tiny model recorded like trainer_svc/train.py does (the RNG state before
     the step, the lr, the batch, the checksum after, the metrics), version 0 published, a
-    checkpoint after step CHECKPOINT_AT."""
+    checkpoint after step CHECKPOINT_AT, and step ROLLED_BACK's last try taken from that checkpoint
+    (as a guard trip's roll-back restores it: Parts.roll_back)."""
     from asyncrl.tiny_model import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("replay")
@@ -130,10 +132,15 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
     ledger.record_policy_version(JOB, 0, checksums[0], 1)
     for step in range(1, STEPS + 1):
         batch, lr = _batch(learner.vocab_size, step), 1e-3 * step
+        restored = None
+        if step == ROLLED_BACK:
+            learner.step(batch, lr=lr)  # the try the guard rejects
+            learner.restore(checkpoint.step_dir(tmp / "ckpt", JOB, CHECKPOINT_AT))
+            restored, lr = CHECKPOINT_AT, lr / 2
         rng = capture_rng("cpu")
         metrics = learner.step(batch, lr=lr)
         checksums.append(weights_checksum(learner))
-        taken = Taken(metrics, False, lr, rng)
+        taken = Taken(metrics, step == ROLLED_BACK, lr, rng, restored)
         ledger.record_step_input(step_input(JOB, step, step, batch, taken, checksums[-1], software_identity("cpu")))
         ledger.record_train_step(JOB, step, step, {**metrics, "time/step_s": 0.1})
         if step == CHECKPOINT_AT:
@@ -172,7 +179,8 @@ def _in(row: StepInputRow) -> StepInputIn:
 def test_a_recorded_job_replays_bit_for_bit(recorded: Recorded) -> None:
     start, steps = _run(recorded.ledger)
     assert (start.step, start.source, start.same, start.not_comparable) == (0, "the initial model", True, [])
-    assert [(s.step, s.same, s.got) for s in steps] == [(i, True, recorded.checksums[i]) for i in (1, 2, 3)]
+    assert [(s.step, s.same, s.got) for s in steps] == [(i, True, recorded.checksums[i]) for i in range(1, STEPS + 1)]
+    assert steps[ROLLED_BACK - 1].restored_from == CHECKPOINT_AT
     # the checksums moved: every step changed the weights
     assert len(set(recorded.checksums)) == STEPS + 1
     _, upto = _run(recorded.ledger, to_step=2)
@@ -183,7 +191,7 @@ def test_a_replay_from_a_later_step_starts_at_the_checkpoint_before_it(recorded:
     start, steps = _run(recorded.ledger, from_step=3)
     assert start.step == CHECKPOINT_AT and start.path is not None and start.same
     assert start.checksum == recorded.checksums[CHECKPOINT_AT]
-    assert [(s.step, s.same) for s in steps] == [(3, True)]
+    assert [(s.step, s.same) for s in steps] == [(3, True), (4, True)]
 
 
 def test_a_sign_flipped_loss_differs_at_the_first_step(recorded: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,7 +259,7 @@ def test_the_command_prints_each_step_and_exits_1_naming_the_first_difference(
     db = str(recorded.ledger.url.render_as_string(hide_password=False))
     ok = CliRunner().invoke(app, ["replay", JOB, "--db", db])
     assert ok.exit_code == 0, ok.output
-    assert "comparable" in ok.output and "steps 1..3 replayed bit for bit" in ok.output
+    assert "comparable" in ok.output and "steps 1..4 replayed bit for bit" in ok.output
     as_json = CliRunner().invoke(app, ["replay", JOB, "--db", db, "--json", "--to-step", "2"])
     out = json.loads(as_json.stdout)
     assert (out["bitwise"], out["first_differing_step"], [s["step"] for s in out["steps"]]) == (True, None, [1, 2])
@@ -264,3 +272,28 @@ def test_the_command_prints_each_step_and_exits_1_naming_the_first_difference(
     assert out["differs"][0].startswith("weights checksum")
     gone = CliRunner().invoke(app, ["replay", "nosuchjob000", "--db", db])
     assert gone.exit_code == 1 and "no job 'nosuchjob000'" in gone.output
+
+
+def test_a_lora_job_with_dropout_replays_its_recorded_rng(recorded: Recorded, tmp_path: Path) -> None:
+    """LoRA dropout draws from torch's RNG in every step: the step's recorded RNG state is what
+    makes the replay bitwise (and the checksum is of the adapter's tensors, as published)."""
+    spec = recorded.spec.model_copy(update={"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5}})
+    spec = JobSpec.model_validate(spec.model_dump(mode="json"))
+    job = "rp0000000003"
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.create_job(job, "lora", spec.model_dump(mode="json"), state="finished")
+    torch.manual_seed(spec.seed)
+    learner = Learner(spec, "cpu")
+    ledger.record_policy_version(job, 0, weights_checksum(learner), 1)
+    for step in (1, 2):
+        torch.randn(step * 7)  # the loop draws between steps (whatever else runs): the state moves on
+        batch, rng = _batch(learner.vocab_size, step), capture_rng("cpu")
+        metrics = learner.step(batch, lr=1e-2)
+        taken = Taken(metrics, False, 1e-2, rng)
+        ledger.record_step_input(
+            step_input(job, step, step, batch, taken, weights_checksum(learner), software_identity("cpu"))
+        )
+        ledger.record_train_step(job, step, step, metrics)
+    out = list(replay(ledger, job))
+    assert [(e.step, e.same) for e in out] == [(0, True), (1, True), (2, True)]
+    ledger.close()
