@@ -38,7 +38,9 @@ def main(
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
         "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
         "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
-        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs).",
+        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs); replay: "
+        "sync, async and two-generator jobs re-run from their ledger and checkpoints, bit for bit, and a "
+        "sign-flipped loss caught (results/correctness.json).",
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -61,6 +63,12 @@ def main(
         from bench.redis_cluster import bench_redis_cluster
 
         typer.echo(json.dumps(bench_redis_cluster(out_dir=out), indent=2))
+        return
+    if which == "replay":
+        from bench.replay import bench_replay
+
+        res = bench_replay(out_dir=out, steps=steps or 10)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k.startswith("replay_bitwise")}, indent=2))
         return
     if which == "fleet":
         from bench.fleet import bench_fleet
@@ -162,7 +170,7 @@ def main(
         raise typer.BadParameter(
             f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
             "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-            "lora, packing, precision, redis-cluster, fleet"
+            "lora, packing, precision, redis-cluster, fleet, replay"
         )
 
 
