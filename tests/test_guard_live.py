@@ -4,7 +4,8 @@ real vLLM, real Redis).
 A warm-started tiny model trained with a destructive learning rate (the demo's 1e-4 x 20) loses its
 reward within a few steps. The guard must see the collapse, roll back to a checkpoint from before
 it (not merely the newest one, which already holds a collapsed policy), halve the lr, record it in
-the ledger and show it through the API, and the job must still finish with its ledger consistent.
+the ledger and show it through the API, and the job must still finish with its ledger consistent
+and replay bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from shared_fleet import Fleet  # tests/ is on sys.path
 from asyncrl.demo import prepare_model
 from broker.verify import verify
 from trainer_svc import checkpoint
+from trainer_svc.replay import replay, report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,6 +73,13 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_p
     assert steps == list(range(1, STEPS + 1))  # every step number once, the redone ones included
     result = verify(ledger, job_id)
     assert result.ok, [v.message for v in result.violations]
+    # the job replays bit for bit (trainer_svc/replay.py): each tripped step's last try from the
+    # checkpoint its roll-back restored, at the halved lr, as recorded
+    last_back = {t["step"]: t["rolled_back_to_step"] for t in trips}  # a step's last trip restored last
+    restored = {step: ledger.step_input(job_id, step) for step in last_back}
+    assert {step: r and r["restored_from"] for step, r in restored.items()} == last_back
+    replayed = report(job_id, list(replay(ledger, job_id)))
+    assert replayed["bitwise"], replayed
     print(
         f"\nguard trips {[t['kind'] for t in trips]} at steps {[t['step'] for t in trips]} -> rolled back to "
         f"{[t['rolled_back_to_step'] for t in trips]}, lr {[t['lr'] for t in trips]}; rewards per step {rewards}"
