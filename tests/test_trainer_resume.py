@@ -9,7 +9,8 @@ account for every sample exactly once.
 Async mode is not compared run against run: which groups fill a step depends on arrival order
 (generation and scoring speed), and so do staleness and drops. What holds there too: every step
 once, no sample trained twice, every sample trained, dropped with a reason, evaluated, or still in
-flight when the job ended (at most (k + 1) batches).
+flight when the job ended (at most (k + 1) batches). Both kinds replay bit for bit from their
+records, across the kill (`asyncrl replay`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from broker.streams import CONTROL, JobStreams, connect
 from shared.ids import control_id, group_seq
 from shared.jobspec import JobSpec
 from shared.schema import Control
+from trainer_svc.replay import replay, report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -155,6 +157,9 @@ def _run(
     out["version"] = max(v["version"] for v in ledger.policy_versions(job_id))
     out["checkpoints"] = [c["step"] for c in ledger.checkpoints(job_id)]
     out["evals"] = [e["step"] for e in ledger.evals(job_id)]
+    # the job replays bit for bit from its records (trainer_svc/replay.py): the re-done steps'
+    # records replaced the killed trainer's, and the weights they led to are what followed
+    out["replay"] = report(job_id, list(replay(ledger, job_id)))
     return out
 
 
@@ -162,6 +167,7 @@ def _accounting(run: dict, k: int) -> None:
     """Every step once, no sample trained twice, every sample accounted for."""
     assert [s["step"] for s in run["steps"]] == list(range(1, STEPS + 1))
     assert all(s["metrics"]["ledger/trained_twice"] == 0 for s in run["steps"])
+    assert run["replay"]["bitwise"] and len(run["replay"]["steps"]) == STEPS, run["replay"]
     assert run["step"] == STEPS and run["version"] == STEPS
     assert run["checkpoints"] == list(range(CKPT_EVERY, STEPS + 1, CKPT_EVERY))
     assert run["evals"] == list(range(0, STEPS + 1, EVAL_EVERY))
