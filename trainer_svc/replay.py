@@ -448,7 +448,7 @@ def report(job_id: str, events: list[Start | StepResult]) -> dict[str, Any]:
     differs = [] if start.same else [f"starting weights: checksum {start.expected} recorded, {start.checksum} loaded"]
     if bad is not None:
         first, differs = bad.step, bad.differs
-    not_comparable = sorted({d for e in [start, *steps] for d in e.not_comparable})
+    not_comparable = sorted({*start.not_comparable, *(d for s in steps for d in s.not_comparable)})
     return {
         "job_id": job_id,
         "bitwise": first is None,
