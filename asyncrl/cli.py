@@ -562,6 +562,7 @@ def set_knobs(
     max_staleness: int | None = typer.Option(None, help="Staleness bound k (async jobs)."),
     temperature: float | None = typer.Option(None, help="Sampling temperature of new rollouts."),
     top_p: float | None = typer.Option(None, help="Nucleus mass of new rollouts."),
+    top_k: int | None = typer.Option(None, help="Top-k of new rollouts (0: none)."),
     generation_batch: int | None = typer.Option(None, help="Prompt groups per generate call."),
     api: str = API,
     token: str | None = TOKEN,
@@ -572,6 +573,7 @@ def set_knobs(
         "max_staleness": max_staleness,
         "temperature": temperature,
         "top_p": top_p,
+        "top_k": top_k,
         "generation_batch": generation_batch,
     }
     changes = {k: v for k, v in given.items() if v is not None}

@@ -36,7 +36,9 @@ def main(
         "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency); packing: one "
         "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
-        "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
+        "mismatch KL (a 13M-parameter Llama); correctness: is/mean and mismatch_kl of sync jobs sampled with "
+        "top_p 0.8, 0.95 and top_k 20 (--label before/after); redis-cluster: a job on a local Redis Cluster, and one "
+        "through a "
         "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
         "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs).",
     ),
@@ -50,7 +52,9 @@ def main(
         "runs of each measurement, interleaved (0: 3).",
     ),
     before: str = typer.Option("", help="steps, startup: another checkout whose services to measure too (before)."),
-    label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
+    label: str = typer.Option(
+        "after", help="admission, correctness: the name of the code under test (before / after)."
+    ),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
@@ -100,6 +104,11 @@ def main(
         from bench.lora import bench_lora
 
         bench_lora(out_dir=out, steps=steps or 30, seeds=seeds)
+    elif which == "correctness":
+        from bench.correctness import bench_correctness
+
+        res = bench_correctness(label=label, steps=steps or 6, out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))
     elif which == "precision":
         from bench.precision import bench_precision
 
@@ -162,7 +171,7 @@ def main(
         raise typer.BadParameter(
             f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
             "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-            "lora, packing, precision, redis-cluster, fleet"
+            "lora, packing, precision, correctness, redis-cluster, fleet"
         )
 
 

@@ -47,6 +47,7 @@ LrScheduleName = Literal["constant", "linear", "cosine"]
 MAX_STEPS = 10_000_000
 MAX_SEED = 2**32 - 1
 MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # a vocabulary size; k >= the vocabulary keeps every token, as 0 does
 MAX_SCALE = 1e9
 
 # A chat-template variable: a short string, a bounded integer, a finite float or a flag.
@@ -64,7 +65,20 @@ class _Strict(SpecModel):
 
 class SamplingSpec(_Strict):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling mass; 1.0 keeps the full distribution. The trainer scores every token under "
+        "the same truncated distribution (ARCHITECTURE.md, the behaviour policy).",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_K,
+        description="Sample among the k most likely tokens (before top_p); 0 keeps every token. "
+        "The trainer applies the same cut.",
+    )
     max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
     stop: list[Annotated[str, Field(max_length=1000)]] = Field(
         default_factory=list,
@@ -444,6 +458,7 @@ class TrackingSpec(_Strict):
 class EvalSamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (one completion per problem is enough).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="The k most likely tokens only; 0 keeps every token.")
     n: int = Field(1, ge=1, le=1024, description="Samples per problem: n > 1 gives mean@n, pass@k and maj@n.")
     max_tokens: int | None = Field(
         None, ge=1, le=32768, description="Completion length; unset: the job's sampling.max_tokens."
@@ -752,6 +767,7 @@ class JobPatch(_Strict):
     max_staleness: int | None = Field(None, ge=0, le=64, description="New staleness bound k (async jobs).")
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature of new rollouts.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass of new rollouts.")
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, description="Top-k of new rollouts (0: none).")
     generation_batch: int | None = Field(None, ge=1, le=100_000, description="Prompt groups per generate call.")
 
     def changes(self) -> dict[str, float]:
@@ -763,7 +779,7 @@ class JobPatch(_Strict):
         c = self.changes()
         if "lr" in c:
             out["algorithm"]["lr"] = c["lr"]
-        for key in ("temperature", "top_p"):
+        for key in ("temperature", "top_p", "top_k"):
             if key in c:
                 out["sampling"][key] = c[key]
         for key in ("max_staleness", "generation_batch"):

@@ -89,6 +89,7 @@ class Feeder:
         self.open_evals: dict[str, list[Any]] = {}  # eval round id -> [step it evaluates, eval set], until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
         self.top_p = spec.sampling.top_p
+        self.top_k = spec.sampling.top_k
 
     def state(self) -> dict[str, Any]:
         """Everything needed to continue feeding where this feeder is (JSON-safe)."""
@@ -102,6 +103,7 @@ class Feeder:
             "fed": {g: self.fed[g] for g in sorted(self.in_flight & self.fed.keys(), key=group_seq)},
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -127,6 +129,7 @@ class Feeder:
         }
         self.temperature = float(state["temperature"])
         self.top_p = float(state["top_p"])
+        self.top_k = int(state.get("top_k", self.spec.sampling.top_k))  # journals before top_k: the spec's
 
     def _next_problem(self) -> Problem:
         if self.cursor >= len(self.order):
@@ -146,7 +149,7 @@ class Feeder:
         staleness, live knobs and the collapse guard). After the bound was lowered the groups in
         flight may fill more than its slots: nothing is fed until they are trained (or dropped)."""
         slots = slot_versions(version, bound, self.spec.prompts_per_step, len(self.in_flight))
-        sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p)
+        sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         msgs = []
         for train_version in slots:
             p = self._next_problem()

@@ -217,6 +217,7 @@ class Parts:
             self.state.bound.set_knob(int(knobs["max_staleness"]))
         self.feeder.temperature = float(knobs.get("temperature", self.feeder.temperature))
         self.feeder.top_p = float(knobs.get("top_p", self.feeder.top_p))
+        self.feeder.top_k = int(knobs.get("top_k", self.feeder.top_k))
         self.tracking.change(self.state.step + 1, "knobs", knobs)
         log.info("live knobs applied: %s", knobs)
 
