@@ -120,16 +120,17 @@ def test_submit_list_and_control_a_job(api, tmp_path):
         result = api.cli(command, job)
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout) == {"id": job, "state": state}
-    result = api.cli("set", job, "--lr", "1e-5", "--generation-batch", "3")
+    result = api.cli("set", job, "--lr", "1e-5", "--generation-batch", "3", "--top-k", "20")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"id": job, "changed": {"lr": 1e-5, "generation_batch": 3}}
+    assert json.loads(result.stdout) == {"id": job, "changed": {"lr": 1e-5, "top_k": 20, "generation_batch": 3}}
     assert api.get(f"/jobs/{job}")["spec"]["algorithm"]["lr"] == 1e-5
+    assert api.get(f"/jobs/{job}")["spec"]["sampling"]["top_k"] == 20
 
     changes = [c["changes"] for c in api.get(f"/jobs/{job}/changes")]
     assert changes == [
         {"command": "pause"},
         {"command": "resume"},
-        {"command": "set", "settings": {"lr": 1e-5, "generation_batch": 3}},
+        {"command": "set", "settings": {"lr": 1e-5, "top_k": 20, "generation_batch": 3}},
     ]
     # a queued job cancelled never starts: it leaves the queue at once
     result = api.cli("cancel", behind)
