@@ -412,6 +412,28 @@ class RewardLimitsSpec(_Strict):
         return min(self.fail_after_error_steps, steps)
 
 
+class DropSkewSpec(_Strict):
+    """When the job warns that dropping biases what it trains on (shared/drop_skew.py): the samples
+    kept out of the gradient (stale, dynamic sampling, over-long, failed rewards, ...) against
+    those trained, by completion length and reward, over the whole job."""
+
+    max_shift: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        description="Warn when the dropped samples' mean length or reward differs from the trained samples' by "
+        "more than this, relative to the trained scale (the larger of the trained mean's magnitude and its "
+        "p10..p90 spread): 0.2 is a fifth of it.",
+    )
+    min_dropped: int = Field(
+        64,
+        ge=1,
+        le=1_000_000_000,
+        description="Warn only once at least this many samples were dropped (with a reward, for the reward's "
+        "shift): the means of fewer are noise.",
+    )
+
+
 class TrackingSpec(_Strict):
     """Experiment tracking (trainer_svc/tracking.py): the trainer feeds each sink the job spec as
     its config, every step's metrics, every evaluation round, and the run's changes (live knobs,
@@ -585,6 +607,10 @@ class JobSpec(_Strict):
     reward_limits: RewardLimitsSpec = Field(
         default_factory=RewardLimitsSpec,
         description="The range a reward must lie in, and when a job whose rewards all fail stops.",
+    )
+    drop_skew: DropSkewSpec = Field(
+        default_factory=DropSkewSpec,
+        description="When a warning says that dropping samples biases the completion length or reward trained on.",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     priority: int = Field(
