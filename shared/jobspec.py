@@ -24,6 +24,7 @@ from shared.tracking import TrackingSink
 __all__ = [
     "REWARDS",
     "TASKS",
+    "DropSkewSpec",
     "EvalSetSpec",
     "JobPatch",
     "JobSpec",
