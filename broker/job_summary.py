@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
-
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
