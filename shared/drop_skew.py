@@ -147,39 +147,43 @@ def step_metrics(trained: Sequence[Sample], dropped: Mapping[str, Sequence[Sampl
 def _number(metrics: Mapping[str, Any], key: str) -> float | None:
     """A finite number under `key`, or None (absent, null, not a number)."""
     v = metrics.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        return None
-    return float(v)
+    # exact types: a bool is no number here; and this runs for every statistic of every step
+    if (type(v) is float or type(v) is int) and math.isfinite(v):
+        return float(v)
+    return None
 
 
-@dataclass
 class _Sums:
     """One side's running sums: its count, and each statistic times the count it was taken over."""
 
-    count: float = 0.0
-    weight: dict[str, float] = field(default_factory=lambda: dict.fromkeys(QUANTITIES, 0.0))
-    sums: dict[str, float] = field(default_factory=dict)
+    def __init__(self, side: str) -> None:
+        self.count_key, self.rewarded_key = _key(side, "count"), _key(side, "rewarded")
+        # the statistics' metric names, built once (a job's summary reads every step)
+        self.keys = {q: [_key(side, f"{q}_{s}") for s in STATS] for q in QUANTITIES}
+        self.count = 0.0
+        self.weight = dict.fromkeys(QUANTITIES, 0.0)
+        self.sums = {q: [0.0] * len(STATS) for q in QUANTITIES}
 
-    def add(self, side: str, metrics: Mapping[str, Any]) -> None:
-        count = _number(metrics, _key(side, "count")) or 0.0
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        count = _number(metrics, self.count_key) or 0.0
         if count <= 0:
             return
         self.count += count
-        weights = {"length": count, "reward": _number(metrics, _key(side, "rewarded")) or 0.0}
+        weights = {"length": count, "reward": _number(metrics, self.rewarded_key) or 0.0}
         for quantity, w in weights.items():
-            values = {s: _number(metrics, _key(side, f"{quantity}_{s}")) for s in STATS}
-            if w <= 0 or any(v is None for v in values.values()):
+            values = [_number(metrics, k) for k in self.keys[quantity]]
+            if w <= 0 or None in values:
                 continue  # a step that did not record the statistics counts for none of them
             self.weight[quantity] += w
-            for s, v in values.items():
-                assert v is not None
-                self.sums[f"{quantity}_{s}"] = self.sums.get(f"{quantity}_{s}", 0.0) + w * v
+            sums = self.sums[quantity]
+            for i, v in enumerate(values):
+                sums[i] += w * v  # type: ignore[operator]
 
     def dist(self, quantity: str) -> Dist | None:
         w = self.weight[quantity]
         if w <= 0:
             return None
-        return Dist(int(round(w)), *(self.sums[f"{quantity}_{s}"] / w for s in STATS))
+        return Dist(int(round(w)), *(v / w for v in self.sums[quantity]))
 
 
 @dataclass(frozen=True)
@@ -226,14 +230,14 @@ class JobTally:
     add up; no per-sample data is kept)."""
 
     def __init__(self) -> None:
-        self._sides = {side: _Sums() for side in SIDES}
+        self._sides = {side: _Sums(side) for side in SIDES}
 
     def add(self, metrics: Mapping[str, Any] | None) -> None:
         """One step's metrics (those of other names, and a step without any, count for nothing)."""
         if not metrics:
             return
-        for side, sums in self._sides.items():
-            sums.add(side, metrics)
+        for sums in self._sides.values():
+            sums.add(metrics)
 
     def summary(self) -> JobSkew:
         sides = {
