@@ -47,7 +47,8 @@ SERVICES = (("broker", "broker"), ("generator", "generator_svc"), ("reward", "re
 
 def golden_spec(model: str | Path, seed: int) -> dict[str, Any]:
     """The demo job (asyncrl.demo.run_demo's spec: lr 1e-4, temperature 1.0, 8 tokens, groups of 8,
-    16 prompts per step, 100 held-out problems) in sync mode, STEPS long, evaluated every EVAL_EVERY."""
+    16 prompts per step, 100 held-out problems) in sync mode, STEPS long, evaluated every EVAL_EVERY,
+    its groups seeded (`sampling.seeded`: the run repeats exactly on one machine)."""
     return {
         "name": f"golden-{seed}",
         "model_path": str(model),
@@ -56,7 +57,7 @@ def golden_spec(model: str | Path, seed: int) -> dict[str, Any]:
         "seed": seed,
         "eval_every": EVAL_EVERY,
         "algorithm": {"lr": 1e-4},
-        "sampling": {"temperature": 1.0, "max_tokens": 8},
+        "sampling": {"temperature": 1.0, "max_tokens": 8, "seeded": True},
     }
 
 
