@@ -11,9 +11,9 @@ where the gate is tight (step 2: 0.93 +- 0.11); at lr 1e-4 the demo's policy som
 after it (one seed of 8 at 0.42 by step 6), so steps 6 and 8 allow most of the range and the
 curve's mean over steps 2-8 (+- 0.44) catches a policy that never learns.
 
-Exact where it can be: a seeded job is deterministic on one machine (every training group carries
-its sampling seed, trainer_svc/feeder.py `group_seed`; the trainer runs one torch thread; held-out
-rounds are greedy): where this machine is the reference's (`bench.golden.fingerprint`), the seed-0
+Exact where it can be: a seeded job is deterministic on one machine (with `sampling.seeded` every
+training group carries its sampling seed, trainer_svc/feeder.py `group_seed`; the trainer runs one
+torch thread; held-out rounds are greedy): where this machine is the reference's (`bench.golden.fingerprint`), the seed-0
 curve must equal the reference's seed-0 curve exactly, and any change in the numbers, intended or
 not, shows here. An intended one: regenerate with `python -m bench golden --write` (~2 min).
 """
