@@ -13,9 +13,10 @@ curve's mean over steps 2-8 (+- 0.44) catches a policy that never learns.
 
 Exact where it can be: a seeded job is deterministic on one machine (with `sampling.seeded` every
 training group carries its sampling seed, trainer_svc/feeder.py `group_seed`; the trainer runs one
-torch thread; held-out rounds are greedy): where this machine is the reference's (`bench.golden.fingerprint`), the seed-0
-curve must equal the reference's seed-0 curve exactly, and any change in the numbers, intended or
-not, shows here. An intended one: regenerate with `python -m bench golden --write` (~2 min).
+torch thread; held-out rounds are greedy): where this machine is the reference's
+(`bench.golden.fingerprint`), the seed-0 curve must equal the reference's seed-0 curve exactly, and
+any change in the numbers, intended or not, shows here. An intended one: regenerate with
+`python -m bench golden --write` (~2 min).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ the same model on the same tokens, both measured in this process, interleaved (b
 
 A ratio to a baseline measured in the same run, not a time: a slower or busier machine slows both
 halves alike. Measured on this box (2 cores, one torch thread, the demo model, 32 samples of 24
-tokens; `python -m bench step-time`): the ratio sits at 1.04-1.07 with the load average at 0 and
-at 4 alike (a step is ~55 ms, its plain twin ~52 ms: advantages, the entropy, the loss's metrics
-and their one host copy cost ~5 %). A redundant extra forward in the step (a forward is a third of
-forward + backward) puts it near 1.4. THRESHOLD = 1.25 sits four times the quiet-to-loaded spread
+tokens; `python -m bench step-time`): 10 measurements each, 1.048-1.063 with the load average at
+1.3 and 1.037-1.067 at 4-5 (a step is ~54 ms, its plain twin ~51 ms: advantages, the entropy, the
+loss's metrics and their one host copy cost ~5 %). A redundant extra forward in the step (a forward
+is a third of forward + backward) measured 1.44-1.48. THRESHOLD = 1.25 sits six times the spread (0.03)
 above the median and well below that slowdown; anything that costs a quarter of a plain step on
 every step (a second forward, a host sync per token, metrics in Python loops over samples) trips it.
 
