@@ -82,6 +82,13 @@ class SamplingSpec(_Strict):
         0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion."
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the completion text.")
+    seeded: bool = Field(
+        False,
+        description="Give every training group its own sampling seed, from the job's seed and the group's place in "
+        "the feed order: a sync job then repeats exactly on the same machine (the golden test's job), whatever "
+        "jobs the generator served before and however it batched the groups. Off: rollouts draw from the "
+        "engine's one generator. Costs vLLM a sampling pass per sequence, and on GPU its FlashInfer sampler.",
+    )
 
     @model_validator(mode="after")
     def _stops(self) -> SamplingSpec:
@@ -95,7 +102,7 @@ class SamplingSpec(_Strict):
 
     def params(self, **overrides: float | int) -> SamplingParams:
         """The wire form (shared.schema.SamplingParams) of these settings, with live overrides."""
-        return SamplingParams(**{**self.model_dump(), **overrides})
+        return SamplingParams(**{**self.model_dump(exclude={"seeded"}), **overrides})
 
 
 class AlgorithmSpec(_Strict):
