@@ -95,6 +95,13 @@ def _percent(fraction: float | None) -> Text:
     return Text(f"{fraction:.1%}", style="red" if fraction else "")
 
 
+def _skewed(warnings: list[str]) -> Text:
+    """What dropping biases, as a cell: the quantities its warnings name, in yellow ("-": nothing)."""
+    if not warnings:
+        return Text("-", style="dim")
+    return Text(", ".join(w.split(":", 1)[0].removeprefix("dropping biases ") for w in warnings), style="yellow")
+
+
 def _cell(value: Any, digits: int = 3) -> Text:
     """Table cell text; user data goes in as Text so that rich markup in it is not interpreted."""
     if value is None:
@@ -245,6 +252,7 @@ def _show_queue(api: str, token: str | None) -> None:
             Column("priority", justify="right"),
             "started",
             Column("reward errors", justify="right"),
+            "drop skew",
             title="running",
             title_justify="left",
         )
@@ -257,6 +265,7 @@ def _show_queue(api: str, token: str | None) -> None:
                 _cell(j["priority"]),
                 _cell(j["started_at"]),
                 _percent(j.get("reward_error_fraction")),
+                _skewed(j.get("drop_skew_warnings") or []),
             )
         console.print(running)
     else:
@@ -341,6 +350,7 @@ def status(
         job = _call("GET", api, f"/jobs/{job_id}", token)
         _echo_json(job)
         _echo_reward_errors(job)
+        _echo_drop_skew(job)
         _echo_guard_trips(job_id, api, token)
         return
     job = _follow(job_id, api, token, interval)
@@ -518,6 +528,21 @@ def _echo_reward_errors(job: dict[str, Any]) -> None:
             fg="red" if fraction >= 0.5 else "yellow",
             err=True,
         )
+
+
+def _echo_drop_skew(job: dict[str, Any]) -> None:
+    """What dropping skewed, on stderr once the job dropped a sample: the counts by reason, the
+    length and reward shifts, then each warning (the curves show what was trained, not what was not)."""
+    skew = job.get("drop_skew") or {}
+    dropped = (skew.get("dropped") or {}).get("count") or 0
+    if not dropped:
+        return
+    reasons = ", ".join(f"{r} {side['count']}" for r, side in (skew.get("by_reason") or {}).items())
+    shifts = ", ".join(f"{q} {s['mean']:+.2f}" for q, s in (skew.get("shift") or {}).items() if s) or "none"
+    trained = (skew.get("trained") or {}).get("count") or 0
+    typer.echo(f"drop skew: {dropped} dropped ({reasons}) against {trained} trained; shift {shifts}", err=True)
+    for warning in skew.get("warnings") or []:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
 
 
 def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:

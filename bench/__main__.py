@@ -40,7 +40,9 @@ def main(
         "top_p 0.8, 0.95 and top_k 20 (--label before/after); redis-cluster: a job on a local Redis Cluster, and one "
         "through a "
         "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
-        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs).",
+        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs); "
+        "golden: the golden curve of tests/test_golden.py over --runs seeds (0: 8), --write to commit it; "
+        "step-time: the trainer's step over a plain step of the same model, --runs measurements (0: 10).",
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
     seeds: int = typer.Option(3, help="parity: number of seeds."),
@@ -56,11 +58,23 @@ def main(
         "after", help="admission, correctness: the name of the code under test (before / after)."
     ),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
+    write: bool = typer.Option(False, help="golden: write the reference curve and golden_tolerance."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
     from bench.claims import bench_async, bench_parity, bench_swap
 
+    if which == "golden":
+        from bench.golden import bench_golden
+
+        ref = bench_golden(seeds=runs or 8, write=write, out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in ref.items() if k != "seed_curves"}, indent=2))
+        return
+    if which == "step-time":
+        from bench.step_time import bench_step_time
+
+        typer.echo(json.dumps(bench_step_time(runs=runs or 10, out_dir=out), indent=2))
+        return
     if which == "redis-cluster":
         from bench.redis_cluster import bench_redis_cluster
 
@@ -171,7 +185,7 @@ def main(
         raise typer.BadParameter(
             f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
             "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-            "lora, packing, precision, correctness, redis-cluster, fleet"
+            "lora, packing, precision, correctness, redis-cluster, fleet, golden, step-time"
         )
 
 

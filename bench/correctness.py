@@ -26,6 +26,7 @@ from typing import Any
 
 from bench.claims import machine
 from bench.fleet import WarmFleet
+from bench.gates import update_correctness
 
 STEPS = 6
 # name in the result keys -> the job's sampling section
@@ -49,16 +50,6 @@ def job_spec(model: Path, name: str, sampling: dict[str, Any], steps: int) -> di
         "algorithm": {"lr": 1e-4, "dtype": "float32"},
         "sampling": {"temperature": 1.0, "max_tokens": 8, **sampling},
     }
-
-
-def merge(path: Path, values: dict[str, Any]) -> dict[str, Any]:
-    """`values` written into the JSON object at `path`, its other keys kept (other benchmarks and
-    helpers write keys of their own there)."""
-    current = json.loads(path.read_text()) if path.exists() else {}
-    runs = {**current.get("behaviour_policy_runs", {}), **values.pop("behaviour_policy_runs", {})}
-    out = {**current, **values, "behaviour_policy_runs": runs}
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    return out
 
 
 def _commit() -> str:
@@ -101,5 +92,8 @@ def bench_correctness(
         "machine": machine(),
         "threads": os.environ.get("TRAINER_THREADS", ""),
     }
-    merge(Path(out_dir) / "correctness.json", {**keys, "behaviour_policy_runs": {label: runs}})
+    # the other label's runs stay: before and after are measured by different checkouts
+    path = Path(out_dir) / "correctness.json"
+    earlier = json.loads(path.read_text()).get("behaviour_policy_runs", {}) if path.exists() else {}
+    update_correctness(Path(out_dir), {**keys, "behaviour_policy_runs": {**earlier, label: runs}})
     return {**keys, "runs": runs}

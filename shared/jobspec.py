@@ -24,6 +24,7 @@ from shared.tracking import TrackingSink
 __all__ = [
     "REWARDS",
     "TASKS",
+    "DropSkewSpec",
     "EvalSetSpec",
     "JobPatch",
     "JobSpec",
@@ -95,6 +96,13 @@ class SamplingSpec(_Strict):
         0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion."
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the completion text.")
+    seeded: bool = Field(
+        False,
+        description="Give every training group its own sampling seed, from the job's seed and the group's place in "
+        "the feed order: a sync job then repeats exactly on the same machine (the golden test's job), whatever "
+        "jobs the generator served before and however it batched the groups. Off: rollouts draw from the "
+        "engine's one generator. Costs vLLM a sampling pass per sequence, and on GPU its FlashInfer sampler.",
+    )
 
     @model_validator(mode="after")
     def _stops(self) -> SamplingSpec:
@@ -108,7 +116,7 @@ class SamplingSpec(_Strict):
 
     def params(self, **overrides: float | int) -> SamplingParams:
         """The wire form (shared.schema.SamplingParams) of these settings, with live overrides."""
-        return SamplingParams(**{**self.model_dump(), **overrides})
+        return SamplingParams(**{**self.model_dump(exclude={"seeded"}), **overrides})
 
 
 class AlgorithmSpec(_Strict):
@@ -426,6 +434,28 @@ class RewardLimitsSpec(_Strict):
         return min(self.fail_after_error_steps, steps)
 
 
+class DropSkewSpec(_Strict):
+    """When the job warns that dropping biases what it trains on (shared/drop_skew.py): the samples
+    kept out of the gradient (stale, dynamic sampling, over-long, failed rewards, ...) against
+    those trained, by completion length and reward, over the whole job."""
+
+    max_shift: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        description="Warn when the dropped samples' mean length or reward differs from the trained samples' by "
+        "more than this, relative to the trained scale (the larger of the trained mean's magnitude and its "
+        "p10..p90 spread): 0.2 is a fifth of it.",
+    )
+    min_dropped: int = Field(
+        64,
+        ge=1,
+        le=1_000_000_000,
+        description="Warn only once at least this many samples were dropped (with a reward, for the reward's "
+        "shift): the means of fewer are noise.",
+    )
+
+
 class TrackingSpec(_Strict):
     """Experiment tracking (trainer_svc/tracking.py): the trainer feeds each sink the job spec as
     its config, every step's metrics, every evaluation round, and the run's changes (live knobs,
@@ -600,6 +630,10 @@ class JobSpec(_Strict):
     reward_limits: RewardLimitsSpec = Field(
         default_factory=RewardLimitsSpec,
         description="The range a reward must lie in, and when a job whose rewards all fail stops.",
+    )
+    drop_skew: DropSkewSpec = Field(
+        default_factory=DropSkewSpec,
+        description="When a warning says that dropping samples biases the completion length or reward trained on.",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     priority: int = Field(

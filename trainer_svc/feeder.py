@@ -13,6 +13,7 @@ groups in flight).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,17 @@ from trainer_svc.validation import NOT_A_MEMBER, Fed
 
 # A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
 Render = Callable[[Problem], Rendered]
+
+
+def group_seed(seed: int, seq: int) -> int:
+    """The sampling seed of the job's `seq`-th training group (`sampling.seeded`): a function of the
+    job's seed and the feed order only (not of the group id, which holds the job id and the
+    trainer's run id), so a job samples alike however the generator batches its groups and whatever
+    jobs its engine served before (an unseeded request draws from the engine's one generator, which
+    both move). vLLM gives the group's i-th sample seed + i; below 2**31 that stays in every
+    engine's range."""
+    h = hashlib.blake2b(f"{seed}/train/{seq}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % 2**31
 
 
 class Feeder:
@@ -157,6 +169,7 @@ class Feeder:
             if r is None:
                 r = self._rendered[p.index] = self.render(p)
             gid = train_group_id(self.prefix, self.seq)
+            seed = group_seed(self.spec.seed, self.seq) if self.spec.sampling.seeded else None
             self.seq += 1
             msgs.append(
                 PromptGroup(
@@ -172,7 +185,7 @@ class Feeder:
                     answer=p.answer,
                     metadata=dict(p.metadata),
                     n=self.spec.group_size,
-                    sampling=sampling,
+                    sampling=sampling.model_copy(update={"seed": seed}),
                     train_version=train_version,
                 )
             )
