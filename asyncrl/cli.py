@@ -95,6 +95,13 @@ def _percent(fraction: float | None) -> Text:
     return Text(f"{fraction:.1%}", style="red" if fraction else "")
 
 
+def _skewed(warnings: list[str]) -> Text:
+    """What dropping biases, as a cell: the quantities its warnings name, in yellow ("-": nothing)."""
+    if not warnings:
+        return Text("-", style="dim")
+    return Text(", ".join(w.split(":", 1)[0].removeprefix("dropping biases ") for w in warnings), style="yellow")
+
+
 def _cell(value: Any, digits: int = 3) -> Text:
     """Table cell text; user data goes in as Text so that rich markup in it is not interpreted."""
     if value is None:
@@ -245,6 +252,7 @@ def _show_queue(api: str, token: str | None) -> None:
             Column("priority", justify="right"),
             "started",
             Column("reward errors", justify="right"),
+            "drop skew",
             title="running",
             title_justify="left",
         )
@@ -257,6 +265,7 @@ def _show_queue(api: str, token: str | None) -> None:
                 _cell(j["priority"]),
                 _cell(j["started_at"]),
                 _percent(j.get("reward_error_fraction")),
+                _skewed(j.get("drop_skew_warnings") or []),
             )
         console.print(running)
     else:
@@ -341,6 +350,7 @@ def status(
         job = _call("GET", api, f"/jobs/{job_id}", token)
         _echo_json(job)
         _echo_reward_errors(job)
+        _echo_drop_skew(job)
         _echo_guard_trips(job_id, api, token)
         return
     job = _follow(job_id, api, token, interval)
@@ -520,6 +530,21 @@ def _echo_reward_errors(job: dict[str, Any]) -> None:
         )
 
 
+def _echo_drop_skew(job: dict[str, Any]) -> None:
+    """What dropping skewed, on stderr once the job dropped a sample: the counts by reason, the
+    length and reward shifts, then each warning (the curves show what was trained, not what was not)."""
+    skew = job.get("drop_skew") or {}
+    dropped = (skew.get("dropped") or {}).get("count") or 0
+    if not dropped:
+        return
+    reasons = ", ".join(f"{r} {side['count']}" for r, side in (skew.get("by_reason") or {}).items())
+    shifts = ", ".join(f"{q} {s['mean']:+.2f}" for q, s in (skew.get("shift") or {}).items() if s) or "none"
+    trained = (skew.get("trained") or {}).get("count") or 0
+    typer.echo(f"drop skew: {dropped} dropped ({reasons}) against {trained} trained; shift {shifts}", err=True)
+    for warning in skew.get("warnings") or []:
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+
+
 def _echo_guard_trips(job_id: str, api: str, token: str | None) -> None:
     """The job's collapse-guard trips from its change log, one line each on stderr (stdout stays
     the JSON a script reads)."""
@@ -562,6 +587,7 @@ def set_knobs(
     max_staleness: int | None = typer.Option(None, help="Staleness bound k (async jobs)."),
     temperature: float | None = typer.Option(None, help="Sampling temperature of new rollouts."),
     top_p: float | None = typer.Option(None, help="Nucleus mass of new rollouts."),
+    top_k: int | None = typer.Option(None, help="Top-k of new rollouts (0: none)."),
     generation_batch: int | None = typer.Option(None, help="Prompt groups per generate call."),
     api: str = API,
     token: str | None = TOKEN,
@@ -572,6 +598,7 @@ def set_knobs(
         "max_staleness": max_staleness,
         "temperature": temperature,
         "top_p": top_p,
+        "top_k": top_k,
         "generation_batch": generation_batch,
     }
     changes = {k: v for k, v in given.items() if v is not None}

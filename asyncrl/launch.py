@@ -196,6 +196,8 @@ class Supervisor:
         for name in names:
             text = self.tail(name, 100_000)
             log_lines, stacks = split_stack_dump(text)
+            # the engine's own chatter and progress bars say nothing of where a service is
+            log_lines = [ln for ln in log_lines if ln.strip() and not ln.startswith("(") and "it/s]" not in ln]
             out += [f"--- {name}:", *log_lines[-lines:], *project_stacks(stacks)]
         return "\n".join(out)
 

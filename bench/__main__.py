@@ -36,9 +36,13 @@ def main(
         "fine-tune on the built-in task (held-out curve, bytes per weight update, update latency); packing: one "
         "trainer step on a long-tailed batch, padded micro-batches vs sequence packing (tokens/s, padding fraction, "
         "peak memory per token); precision: bfloat16 vs float32, the trainer's loss curves and the vLLM-to-trainer "
-        "mismatch KL (a 13M-parameter Llama); redis-cluster: a job on a local Redis Cluster, and one through a "
+        "mismatch KL (a 13M-parameter Llama); correctness: is/mean and mismatch_kl of sync jobs sampled with "
+        "top_p 0.8, 0.95 and top_k 20 (--label before/after); redis-cluster: a job on a local Redis Cluster, and one "
+        "through a "
         "primary's failover (the loss measured, and what verify finds); fleet: the standing fleet beside TRL "
-        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs); replay: "
+        "(warm submit -> first step, cold start and its breakdown, time to reward, memory over 20 jobs); "
+        "golden: the golden curve of tests/test_golden.py over --runs seeds (0: 8), --write to commit it; "
+        "step-time: the trainer's step over a plain step of the same model, --runs measurements (0: 10); replay: "
         "sync, async and two-generator jobs re-run from their ledger and checkpoints, bit for bit, and a "
         "sign-flipped loss caught (results/correctness.json).",
     ),
@@ -52,13 +56,27 @@ def main(
         "runs of each measurement, interleaved (0: 3).",
     ),
     before: str = typer.Option("", help="steps, startup: another checkout whose services to measure too (before)."),
-    label: str = typer.Option("after", help="admission: the name of the code under test (before / after)."),
+    label: str = typer.Option(
+        "after", help="admission, correctness: the name of the code under test (before / after)."
+    ),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
+    write: bool = typer.Option(False, help="golden: write the reference curve and golden_tolerance."),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
     from bench.claims import bench_async, bench_parity, bench_swap
 
+    if which == "golden":
+        from bench.golden import bench_golden
+
+        ref = bench_golden(seeds=runs or 8, write=write, out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in ref.items() if k != "seed_curves"}, indent=2))
+        return
+    if which == "step-time":
+        from bench.step_time import bench_step_time
+
+        typer.echo(json.dumps(bench_step_time(runs=runs or 10, out_dir=out), indent=2))
+        return
     if which == "redis-cluster":
         from bench.redis_cluster import bench_redis_cluster
 
@@ -108,6 +126,11 @@ def main(
         from bench.lora import bench_lora
 
         bench_lora(out_dir=out, steps=steps or 30, seeds=seeds)
+    elif which == "correctness":
+        from bench.correctness import bench_correctness
+
+        res = bench_correctness(label=label, steps=steps or 6, out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))
     elif which == "precision":
         from bench.precision import bench_precision
 
@@ -170,7 +193,7 @@ def main(
         raise typer.BadParameter(
             f"unknown bench '{which}'; valid: async, parity, transfer, suite, own-task, launcher, "
             "steps, admission, startup, multiturn, episode-rate, trainer-mem, capacity, fanout, "
-            "lora, packing, precision, redis-cluster, fleet, replay"
+            "lora, packing, precision, correctness, redis-cluster, fleet, golden, step-time, replay"
         )
 
 

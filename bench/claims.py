@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncrl.demo import prepare_model, run_job
+from bench.gates import update_correctness
 from broker.ledger import Ledger
 from broker.ledger.rows import TrainStepRow
 
@@ -184,6 +185,7 @@ def bench_async(
         "date": time.strftime("%Y-%m-%d"),
     }
     _report_async(result, Path(out_dir))
+    update_correctness(Path(out_dir), {"async_over_max": result["async_over_max"]})
     return result
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
+from bench.gates import update_correctness
 from broker.ledger import Ledger
 
 RUNS = (("sync", "sync", 1), ("async_1gen", "async", 1), ("async_2gen", "async", 2))
@@ -142,12 +143,9 @@ def bench_replay(out_dir: str = "results", steps: int = 10, workdir: str = "runs
                 "differs": flip["differs"],
             }
         ledger.close()
-    path = out / "correctness.json"
-    result = json.loads(path.read_text()) if path.exists() else {}
-    result.update(flags)
-    result["replay"] = {**details, "machine": machine()}
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+    return update_correctness(
+        out, {**flags, "replay": json.loads(json.dumps({**details, "machine": machine()}, default=str))}
+    )
 
 
 def _by_generator(ledger: Ledger, job_id: str) -> dict[str, int]:

@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from broker.job_summary import drop_skew
 from broker.ledger import Ledger
 from broker.ledger.rows import JobRow
 from broker.redis_server import redact_url, resolve_redis_url
@@ -186,6 +187,7 @@ def queue_view(ledger: Ledger, members: list[dict[str, Any]]) -> dict[str, Any]:
                 "priority": j["priority"],
                 "started_at": j["started_at"],
                 "reward_error_fraction": failed_fraction(ledger.reward_status_counts(j["id"])),
+                "drop_skew_warnings": drop_skew(ledger.train_steps(j["id"]), j["spec"])["warnings"],
             }
             for j in running
         ],

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from pydantic import ValidationError
 
 from broker.guard_report import describe, guard_trips
 from broker.ledger import Ledger
 from broker.ledger.rows import TrainStepRow
+from shared.drop_skew import summarize_job, warnings
+from shared.jobspec import DropSkewSpec
 
 # The per-step metrics the summary's table and plot use, as the trainer names them.
 STEP_METRICS = ("reward/mean", "off_policy/mean", "off_policy/max", "off_policy/dropped")
@@ -26,6 +31,17 @@ def finite(value: Any) -> float | None:
 
 def _sum(steps: list[TrainStepRow], key: str) -> float:
     return sum(v for s in steps if (v := finite((s["metrics"] or {}).get(key))) is not None)
+
+
+def drop_skew(steps: Sequence[TrainStepRow], spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What dropping skewed over the job's steps (shared/drop_skew.py), with the warnings its
+    spec's `drop_skew` thresholds give (the defaults where the stored spec has none)."""
+    try:
+        limits = DropSkewSpec.model_validate((spec or {}).get("drop_skew") or {})
+    except ValidationError:
+        limits = DropSkewSpec()
+    skew = summarize_job(s["metrics"] for s in steps)
+    return skew.as_json(warnings(skew, limits.max_shift, limits.min_dropped))
 
 
 def job_summary(ledger: Ledger, job_id: str) -> dict[str, Any]:

@@ -141,8 +141,9 @@ class Engine:
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
-            # Logprobs after temperature/top-p: the distribution we actually sampled from is the
-            # behaviour policy the importance weights divide by.
+            # Logprobs after temperature, top-k and top-p: the distribution we actually sampled from
+            # is the behaviour policy the importance weights divide by; the trainer applies the same
+            # cut to its logits (trainer_svc/logprobs.py `truncate`, ARCHITECTURE.md).
             logprobs_mode="processed_logprobs",
             worker_extension_cls="generator_svc.worker_ext.WeightSyncExtension",
             # co-located on a GPU: sleep (weights to host, KV cache freed) while the trainer steps
@@ -165,6 +166,7 @@ class Engine:
                 n=k,
                 temperature=p.temperature,
                 top_p=p.top_p,
+                top_k=p.top_k,
                 max_tokens=p.max_tokens,
                 seed=p.seed,
                 logprobs=0,

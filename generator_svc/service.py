@@ -286,6 +286,8 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             metadata=group.metadata,
             eval_set=group.eval_set,
             temperature=group.sampling.temperature,
+            top_p=group.sampling.top_p,
+            top_k=group.sampling.top_k,
         )
         for i, s in enumerate(samples)
     ]

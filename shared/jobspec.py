@@ -24,6 +24,7 @@ from shared.tracking import TrackingSink
 __all__ = [
     "REWARDS",
     "TASKS",
+    "DropSkewSpec",
     "EvalSetSpec",
     "JobPatch",
     "JobSpec",
@@ -47,6 +48,7 @@ LrScheduleName = Literal["constant", "linear", "cosine"]
 MAX_STEPS = 10_000_000
 MAX_SEED = 2**32 - 1
 MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # a vocabulary size; k >= the vocabulary keeps every token, as 0 does
 MAX_SCALE = 1e9
 
 # A chat-template variable: a short string, a bounded integer, a finite float or a flag.
@@ -64,7 +66,20 @@ class _Strict(SpecModel):
 
 class SamplingSpec(_Strict):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature for training rollouts.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 keeps the full distribution.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling mass; 1.0 keeps the full distribution. The trainer scores every token under "
+        "the same truncated distribution (ARCHITECTURE.md, the behaviour policy).",
+    )
+    top_k: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_K,
+        description="Sample among the k most likely tokens (before top_p); 0 keeps every token. "
+        "The trainer applies the same cut.",
+    )
     max_tokens: int = Field(16, ge=1, le=32768, description="Maximum completion tokens per sample.")
     stop: list[Annotated[str, Field(max_length=1000)]] = Field(
         default_factory=list,
@@ -81,6 +96,13 @@ class SamplingSpec(_Strict):
         0, ge=0, le=32768, description="Tokens to generate before EOS or a stop may end a completion."
     )
     include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the completion text.")
+    seeded: bool = Field(
+        False,
+        description="Give every training group its own sampling seed, from the job's seed and the group's place in "
+        "the feed order: a sync job then repeats exactly on the same machine (the golden test's job), whatever "
+        "jobs the generator served before and however it batched the groups. Off: rollouts draw from the "
+        "engine's one generator. Costs vLLM a sampling pass per sequence, and on GPU its FlashInfer sampler.",
+    )
 
     @model_validator(mode="after")
     def _stops(self) -> SamplingSpec:
@@ -94,7 +116,7 @@ class SamplingSpec(_Strict):
 
     def params(self, **overrides: float | int) -> SamplingParams:
         """The wire form (shared.schema.SamplingParams) of these settings, with live overrides."""
-        return SamplingParams(**{**self.model_dump(), **overrides})
+        return SamplingParams(**{**self.model_dump(exclude={"seeded"}), **overrides})
 
 
 class AlgorithmSpec(_Strict):
@@ -412,6 +434,28 @@ class RewardLimitsSpec(_Strict):
         return min(self.fail_after_error_steps, steps)
 
 
+class DropSkewSpec(_Strict):
+    """When the job warns that dropping biases what it trains on (shared/drop_skew.py): the samples
+    kept out of the gradient (stale, dynamic sampling, over-long, failed rewards, ...) against
+    those trained, by completion length and reward, over the whole job."""
+
+    max_shift: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        description="Warn when the dropped samples' mean length or reward differs from the trained samples' by "
+        "more than this, relative to the trained scale (the larger of the trained mean's magnitude and its "
+        "p10..p90 spread): 0.2 is a fifth of it.",
+    )
+    min_dropped: int = Field(
+        64,
+        ge=1,
+        le=1_000_000_000,
+        description="Warn only once at least this many samples were dropped (with a reward, for the reward's "
+        "shift): the means of fewer are noise.",
+    )
+
+
 class TrackingSpec(_Strict):
     """Experiment tracking (trainer_svc/tracking.py): the trainer feeds each sink the job spec as
     its config, every step's metrics, every evaluation round, and the run's changes (live knobs,
@@ -444,6 +488,7 @@ class TrackingSpec(_Strict):
 class EvalSamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=10.0, description="0: greedy (one completion per problem is enough).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="The k most likely tokens only; 0 keeps every token.")
     n: int = Field(1, ge=1, le=1024, description="Samples per problem: n > 1 gives mean@n, pass@k and maj@n.")
     max_tokens: int | None = Field(
         None, ge=1, le=32768, description="Completion length; unset: the job's sampling.max_tokens."
@@ -592,6 +637,10 @@ class JobSpec(_Strict):
     reward_limits: RewardLimitsSpec = Field(
         default_factory=RewardLimitsSpec,
         description="The range a reward must lie in, and when a job whose rewards all fail stops.",
+    )
+    drop_skew: DropSkewSpec = Field(
+        default_factory=DropSkewSpec,
+        description="When a warning says that dropping samples biases the completion length or reward trained on.",
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for data order, sampling and initialisation.")
     priority: int = Field(
@@ -759,6 +808,7 @@ class JobPatch(_Strict):
     max_staleness: int | None = Field(None, ge=0, le=64, description="New staleness bound k (async jobs).")
     temperature: float | None = Field(None, gt=0.0, le=10.0, description="Sampling temperature of new rollouts.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass of new rollouts.")
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K, description="Top-k of new rollouts (0: none).")
     generation_batch: int | None = Field(None, ge=1, le=100_000, description="Prompt groups per generate call.")
 
     def changes(self) -> dict[str, float]:
@@ -770,7 +820,7 @@ class JobPatch(_Strict):
         c = self.changes()
         if "lr" in c:
             out["algorithm"]["lr"] = c["lr"]
-        for key in ("temperature", "top_p"):
+        for key in ("temperature", "top_p", "top_k"):
             if key in c:
                 out["sampling"][key] = c[key]
         for key in ("max_staleness", "generation_batch"):

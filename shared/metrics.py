@@ -377,6 +377,15 @@ class TrainerMetrics:
             "is/ess",
             "Importance-sampling effective sample size fraction, last step.",
         ),
+        "asyncrl_trainer_drop_length_shift": (
+            "drop_skew/length_shift",
+            "Dropped against trained samples' mean completion length, relative to the trained scale; last step "
+            "that dropped any (shared/drop_skew.py).",
+        ),
+        "asyncrl_trainer_drop_reward_shift": (
+            "drop_skew/reward_shift",
+            "Dropped against trained samples' mean reward, relative to the trained scale; last step that dropped any.",
+        ),
     }
 
     def __init__(self, registry: CollectorRegistry | None = None, job_id: str = "") -> None:

@@ -183,6 +183,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = _int32(0)  # 0: no top-k (as vLLM); else the k most likely tokens, then top_p among them
     max_tokens: int = _int32(16, lo=1)
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     # Stopping, applied by vLLM: the completion ends at the first stop string (excluded from the
@@ -325,8 +326,11 @@ class Rollout(Message):
     prompt: Text = ""  # the rendered prompt text (for rewards that read it: judges, reward models)
     metadata: Metadata = Field(default_factory=dict)
     eval_set: Name = Field("", max_length=128)
-    # sampled at; the trainer rescales its logits alike
+    # sampled at: the behaviour policy. The trainer scores each token under the same distribution
+    # (logits / temperature, then top_k, then top_p: trainer_svc/logprobs.py `truncate`)
     temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = _int32(0)  # 0: none
     # A multi-turn episode (shared/environments): one byte per completion token, 1 where the model
     # sampled it, 0 where the environment appended it (its logprob is 0.0 and carries no loss or
     # importance weight). Empty: every completion token is the model's (a single-turn sample).

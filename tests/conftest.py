@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -53,3 +54,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     reconfigure its processes from a test."""
     with standing_fleet(tmp_path_factory.mktemp("fleet")) as f:
         yield f
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's warm-started tiny model (asyncrl.demo.prepare_model, seed 0: ~30 s, once a session)."""
+    from asyncrl.demo import prepare_model
+
+    return prepare_model(tmp_path_factory.mktemp("demo-model"), seed=0)

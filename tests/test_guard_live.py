@@ -14,7 +14,6 @@ import httpx
 import pytest
 from shared_fleet import Fleet  # tests/ is on sys.path
 
-from asyncrl.demo import prepare_model
 from broker.verify import verify
 from trainer_svc import checkpoint
 from trainer_svc.replay import replay, report
@@ -24,8 +23,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LR, STEPS, EVERY = 2e-3, 20, 2
 
 
-def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(tmp_path, fleet: Fleet):
-    model = prepare_model(tmp_path / "model", seed=0)
+def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(fleet: Fleet, demo_model):
+    model = demo_model
     ckpts = fleet.tmp / "checkpoints"
     spec = {
         "name": "guard-live",

@@ -34,6 +34,10 @@ class TrainBatch:
     model_mask: torch.Tensor
     rewards: torch.Tensor  # (G, n) float32
     temperatures: torch.Tensor  # (B,) float32: each sample's sampling temperature
+    # (B,) int64 and float32: each sample's top-k (0: none) and top-p (1.0: none); with the
+    # temperature, the distribution it was drawn from (trainer_svc/logprobs.py `truncate`)
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
     truncated: torch.Tensor  # (B,) bool: cut at max_tokens rather than ended by EOS or a stop rule
     versions: torch.Tensor  # (B,) int64: the policy version that generated each sample
     terms: torch.Tensor  # (K,) float64: the mean of each reward term (`term_names`) over the samples that have it
@@ -61,6 +65,8 @@ class TrainBatch:
             model_mask=flat([s.rollout.model_mask_array() for s in samples], torch.float32),
             rewards=rewards.to(torch.float32),
             temperatures=torch.tensor([s.rollout.temperature for s in samples], dtype=torch.float32),
+            top_ks=torch.tensor([s.rollout.top_k for s in samples], dtype=torch.int64),
+            top_ps=torch.tensor([s.rollout.top_p for s in samples], dtype=torch.float32),
             truncated=torch.tensor([s.rollout.finish_reason == "length" for s in samples], dtype=torch.bool),
             versions=torch.tensor([s.rollout.policy_version for s in samples], dtype=torch.int64),
             terms=torch.tensor([float(np.mean(v)) for v in sums.values()], dtype=torch.float64),
@@ -108,7 +114,8 @@ class TrainBatch:
         """Samples [lo, hi) as model inputs: input_ids (b, L), attention_mask (b, L), behaviour
         logprobs (b, L-1), completion mask (b, L-1) and temperatures (b,), with L the longest
         prompt + completion of these rows; right-padded like `logprobs.pad_batch`. The completion
-        mask is 1 only on the tokens the model sampled (`model_mask`)."""
+        mask is 1 only on the tokens the model sampled (`model_mask`). Their top-k and top-p:
+        `top_ks[lo:hi]`, `top_ps[lo:hi]`."""
         p_off = _offsets(self.prompt_lens)
         c_off = _offsets(self.completion_lens)
         lengths = self.prompt_lens[lo:hi] + self.completion_lens[lo:hi]
@@ -139,7 +146,7 @@ class TrainBatch:
         clens = [int(self.completion_lens[i]) for i in indices]
         lengths = [p + c for p, c in zip(plens, clens, strict=True)]
         width = max(clens, default=0)
-        pieces, temps = [], []
+        pieces, temps, ks, ps = [], [], [], []
         index = torch.zeros((len(indices), width), dtype=torch.long)
         behaviour = torch.zeros((len(indices), width), dtype=torch.float32)
         mask = torch.zeros_like(behaviour)
@@ -148,6 +155,8 @@ class TrainBatch:
             p, c = plens[k], clens[k]
             pieces += [self.prompt_tokens[p_off[i] : p_off[i] + p], self.completion_tokens[c_off[i] : c_off[i] + c]]
             temps.append(self.temperatures[i].expand(p + c))
+            ks.append(self.top_ks[i].expand(p + c))
+            ps.append(self.top_ps[i].expand(p + c))
             # the row's token start + j (j in [p, p + c)) is scored at shifted position start + j - 1
             index[k, :c] = torch.arange(start + p - 1, start + p + c - 1)
             behaviour[k, :c] = self.behaviour_logprobs[c_off[i] : c_off[i] + c]
@@ -161,6 +170,8 @@ class TrainBatch:
             # position t scores token t + 1 of the same sample; a sample's last position scores the
             # next sample's first token, which no index points at
             temperatures=torch.cat(temps)[None, :-1].to(torch.float32),
+            top_ks=torch.cat(ks)[None, :-1].to(torch.int64),
+            top_ps=torch.cat(ps)[None, :-1].to(torch.float32),
             index=index,
             behaviour_logprobs=behaviour,
             mask=mask,

@@ -75,6 +75,7 @@ def build_sets(
         sampling = spec.sampling.params(
             temperature=es.sampling.temperature,
             top_p=es.sampling.top_p,
+            top_k=es.sampling.top_k,
             max_tokens=es.sampling.max_tokens or spec.sampling.max_tokens,
         )
         out[es.name] = EvalSet(es, items, sampling)

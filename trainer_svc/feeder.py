@@ -13,6 +13,7 @@ groups in flight).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,17 @@ from trainer_svc.validation import NOT_A_MEMBER, Fed
 
 # A problem as the model sees it (shared.prompts.render with the job's tokenizer and template).
 Render = Callable[[Problem], Rendered]
+
+
+def group_seed(seed: int, seq: int) -> int:
+    """The sampling seed of the job's `seq`-th training group (`sampling.seeded`): a function of the
+    job's seed and the feed order only (not of the group id, which holds the job id and the
+    trainer's run id), so a job samples alike however the generator batches its groups and whatever
+    jobs its engine served before (an unseeded request draws from the engine's one generator, which
+    both move). vLLM gives the group's i-th sample seed + i; below 2**31 that stays in every
+    engine's range."""
+    h = hashlib.blake2b(f"{seed}/train/{seq}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % 2**31
 
 
 class Feeder:
@@ -89,6 +101,7 @@ class Feeder:
         self.open_evals: dict[str, list[Any]] = {}  # eval round id -> [step it evaluates, eval set], until complete
         self.temperature = spec.sampling.temperature  # live knobs: apply to groups fed from now on
         self.top_p = spec.sampling.top_p
+        self.top_k = spec.sampling.top_k
 
     def state(self) -> dict[str, Any]:
         """Everything needed to continue feeding where this feeder is (JSON-safe)."""
@@ -102,6 +115,7 @@ class Feeder:
             "fed": {g: self.fed[g] for g in sorted(self.in_flight & self.fed.keys(), key=group_seq)},
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -127,6 +141,7 @@ class Feeder:
         }
         self.temperature = float(state["temperature"])
         self.top_p = float(state["top_p"])
+        self.top_k = int(state.get("top_k", self.spec.sampling.top_k))  # journals before top_k: the spec's
 
     def _next_problem(self) -> Problem:
         if self.cursor >= len(self.order):
@@ -146,7 +161,7 @@ class Feeder:
         staleness, live knobs and the collapse guard). After the bound was lowered the groups in
         flight may fill more than its slots: nothing is fed until they are trained (or dropped)."""
         slots = slot_versions(version, bound, self.spec.prompts_per_step, len(self.in_flight))
-        sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p)
+        sampling = self.spec.sampling.params(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         msgs = []
         for train_version in slots:
             p = self._next_problem()
@@ -154,6 +169,7 @@ class Feeder:
             if r is None:
                 r = self._rendered[p.index] = self.render(p)
             gid = train_group_id(self.prefix, self.seq)
+            seed = group_seed(self.spec.seed, self.seq) if self.spec.sampling.seeded else None
             self.seq += 1
             msgs.append(
                 PromptGroup(
@@ -169,7 +185,7 @@ class Feeder:
                     answer=p.answer,
                     metadata=dict(p.metadata),
                     n=self.spec.group_size,
-                    sampling=sampling,
+                    sampling=sampling.model_copy(update={"seed": seed}),
                     train_version=train_version,
                 )
             )

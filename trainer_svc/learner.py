@@ -228,13 +228,16 @@ class Learner:
                 mb.behaviour_logprobs,
                 mb.mask,
             )
+            cut = {"top_k": mb.top_ks, "top_p": mb.top_ps}
             adv, unpack = advantages[mb.samples.cpu()].to(self.device), mb.unpack
         else:
             lo, hi = part or (0, 1)
             ids, attn, behaviour, mask, temp = batch.micro_batch(lo, hi, self.pad_id)
             ids, attn, behaviour, mask = (t.to(self.device) for t in (ids, attn, behaviour, mask))
+            cut = {"top_k": batch.top_ks[lo:hi], "top_p": batch.top_ps[lo:hi]}
             adv, unpack = advantages[lo:hi].to(self.device), _same
-        # each sample's own sampling temperature: the behaviour policy it was drawn from
+        # each sample's own temperature, top-k and top-p: the behaviour policy it was drawn from,
+        # the truncated distribution this policy's samples come from (ARCHITECTURE.md)
         chunk = self.spec.algorithm.logprob_chunk_tokens
         with self.autocast():
             logprobs, entropy = token_logprobs_and_entropy(
@@ -245,12 +248,16 @@ class Learner:
                 entropy_grad=self.cfg.entropy_coef > 0,
                 chunk_tokens=chunk,
                 position_ids=pos,
+                **cut,
             )
         logprobs, entropy = unpack(logprobs), unpack(entropy)  # packed: back to one row per sample
         ref = None
         if self.ref_model is not None:
             with torch.no_grad(), self.autocast():
-                ref = unpack(token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk, position_ids=pos))
+                # the initial policy sampled the same way (its own cut): the KL is 0 at the start
+                ref = unpack(
+                    token_logprobs(self.ref_model, ids, attn, temp, chunk_tokens=chunk, position_ids=pos, **cut)
+                )
         out = policy_loss(LossInputs(logprobs, behaviour, adv, mask, ref_logprobs=ref, entropy=entropy), self.cfg, norm)
         if part is None:
             (out.loss * 0.0).backward()

@@ -88,6 +88,8 @@ class PackedMicroBatch:
     index: torch.Tensor  # (b, C) int64: shifted position of each completion token; 0 past C_k
     behaviour_logprobs: torch.Tensor  # (b, C) float32, 0 past C_k
     mask: torch.Tensor  # (b, C) float32: 1 where the model sampled the token (model_mask), 0 past C_k
+    top_ks: torch.Tensor  # (1, L-1) int64: the top-k of the sample each position belongs to (0: none)
+    top_ps: torch.Tensor  # (1, L-1) float32: its top-p (1.0: none)
 
     def to(self, device: str | torch.device) -> PackedMicroBatch:
         return PackedMicroBatch(
@@ -101,6 +103,8 @@ class PackedMicroBatch:
                     self.index,
                     self.behaviour_logprobs,
                     self.mask,
+                    self.top_ks,
+                    self.top_ps,
                 )
             )
         )

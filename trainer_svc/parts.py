@@ -29,6 +29,7 @@ from broker.streams import (
     JobStreams,
 )
 from shared.datasets import load_source, load_task
+from shared.drop_skew import SkewWatch
 from shared.ids import control_id
 from shared.jobspec import JobSpec
 from shared.metrics import TrainerMetrics
@@ -74,6 +75,7 @@ class Parts:
     scored_in: JobStreams  # the scored stream without idle reclaim (checkpoint.singleton_consumer)
     resume: checkpoint.Resume | None
     tracking: Tracking  # the job's TensorBoard / MLflow / W&B run, if any (trainer_svc/tracking.py)
+    drop_skew: SkewWatch  # what dropping skews over the job, warned in the log (shared/drop_skew.py)
     held: list[str] = field(
         default_factory=list
     )  # scored entries of trained steps, acked once a checkpoint covers them
@@ -177,6 +179,7 @@ class Parts:
             checkpoint.singleton_consumer(streams),
             resume,
             tracking,
+            SkewWatch(spec.drop_skew.max_shift, spec.drop_skew.min_dropped),
             t_boot=t_boot,
             redis=redis,
         )
@@ -188,6 +191,10 @@ class Parts:
         resume, state, sink = self.resume, self.state, self.sink
         if resume is not None:
             state.step, state.version = resume.step, resume.version
+            # the steps the job kept, so the drop skew's warning speaks for the whole job
+            for row in self.ledger.train_steps(self.job_id):
+                if row["step"] <= resume.step:
+                    self.drop_skew.tally.add(row["metrics"])
             state.replay_lr = dict(resume.replay_lr)
             if resume.feeder is not None:
                 self.feeder.restore(resume.feeder)
@@ -217,6 +224,7 @@ class Parts:
             self.state.bound.set_knob(int(knobs["max_staleness"]))
         self.feeder.temperature = float(knobs.get("temperature", self.feeder.temperature))
         self.feeder.top_p = float(knobs.get("top_p", self.feeder.top_p))
+        self.feeder.top_k = int(knobs.get("top_k", self.feeder.top_k))
         self.tracking.change(self.state.step + 1, "knobs", knobs)
         log.info("live knobs applied: %s", knobs)
 

@@ -31,7 +31,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,8 +40,10 @@ import torch
 from broker.ledger import TrainerLedger, write_isolating
 from broker.ledger.rows import SampleIn, UsedItem
 from broker.streams import GROUP_TRAINERS, PROMPTS, ROLLOUTS, SCORED, JobStreams
+from shared.drop_skew import Sample
 from shared.ids import group_seq, sample_ids
 from shared.jobspec import JobSpec
+from shared.rewards.base import FAILED
 from shared.schema import Scored
 from trainer_svc.algorithms import is_fresh, staleness
 from trainer_svc.batch import TrainBatch
@@ -56,6 +58,9 @@ log = logging.getLogger(__name__)
 
 # A member's dead-letter code by the rule it broke, where it has its own (else INVALID_SAMPLE).
 MEMBER_CODES = {"vocab": "token_out_of_vocab", "reward": "reward_out_of_range"}
+# Dead-letter codes of a member whose reward failed (reward_svc, on_failure drop; this sink's range
+# check): its group's drop counts as reward_failure in the drop skew (shared/drop_skew.py).
+REWARD_FAILURE_CODES = ("reward_timeout", "reward_error", "reward_out_of_range")
 
 # The least a step waits for a missing group's turn while later groups are ready (see the module
 # docstring): above a healthy run's out-of-order lag (one generate call and its scoring).
@@ -95,6 +100,28 @@ def overlong_reason(s: Scored, spec: JobSpec) -> str | None:
         return None
     what = "masked from the loss" if spec.algorithm.overlong == "mask" else "length penalty added to its reward"
     return f"over-long (cut at max_tokens {spec.sampling.max_tokens}): {what}"
+
+
+def skew_sample(s: Scored) -> Sample:
+    """A sample as the drop skew counts it: its completion length, and its reward unless that
+    failed (a failed reward's 0.0 measures nothing)."""
+    return s.rollout.num_completion_tokens, None if s.reward_status in FAILED else s.reward
+
+
+def split_trained(samples: Sequence[Scored], spec: JobSpec) -> tuple[list[Sample], dict[str, list[Sample]]]:
+    """A step's samples as the drop skew sees them: those trained on their reward, and those kept
+    from it: over-long ones masked from the loss (`overlong`), and ones whose reward failed
+    (`reward_failure`: under on_failure zero they train on a 0 that measures nothing)."""
+    trained: list[Sample] = []
+    kept: dict[str, list[Sample]] = {}
+    for s in samples:
+        if s.rollout.finish_reason == "length" and spec.algorithm.overlong == "mask":
+            kept.setdefault("overlong", []).append(skew_sample(s))
+        elif s.reward_status in FAILED:
+            kept.setdefault("reward_failure", []).append(skew_sample(s))
+        else:
+            trained.append(skew_sample(s))
+    return trained, kept
 
 
 def flatten_batch(groups: list[Group]) -> tuple[list[Scored], torch.Tensor]:
@@ -156,6 +183,8 @@ class TrainSink:
         self.newest_version: int | None = None
         self.rejected: collections.Counter[str] = collections.Counter()  # samples dead-lettered, by rule
         self.rejected_reported = 0  # of which the step metrics already counted this many
+        # training samples dropped since the last step's record, by drop reason (shared/drop_skew.py)
+        self.drops: dict[str, list[Sample]] = {}
         self.replay_dead: dict[str, str] = {}  # replayed groups that were dead-lettered: why
         # what the recent groups were fed as, kept after they left the feeder (a late copy of a
         # used group is held to it too); the newest FED_REMEMBER
@@ -242,6 +271,17 @@ class TrainSink:
             if g is not None:
                 self._settle_dead(g, version)
 
+    def note_drops(self, reason: str, samples: Iterable[Scored]) -> None:
+        """Training samples dropped for `reason` (shared/drop_skew.py DROP_REASONS), for the next
+        step's drop skew."""
+        if noted := [skew_sample(s) for s in samples]:
+            self.drops.setdefault(reason, []).extend(noted)
+
+    def take_drops(self) -> dict[str, list[Sample]]:
+        """The samples dropped since the last call, by reason (a step's drop skew)."""
+        drops, self.drops = self.drops, {}
+        return drops
+
     def take_rejected(self) -> int:
         """Samples dead-lettered by `add` since the last call (a step's `rejected/samples`)."""
         total = sum(self.rejected.values())
@@ -309,6 +349,8 @@ class TrainSink:
         if any(g.group_id in ids for ids in self.replay.values()):
             self.replay_dead[g.group_id] = why
         if g.purpose == "train":
+            failed = any(d.startswith(REWARD_FAILURE_CODES) for d in g.dead.values())
+            self.note_drops("reward_failure" if failed else "other", g.samples.values())
             self.dead_streak.append(why.replace(g.group_id, "<group>"))  # alike reasons count together
             self._check_progress()
 
@@ -506,10 +548,12 @@ class TrainSink:
                 break
             self.overtaken_since.pop(gid, None)
             self.trained_around.discard(gid)
-            why = self._unfit(b, g)
-            if why is None:
+            unfit = self._unfit(b, g)
+            if unfit is None:
                 b.groups.append(g)
                 continue
+            reason, why = unfit
+            self.note_drops(reason, g.samples.values())
             for s in g.samples.values():
                 b.dropped.append(
                     {
@@ -567,8 +611,9 @@ class TrainSink:
         skip = {g.group_id for g in b.groups} | {g for ids in self.replay.values() for g in ids}
         return [gid for gid in self.feeder.feed_order() if gid not in skip]
 
-    def _unfit(self, b: Batch, g: Group) -> str | None:
-        """Why group `g` may not join batch `b` (counting a dynamic-sampling drop), or None."""
+    def _unfit(self, b: Batch, g: Group) -> tuple[str, str] | None:
+        """Why group `g` may not join batch `b`, as (drop reason, the ledger's drop_reason)
+        (counting a dynamic-sampling drop), or None."""
         a = self.spec.algorithm
         gone = self.guard.gone({s.rollout.policy_version for s in g.samples.values()})
         flat = (
@@ -581,13 +626,11 @@ class TrainSink:
         if is_fresh(b.version, g.gen_version_min, b.bound) and not gone and not flat:
             return None
         b.filtered += flat
-        return (
-            f"generated by policy version {min(gone)}, rolled back"
-            if gone
-            else "dynamic sampling: every reward of the group is equal (no gradient)"
-            if flat
-            else f"staleness > {b.bound}"
-        )
+        if gone:
+            return "rolled_back", f"generated by policy version {min(gone)}, rolled back"
+        if flat:
+            return "dynamic_sampling", "dynamic sampling: every reward of the group is equal (no gradient)"
+        return "stale", f"staleness > {b.bound}"
 
     def isolate(self, b: Batch, bad: dict[str, str]) -> None:
         """The step raised on `b` because of groups `bad` (group id -> the error each raises on its
@@ -613,6 +656,7 @@ class TrainSink:
             for entry in g.entries:
                 self.streams.dead_letter(SCORED, GROUP_TRAINERS, entry, f"group {g.group_id}: {why}", code=STEP_ERROR)
             self.feeder.done(g.group_id)
+            self.note_drops("other", g.samples.values())
             self.rejected["step"] += len(g.samples)
             log.error("group %s: %s", g.group_id, why)
             self.dead_streak.append(why.replace(g.group_id, "<group>"))

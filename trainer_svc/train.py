@@ -31,6 +31,7 @@ from broker.streams import (
     ROLLOUTS,
     SCORED,
 )
+from shared.drop_skew import step_metrics as drop_skew_metrics
 from shared.entry import Terminated, drain_requested
 from shared.evalmetrics import episode_means
 from shared.logs import set_context
@@ -42,7 +43,7 @@ from trainer_svc.offload import Offload
 from trainer_svc.parts import Parts
 from trainer_svc.replay import Taken, capture_rng, software_identity, step_input
 from trainer_svc.reward_errors import RewardErrorStreak, RewardsFailed, error_fraction
-from trainer_svc.sink import Batch, overlong_reason, record_used
+from trainer_svc.sink import Batch, overlong_reason, record_used, split_trained
 from trainer_svc.staleness import staleness_lr_scale
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,11 @@ def _record(p: Parts, batch: Batch, taken: Taken, checksum: str, times: dict[str
         row = step_input(p.job_id, st.step, st.version, batch.data, taken, checksum, identity)
         with phases.span("ledger"):
             p.ledger.record_step_input(row)
+    # what dropping skews: the samples trained on their reward against those kept from it since the last step
+    trained, kept = split_trained(batch.samples, spec)
+    drops = p.sink.take_drops()
+    for reason, samples in kept.items():
+        drops.setdefault(reason, []).extend(samples)
     metrics = {
         **taken.metrics,
         **episode_means([s.rollout.env_metrics for s in batch.samples]),
@@ -263,6 +269,7 @@ def _record(p: Parts, batch: Batch, taken: Taken, checksum: str, times: dict[str
         "rejected/samples": float(p.sink.take_rejected()),
         "resume/redone": float(batch.redo is not None),
         "guard/trips": float(st.guard.trips),
+        **drop_skew_metrics(trained, drops),
         **times,
         "time/record_s": time.perf_counter() - t_record,  # encoding and writing the step's input (replay)
         "time/ledger_s": time.perf_counter() - t_ledger,
@@ -272,6 +279,8 @@ def _record(p: Parts, batch: Batch, taken: Taken, checksum: str, times: dict[str
     }
     metrics["throughput/samples_per_s"] = len(batch.samples) / metrics["time/step_s"]
     st.bound.after_step(metrics)  # the bound for the next step, from this step's drift
+    for warning in p.drop_skew.observe(metrics):
+        log.warning("step %d: %s", st.step, warning)
     with phases.span("ledger"):
         p.ledger.record_train_step(p.job_id, st.step, st.version, metrics, job_step=True)  # one transaction
     p.prom.step(st.step, st.version, metrics)

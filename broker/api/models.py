@@ -75,6 +75,60 @@ class RunningJob(BaseModel):
     reward_error_fraction: float | None = Field(
         None, description="Of its scored samples, the share whose reward failed (timeout or error); null: none yet."
     )
+    drop_skew_warnings: list[str] = Field(
+        default_factory=list,
+        description="Where dropping samples biases the length or reward it trains on (GET /jobs/{id} `drop_skew`).",
+    )
+
+
+class Distribution(BaseModel):
+    """Values in five numbers (over a job: counts add up, means are exact, a quantile is the
+    count-weighted mean of its steps' quantiles)."""
+
+    n: int = Field(..., description="How many values.")
+    mean: float
+    p10: float
+    p50: float
+    p90: float
+
+
+class DropSide(BaseModel):
+    """Samples of one side (trained, dropped, or dropped for one reason) over the job."""
+
+    count: int = Field(..., description="Samples.")
+    length: Distribution | None = Field(..., description="Their completion length in tokens; null: none.")
+    reward: Distribution | None = Field(
+        ..., description="Their reward, over those that have one (a failed reward has none); null: none."
+    )
+
+
+class DropShift(BaseModel):
+    """Where the dropped samples sit against the trained, relative to the trained scale (the larger of
+    the trained mean's magnitude and its p10..p90 spread), at most 10 either way."""
+
+    mean: float = Field(..., description="(dropped mean - trained mean) / scale; > 0: the dropped are larger.")
+    quantile: float = Field(..., description="The mean of the p10, p50 and p90 differences / scale.")
+
+
+class DropSkew(BaseModel):
+    """What dropping skews (shared/drop_skew.py): the samples kept out of the gradient against those
+    trained on their reward, by completion length and reward, over the job's steps."""
+
+    trained: DropSide
+    dropped: DropSide = Field(..., description="Every drop reason together.")
+    by_reason: dict[str, DropSide] = Field(
+        ...,
+        description="stale, rolled_back, dynamic_sampling, overlong (masked), reward_failure, other (dead-lettered, "
+        "the step raised on it); reasons that dropped none are absent.",
+    )
+    shift: dict[str, DropShift | None] = Field(
+        ..., description="`length` and `reward`; null where a side has no values."
+    )
+    warnings: list[str] = Field(
+        ...,
+        description="Where dropping biases length or reward past the spec's drop_skew.max_shift (with at least "
+        "drop_skew.min_dropped dropped samples).",
+    )
 
 
 class RewardErrors(BaseModel):
@@ -161,6 +215,7 @@ class JobStatus(BaseModel):
     samples: dict[str, int] = Field(..., description="Samples by status (statuses with none are absent).")
     staleness: dict[int, int] = Field(..., description="Trained samples by staleness.")
     reward_errors: RewardErrors = Field(..., description="Its scored samples by reward status; the error fraction.")
+    drop_skew: DropSkew = Field(..., description="Dropped against trained samples, by length and reward.")
     generators: dict[str, GeneratorState] = Field(..., description="By generator id.")
 
 

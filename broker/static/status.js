@@ -60,6 +60,11 @@
     return `reward errors ${fmt(Number((100 * fraction).toPrecision(3)))} %`;
   }
 
+  const signed = (v) => `${v >= 0 ? "+" : ""}${v.toFixed(2)}`;
+  const dist = (d) => (d ? `${fmt(d.mean)} (${fmt(d.p10)}–${fmt(d.p90)})` : "–");
+  // the quantities a job's drop-skew warnings name ("completion length", "reward")
+  const biased = (warnings) => warnings.map((w) => w.split(":")[0].replace("dropping biases ", "")).join(", ");
+
   function ago(seconds) {
     if (seconds < 60) return `${Math.max(0, seconds).toFixed(0)} s ago`;
     if (seconds < 3600) return `${(seconds / 60).toFixed(0)} min ago`;
@@ -222,7 +227,8 @@
     const rows = [
       ...queue.running.map((j) => el("tr", {}, el("td", { className: "muted" }, "▶"), el("td", {}, jobLink(j.id, j.name)),
         el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority)),
-          j.reward_error_fraction ? el("div", { className: "why bad" }, rewardErrors(j.reward_error_fraction)) : ""))),
+          j.reward_error_fraction ? el("div", { className: "why bad" }, rewardErrors(j.reward_error_fraction)) : "",
+          (j.drop_skew_warnings || []).length ? el("div", { className: "why bad" }, `dropping biases ${biased(j.drop_skew_warnings)}`) : ""))),
       ...queue.queued.map((q) => el("tr", {}, el("td", {}, `#${q.position}`),
         el("td", {}, jobLink(q.id, q.name), note(`waiting for ${q.waiting_for}`)),
         el("td", {}, badge("queued"), note(prio(q.priority))))),
@@ -273,6 +279,25 @@
     $("guard-trips").replaceChildren(...trips.map((t) => el("li", {}, t.text)));
   }
 
+  // what dropping skews (GET /jobs/{id} drop_skew): the samples kept out of the gradient against
+  // those trained, by length and reward; a warning past the job's drop_skew.max_shift sits above
+  // the charts, since the curves show only what was trained
+  function renderDropSkew(skew) {
+    const warnings = (skew && skew.warnings) || [];
+    const dropped = skew ? skew.dropped.count : 0;
+    $("drop-warn").hidden = warnings.length === 0;
+    $("drop-warnings").replaceChildren(...warnings.map((w) => el("li", {}, w)));
+    const shifts = Object.entries((skew && skew.shift) || {}).filter(([, s]) => s).map(([q, s]) => `${q} ${signed(s.mean)}`);
+    $("job-drop-skew").textContent = dropped ? `dropped ${dropped}, shift ${shifts.join(", ") || "none"}` : "";
+    $("job-drop-skew").className = warnings.length ? "bad" : "muted";
+    const sides = dropped ? [["trained", skew.trained], ["dropped", skew.dropped],
+      ...Object.entries(skew.by_reason || {}).map(([reason, side]) => [`· ${reason}`, side])] : [];
+    $("drop-skew").tBodies[0].replaceChildren(...sides.map(([name, side]) => el("tr", {},
+      el("td", {}, name), el("td", {}, fmt(side.count)), el("td", {}, dist(side.length)), el("td", {}, dist(side.reward)))));
+    $("drop-skew").hidden = !dropped;
+    $("no-drops").hidden = Boolean(dropped);
+  }
+
   function renderJob(job, data) {
     $("job").hidden = false;
     $("job-name").textContent = job.name;
@@ -288,6 +313,7 @@
     document.title = `${job.name} (${job.state}) · asyncrl status`;
     last = { job, data };
     renderGuard(data.guard_trips || []);
+    renderDropSkew(job.drop_skew);
     renderCharts();
     renderGenerators(job.generators || {});
     fillDl($("samples"), Object.entries(job.samples || {}));

@@ -22,6 +22,7 @@ from broker.api import create_app
 from broker.fleet import Beacon
 from broker.ledger import Ledger
 from broker.streams import connect
+from shared.drop_skew import step_metrics
 from shared.settings import AdminSettings, BrokerSettings
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -120,16 +121,17 @@ def test_submit_list_and_control_a_job(api, tmp_path):
         result = api.cli(command, job)
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout) == {"id": job, "state": state}
-    result = api.cli("set", job, "--lr", "1e-5", "--generation-batch", "3")
+    result = api.cli("set", job, "--lr", "1e-5", "--generation-batch", "3", "--top-k", "20")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"id": job, "changed": {"lr": 1e-5, "generation_batch": 3}}
+    assert json.loads(result.stdout) == {"id": job, "changed": {"lr": 1e-5, "top_k": 20, "generation_batch": 3}}
     assert api.get(f"/jobs/{job}")["spec"]["algorithm"]["lr"] == 1e-5
+    assert api.get(f"/jobs/{job}")["spec"]["sampling"]["top_k"] == 20
 
     changes = [c["changes"] for c in api.get(f"/jobs/{job}/changes")]
     assert changes == [
         {"command": "pause"},
         {"command": "resume"},
-        {"command": "set", "settings": {"lr": 1e-5, "generation_batch": 3}},
+        {"command": "set", "settings": {"lr": 1e-5, "top_k": 20, "generation_batch": 3}},
     ]
     # a queued job cancelled never starts: it leaves the queue at once
     result = api.cli("cancel", behind)
@@ -424,3 +426,23 @@ def test_status_shows_the_reward_error_fraction(api, tmp_path):
     assert "reward errors: 25.0% of 4 scored samples (error 1, ok 3)" in result.stderr
     result = api.cli("status")
     assert result.exit_code == 0 and "reward errors" in result.stdout and "25.0%" in result.stdout, result.output
+
+
+def test_status_shows_what_dropping_skewed(api, tmp_path):
+    """A step that dropped 70 over-long samples (20 tokens) and trained 10 (10 tokens): `asyncrl
+    status JOB` says so on stderr with the warning (default drop_skew: shift 1.0 > 0.2, 70 >= 64
+    dropped), the queue view's running table names the quantity; a job that dropped nothing prints
+    no drop skew."""
+    job = api.submit(tmp_path)
+    api.ledger.set_job_state(job, "running")
+    api.ledger.record_train_step(job, 1, 1, step_metrics([(10, 1.0)] * 10, {}))
+    result = api.cli("status", job)
+    assert result.exit_code == 0 and "drop skew" not in result.stderr, result.output
+    api.ledger.record_train_step(job, 2, 2, step_metrics([(10, 1.0)] * 10, {"overlong": [(20, 1.0)] * 70}))
+    result = api.cli("status", job)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["drop_skew"]["dropped"]["count"] == 70
+    assert "drop skew: 70 dropped (overlong 70) against 20 trained; shift length +1.00, reward +0.00" in result.stderr
+    assert "warning: dropping biases completion length: the 70 dropped samples average 20 tokens" in result.stderr
+    result = api.cli("status")
+    assert result.exit_code == 0 and "completion length" in result.stdout, result.output

@@ -13,6 +13,7 @@ from redis import Redis
 from broker.api import create_app
 from broker.ledger import Ledger
 from broker.streams import CONTROL, JobStreams, connect
+from shared.drop_skew import step_metrics
 from shared.schema import Control
 from shared.settings import BrokerSettings
 
@@ -166,6 +167,13 @@ def test_job_status(api: Api) -> None:
         "samples": {},
         "staleness": {},
         "reward_errors": {"by_status": {}, "fraction": None},  # nothing scored yet
+        "drop_skew": {
+            "trained": {"count": 0, "length": None, "reward": None},
+            "dropped": {"count": 0, "length": None, "reward": None},
+            "by_reason": {},
+            "shift": {"length": None, "reward": None},
+            "warnings": [],
+        },
         "generators": {},
     }
     assert body["spec"]["model_path"] == "models/tiny"
@@ -189,6 +197,32 @@ def test_job_status_reports_progress_and_generators(api: Api) -> None:
     assert gens["gen-0"]["versions_loaded"] == [1, 2]
     assert gens["gen-0"]["heartbeat"]["version"] == 2
     assert gens["gen-1"]["versions_loaded"] == [] and gens["gen-1"]["heartbeat"]["version"] == 1
+
+
+def test_job_status_shows_what_dropping_skewed(api: Api) -> None:
+    """Two steps' drop_skew metrics as the trainer writes them: the job's summary weighs them by
+    their counts, and warns past the spec's drop_skew.max_shift once enough samples were dropped."""
+    job_id = api.submit({**SPEC, "drop_skew": {"max_shift": 0.5, "min_dropped": 4}})
+    trained = [(10, 1.0), (10, 0.0)] * 2
+    api.ledger.record_train_step(job_id, 1, 1, {"loss": 0.5, **step_metrics(trained, {"overlong": [(16, 0.0)]})})
+    api.ledger.record_train_step(job_id, 2, 2, step_metrics(trained, {"overlong": [(16, 0.0)] * 3}))
+    skew = api.client.get(f"/jobs/{job_id}").json()["drop_skew"]
+    assert skew["trained"]["count"] == 8 and skew["trained"]["reward"]["mean"] == 0.5
+    assert skew["dropped"] == skew["by_reason"]["overlong"]
+    assert skew["dropped"]["count"] == 4 and skew["dropped"]["length"]["mean"] == 16.0
+    assert set(skew["by_reason"]) == {"overlong"}
+    # trained lengths all 10: scale 10, (16 - 10) / 10 = 0.6 > 0.5; rewards [0, 0, 1, 1]: p10 0, p50 0.5,
+    # p90 1, scale max(0.5, 1 - 0) = 1; the dropped all 0: -0.5 / 1, within
+    assert skew["shift"]["length"] == {"mean": pytest.approx(0.6), "quantile": pytest.approx(0.6)}
+    assert skew["shift"]["reward"] == {"mean": pytest.approx(-0.5), "quantile": pytest.approx(-0.5)}
+    (warning,) = skew["warnings"]
+    assert warning.startswith("dropping biases completion length: the 4 dropped samples average 16 tokens")
+    assert "drop_skew.max_shift 0.5" in warning
+    queue = api.client.get("/queue").json()
+    assert queue["running"] == []  # queued: no running view yet
+    api.ledger.set_job_state(job_id, "running")
+    (running,) = api.client.get("/queue").json()["running"]
+    assert running["drop_skew_warnings"] == [warning]
 
 
 @pytest.mark.parametrize(("method", "path"), [("get", "/jobs/nope"), ("post", "/jobs/nope/stop")])

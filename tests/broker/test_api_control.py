@@ -66,25 +66,29 @@ def test_pause_resume_cancel_publish_commands_and_move_the_state(client):
 def test_patch_validates_updates_the_spec_and_broadcasts(client):
     c, ledger, streams = client
     job = _job(c)
-    r = c.patch(f"/jobs/{job}", json={"lr": 1e-5, "temperature": 0.7, "max_staleness": 2, "generation_batch": 4})
+    body = {"lr": 1e-5, "temperature": 0.7, "top_k": 20, "max_staleness": 2, "generation_batch": 4}
+    r = c.patch(f"/jobs/{job}", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["changed"] == {"lr": 1e-5, "temperature": 0.7, "max_staleness": 2, "generation_batch": 4}
+    assert r.json()["changed"] == body
     spec = JobSpec.model_validate(ledger.get_job(job)["spec"])
-    assert (spec.algorithm.lr, spec.sampling.temperature, spec.max_staleness, spec.generation_batch) == (
-        1e-5,
-        0.7,
-        2,
-        4,
-    )
+    assert (
+        spec.algorithm.lr,
+        spec.sampling.temperature,
+        spec.sampling.top_k,
+        spec.max_staleness,
+        spec.generation_batch,
+    ) == (1e-5, 0.7, 20, 2, 4)
     (msg,) = _controls(streams, job)
     assert msg.command == "set" and msg.settings == {
         "lr": 1e-5,
         "temperature": 0.7,
+        "top_k": 20,
         "max_staleness": 2,
         "generation_batch": 4,
     }
     # bad values name the field; an empty patch or an unknown knob is refused; nothing is published
-    for body, field in (({"lr": -1}, "lr"), ({"top_p": 2}, "top_p"), ({"group_size": 2}, "group_size")):
+    bad = ({"lr": -1}, "lr"), ({"top_p": 2}, "top_p"), ({"top_k": -1}, "top_k"), ({"group_size": 2}, "group_size")
+    for body, field in bad:
         r = c.patch(f"/jobs/{job}", json=body)
         assert r.status_code == 422 and field in r.json()["error"], r.text
     assert c.patch(f"/jobs/{job}", json={}).status_code == 422

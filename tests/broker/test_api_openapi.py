@@ -110,5 +110,6 @@ def test_job_routes_document_the_answers_they_give(spec: dict[str, Any]) -> None
         "samples",
         "staleness",
         "reward_errors",
+        "drop_skew",
         "generators",
     }

@@ -26,6 +26,7 @@ from broker.api import create_app
 from broker.fleet import Beacon
 from broker.ledger import Ledger
 from broker.streams import JobStreams, connect
+from shared.drop_skew import step_metrics
 from shared.settings import BrokerSettings
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -35,8 +36,10 @@ TRAIN_BLUE = (0x25, 0x63, 0xEB)  # COLORS.train in broker/static/status.js
 
 
 def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny") -> str:
-    """A running job with five train steps, two evals, one generator load, a guard trip, and four
-    scored samples of which one reward failed (reward error fraction 0.25)."""
+    """A running job with five train steps, two evals, one generator load, a guard trip, four
+    scored samples of which one reward failed (reward error fraction 0.25), and each step's drop
+    skew: 16 trained samples (10 tokens, rewards 0 and 1) against 16 dropped over-long (20 tokens,
+    the same rewards), which warns (80 dropped over the job, length shift +1.0)."""
     ledger.create_job(job_id, name, {"name": name})
     ledger.set_job_state(job_id, "running")
     ids = [f"{job_id}/g0/{i}" for i in range(4)]
@@ -70,6 +73,7 @@ def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny
                 "throughput/samples_per_s": 20.0 + step,
                 "time/step_s": 1.5,
                 "loss": 0.3,
+                **step_metrics([(10, 1.0), (10, 0.0)] * 8, {"overlong": [(20, 1.0), (20, 0.0)] * 8}),
             },
         )
         ledger.set_job_step(job_id, step)
@@ -240,6 +244,8 @@ def test_the_page_feeds_show_the_queue_and_the_fleet(make_app) -> None:
     assert [(j["id"], j["state"], j["step"], j["reward_error_fraction"]) for j in queue["running"]] == [
         (job_id, "running", 5, 0.25)
     ]
+    (warning,) = queue["running"][0]["drop_skew_warnings"]
+    assert warning.startswith("dropping biases completion length: the 80 dropped samples average 20 tokens")
     assert [(q["position"], q["id"], q["priority"], q["waiting_for"]) for q in queue["queued"]] == [
         (1, "job-next01", 5, f"job {job_id} to end"),
         (2, "job-last02", 0, "1 job(s) ahead of it"),
@@ -327,6 +333,13 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert '<div class="why bad">reward errors 25 %</div>' in queue
     assert '<span id="job-reward-errors" class="bad">reward errors 25 %</span>' in dom
     assert "<dt>error</dt><dd>1</dd>" in dom and "<dt>ok</dt><dd>3</dd>" in dom  # rewards by status
+    # what dropping skewed: the header, the warning above the charts, the table by side and reason
+    assert '<div class="why bad">dropping biases completion length</div>' in queue
+    assert '<span id="job-drop-skew" class="bad">dropped 80, shift length +1.00, reward +0.00</span>' in dom
+    assert "<li>dropping biases completion length: the 80 dropped samples average 20 tokens" in dom
+    assert re.search(r'<div id="drop-warn" class="warn">', dom)
+    assert "<tr><td>trained</td><td>80</td><td>10 (10–10)</td><td>0.5 (0–1)</td></tr>" in dom
+    assert "<tr><td>· overlong</td><td>80</td><td>20 (20–20)</td><td>0.5 (0–1)</td></tr>" in dom
     assert "waiting for 1 job(s) ahead of it" in queue and "priority 5" in queue
     fleet = dom[dom.index('<table id="fleet">') : dom.index('id="no-fleet"')]
     assert "box-trainer" in fleet and "serving" in fleet and job_id in fleet

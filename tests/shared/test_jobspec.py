@@ -91,7 +91,7 @@ def test_empty_model_path() -> None:
         ({"model_path": "m", "lerning_rate": 1e-3}, "lerning_rate"),
         ({"model_path": "m", "algorithm": {"lerning_rate": 1e-3}}, "algorithm.lerning_rate"),
         ({"model_path": "m", "task": {"name": "arithmetic", "size": 3}}, "task.size"),
-        ({"model_path": "m", "sampling": {"top_k": 5}}, "sampling.top_k"),
+        ({"model_path": "m", "sampling": {"top_a": 5}}, "sampling.top_a"),
     ],
 )
 def test_unknown_field_is_named(spec: dict, field: str) -> None:

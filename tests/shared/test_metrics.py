@@ -96,6 +96,7 @@ def test_trainer_metrics_scraped() -> None:
         "is/ess": 0.9,
         "off_policy/dropped": 4.0,
         "time/step_s": 1.2,
+        "drop_skew/length_shift": 0.5,
     }
     m.step(1, 1, step)
     m.step(2, 2, {**step, "reward/mean": 0.75, "off_policy/dropped": 0.0, "time/step_s": 0.8})
@@ -106,6 +107,7 @@ def test_trainer_metrics_scraped() -> None:
     assert got[("asyncrl_trainer_loss", JOB)] == -0.125
     assert got[("asyncrl_trainer_staleness_mean", JOB)] == 1.5
     assert got[("asyncrl_trainer_is_ess", JOB)] == 0.9
+    assert got[("asyncrl_trainer_drop_length_shift", JOB)] == 0.5
     assert got[("asyncrl_trainer_dropped_total", JOB)] == 4
     assert got[("asyncrl_trainer_step_seconds_count", JOB)] == 2
     assert got[("asyncrl_trainer_step_seconds_sum", JOB)] == pytest.approx(2.0)

@@ -137,6 +137,7 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
         "open_evals",
         "temperature",
         "top_p",
+        "top_k",
         "fed",
     }
     # [prompt index, version fed at, tokens, temperature]
@@ -147,6 +148,22 @@ def test_feeder_stamps_each_group_with_its_slots_version(streams):
     del st["fed"]  # a journal from before the key restores, knowing no more than it says
     again.restore(st)
     assert again.feed_order() == feeder.feed_order() and again.fed == {}
+
+
+def test_feeder_stamps_the_live_sampler_on_each_group(streams):
+    feeder = Feeder(streams, _spec(max_staleness=0, sampling={"top_p": 0.9, "top_k": 20}), _problems(20), RENDER)
+    feeder.top_up(0, 0)
+    assert {(m.sampling.top_p, m.sampling.top_k) for m in _fed(streams)} == {(0.9, 20)}
+    for gid in feeder.feed_order():
+        feeder.done(gid)
+    feeder.top_k, feeder.top_p = 0, 1.0  # live knobs: the groups fed from now on
+    feeder.top_up(1, 0)
+    assert {(m.sampling.top_p, m.sampling.top_k) for m in _fed(streams)[2:]} == {(1.0, 0)}
+    st = feeder.state()
+    assert (st["top_p"], st["top_k"]) == (1.0, 0)
+    del st["top_k"]  # a journal from before top_k: the spec's
+    feeder.restore(st)
+    assert feeder.top_k == 20
 
 
 # --- the sink: feed order, never arrival order -----------------------------------------------

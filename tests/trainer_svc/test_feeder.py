@@ -8,7 +8,7 @@ import pytest
 from asyncrl.tiny_model import build_tokenizer
 from broker.streams import PROMPTS, JobStreams, connect
 from shared.ids import eval_round
-from shared.jobspec import JobSpec
+from shared.jobspec import JobSpec, SamplingSpec
 from shared.prompts import renderer
 from shared.schema import (
     EvalItem,
@@ -21,7 +21,7 @@ from shared.schema import (
     pack_i32,
 )
 from shared.tasks import Problem
-from trainer_svc.feeder import Feeder, GroupAssembler
+from trainer_svc.feeder import Feeder, GroupAssembler, group_seed
 
 RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: plain text, <s> first
 
@@ -67,6 +67,28 @@ def test_data_order_is_seeded_and_covers_every_problem_each_epoch(streams):
     seq_b = [b._next_problem().index for _ in range(20)]
     assert seq_a == seq_b
     assert sorted(seq_a[:10]) == list(range(10)) and sorted(seq_a[10:]) == list(range(10))
+
+
+def test_training_groups_are_seeded_by_the_job_seed_and_feed_order_alone(streams):
+    spec = JobSpec.model_validate(
+        {"model_path": "m", "max_staleness": 0, "prompts_per_step": 3, "seed": 7, "sampling": {"seeded": True}}
+    )
+    Feeder(streams, spec, _problems(10), RENDER).top_up(0, spec.staleness_bound)
+    # another job (its own id, so its own group ids), the same seed: the same sampling seeds
+    other = JobStreams(streams.r, "job2", prefix=streams.prefix)
+    Feeder(other, spec, _problems(10), RENDER).top_up(0, spec.staleness_bound)
+    _, first = streams.read_broadcast(PROMPTS, "0", PromptGroup)
+    _, second = other.read_broadcast(PROMPTS, "0", PromptGroup)
+    seeds = [m.sampling.seed for m in first]
+    assert seeds == [group_seed(7, i) for i in range(3)] == [m.sampling.seed for m in second]
+    assert len(set(seeds)) == 3 and all(0 <= s < 2**31 for s in seeds)
+    assert group_seed(8, 0) != group_seed(7, 0)
+    other.delete_all()
+    unseeded = JobStreams(streams.r, "job3", prefix=streams.prefix)  # the default: the engine's generator
+    Feeder(unseeded, spec.model_copy(update={"sampling": SamplingSpec()}), _problems(10), RENDER).top_up(0, 0)
+    _, third = unseeded.read_broadcast(PROMPTS, "0", PromptGroup)
+    assert [m.sampling.seed for m in third] == [None] * 3
+    unseeded.delete_all()
 
 
 def test_eval_round_is_greedy_single_samples_outside_the_cap(streams):

@@ -59,6 +59,8 @@ def _batch(vocab: int, seed: int) -> TrainBatch:
         model_mask=torch.ones(n),
         rewards=torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
         temperatures=torch.tensor([1.0, 1.0, 0.7, 0.7]),
+        top_ks=torch.tensor([0, 0, 20, 20]),  # 0: no top-k cut
+        top_ps=torch.tensor([1.0, 1.0, 0.9, 0.9]),
         truncated=torch.tensor([False, True, False, False]),
         versions=torch.tensor([0, 0, 1, 1]),
         terms=torch.tensor([0.5], dtype=torch.float64),

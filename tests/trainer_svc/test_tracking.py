@@ -188,16 +188,16 @@ def test_the_loop_records_guard_trips_and_knobs_in_the_tracking():
         tracking=Tracking({"rec": rec}),
         ledger=SimpleNamespace(record_change=lambda job, actor, change: changes.append((actor, change))),
         state=SimpleNamespace(step=4, lr=1e-3, bound=SimpleNamespace(set_knob=lambda k: None)),
-        feeder=SimpleNamespace(temperature=1.0, top_p=1.0),
+        feeder=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0),
     )
     Parts._record_trip(parts, 5, {"kind": "non_finite"})
-    Parts.apply_knobs(parts, {"lr": 1e-4, "temperature": 0.7})
+    Parts.apply_knobs(parts, {"lr": 1e-4, "temperature": 0.7, "top_k": 20})
     assert changes == [("trainer collapse guard", {"kind": "non_finite"})]
     assert rec.calls == [
         ("change", 5, "guard", {"kind": "non_finite"}),
-        ("change", 5, "knobs", {"lr": 1e-4, "temperature": 0.7}),
+        ("change", 5, "knobs", {"lr": 1e-4, "temperature": 0.7, "top_k": 20}),
     ]
-    assert parts.state.lr == 1e-4 and parts.feeder.temperature == 0.7
+    assert parts.state.lr == 1e-4 and parts.feeder.temperature == 0.7 and parts.feeder.top_k == 20
 
 
 # --- each sink, read back as a user opens it ------------------------------------------------------

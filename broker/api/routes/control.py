@@ -73,7 +73,7 @@ def resume(job_id: str, ledger: LedgerDep, streams: StreamsDep, actor: Actor) ->
 def patch(
     job_id: str, change: JobPatch, ledger: LedgerDep, streams: StreamsDep, actor: Actor
 ) -> PatchedJob | JSONResponse:
-    """Change live knobs (lr, max_staleness, temperature, top_p, generation_batch); services
+    """Change live knobs (lr, max_staleness, temperature, top_p, top_k, generation_batch); services
     apply them at their next step. The stored spec is updated so a restarted service keeps them.
     Concurrent changes apply one after the other, each to the spec the last one left, in the
     order the services receive them: the stored spec is what the services run."""

@@ -13,6 +13,7 @@ from broker.api.deps import Actor, ContextDep, LedgerDep, StreamsDep
 from broker.api.errors import error_responses
 from broker.api.models import JobStatus, JobSummary, SubmittedJob
 from broker.fleet import wake_fleet
+from broker.job_summary import drop_skew
 from broker.ledger.rows import JobRow
 from shared.jobspec import JobSpec
 from shared.logs import escape_control
@@ -71,7 +72,8 @@ def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 1
     "/jobs/{job_id}", response_model=JobStatus, response_model_exclude_unset=True, responses=error_responses(404, 422)
 )
 def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus:
-    """The job, its last metrics, evaluations, sample counts, staleness and generators."""
+    """The job, its last metrics, evaluations, sample counts, staleness, reward errors, what
+    dropping skewed, and generators."""
     job = job_or_404(ledger, job_id)
     steps = ledger.train_steps(job_id)
     generators: dict[str, dict[str, Any]] = {}
@@ -91,6 +93,7 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus
             "samples": ledger.status_counts(job_id),
             "staleness": ledger.staleness_histogram(job_id),
             "reward_errors": {"by_status": by_status, "fraction": failed_fraction(by_status)},
+            "drop_skew": drop_skew(steps, job["spec"]),
             "generators": generators,
         }
     )
