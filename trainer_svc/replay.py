@@ -57,7 +57,7 @@ BATCH, RNG = "batch.", "rng."
 # zlib's fastest level: it runs in the step's critical path, and token ids (int64, small values)
 # shrink most at any level.
 LEVEL = 1
-# The learner's metrics compared with the recorded ones; the loop adds timings and counts of its own.
+# A differing step names at most this many of the learner's metrics that differ (the rest counted).
 MAX_DIFFS_NAMED = 4
 
 

@@ -279,8 +279,9 @@ def test_the_command_prints_each_step_and_exits_1_naming_the_first_difference(
 def test_a_lora_job_with_dropout_replays_its_recorded_rng(recorded: Recorded, tmp_path: Path) -> None:
     """LoRA dropout draws from torch's RNG in every step: the step's recorded RNG state is what
     makes the replay bitwise (and the checksum is of the adapter's tensors, as published)."""
-    spec = recorded.spec.model_copy(update={"lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5}})
-    spec = JobSpec.model_validate(spec.model_dump(mode="json"))
+    spec = JobSpec.model_validate(
+        {**recorded.spec.model_dump(mode="json"), "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5}}
+    )
     job = "rp0000000003"
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     ledger.create_job(job, "lora", spec.model_dump(mode="json"), state="finished")
