@@ -7,6 +7,8 @@ Two generators: `python -m bench replay` (results/correctness.json)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -45,16 +47,26 @@ def jobs(fleet: Fleet) -> dict[str, str]:
     return ids
 
 
-def _replay(fleet: Fleet, job_id: str, *args: str) -> tuple[int, dict[str, Any]]:
+def _replay(fleet: Fleet, job_id: str, *args: str, fresh: bool = False) -> tuple[int, dict[str, Any]]:
+    """`asyncrl replay JOB --json ARGS`: in this process (a test may patch the learner), or with
+    `fresh` as its own process, the way a user runs it. Bit for bit needs the latter where it also
+    checks the software identity: once vLLM's CPU worker was imported into a process (other tests do)
+    it makes torch.set_num_threads a no-op there, so replay cannot take the recorded thread count."""
     db = fleet.ledger.url.render_as_string(hide_password=False)
-    res = CliRunner().invoke(app, ["replay", job_id, "--db", db, "--json", *args])
+    argv = ["replay", job_id, "--db", db, "--json", *args]
+    if fresh:
+        cmd = [sys.executable, "-m", "asyncrl.cli", *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.stdout.strip(), proc.stderr[-3000:]
+        return proc.returncode, json.loads(proc.stdout)
+    res = CliRunner().invoke(app, argv)
     return res.exit_code, json.loads(res.stdout)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_real_job_replays_bit_for_bit(fleet: Fleet, jobs: dict[str, str], mode: str) -> None:
     job_id = jobs[mode]
-    code, out = _replay(fleet, job_id)
+    code, out = _replay(fleet, job_id, fresh=True)
     assert code == 0, out
     assert (out["bitwise"], out["not_comparable"], out["start"]["source"]) == (True, [], "the initial model")
     assert [s["step"] for s in out["steps"]] == list(range(1, STEPS + 1))
@@ -65,7 +77,7 @@ def test_a_real_job_replays_bit_for_bit(fleet: Fleet, jobs: dict[str, str], mode
     losses = [s["loss"] for s in out["steps"]]
     assert any(loss != 0.0 for loss in losses), losses  # a policy gradient: the batches mattered
     # from the checkpoint at step 2, with its optimizer state
-    code, out = _replay(fleet, job_id, "--from-step", "3")
+    code, out = _replay(fleet, job_id, "--from-step", "3", fresh=True)
     assert code == 0, out
     assert out["start"]["step"] == 2 and [s["step"] for s in out["steps"]] == [3, 4]
 
