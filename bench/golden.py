@@ -17,13 +17,9 @@ trained steps (`area`). Why these constants: see `tolerance`.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import time
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,11 +27,10 @@ from typing import Any
 import httpx
 
 from asyncrl.demo import prepare_model
-from asyncrl.launch import Supervisor, wait_healthy
 from bench.claims import machine
 from bench.gates import update_correctness
+from bench.standing import standing_services
 from broker.ledger import Ledger
-from broker.redis_server import resolve_redis_url
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "tests" / "golden" / "demo_curve.json"
@@ -128,38 +123,6 @@ def fingerprint() -> dict[str, Any]:
     }
 
 
-@contextmanager
-def fleet(tmp: Path) -> Iterator[tuple[str, Ledger]]:
-    """A fleet started as the test session's (tests/shared_fleet.py standing_fleet: the same
-    services and environment): (its API, its ledger)."""
-    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    db_url = f"sqlite:///{tmp / 'ledger.db'}"
-    env = {
-        "REDIS_URL": redis_url,
-        "DATABASE_URL": db_url,
-        "STREAM_PREFIX": f"golden-{uuid.uuid4().hex[:8]}:",
-        "BROKER_PORT": str(port),
-        "GEN_GENERATOR_ID": "gen-0",
-        "TRAINER_THREADS": "1",
-        "REWARD_WORKERS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TRAINER_CHECKPOINT_DIR": str(tmp / "checkpoints"),
-    }
-    sup = Supervisor(tmp / "logs", env)
-    api = f"http://127.0.0.1:{port}"
-    try:
-        for name, module in SERVICES:
-            sup.start(name, module)
-        wait_healthy(f"{api}/health", sup, "broker", 120)
-        with Ledger(db_url) as ledger:
-            yield api, ledger
-    finally:
-        sup.stop_all()
-
-
 def run_curve(api: str, ledger: Ledger, model: Path, seed: int, timeout: float = 600) -> dict[int, float]:
     """Submit the golden job with `seed`, wait for it to finish; its held-out curve."""
     r = httpx.post(f"{api}/jobs", json=golden_spec(model, seed), timeout=30)
@@ -199,9 +162,9 @@ def bench_golden(
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     model = prepare_model(wd / "model", 0)
-    with fleet(wd / f"fleet-{time.time_ns()}") as (api, ledger):
-        curves = {seed: run_curve(api, ledger, model, seed) for seed in range(seeds)}
-        again = run_curve(api, ledger, model, 0)
+    with standing_services(wd / f"fleet-{time.time_ns()}", "golden") as f:
+        curves = {seed: run_curve(f.api, f.ledger, model, seed) for seed in range(seeds)}
+        again = run_curve(f.api, f.ledger, model, 0)
     ref = {
         "spec": golden_spec("<the demo's warm model, asyncrl.demo.prepare_model seed 0>", 0),
         **reference(curves),

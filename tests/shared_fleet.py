@@ -9,10 +9,7 @@ that kills, stops or reconfigures a fleet process must start its own stack inste
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,12 +18,12 @@ from typing import Any
 
 import httpx
 
+from asyncrl.demo import free_port  # noqa: F401 - the integration stacks' port, from here
 from asyncrl.launch import Supervisor
+from bench.standing import standing_services
 from broker.ledger import Ledger
-from broker.redis_server import resolve_redis_url
 
 END = ("finished", "failed", "stopped", "cancelled")
-SERVICES = (("broker", "broker"), ("generator", "generator_svc"), ("reward", "reward_svc"), ("trainer", "trainer_svc"))
 
 
 @dataclass
@@ -82,28 +79,6 @@ class Fleet:
         return all(p.popen.poll() is None for p in self.sup.procs)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def healthy(api: str) -> bool:
-    """Whether the job API at `api` answers /health with 200."""
-    try:
-        return httpx.get(f"{api}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_healthy(sup: Supervisor, api: str, timeout: float) -> None:
-    """Until the API answers; fails with the broker's log when a process failed or time ran out."""
-    deadline = time.monotonic() + timeout
-    while not healthy(api):
-        assert not sup.failed() and time.monotonic() < deadline, f"broker did not come up:\n{sup.tail('broker')}"
-        time.sleep(0.2)
-
-
 @contextmanager
 def standing_fleet(tmp: Path) -> Iterator[Fleet]:
     """Start the four services of a fleet under `tmp` and yield it once the API answers."""
@@ -111,29 +86,5 @@ def standing_fleet(tmp: Path) -> Iterator[Fleet]:
 
     # the model every integration test uses (vLLM CPU attention needs head_dim >= 32)
     model = build_tiny_model(tmp / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
-    redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
-    port = free_port()
-    db_url = f"sqlite:///{tmp / 'ledger.db'}"
-    prefix = f"fleet-{uuid.uuid4().hex[:8]}:"
-    env = {
-        "REDIS_URL": redis_url,
-        "DATABASE_URL": db_url,
-        "STREAM_PREFIX": prefix,
-        "BROKER_PORT": str(port),
-        "GEN_GENERATOR_ID": "gen-0",
-        "TRAINER_THREADS": "1",
-        "REWARD_WORKERS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "TRAINER_CHECKPOINT_DIR": str(tmp / "checkpoints"),
-    }
-    env.pop("JOB_ID", None)
-    sup = Supervisor(tmp / "logs", env)
-    api = f"http://127.0.0.1:{port}"
-    try:
-        for name, module in SERVICES:
-            sup.start(name, module)
-        wait_healthy(sup, api, 120)
-        with Ledger(db_url) as ledger:
-            yield Fleet(sup, api, ledger, model, tmp, prefix, redis_url)
-    finally:
-        sup.stop_all()
+    with standing_services(tmp) as f:
+        yield Fleet(f.sup, f.api, f.ledger, model, tmp, f.prefix, f.redis_url)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from shared_fleet import Fleet, free_port, wait_healthy  # tests/ is on sys.path
+from shared_fleet import Fleet, free_port  # tests/ is on sys.path
 
-from asyncrl.launch import Supervisor
+from asyncrl.launch import Supervisor, wait_healthy
 from broker.ledger import Ledger
 from broker.redis_server import resolve_redis_url
 from broker.streams import CONTROL, POLICY, PROMPTS, ROLLOUTS, SCORED, JobStreams, connect
@@ -555,4 +555,4 @@ def _stack(tmp_path, db_url: str, tag: str) -> tuple[Supervisor, str, str, str]:
 
 def _start_broker(sup: Supervisor, api: str, timeout: float = 60) -> None:
     sup.start("broker", "broker")
-    wait_healthy(sup, api, timeout)
+    wait_healthy(f"{api}/health", sup, "broker", timeout)
