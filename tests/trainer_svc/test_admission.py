@@ -2,14 +2,11 @@
 in feed order, so a group that finishes late is not pushed past its staleness bound (the case
 that dropped 9 % of the demo's samples with two generators)."""
 
-import os
-import uuid
-
 import msgpack
 import pytest
 
 from asyncrl.tiny_model import build_tokenizer
-from broker.streams import POLICY, PROMPTS, Delivery, JobStreams, connect
+from broker.streams import POLICY, PROMPTS, Delivery
 from generator_svc.service import PolicyFollower
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
@@ -35,15 +32,6 @@ from trainer_svc.guard import CollapseGuard
 from trainer_svc.sink import LOST_LOOK_S, ORDER_WAIT_MIN_S, TrainSink, dead_streak_limit
 
 RENDER = renderer(build_tokenizer())
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 # --- the pure rule --------------------------------------------------------------------------

@@ -3,14 +3,13 @@
 import json
 import os
 import random
-import uuid
 
 import numpy as np
 import pytest
 import torch
 
 from asyncrl.tiny_model import build_tokenizer
-from broker.streams import GROUP_TRAINERS, SCORED, Consumer, JobStreams, connect
+from broker.streams import GROUP_TRAINERS, SCORED, Consumer
 from shared.ids import group_seq
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
@@ -21,15 +20,6 @@ from trainer_svc.batch import TrainBatch
 from trainer_svc.feeder import Feeder
 
 RENDER = renderer(build_tokenizer())
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 @pytest.fixture(scope="module")

@@ -6,26 +6,12 @@ test_admission."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
-import pytest
-
-from broker.streams import Delivery, JobStreams, connect
+from broker.streams import Delivery
 from shared.jobspec import JobSpec
 from shared.schema import pack_f32, pack_i32
 from tests.trainer_svc.test_admission import _Job, _Rows, _scored, _spec
 from trainer_svc.feeder import Group
 from trainer_svc.sink import split_trained
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 def test_a_flat_group_is_noted_as_dynamic_sampling(streams):

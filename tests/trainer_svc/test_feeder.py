@@ -1,12 +1,9 @@
 """The feeder's in-flight cap follows the staleness bound; the assembler never counts a sample twice."""
 
-import os
-import uuid
-
 import pytest
 
 from asyncrl.tiny_model import build_tokenizer
-from broker.streams import PROMPTS, JobStreams, connect
+from broker.streams import PROMPTS, JobStreams
 from shared.ids import eval_round
 from shared.jobspec import JobSpec, SamplingSpec
 from shared.prompts import renderer
@@ -24,15 +21,6 @@ from shared.tasks import Problem
 from trainer_svc.feeder import Feeder, GroupAssembler, group_seed
 
 RENDER = renderer(build_tokenizer())  # the tiny model's character tokenizer: plain text, <s> first
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 def _problems(n):

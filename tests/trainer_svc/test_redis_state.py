@@ -7,11 +7,6 @@ tests/chaos/test_redis_empty.py."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
-import pytest
-
 from broker.ledger import Ledger
 from broker.streams import (
     GROUP_GENERATORS,
@@ -23,21 +18,11 @@ from broker.streams import (
     SCORED,
     Delivery,
     JobStreams,
-    connect,
 )
 from shared.jobspec import JobSpec
 from shared.schema import Manifest, PolicyAnnouncement, TensorEntry
 from tests.trainer_svc.test_admission import _Job, _scored
 from trainer_svc.redis_state import EPOCH_CHECK_S, RedisWatch
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 def _announcement(version: int, run: str = "") -> PolicyAnnouncement:

@@ -7,29 +7,17 @@ scored sample outside the range dead-lettered alone, its group settled, nothing 
 from __future__ import annotations
 
 import math
-import os
-import uuid
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from broker.streams import SCORED, Delivery, JobStreams, connect
+from broker.streams import SCORED, Delivery
 from shared.jobspec import JobSpec
 from shared.rewards.base import RewardResult, bounded, failed_fraction
 from tests.trainer_svc.test_admission import _Job, _scored
 from trainer_svc.algorithms import group_mean_advantages, grpo_advantages, rloo_advantages
 from trainer_svc.reward_errors import RewardErrorStreak, error_fraction, reward_out_of_range
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
-
 
 # --- the range -------------------------------------------------------------------------------
 

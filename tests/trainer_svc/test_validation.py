@@ -5,15 +5,13 @@ dropped with the reason when it does, counted either way (issue 31)."""
 
 from __future__ import annotations
 
-import os
-import uuid
 from typing import Any
 
 import numpy as np
 import pytest
 
 from asyncrl.tiny_model import build_tokenizer
-from broker.streams import DEAD, Delivery, JobStreams, connect
+from broker.streams import DEAD, Delivery, JobStreams
 from shared.jobspec import JobSpec
 from shared.prompts import renderer
 from shared.schema import DeadLetter, Rollout, Scored, pack_f32, pack_i32
@@ -184,15 +182,6 @@ def test_a_member_of_a_group_nobody_fed_must_agree_with_the_others():
 
 
 # --- the sink: alone, or its group dropped ------------------------------------------------------
-
-
-@pytest.fixture
-def streams():
-    s = JobStreams(
-        connect(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")), "job1", prefix=f"test-{uuid.uuid4().hex}:"
-    )
-    yield s
-    s.delete_all()
 
 
 class _Rows:
