@@ -111,6 +111,29 @@ def _cell(value: Any, digits: int = 3) -> Text:
     return Text(str(value))
 
 
+def _served_by(served: dict[str, list[str]]) -> Text:
+    """Which services serve a job, by role: "generator g0, g1; reward r0" ("-": none)."""
+    if not served:
+        return Text("-", style="dim")
+    return Text("; ".join(f"{role} {', '.join(ids)}" for role, ids in sorted(served.items())))
+
+
+def _service_jobs(member: dict[str, Any]) -> Text:
+    """The jobs a service serves, each with its share and work when its beacon says them:
+    "a1 (share 2, 1.5 s, 300 tok)" ("-": idle). An entry from before `jobs` names one `job`."""
+    jobs = member.get("jobs") or ([member["job"]] if member.get("job") else [])
+    if not jobs:
+        return Text("-", style="dim")
+    load = member.get("load") or {}
+    parts = []
+    for job in jobs:
+        done = load.get(job)
+        parts.append(
+            f"{job} (share {done['share']:g}, {done['seconds']:.1f} s, {done['tokens']} tok)" if done else str(job)
+        )
+    return Text(", ".join(parts))
+
+
 def quiet_logging() -> None:
     """Logging of a command run at a terminal (demo, run): warnings and errors only, of any
     library; the libraries' INFO lines (alembic's per migration plugin and context, when the demo
@@ -196,21 +219,18 @@ def submit(
         )
 
 
-def _positions(api: str, token: str | None) -> dict[str, int]:
-    """Queued job id -> its place in the queue (GET /queue)."""
-    return {q["id"]: q["position"] for q in _call("GET", api, "/queue", token)["queued"]}
-
-
 @app.command("list")
 def list_jobs(
     limit: int = typer.Option(100, min=1, help="Newest jobs shown."),
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """The newest jobs: id, name, state, place in the queue (queued jobs), priority, step, created
-    and updated times."""
+    """The newest jobs: id, name, state, place in the queue (queued jobs), priority, step, share and
+    the services serving it (running jobs), created and updated times."""
     jobs = _call("GET", api, "/jobs", token, params={"limit": limit})
-    positions = _positions(api, token)
+    queue = _call("GET", api, "/queue", token)
+    positions = {q["id"]: q["position"] for q in queue["queued"]}
+    running = {j["id"]: j for j in queue["running"]}
     table = Table(
         "id",
         "name",
@@ -218,16 +238,22 @@ def list_jobs(
         Column("queue", justify="right"),
         Column("priority", justify="right"),
         Column("step", justify="right"),
+        Column("share", justify="right"),
+        "served by",
         "created",
         "updated",
     )
     for job in jobs:
+        run = running.get(job["id"])
         table.add_row(
             _cell(job["id"]),
             _cell(job["name"]),
             _cell(job["state"]),
             _cell(f"#{positions[job['id']]}" if job["id"] in positions else None),
-            *(_cell(job[k]) for k in ("priority", "step", "created_at", "updated_at")),
+            *(_cell(job[k]) for k in ("priority", "step")),
+            _cell(f"{run['share']:g}" if run else None),
+            _served_by(run["served_by"]) if run else _cell(None),
+            *(_cell(job[k]) for k in ("created_at", "updated_at")),
         )
     Console().print(table)
 
@@ -250,6 +276,8 @@ def _show_queue(api: str, token: str | None) -> None:
             "state",
             Column("step", justify="right"),
             Column("priority", justify="right"),
+            Column("share", justify="right"),
+            "served by",
             "started",
             Column("reward errors", justify="right"),
             "drop skew",
@@ -263,6 +291,8 @@ def _show_queue(api: str, token: str | None) -> None:
                 _cell(j["state"]),
                 _cell(f"{j['step']}/{j['steps']}"),
                 _cell(j["priority"]),
+                _cell(f"{j.get('share', 1.0):g}"),
+                _served_by(j.get("served_by") or {}),
                 _cell(j["started_at"]),
                 _percent(j.get("reward_error_fraction")),
                 _skewed(j.get("drop_skew_warnings") or []),
@@ -300,7 +330,7 @@ def _show_queue(api: str, token: str | None) -> None:
             "host",
             Column("pid", justify="right"),
             "state",
-            "job",
+            "jobs",
             "since",
             Column("jobs served", justify="right"),
             title="fleet",
@@ -313,7 +343,7 @@ def _show_queue(api: str, token: str | None) -> None:
                 _cell(m["host"]),
                 _cell(m["pid"]),
                 _cell(m["state"]),
-                _cell(m["job"]),
+                _service_jobs(m),
                 _cell(_ago(m["since"])),
                 _cell(m["jobs_served"]),
             )
@@ -338,9 +368,11 @@ def status(
     api: str = API,
     token: str | None = TOKEN,
 ) -> None:
-    """Show a job's state, step and last metrics (JSON), or watch it live; either way, every
-    collapse-guard trip (what it did to the policy) follows on stderr. Without a job: the running
-    jobs, the queue (each job's place and what it waits for) and the fleet's services."""
+    """Show a job's state, step and last metrics (JSON, with its usage: generator-seconds and
+    tokens, also one line on stderr), or watch it live; either way, every collapse-guard trip (what
+    it did to the policy) follows on stderr. Without a job: the running jobs (each one's share and
+    the services serving it), the queue (each job's place and what it waits for) and the fleet's
+    services (the jobs each serves)."""
     if job_id is None:
         if watch:
             _fail("--watch follows one job: give its id")
@@ -349,6 +381,7 @@ def status(
     if not watch:
         job = _call("GET", api, f"/jobs/{job_id}", token)
         _echo_json(job)
+        _echo_usage(job)
         _echo_reward_errors(job)
         _echo_drop_skew(job)
         _echo_guard_trips(job_id, api, token)
@@ -514,6 +547,20 @@ def phases(
             f"{float(p['total_s']):.2f}",
         )
     Console().print(table)
+
+
+def _echo_usage(job: dict[str, Any]) -> None:
+    """What the job cost the generators, one line on stderr once it generated a sample: the
+    figures a shared fleet bills it by (GET /jobs/{id} `usage`)."""
+    usage = job.get("usage") or {}
+    if not usage.get("samples"):
+        return
+    typer.echo(
+        f"usage: {usage['generator_seconds']:.1f} generator-seconds, {usage['samples']} samples, "
+        f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens "
+        f"on {len(usage.get('by_generator') or {})} generator(s)",
+        err=True,
+    )
 
 
 def _echo_reward_errors(job: dict[str, Any]) -> None:

@@ -276,12 +276,16 @@ def plan(
     generators: int,
     env: dict[str, str],
     host: str | None = None,
+    trainers: int = 1,
 ) -> list[Service]:
     """The processes for `roles` on this box, broker first.
 
     Args:
         roles: names from `ROLES`.
         generators: generator replicas (when "generator" is in `roles`).
+        trainers: trainer processes (when "trainer" is in `roles`): each trains one job at a time,
+            so a fleet runs this many jobs at once. Each has a stable id (`<host>-trainer-<i>`):
+            restarted, it takes its job's lease back at once (broker/fleet.py `JobLease`).
         env: the environment the services will see (for GEN_METRICS_PORT, ADMIN_QUEUE, LOG_LEVEL).
         host: consumer-name prefix; default this machine's hostname, so names stay unique when
             other nodes run replicas of the same job.
@@ -306,7 +310,12 @@ def plan(
     if "reward" in roles:
         out.append(Service("reward", "reward_svc"))
     if "trainer" in roles:
-        out.append(Service("trainer", "trainer_svc"))
+        base_port = int(env.get("TRAINER_METRICS_PORT", "0") or 0)
+        for i in range(trainers):
+            t_env = {"TRAINER_CONSUMER_ID": f"{host}-trainer-{i}"}
+            if base_port:  # one port per trainer: TRAINER_METRICS_PORT, +1, +2, ...
+                t_env["TRAINER_METRICS_PORT"] = str(base_port + i)
+            out.append(Service("trainer" if i == 0 else f"trainer-{i}", "trainer_svc", t_env))
     if "admin" in roles:
         queue = env.get("ADMIN_QUEUE", "admin")
         level = env.get("LOG_LEVEL", "INFO")
@@ -554,6 +563,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--generators", type=int, default=1, help="generator replicas (default 1)")
     ap.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        help="trainer processes (default 1): the fleet runs this many jobs at once, sharing its "
+        "generators and reward service",
+    )
+    ap.add_argument(
         "--roles",
         default=",".join(DEFAULT_ROLES),
         help=f"comma-separated subset of {','.join(ROLES)} (default %(default)s)",
@@ -634,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # own logs keep theirs.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        services = plan(args.roles, args.generators, dict(os.environ))
+        services = plan(args.roles, args.generators, dict(os.environ), trainers=args.trainers)
     except ValueError as exc:
         log.error("%s", exc)
         return 2

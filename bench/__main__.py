@@ -44,10 +44,23 @@ def main(
         "golden: the golden curve of tests/test_golden.py over --runs seeds (0: 8), --write to commit it; "
         "step-time: the trainer's step over a plain step of the same model, --runs measurements (0: 10); replay: "
         "sync, async and two-generator jobs re-run from their ledger and checkpoints, bit for bit, and a "
-        "sign-flipped loss caught (results/correctness.json).",
+        "sign-flipped loss caught (results/correctness.json); tenants: several LoRA jobs at once on one fleet "
+        "(makespan against one after another, the reward gap, fair shares, one job's faults beside another; "
+        "--runs rounds, 0: 2); ecosystem: jobs from verl's, TRL's and verifiers' own files (data layouts and "
+        "reward functions unchanged), merged into results/ecosystem.json; ecosystem-gym: three reasoning-gym "
+        "datasets trained by name, held-out reward before/after (results/ecosystem.json reasoning_gym); "
+        "ecosystem-agent: an agent written with the openai client trained through the job's "
+        "OpenAI-compatible endpoint (sync, --steps, "
+        "0: 50; results/ecosystem.json openai_endpoint); defaults-vs-trl: "
+        "ours with its defaults (and with mode sync) against TRL's GRPOTrainer with its own, own task, "
+        "--seeds seeds (results/ecosystem.json defaults_vs_trl); ecosystem-arch: "
+        "tiny Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, Qwen3-MoE and Mixtral models on vLLM's CPU build "
+        "(mismatch KL, post-swap fingerprint, LoRA targets; results/ecosystem.json key architectures); "
+        "ecosystem-verifiers: verifiers environments "
+        "by module name, single- and multi-turn (results/ecosystem.json verifiers_envs).",
     ),
     steps: int = typer.Option(0, help="Trainer steps per run (0: the bench's default)."),
-    seeds: int = typer.Option(3, help="parity: number of seeds."),
+    seeds: int = typer.Option(3, help="parity, own-task, defaults-vs-trl: number of seeds."),
     out: str = typer.Option("results", help="Folder for the JSON, markdown and PNG results."),
     preset: str = typer.Option("quick", help="suite: ci, quick or full."),
     runs: int = typer.Option(
@@ -66,11 +79,49 @@ def main(
     logging.basicConfig(level=logging.WARNING)
     from bench.claims import bench_async, bench_parity, bench_swap
 
+    if which == "tenants":
+        from bench.tenants import bench_tenants
+
+        res = bench_tenants(out_dir=out, rounds=runs or 2)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k != "per_job"}, indent=2, default=str))
+        return
+    if which == "ecosystem":
+        from bench.ecosystem import bench_ecosystem
+
+        typer.echo(json.dumps(bench_ecosystem(out_dir=out, steps=steps), indent=2))
+        return
+    if which == "ecosystem-agent":
+        from bench.ecosystem_agent import bench_ecosystem_agent
+
+        typer.echo(json.dumps(bench_ecosystem_agent(steps=steps or 50, out_dir=out), indent=2, default=str))
+        return
     if which == "golden":
         from bench.golden import bench_golden
 
         ref = bench_golden(seeds=runs or 8, write=write, out_dir=out)
         typer.echo(json.dumps({k: v for k, v in ref.items() if k != "seed_curves"}, indent=2))
+        return
+    if which == "defaults-vs-trl":
+        from bench.own_task import run_defaults_vs_trl
+
+        res = run_defaults_vs_trl(candidates=("defaults", "sync"), seeds=seeds, steps=steps or 150, out_dir=out)
+        typer.echo(json.dumps({k: v for k, v in res.items() if k not in ("candidates", "settings")}, indent=2))
+        return
+    if which == "ecosystem-arch":
+        from bench.ecosystem_arch import bench_ecosystem_arch
+
+        res = bench_ecosystem_arch(out_dir=out)
+        typer.echo(json.dumps(res, indent=2, default=str))
+        return
+    if which == "ecosystem-verifiers":
+        from bench.ecosystem_verifiers import bench_ecosystem_verifiers
+
+        typer.echo(json.dumps(bench_ecosystem_verifiers(out_dir=out, steps=steps)["verifiers_envs"], indent=2))
+        return
+    if which == "ecosystem-gym":
+        from bench.ecosystem_gym import bench_ecosystem_gym
+
+        typer.echo(json.dumps(bench_ecosystem_gym(steps=steps or 60, out_dir=out)["reasoning_gym"], indent=2))
         return
     if which == "step-time":
         from bench.step_time import bench_step_time

@@ -603,7 +603,7 @@ FROM generate_series(1, %(n)s) AS i
 
 
 def bench_ledger_queries(url: str, *, rows: int) -> dict[str, Any]:
-    """Seconds of the status queries (GET /jobs/{id}: status counts and staleness histogram; a
+    """Seconds of the status queries (GET /jobs/{id}: status counts, staleness histogram, usage; a
     page of GET /jobs/{id}/samples, first and deep) and of `python -m broker.verify` on a job of
     `rows` samples, beside a small second job."""
     import psycopg
@@ -643,6 +643,7 @@ def bench_ledger_queries(url: str, *, rows: int) -> dict[str, Any]:
         return {
             "status_counts_s": best(lambda: ledger.status_counts(job)),
             "staleness_histogram_s": best(lambda: ledger.staleness_histogram(job)),
+            "usage_s": best(lambda: ledger.usage(job)),
             "count_trained_s": best(lambda: ledger.count_samples(job, status="trained")),
             "first_page_s": best(lambda: ledger.samples(job, limit=50)),
             "deep_page_s": best(lambda: ledger.samples(job, limit=50, offset=max(0, n - 5000))),

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +112,14 @@ def cold_run(wd: Path, spec: dict[str, Any]) -> dict[str, Any]:
 class WarmFleet:
     """`python -m asyncrl.launch` serving the queue, and what the bench does with it."""
 
-    def __init__(self, wd: Path):
+    def __init__(self, wd: Path, args: Sequence[str] = ()):
         self.run = wd / f"warm-{time.time_ns()}"
         self.run.mkdir(parents=True)
         self.env = _env(self.run)
         self.api = f"http://127.0.0.1:{self.env['BROKER_PORT']}"
         self.log = open(self.run / "launcher.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.launch", "--logdir", str(self.run / "logs")],
+            [sys.executable, "-m", "asyncrl.launch", "--logdir", str(self.run / "logs"), *args],
             cwd=ROOT,
             env=self.env,
             stdout=self.log,

@@ -32,6 +32,7 @@ guard_live_trip, machine, date.
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -45,6 +46,7 @@ from rich.console import Console
 
 from asyncrl.demo import prepare_model, run_job
 from bench.claims import machine
+from bench.ecosystem import defaults_markdown
 from bench.runs import ours_curve, run_finished, trl_python, trl_task_run
 from broker.ledger import Ledger
 
@@ -226,6 +228,236 @@ def gaps(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+# --- this system's defaults against TRL's (results/ecosystem.json key `defaults_vs_trl`) -------
+
+DEFAULTS_GOAL = -0.02  # issue 36: ours with its defaults at most this far below TRL with its own
+# Candidate default changes, by name: overrides on top of the defaults spec ("defaults": none).
+CANDIDATES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "constant": {"algorithm": {"lr_schedule": "constant"}},
+    "linear": {"algorithm": {"lr_schedule": "linear"}},
+    "cosine": {"algorithm": {"lr_schedule": "cosine"}},
+    "linear_warmup10": {"algorithm": {"lr_schedule": "linear", "warmup_steps": 10}},
+    "sync": {"mode": "sync"},
+    "sync_constant": {"mode": "sync", "algorithm": {"lr_schedule": "constant"}},
+    "sync_linear": {"mode": "sync", "algorithm": {"lr_schedule": "linear"}},
+}
+# What defaults_spec sets: what a user must (model, data, reward, the stop rule and length of the
+# task's answers) and what the issue's comparison fixes on both sides (steps, 8 x 8, lr, seed).
+DEFAULTS_FIELDS = (
+    "name",
+    "model_path",
+    "task",
+    "reward",
+    "sampling.max_tokens",
+    "sampling.stop",
+    "steps",
+    "group_size",
+    "prompts_per_step",
+    "algorithm.lr",
+    "seed",
+)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over`'s keys put in, nested dicts merged key by key (neither is changed)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def defaults_spec(
+    model: Path, data: Path, reward: Path, seed: int, steps: int, candidate: str = "defaults"
+) -> dict[str, Any]:
+    """The job spec with DEFAULTS_FIELDS only (every other field this system's default), with the
+    candidate's overrides (CANDIDATES) on top."""
+    spec = {
+        "name": f"defaults-{candidate}-s{seed}",
+        "model_path": str(model),
+        "task": task_section(data),
+        "reward": f"{reward}:score",
+        "sampling": {"max_tokens": SHAPE["max_tokens"], "stop": STOP},
+        "steps": steps,
+        "group_size": SHAPE["group_size"],
+        "prompts_per_step": SHAPE["prompts_per_step"],
+        "algorithm": {"lr": SHAPE["lr"]},
+        "seed": seed,
+    }
+    return deep_merge(spec, lookup_candidate(candidate))
+
+
+def lookup_candidate(name: str) -> dict[str, Any]:
+    try:
+        return CANDIDATES[name]
+    except KeyError:
+        raise ValueError(f"unknown candidate '{name}'; valid: {sorted(CANDIDATES)}") from None
+
+
+def ours_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The settings a comparison with TRL turns on, as this system resolves `spec` (its defaults)."""
+    from shared.jobspec import JobSpec
+
+    js = JobSpec.model_validate(spec)
+    a = js.algorithm
+    return {
+        "mode": js.mode,
+        "max_staleness": js.max_staleness,
+        "advantage": a.advantage,
+        "loss": a.loss,
+        "aggregation": a.aggregation,
+        "rho": a.rho,
+        "kl_coef": a.kl_coef,
+        "lr_schedule": a.lr_schedule,
+        "warmup_steps": a.warmup_steps,
+        "min_lr_ratio": a.min_lr_ratio,
+        "betas": list(a.betas),
+        "eps": a.eps,
+        "weight_decay": a.weight_decay,
+        "max_grad_norm": a.max_grad_norm,
+        "overlong": a.overlong,
+        "temperature": js.sampling.temperature,
+        "top_p": js.sampling.top_p,
+        "top_k": js.sampling.top_k,
+        "dtype": a.dtype,
+        "gradient_checkpointing": a.gradient_checkpointing,
+    }
+
+
+def seed_gap(ours: list[float], trl: list[float]) -> dict[str, float | None]:
+    """Mean over seeds of each side, their difference (ours - TRL) and its standard error from the
+    seeds' spread (Welch: sqrt(s_o^2 / n_o + s_t^2 / n_t); None with fewer than 2 seeds a side)."""
+    o, t = statistics.fmean(ours), statistics.fmean(trl)
+    se = (
+        (statistics.variance(ours) / len(ours) + statistics.variance(trl) / len(trl)) ** 0.5
+        if len(ours) > 1 and len(trl) > 1
+        else None
+    )
+    return {"ours_mean": o, "trl_mean": t, "gap": o - t, "gap_se": se}
+
+
+def defaults_section(
+    previous: dict[str, Any] | None,
+    trl: list[float],
+    measured: dict[str, dict[str, Any]],
+    settings: dict[str, Any],
+    steps: int,
+) -> dict[str, Any]:
+    """The `defaults_vs_trl` section: the candidates measured now (name -> {"held_out": per seed,
+    ...}) over those of `previous` (kept unless measured again), every gap against `trl` (per seed);
+    the headline (ours, gap, ...) is the "defaults" candidate's."""
+    candidates = {**(previous or {}).get("candidates", {}), **measured}
+    for c in candidates.values():
+        c.update(seed_gap(c["held_out"], trl))
+    out: dict[str, Any] = {
+        "goal": DEFAULTS_GOAL,
+        "steps": steps,
+        "trl": trl,
+        "candidates": candidates,
+        "settings": settings,
+    }
+    d = candidates.get("defaults")
+    if d:
+        out.update(
+            ours=d["held_out"],
+            ours_mean=d["ours_mean"],
+            trl_mean=d["trl_mean"],
+            gap=d["gap"],
+            gap_se=d["gap_se"],
+            goal_met=d["gap"] >= DEFAULTS_GOAL,
+        )
+    if sync := candidates.get("sync"):  # the defaults but mode sync: the issue's comparison
+        out.update(ours_sync=sync["held_out"], gap_sync=sync["gap"], gap_sync_se=sync["gap_se"])
+    return out
+
+
+def run_defaults_vs_trl(
+    *,
+    candidates: tuple[str, ...] = ("defaults",),
+    workdir: str = "runs/bench-own-task",
+    out_dir: str = "results",
+    seeds: int = 3,
+    steps: int = 150,
+    trl_venv: str = "runs/bench/trl-venv",
+) -> dict[str, Any]:
+    """Ours with its defaults (and each of `candidates`: CANDIDATES) and TRL's GRPOTrainer with its
+    own (fp32), on the own task's task and warm start, `seeds` seeds, held-out greedy at the last
+    step; merged into `out_dir`/ecosystem.{json,md} as `defaults_vs_trl`."""
+    from bench.ecosystem import markdown, merge_results
+
+    for c in candidates:
+        lookup_candidate(c)
+    t0, load0 = time.monotonic(), os.getloadavg()
+    wd = Path(workdir).resolve()
+    wd.mkdir(parents=True, exist_ok=True)
+    data, reward = write_task(wd)
+    model = prepare_own_model(wd, data)
+    trl_py = trl_python(Path(trl_venv).resolve())
+    measured: dict[str, dict[str, Any]] = {
+        c: {"overrides": CANDIDATES[c], "held_out": [], "step_s_median": [], "job_ids": []} for c in candidates
+    }
+    trl: list[float] = []
+    trl_step_s: list[float] = []
+    trl_settings: dict[str, Any] = {}
+    for seed in range(seeds):
+        for c in candidates:
+            console.print(f"[bold]defaults vs TRL[/]: ours {c}, seed {seed}")
+            ledger, job_id, t_launch = run_finished(wd, defaults_spec(model, data, reward, seed, steps, c))
+            curve, ends, _ = ours_curve(ledger, job_id, t_launch)
+            m = measured[c]
+            m["held_out"].append(_at_step(curve, steps))
+            m["step_s_median"].append(
+                statistics.median(b["t_s"] - a["t_s"] for a, b in zip(ends[1:], ends[2:], strict=False))
+            )
+            m["job_ids"].append(job_id)
+            console.print(f"  held-out at step {steps}: {m['held_out'][-1]}")
+        console.print(f"[bold]defaults vs TRL[/]: TRL with its defaults, seed {seed}")
+        r = trl_task_run(
+            trl_py,
+            wd / f"trl-defaults-{seed}-{time.time_ns()}",
+            model,
+            task_section(data),
+            reward,
+            SHAPE,
+            STOP,
+            seed,
+            steps,
+            10,
+            trl_defaults=True,
+        )
+        trl.append(_at_step(r["curve"], steps) or 0.0)
+        ends_t = [x["t_s"] for x in r["train_reward"]]
+        trl_step_s.append(statistics.median(b - a for a, b in zip(ends_t[1:], ends_t[2:], strict=False)))
+        trl_settings = {"version": r["trl_version"], "fields_set": r["trl_fields_set"], "defaults": r["trl_settings"]}
+        console.print(f"  held-out at step {steps}: {trl[-1]}")
+    for m in measured.values():
+        m["date"] = time.strftime("%Y-%m-%d")
+    settings = {
+        "ours_fields_set": list(DEFAULTS_FIELDS),
+        "ours_defaults": ours_defaults(defaults_spec(model, data, reward, 0, steps)),
+        "trl": trl_settings,
+        "shape": {k: SHAPE[k] for k in ("group_size", "prompts_per_step", "lr", "max_tokens")},
+        "stop": STOP,
+        "n_test": N_TEST,
+        "held_out": f"greedy, {N_TEST} problems split off the file by the seed, the user's reward, at step {steps}",
+        "trl_step_s_median": statistics.median(trl_step_s),
+        "machine": machine(),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "ecosystem.json"
+    previous = json.loads(path.read_text()).get("defaults_vs_trl") if path.exists() else None
+    section = defaults_section(previous, trl, measured, settings, steps)
+    data_all = merge_results(path, {"defaults_vs_trl": section})
+    (out / "ecosystem.md").write_text(markdown(data_all))
+    console.print(defaults_markdown(section))
+    return section
+
+
 def _job_ids(db_url: str, name: str) -> list[str]:
     ledger = Ledger(db_url)
     try:
@@ -366,6 +598,8 @@ def run_own_task(
             "stop": STOP,
         },
         "shape": SHAPE,
+        # ours: the default, resolved; TRL's mirrored settings follow it (bench/peers/trl_grpo.py)
+        "lr_schedule": ours_defaults(own_spec(model, data, reward, "sync", 1, 0, steps, eval_every))["lr_schedule"],
         "steps": steps,
         "eval_every": eval_every,
         "seeds": seeds,
@@ -404,7 +638,8 @@ def report(r: dict[str, Any]) -> str:
         "",
         f"Task: {r['task']['data']}; reward: {r['task']['reward']}; stop {r['task']['stop']!r}; "
         f"{r['steps']} steps, {r['seeds']} seeds, held-out every {r['eval_every']} steps "
-        f"({r['task']['n_test']} problems, greedy).",
+        f"({r['task']['n_test']} problems, greedy); lr schedule {r.get('lr_schedule', 'constant')} on both "
+        "sides (ours: the default when measured).",
         "",
         "| | final held-out (seed mean) | gap vs TRL | per seed | s/step | wall to TRL's final (s) | ratio |",
         "|---|---|---|---|---|---|---|",
@@ -428,6 +663,9 @@ def report(r: dict[str, Any]) -> str:
         f"{_f(g.get('gap_se'))}. Gap over the last three rounds: "
         + ", ".join(f"{m} {_f(g.get(f'{m}_gap_last3'))}" for m in ("sync", "async_k1", "async_k2"))
         + ".",
+        "",
+        "This system with its own defaults against TRL with its own (not the settings mirrored here): "
+        "[ecosystem.md](ecosystem.md#defaults_vs_trl).",
         "",
         "Held-out curves (seed mean; step: reward @ s):",
         "",
@@ -482,7 +720,11 @@ def rereport(path: str = "results/own_task.json") -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--rereport"]:
+    if sys.argv[1:2] == ["--defaults-vs-trl"]:
+        # python -m bench.own_task --defaults-vs-trl [candidate,candidate,...] [seeds]
+        names = tuple(sys.argv[2].split(",")) if sys.argv[2:] else ("defaults",)
+        run_defaults_vs_trl(candidates=names, seeds=int(sys.argv[3]) if sys.argv[3:] else 3)
+    elif sys.argv[1:] == ["--rereport"]:
         rereport()
     elif sys.argv[1:2] == ["--rerun-guard"]:
         rerun_guard(*sys.argv[2:])

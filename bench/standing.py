@@ -30,9 +30,13 @@ class Services:
 
 
 @contextmanager
-def standing_services(tmp: Path, label: str = "fleet") -> Iterator[Services]:
+def standing_services(
+    tmp: Path, label: str = "fleet", trainers: int = 1, env: dict[str, str] | None = None
+) -> Iterator[Services]:
     """Start the fleet's services under `tmp` (logs, ledger, checkpoints; stream prefix
-    `<label>-<random>:`) and yield them once the API answers; stopped on exit."""
+    `<label>-<random>:`) and yield them once the API answers; stopped on exit. `trainers` > 1
+    adds trainers `trainer-1`, ...: the fleet then runs that many jobs at once. `env` adds to
+    every service's environment."""
     redis_url, _ = resolve_redis_url(os.environ.get("REDIS_URL"))
     port = free_port()
     db_url = f"sqlite:///{tmp / 'ledger.db'}"
@@ -47,12 +51,15 @@ def standing_services(tmp: Path, label: str = "fleet") -> Iterator[Services]:
         "REWARD_WORKERS": "1",
         "PYTHONUNBUFFERED": "1",
         "TRAINER_CHECKPOINT_DIR": str(tmp / "checkpoints"),
+        **(env or {}),
     }
     sup = Supervisor(tmp / "logs", env)
     api = f"http://127.0.0.1:{port}"
     try:
         for name, module in SERVICES:
-            sup.start(name, module)
+            sup.start(name, module, {"TRAINER_CONSUMER_ID": "trainer-0"} if name == "trainer" else None)
+        for i in range(1, trainers):
+            sup.start(f"trainer-{i}", "trainer_svc", {"TRAINER_CONSUMER_ID": f"trainer-{i}"})
         wait_healthy(f"{api}/health", sup, "broker", 120)
         with Ledger(db_url) as ledger:
             yield Services(sup, api, ledger, prefix, redis_url)

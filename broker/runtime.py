@@ -132,6 +132,8 @@ def sample_row(r: Rollout) -> SampleIn:
         "completion": r.completion,
         "finish_reason": r.finish_reason,
         "eval_set": r.eval_set or None,
+        "adapter": r.adapter or None,
+        "gen_seconds": r.gen_seconds,
         "status": "generated",
     }
     if r.model_mask or r.stop_reason:  # a multi-turn episode

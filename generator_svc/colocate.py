@@ -12,6 +12,7 @@ import logging
 import time
 
 from generator_svc.engine import Engine
+from generator_svc.tenants import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 class Turns:
     """Sleeps and wakes `engine` around each batch when `on`; a no-op otherwise."""
 
-    def __init__(self, engine: Engine, on: bool):
+    def __init__(self, engine: Engine | EngineView, on: bool):
         self.engine, self.on = engine, on
         self.asleep = False
         self.sleep_s = self.wake_s = 0.0  # the last transition's cost

@@ -104,10 +104,13 @@ class Engine:
         in_process: bool = True,
         enable_sleep_mode: bool = False,
         lora_rank: int | None = None,
+        max_loras: int = 1,
         quantization: str | None = None,
     ):
-        """`lora_rank`: the job trains LoRA adapters of this rank; versions arrive as adapters
-        (`load_version` with an `adapter`) and every generate and score call applies the newest."""
+        """`lora_rank`: jobs train LoRA adapters of this rank over this engine's base; versions
+        arrive as adapters (`load_version` with an `adapter`). Each job is a `tenant` with its
+        own adapter (vLLM's multi-LoRA: `max_loras` of them loaded at once), and every generate,
+        score and fingerprint call of a tenant applies that tenant's newest adapter."""
         prepare(kv_cache_gib=kv_cache_gib, in_process=in_process)
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -132,7 +135,10 @@ class Engine:
             options["distributed_executor_backend"] = "uni"
         if lora_rank:
             options.update(
-                enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
+                enable_lora=True,
+                max_loras=max(1, max_loras),
+                max_cpu_loras=max(1, max_loras) + 1,  # a tenant's next adapter is added before its old one goes
+                max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora_rank),
             )
 
         self._llm = LLM(
@@ -150,15 +156,22 @@ class Engine:
             enable_sleep_mode=enable_sleep_mode,
             **options,
         )
-        self._lora: LoRARequest | None = None  # the LoRARequest of the adapter loaded now (None: the plain weights)
+        # each tenant's (job's) adapter loaded now; a tenant without one generates with the base weights
+        self._loras: dict[str, LoRARequest] = {}
         self._lora_ids = 0  # vLLM caches adapters by int id: every load takes a new one
         self._lora_root = Path(tempfile.mkdtemp(prefix="asyncrl-lora-")) if lora_rank else None
 
     def generate(
-        self, prompts: list[str | list[int]], params: list[SamplingParams], n: list[int]
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        n: list[int],
+        tenant: str | list[str] = "",
     ) -> list[list[Sample]]:
-        """One blocking generate call. A prompt is token ids (generated from exactly as given) or
-        text (tokenized by vLLM). Returns, per prompt, its n samples."""
+        """One blocking generate call with `tenant`'s adapter (if it has one; a list: each
+        prompt's tenant, several jobs' prompts in one call, each with its own adapter). A prompt is
+        token ids (generated from exactly as given) or text (tokenized by vLLM). Returns, per
+        prompt, its n samples."""
         from vllm import SamplingParams as VSamplingParams
 
         vparams = [
@@ -182,7 +195,10 @@ class Engine:
         inputs: list[str | TokensPrompt] = [
             TokensPrompt(prompt_token_ids=list(x)) if isinstance(x, list) else x for x in prompts
         ]
-        outs = self._llm.generate(inputs, vparams, use_tqdm=False, lora_request=self._lora)
+        lora: LoRARequest | None | list[LoRARequest | None] = (
+            [self._loras.get(t) for t in tenant] if isinstance(tenant, list) else self._loras.get(tenant)
+        )
+        outs = self._llm.generate(inputs, vparams, use_tqdm=False, lora_request=lora)  # type: ignore[arg-type]
         result = []
         for out in outs:
             group = []
@@ -203,15 +219,21 @@ class Engine:
         return result
 
     def load_version(
-        self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter | None = None
+        self,
+        transport: str,
+        address: str,
+        manifest: Manifest,
+        adapter: LoraAdapter | None = None,
+        tenant: str = "",
     ) -> dict:
         """Pull, verify and swap in one version; then drop KV computed with the old weights.
 
-        `adapter`: the version is a LoRA adapter: the worker writes it as a PEFT folder, vLLM
-        loads it under a new adapter id, and the previous adapter is removed."""
+        `adapter`: the version is a LoRA adapter of `tenant`: the worker writes it as a PEFT
+        folder, vLLM loads it under a new adapter id, and the tenant's previous adapter is
+        removed (the other tenants' stay)."""
         t0 = time.perf_counter()
         if adapter is not None:
-            return self._load_adapter(transport, address, manifest, adapter, t0)
+            return self._load_adapter(transport, address, manifest, adapter, t0, tenant)
         res = self._llm.collective_rpc(
             "asyncrl_load_version", args=(transport, address, manifest.model_dump(mode="json"))
         )[0]
@@ -221,7 +243,9 @@ class Engine:
         res["total_s"] = time.perf_counter() - t0
         return res
 
-    def _load_adapter(self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter, t0: float) -> dict:
+    def _load_adapter(
+        self, transport: str, address: str, manifest: Manifest, adapter: LoraAdapter, t0: float, tenant: str
+    ) -> dict:
         from vllm.lora.request import LoRARequest
 
         if self._lora_root is None:
@@ -230,7 +254,7 @@ class Engine:
                 "without lora_rank (the job's spec has no lora)"
             )
         self._lora_ids += 1
-        path = self._lora_root / f"v{manifest.version}-{self._lora_ids}"
+        path = self._lora_root / f"{tenant or 'job'}-v{manifest.version}-{self._lora_ids}"
         res = self._llm.collective_rpc(
             "asyncrl_fetch_adapter",
             args=(transport, address, manifest.model_dump(mode="json"), adapter.model_dump(mode="json"), str(path)),
@@ -238,23 +262,22 @@ class Engine:
         if not res["ok"]:
             raise TransferError(f"policy v{manifest.version} from {transport}://{address}: {res['error']}")
         t1 = time.perf_counter()
-        request = LoRARequest(f"policy-v{manifest.version}-{self._lora_ids}", self._lora_ids, str(path))
+        request = LoRARequest(f"{tenant or 'job'}/v{manifest.version}#{self._lora_ids}", self._lora_ids, str(path))
         try:
             self._llm.llm_engine.add_lora(request)  # loads it now: a bad adapter fails here, not mid-generate
         except Exception as exc:  # noqa: BLE001 - vLLM refused the adapter: keep the old one
             shutil.rmtree(path, ignore_errors=True)
             raise TransferError(f"policy v{manifest.version}: vLLM did not load the adapter: {exc}") from exc
-        old, self._lora = self._lora, request
-        if old is not None:
-            self._llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._drop_adapter(tenant)
+        self._loras[tenant] = request
         self._llm.reset_prefix_cache()
         res["load_s"] += time.perf_counter() - t1
         res["total_s"] = time.perf_counter() - t0
         return res
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        """log p(token[t+1] | token[:t+1]) for t = 0..P-2 under the engine's current weights."""
+    def score(self, token_ids: list[int], tenant: str = "") -> list[float]:
+        """log p(token[t+1] | token[:t+1]) for t = 0..P-2 under the engine's current weights
+        (with `tenant`'s adapter, if it has one)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -262,7 +285,7 @@ class Engine:
             [TokensPrompt(prompt_token_ids=list(token_ids))],
             VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0),
             use_tqdm=False,
-            lora_request=self._lora,
+            lora_request=self._loras.get(tenant),
         )[0]
         # position 0 has no logprob (nothing conditions it); each later dict holds the actual token.
         steps = out.prompt_logprobs
@@ -297,9 +320,25 @@ class Engine:
         if self._lora_root is not None:
             shutil.rmtree(self._lora_root, ignore_errors=True)
 
-    def fingerprint(self) -> str:
-        """xxh3 of the engine's own parameters; with an adapter loaded, also of its tensors."""
+    def fingerprint(self, tenant: str = "") -> str:
+        """xxh3 of the engine's own parameters; with `tenant`'s adapter loaded, also of its tensors."""
         base = self._llm.collective_rpc("asyncrl_fingerprint")[0]
-        if self._lora is None:
+        lora = self._loras.get(tenant)
+        if lora is None:
             return base
-        return f"{base}+{self._llm.collective_rpc('asyncrl_adapter_fingerprint', args=(self._lora.lora_path,))[0]}"
+        return f"{base}+{self._llm.collective_rpc('asyncrl_adapter_fingerprint', args=(lora.lora_path,))[0]}"
+
+    def adapter_name(self, tenant: str = "") -> str:
+        """The name of `tenant`'s adapter loaded now ("" without one): `<tenant>/v<version>#<id>`."""
+        lora = self._loras.get(tenant)
+        return "" if lora is None else lora.lora_name
+
+    def release(self, tenant: str) -> None:
+        """`tenant` (a job) is over here: its adapter leaves the engine; the others stay."""
+        self._drop_adapter(tenant)
+
+    def _drop_adapter(self, tenant: str) -> None:
+        old = self._loras.pop(tenant, None)
+        if old is not None:
+            self._llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)

@@ -43,10 +43,12 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from generator_svc.engine import Engine, Sample
+from generator_svc.tenants import EngineView
 from shared.environments.base import EnvironmentFactory
-from shared.environments.episode import Codec, Episode, run_episode
+from shared.environments.episode import Codec, Episode, Generate, run_episode
 from shared.environments.spec import EpisodeLimits
 from shared.jobspec import MAX_SEED
 from shared.schema import PromptGroup, SamplingParams
@@ -77,7 +79,7 @@ class TurnBatcher:
     tool that sleeps) is not waited for: a gap of `gather_s` ends the gathering.
     """
 
-    engine: Engine
+    engine: Engine | EngineView
     active: int = 0  # episodes not yet ended
     gather_s: float = 0.005  # a gap with no new turn that ends the gathering
     max_gather_s: float = 0.05  # the longest a call waits for more turns
@@ -199,17 +201,30 @@ class Played:
     turns: int  # model turns
 
 
+class Player(Protocol):
+    """Who plays an episode's other side instead of an environment object: an external agent
+    through the OpenAI-compatible endpoint (generator_svc/agents.py)."""
+
+    def running(self) -> contextlib.AbstractAsyncContextManager: ...
+
+    async def play(self, group: PromptGroup, index: int, generate: Generate) -> Episode: ...
+
+
 def run_groups(
-    engine: Engine,
-    factory: EnvironmentFactory,
+    engine: Engine | EngineView,
+    factory: EnvironmentFactory | None,
     limits: EpisodeLimits,
     codec: Codec,
     groups: Sequence[PromptGroup],
     keepalive: Callable[[], object] | None = None,
     keepalive_s: float = 20.0,
+    player: Player | None = None,
 ) -> Played:
     """Every group's n episodes, concurrently. A group with an episode that never reached a model
     turn is returned as the reason (the caller dead-letters it): a group is used whole or not at all.
+
+    Each episode runs a fresh environment from `factory` (run_episode), or, with a `player`, is
+    played by it (its `running()` context held while the batch plays).
 
     `keepalive`, when given, is called at the start and then every `keepalive_s` while the
     episodes play (the module docstring: holding the batch's prompt entries); its errors are logged."""
@@ -231,6 +246,9 @@ def run_groups(
             return s.completion_ids, s.logprobs, s.finish_reason
 
         try:
+            if player is not None:
+                return await player.play(g, i, generate)
+            assert factory is not None
             return await run_episode(factory(), row_of(g), generate, codec, limits)
         finally:
             batcher.ended()
@@ -255,9 +273,10 @@ def run_groups(
         pool = ThreadPoolExecutor(1, thread_name_prefix="keepalive") if keepalive is not None else None
         holder = None if pool is None else asyncio.create_task(keep(pool))
         try:
-            episodes = asyncio.gather(*(one(g, i) for g in groups for i in range(g.n)))
-            await batcher.serve()
-            return await episodes
+            async with player.running() if player is not None else contextlib.nullcontext():
+                episodes = asyncio.gather(*(one(g, i) for g in groups for i in range(g.n)))
+                await batcher.serve()
+                return await episodes
         finally:
             if holder is not None:
                 holder.cancel()

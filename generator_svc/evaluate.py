@@ -83,6 +83,7 @@ def evaluate(checkpoint: Path, spec: JobSpec, *, max_model_len: int = 512, dtype
                     answer=problem.answer,
                     metadata=problem.metadata,
                     finish_reason=sample.finish_reason,
+                    completion_ids=sample.completion_ids,
                 )
                 for problem, r, (sample,) in zip(test, rendered, outs, strict=True)
             ]

@@ -34,6 +34,7 @@ group if it turns out too stale, once per lowering of k.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,6 +43,7 @@ from pydantic import ValidationError
 
 from broker.fleet import Fleet
 from broker.ledger import GeneratorLedger, write_isolating
+from broker.ledger.rows import JobRow
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import (
@@ -53,16 +55,19 @@ from broker.streams import (
     Delivery,
     JobStreams,
 )
+from generator_svc.agents import AgentDesk, AgentPlayer
 from generator_svc.colocate import Turns
 from generator_svc.engine import Engine, TransferError
 from generator_svc.engine import prepare as prepare_engine
 from generator_svc.episodes import run_groups
 from generator_svc.relay import RelayConfig, RelayFollower, WeightRelay
+from generator_svc.tenants import EngineView, FairGate
 from shared.entry import Drained, JobEnded, drain_requested
 from shared.environments.episode import Codec, codec_for
 from shared.environments.registry import load_environment
+from shared.environments.spec import AGENT, EpisodeLimits
 from shared.ids import sample_id
-from shared.jobspec import local_model_dir
+from shared.jobspec import JobSpec, local_model_dir
 from shared.logs import set_context
 from shared.metrics import GeneratorMetrics, job_registry, serve_metrics
 from shared.placement import takes_turns
@@ -93,7 +98,7 @@ class PolicyFollower:
     def __init__(
         self,
         streams: JobStreams,
-        engine: Engine,
+        engine: Engine | EngineView,
         ledger: GeneratorLedger,
         generator_id: str,
         verify_atol: float = 1e-3,
@@ -249,14 +254,21 @@ class PolicyFollower:
         )
 
     def _probe_gap(self, ann: PolicyAnnouncement) -> float:
-        if not ann.probe_ids:
-            return 0.0  # an announcement without a probe (older trainer): checksums only
-        ids = unpack_i32(ann.probe_ids).tolist()
-        got = np.asarray(self.engine.score(ids), dtype=np.float64)
-        want = unpack_f32(ann.probe_logprobs).astype(np.float64)
-        if got.shape != want.shape or not np.all(np.isfinite(got)):
-            return float("inf")
-        return float(np.max(np.abs(got - want))) if got.size else 0.0
+        return probe_gap(self.engine, ann)
+
+
+def probe_gap(engine: Engine | EngineView, ann: PolicyAnnouncement) -> float:
+    """The post-swap check: max |logprob| gap between the engine's own scoring of the announced
+    probe sequence and the trainer's logprobs of it (inf if the shapes differ or any is not
+    finite; 0 for an announcement without a probe)."""
+    if not ann.probe_ids:
+        return 0.0  # an announcement without a probe (older trainer): checksums only
+    ids = unpack_i32(ann.probe_ids).tolist()
+    got = np.asarray(engine.score(ids), dtype=np.float64)
+    want = unpack_f32(ann.probe_logprobs).astype(np.float64)
+    if got.shape != want.shape or not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got - want))) if got.size else 0.0
 
 
 def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -> list[Rollout]:
@@ -290,6 +302,21 @@ def rollouts_for(group: PromptGroup, samples, version: int, generator_id: str) -
             top_k=group.sampling.top_k,
         )
         for i, s in enumerate(samples)
+    ]
+
+
+def billed(per_entry: list[tuple[str, list[Rollout]]], adapter: str, seconds: float) -> list[tuple[str, list[Rollout]]]:
+    """The rollouts stamped with the engine's `adapter` and each one's share of the call's engine
+    `seconds` (its completion tokens' share of all; equal shares when no tokens were made)."""
+    rollouts = [r for _, rs in per_entry for r in rs]
+    tokens = sum(r.num_completion_tokens for r in rollouts)
+
+    def part(r: Rollout) -> float:
+        return seconds * (r.num_completion_tokens / tokens if tokens else 1 / len(rollouts))
+
+    return [
+        (entry, [r.model_copy(update={"adapter": adapter, "gen_seconds": part(r)}) for r in rs])
+        for entry, rs in per_entry
     ]
 
 
@@ -479,31 +506,88 @@ def engine_key(
 
 class Engines:
     """The generator's one engine, kept from job to job while `engine_key` matches; another
-    model is built in this same process (the old engine closed first)."""
+    model is built in this same process (the old engine closed first). Several LoRA jobs over the
+    same base share it at once, each a tenant with its own adapter, taking turns at `gate`
+    (generator_svc/tenants.py); a full-weight job has the engine to itself (ARCHITECTURE.md,
+    "Several jobs on one fleet", says why)."""
 
     def __init__(self, settings: GeneratorSettings):
         self.settings = settings
         self.engine: Engine | None = None
         self.key: str | None = None
         self.builds = 0
+        self.gate = FairGate()
+        self.tenants: set[str] = set()
+        self._lock = threading.Lock()  # one job's thread builds or keeps the engine at a time
 
-    def for_job(self, ctx: JobContext, turns: bool) -> Engine:
-        s, spec = self.settings, ctx.spec
+    def key_for(self, spec: JobSpec, turns: bool) -> str:
         local_model_dir(spec.model_path)  # never a Hub id: nothing is downloaded
-        dtype = spec.generator.engine_dtype(s.dtype)
-        lora_rank = None if spec.lora is None else spec.lora.rank
-        key = engine_key(
+        return engine_key(
             spec.model_path,
-            dtype=dtype,
+            dtype=spec.generator.engine_dtype(self.settings.dtype),
             quantization=spec.generator.quantization,
-            lora_rank=lora_rank,
+            lora_rank=None if spec.lora is None else spec.lora.rank,
             sleep_mode=turns,
         )
+
+    def joinable(self, job: JobRow, serving: list[JobContext]) -> bool:
+        """Whether this generator can serve `job` beside the jobs it serves: none, or LoRA jobs
+        over the same engine (`engine_key`) as it, fewer than max_jobs of them, none co-located."""
+        if not serving:
+            return True
+        if len(serving) >= self.settings.max_jobs:
+            return False
+        try:
+            spec = JobSpec.model_validate(job["spec"])
+            specs = [spec, *(c.spec for c in serving)]
+            if any(sp.lora is None or sp.placement == "colocated" for sp in specs):
+                return False
+            return self.key_for(spec, False) == self.key_for(serving[0].spec, False)
+        except Exception as exc:  # noqa: BLE001 - a job this generator cannot judge waits for a free one
+            log.debug("job %s not joinable here: %s", job["id"], exc)
+            return False
+
+    def for_job(self, ctx: JobContext, turns: bool) -> EngineView:
+        """The engine as `ctx`'s job sees it (its turns, its adapter): the kept one when the job's
+        model is compatible, else one built for it."""
+        with self._lock:
+            engine = self._engine_for(ctx, turns)
+            self.tenants.add(ctx.job_id)
+            self.gate.join(ctx.job_id, ctx.spec.share)
+            return EngineView(engine, self.gate, ctx.job_id)
+
+    def release(self, job_id: str) -> None:
+        """The job is over here: its adapter leaves the engine, its turns end."""
+        with self._lock:
+            if job_id in self.tenants:
+                self.tenants.discard(job_id)
+                self.gate.leave(job_id)
+                if self.engine is not None:
+                    self.engine.release(job_id)
+
+    def fault(self, ctx: JobContext) -> None:
+        """The job failed for a reason of its own (its model, a swap that did not verify): an engine
+        no other job uses is closed (the next job builds anew); a shared one keeps serving the
+        others, less this job's adapter."""
+        self.release(ctx.job_id)
+        with self._lock:
+            if not self.tenants:
+                self.close()
+
+    def _engine_for(self, ctx: JobContext, turns: bool) -> Engine:
+        s, spec = self.settings, ctx.spec
+        dtype = spec.generator.engine_dtype(s.dtype)
+        lora_rank = None if spec.lora is None else spec.lora.rank
+        key = self.key_for(spec, turns)
         if self.engine is not None and key == self.key:
             log.info(
                 "keeping the engine (%s): job %s's model is compatible; its weights come by the swap", key, ctx.job_id
             )
             return self.engine
+        if self.tenants:
+            raise RuntimeError(
+                f"job {ctx.job_id}'s model needs another engine while jobs {sorted(self.tenants)} use this one"
+            )
         self.close()
         t0 = time.perf_counter()
         self.engine = Engine(
@@ -518,6 +602,7 @@ class Engines:
             in_process=s.engine_in_process,
             enable_sleep_mode=turns,
             lora_rank=lora_rank,
+            max_loras=s.max_jobs,
         )
         self.key, self.builds = key, self.builds + 1
         log.info("engine %s built for job %s in %.2fs", key, ctx.job_id, time.perf_counter() - t0)
@@ -545,12 +630,16 @@ def run(settings: GeneratorSettings) -> None:
     set_context(generator_id=settings.generator_id)
     fleet = Fleet(settings, "generator", settings.generator_id)
     engines = Engines(settings)
+    fleet.beacon.load = engines.gate.load
     try:
-        # a model that failed its swap leaves an engine no one verified: the next job builds anew
-        fleet.serve(
+        # every job the engine can serve at once, each in its own thread (broker/fleet.py); a model
+        # that failed its swap leaves an engine no one verified: the next job builds anew
+        fleet.serve_all(
             lambda ctx: serve_job(settings, ctx, engines, registry),
             job_faults=(JobUnusable, WeightVerificationError),
-            on_job_fault=engines.close,
+            on_job_fault=engines.fault,
+            joinable=engines.joinable,
+            max_jobs=settings.max_jobs,
         )
     finally:
         engines.close()
@@ -605,6 +694,7 @@ def serve_job(settings: GeneratorSettings, ctx: JobContext, engines: Engines, re
         finally:
             if relay is not None:
                 relay.close()
+            engines.release(ctx.job_id)
 
 
 def start_relay(settings: GeneratorSettings, streams: JobStreams) -> RelayFollower | None:
@@ -627,7 +717,7 @@ class Generation:
         settings: GeneratorSettings,
         ctx: JobContext,
         consumer: Consumer,
-        engine: Engine,
+        engine: EngineView,
         policy: PolicyFollower,
         metrics: GeneratorMetrics,
         turns: Turns | None = None,
@@ -641,14 +731,37 @@ class Generation:
         self.count_tokens = prompt_token_counter(ctx.spec.model_path)
         self.count = self.default_batch
         # multi-turn episodes (generator_svc/episodes.py), when the job runs an environment
-        self.environment = ctx.spec.environment
+        self.environment = env = ctx.spec.environment
         self.codec = (
             None
-            if self.environment is None
+            if env is None
             else episode_codec(ctx.spec.model_path, ctx.spec.chat_template, ctx.spec.chat_template_kwargs)
         )
+        # an agent program plays the episodes through the OpenAI-compatible endpoint (agents.py)
+        self.agents = None if env is None or env.name != AGENT else self._agent_player(ctx)
         # imported once, at start-up: an environment that fails to import fails the service naming why
-        self.make_env = None if self.environment is None else load_environment(self.environment)
+        self.make_env = None if env is None or self.agents is not None else load_environment(env)
+
+    def _agent_player(self, ctx: JobContext) -> AgentPlayer:
+        from transformers import AutoTokenizer  # heavy; vLLM depends on it anyway
+
+        assert self.environment is not None
+        return AgentPlayer(
+            AgentDesk(ctx.streams, self.consumer.name),
+            AutoTokenizer.from_pretrained(ctx.spec.model_path),
+            ctx.spec.chat_template,
+            ctx.spec.chat_template_kwargs,
+            self._limits(),
+            lambda: self.policy.version,
+            lambda: self.policy.ended(),  # set by the service loop after this is built
+        )
+
+    def _limits(self) -> EpisodeLimits:
+        """The job's episode limits; an episode's context never exceeds the engine's (vLLM refuses
+        the whole call otherwise)."""
+        assert self.environment is not None
+        limits = self.environment.limits
+        return limits.model_copy(update={"max_total_tokens": min(limits.max_total_tokens, self.settings.max_model_len)})
 
     def tick(self) -> None:
         self.policy.beat()
@@ -679,12 +792,16 @@ class Generation:
         self.policy.poll()  # the newest announcement: its version caps, and its bound sets, the floors
         self.policy.sync(self.policy.admission_version(groups), self.settings.job_wait_s, poll=False)
         phases = self.metrics.phases
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), self.engine.busy_s
         with phases.span("generate"):
             results = self._generate(groups, [d.entry_id for d, _ in units])
         dt = time.perf_counter() - t0
         self.turns.rest()  # asleep before the rollouts exist: the trainer may then take the device
-        per_entry = entry_rollouts(units, results, self.policy.version, self.consumer.name, self.streams)
+        per_entry = billed(
+            entry_rollouts(units, results, self.policy.version, self.consumer.name, self.streams),
+            self.engine.adapter_name(),
+            self.engine.busy_s - busy0,
+        )
         with phases.span("publish"):
             published = self.streams.publish_if_owned(self.consumer, ROLLOUTS, per_entry)
         rollouts = [r for (_, rs), ok in zip(per_entry, published, strict=True) if ok for r in rs]
@@ -707,19 +824,16 @@ class Generation:
                 [g.sampling for g in groups],
                 [g.n for g in groups],
             )
-        assert self.codec is not None and self.make_env is not None
-        # an episode's context can never exceed the engine's (vLLM refuses the whole call otherwise)
-        limits = self.environment.limits.model_copy(
-            update={"max_total_tokens": min(self.environment.limits.max_total_tokens, self.settings.max_model_len)}
-        )
+        assert self.codec is not None
         played = run_groups(
             self.engine,
             self.make_env,
-            limits,
+            self._limits(),
             self.codec,
             groups,
             keepalive=lambda: self.streams.touch(self.consumer, entry_ids),
             keepalive_s=self.streams.claim_idle_ms / 3000,
+            player=self.agents,
         )
         self.metrics.episodes(played.turns, played.calls)
         return played.samples

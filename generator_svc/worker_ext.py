@@ -107,6 +107,21 @@ def _fetch(transport: str, address: str, m: Manifest) -> Any:
         client.close()
 
 
+def _tied_copy_without_module(model: torch.nn.Module, name: str) -> bool:
+    """Whether `name` is a tied output embedding the engine's model has no module for. A trainer's
+    state dict carries `lm_head.weight` of a tied model; vLLM's Gemma 2 computes its logits from
+    `embed_tokens` and has no `lm_head`, and its loader refuses the name ("There is no module or
+    parameter named 'lm_head'"). Models with an `lm_head` module (tied or not) take it: a layer
+    that gets nothing in a reload is restored to its old tensors, which would untie it."""
+    if name != "lm_head.weight":
+        return False
+    try:
+        model.get_submodule("lm_head")
+    except AttributeError:
+        return True
+    return False
+
+
 class _ModelRunner(Protocol):
     def get_model(self) -> torch.nn.Module: ...
 
@@ -129,8 +144,10 @@ class WeightSyncExtension:
         if isinstance(buf, dict):
             return buf
         t1 = time.perf_counter()
-        _quiet_derived_only_layers(self.model_runner.get_model())
-        self.reload_weights(weights_iterator=iter(tensors_from_buffer(buf, m)))
+        model = self.model_runner.get_model()
+        _quiet_derived_only_layers(model)
+        tensors = [(n, t) for n, t in tensors_from_buffer(buf, m) if not _tied_copy_without_module(model, n)]
+        self.reload_weights(weights_iterator=iter(tensors))
         t2 = time.perf_counter()
         return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}
 

@@ -37,17 +37,20 @@ scored sample reaches the trainer's stream once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from broker.fleet import Fleet, fail_everywhere
 from broker.ledger import RewardLedger, write_isolating
 from broker.runtime import ControlWatcher, JobContext, sample_row
 from broker.service import ServiceLoop
 from broker.streams import GROUP_REWARDERS, ROLLOUTS, SCORED, Consumer, Delivery, JobStreams
-from shared.entry import JobOver
+from shared.entry import JobEnded, JobOver
 from shared.jobspec import JobSpec
 from shared.metrics import RewardMetrics, job_registry, serve_metrics
 from shared.rewards import RewardInput, RewardResult, RewardScorer, build_scorer
@@ -56,6 +59,42 @@ from shared.schema import Rollout, Scored, clean_text, encode
 from shared.settings import RewardSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def run_on(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], ended: Callable[[], bool] = lambda: False
+) -> T:
+    """Run `coro` on `loop` and return its result: on the loop's own thread when the loop runs
+    there (`LoopThread`: every job's thread scores on the one loop, concurrently), else here.
+    On the loop's thread, `ended` is asked every half second: once the job ended (cancelled),
+    the batch is abandoned (JobEnded) rather than waited out, however long its rewards hang."""
+    if not loop.is_running():
+        return loop.run_until_complete(coro)
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except concurrent.futures.TimeoutError:
+            if ended():
+                future.cancel()
+                raise JobEnded("the job ended while its batch was being scored") from None
+
+
+class LoopThread:
+    """The service's one event loop, running in a thread of its own: every scorer lives in it
+    (its HTTP clients, its pool's futures), and the job threads submit their batches to it, so
+    one job's slow or hung reward costs that job's batch its time budget, never another job's."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="reward-loop", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
 
 
 async def score(
@@ -76,6 +115,7 @@ async def score(
                         metadata=rollouts[i].metadata,
                         finish_reason=rollouts[i].finish_reason,
                         episode=rollouts[i].env_metrics,
+                        completion_ids=rollouts[i].completion_array().tolist(),
                     )
                     for i in idx
                 ]
@@ -176,34 +216,52 @@ def scorer_key(reward: object) -> str:
 
 class Scorers:
     """The reward service's scorers (their worker pools), kept from job to job: a job whose reward
-    (or an evaluation set's) is the same plug-in as one held reuses its workers; the others are
-    built for it, and the ones no longer used are closed."""
+    (or an evaluation set's) is the same plug-in as one left idle by an ended job reuses its
+    workers; the others are built for it. A scorer serves one job at a time (a tenant's plug-in
+    runs in worker processes of its own: two jobs at once never share a pool), and goes back to
+    the idle ones when its job ends (`release`); idle ones the next job does not use are closed."""
 
     def __init__(self, workers: int, limits: RewardLimits | None = None):
         self.workers = workers
         self.limits = limits or RewardLimits()
-        self.held: dict[str, RewardScorer] = {}
+        self.idle: dict[str, RewardScorer] = {}
+        self.busy: dict[str, dict[str, RewardScorer]] = {}  # job id -> its scorers by key
+        self._lock = threading.Lock()
 
-    def for_job(self, spec: JobSpec) -> dict[str, RewardScorer]:
+    @property
+    def held(self) -> dict[str, RewardScorer]:
+        """Every scorer built and not closed (idle or serving a job)."""
+        with self._lock:
+            return {**self.idle, **{f"{j}:{k}": s for j, mine in self.busy.items() for k, s in mine.items()}}
+
+    def for_job(self, spec: JobSpec, job_id: str = "") -> dict[str, RewardScorer]:
         """The job's reward under "", and under its name each evaluation set's own where it sets one.
         Raises what build_scorer raises (a plug-in that does not import): the job's own fault."""
         wanted = {"": spec.reward, **{es.name: es.reward for es in spec.eval_sets if es.reward is not None}}
         keys = {name: scorer_key(r) for name, r in wanted.items()}
-        keep = {k: self.held.pop(k) for k in set(keys.values()) if k in self.held}
-        for k in list(self.held):  # plug-ins the new job does not use: their workers go
-            self.held.pop(k).close()
-        try:
-            for name, r in wanted.items():
-                if keys[name] not in keep:
-                    keep[keys[name]] = build_scorer(r, workers=self.workers, limits=self.limits)
-        finally:
-            self.held = keep
-        return {name: keep[keys[name]] for name in wanted}
+        with self._lock:
+            mine = {k: self.idle.pop(k) for k in set(keys.values()) if k in self.idle}
+            unused = [self.idle.pop(k) for k in list(self.idle)]  # plug-ins no job uses now: their workers go
+            self.busy[job_id] = mine
+        for scorer in unused:
+            scorer.close()
+        for name, r in wanted.items():
+            if keys[name] not in mine:
+                mine[keys[name]] = build_scorer(r, workers=self.workers, limits=self.limits)
+        return {name: mine[keys[name]] for name in wanted}
+
+    def release(self, job_id: str) -> None:
+        """The job is over here: its scorers wait idle for a next job with the same plug-in."""
+        with self._lock:
+            self.idle.update(self.busy.pop(job_id, {}))
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
-        for s in self.held.values():
-            loop.run_until_complete(s.aclose())
-        self.held.clear()
+        with self._lock:
+            scorers = [*self.idle.values(), *(s for mine in self.busy.values() for s in mine.values())]
+            self.idle.clear()
+            self.busy.clear()
+        for s in scorers:
+            run_on(loop, s.aclose())
 
 
 class RewardUnusable(RuntimeError):
@@ -215,11 +273,16 @@ def run(settings: RewardSettings) -> None:
     registry = serve_metrics(settings.metrics_port, "reward")
     fleet = Fleet(settings, "reward", settings.consumer_id)
     scorers = Scorers(settings.workers, RewardLimits(settings.http_max_bytes, settings.import_timeout_s))
-    loop = asyncio.new_event_loop()  # every scorer is used from this one loop (its HTTP clients live in it)
+    loop = LoopThread()  # every scorer is used from this one loop (its HTTP clients live in it)
     try:
-        fleet.serve(lambda ctx: serve_job(settings, ctx, scorers, loop, registry), job_faults=(RewardUnusable,))
+        # every running job at once, each in its own thread (broker/fleet.py `serve_all`)
+        fleet.serve_all(
+            lambda ctx: serve_job(settings, ctx, scorers, loop.loop, registry),
+            job_faults=(RewardUnusable,),
+            max_jobs=settings.max_jobs,
+        )
     finally:
-        scorers.close(loop)
+        scorers.close(loop.loop)
         loop.close()
         fleet.close()
 
@@ -231,8 +294,9 @@ def serve_job(
     with job_registry(registry) as reg:
         metrics = RewardMetrics(reg, ctx.job_id)
         try:
-            job_scorers = scorers.for_job(ctx.spec)
+            job_scorers = scorers.for_job(ctx.spec, ctx.job_id)
         except Exception as exc:
+            scorers.release(ctx.job_id)
             reason = f"the job's reward cannot be built: {exc}"
             if settings.job_id:  # the one job this service serves: it fails, and nothing is left to serve
                 fail_everywhere(ctx.ledger, ctx.streams, ctx.job_id, f"reward: {reason}")
@@ -252,6 +316,7 @@ def serve_job(
             on_dead_letter=metrics.dead_letter,
             phases=metrics.phases,
         )  # malformed, oversized, too often delivered
+        handler.ended = service.ended
         main = job_scorers[""]
         log.info(
             "reward %s ready (%s, on_failure %s, %d workers%s)",
@@ -261,7 +326,10 @@ def serve_job(
             settings.workers,
             "".join(f"; eval set {k}: {s.description}" for k, s in job_scorers.items() if k),
         )
-        state = service.run()
+        try:
+            state = service.run()
+        finally:
+            scorers.release(ctx.job_id)
         log.info("reward %s stopping (%s)", consumer.name, state)
         return state
 
@@ -284,6 +352,8 @@ class Scoring:
         self.streams, self.ledger, self.consumer = streams, ledger, consumer
         self.scorers, self.loop, self.metrics, self.batch = scorers, loop, metrics, batch
         self.bounds = bounds  # the job's reward_limits.bounds: a reward outside is the sample's error
+        # set by the service loop: whether the job ended (a batch being scored is then abandoned)
+        self.ended: Callable[[], bool] = lambda: False
 
     def batch_size(self, control: ControlWatcher) -> int:
         return self.batch
@@ -307,7 +377,7 @@ class Scoring:
         with phases.span("score"):
             results = [
                 (scorer, bounded(res, *self.bounds))
-                for scorer, res in self.loop.run_until_complete(score(self.scorers, [d.message for d in todo]))
+                for scorer, res in run_on(self.loop, score(self.scorers, [d.message for d in todo]), self.ended)
             ]
             batch = [
                 (d, s)

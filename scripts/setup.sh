@@ -15,7 +15,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 pip install -q --upgrade pip
 pip install -q "torch==2.13.0"
-pip install -q -e ".[cpu,dev,tracking]"
+pip install -q -e ".[cpu,dev,tracking,gym,verifiers]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, vllm, transformers, redis, sqlalchemy; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 rm -f "$VENV"/.setup-*

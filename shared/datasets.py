@@ -7,11 +7,15 @@ A task is a preset of one loader (``PRESETS``, chosen by ``task.name``):
 - ``gsm8k``: the same, with GSM8K's columns (``question``; ``answer`` ending ``#### <number>``,
   whose final number becomes the reference answer);
 - ``arithmetic``: synthetic ``"a+b="`` rows generated from the seed (``shared.tasks``), fed
-  through the same field mapping, split and mixing.
+  through the same field mapping, split and mixing;
+- ``reasoning_gym`` and ``verifiers``: another library's tasks by name (``shared.gym``,
+  ``shared.vfenv``), their rows fed through the same mapping.
 
 Every row goes through one mapping (``prompt_field`` or ``prompt_template``, or a
-``messages_field``; ``answer_field``; the other columns become ``Problem.metadata``), then one
-split (a separate test set, or a seeded disjoint split of the training rows) and one mixture.
+``messages_field``; ``answer_field``; the other columns become ``Problem.metadata``; a field may be
+a dotted path into nested columns, ``reward_model.ground_truth``), or reads another framework's
+layout with no mapping (``task.format``: ``verl``, ``trl``; the whole row becomes the metadata),
+then one split (a separate test set, or a seeded disjoint split of the training rows) and one mixture.
 
 Readers, each streaming with bounded memory (``max_columns`` checked before the rows are read,
 ``max_rows`` as they are read, ``max_row_bytes`` per line or element, nesting at most ``MAX_DEPTH``):
@@ -46,7 +50,7 @@ import string
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -55,6 +59,7 @@ from shared.tasks import Problem, gsm8k_final_answer, synthetic_arithmetic
 
 __all__ = [
     "FORMATS",
+    "LAYOUTS",
     "PRESETS",
     "TASKS",
     "DatasetError",
@@ -88,8 +93,15 @@ DEFAULT_MAX_TEST = 1000
 # The arithmetic pool is generated (400 problems with the default operands), not read.
 ARITHMETIC_N_TRAIN = 300
 ARITHMETIC_N_TEST = 100
+# reasoning-gym's own default dataset size.
+GYM_SIZE = 500
 
 Format = Literal["jsonl", "json", "parquet", "csv", "save_to_disk"]
+Layout = Literal["verl", "trl"]
+LAYOUTS: tuple[str, ...] = ("verl", "trl")
+# TRL's reward functions read the reference answer from a dataset column by name; these are the
+# names its GRPO documentation and the datasets it uses hold it under, in the order looked for.
+TRL_ANSWER_COLUMNS = ("answer", "solution")
 FORMATS: tuple[str, ...] = ("jsonl", "json", "parquet", "csv", "save_to_disk")
 _SUFFIXES = {
     ".jsonl": "jsonl",
@@ -239,11 +251,65 @@ _NO_OVERRIDES = DatasetSource(path="(generated)")
 class TaskSpec(_Strict):
     """Where prompts and reference answers come from (the job spec's ``task`` section)."""
 
-    name: Literal["arithmetic", "gsm8k", "dataset"] = Field(
+    name: Literal["arithmetic", "gsm8k", "dataset", "reasoning_gym", "verifiers"] = Field(
         "arithmetic",
         description="Preset: `dataset` (your own files), `gsm8k` (GSM8K-format files: question, "
-        "answer ending '#### <number>') or `arithmetic` (synthetic a+b=, generated from the seed). "
+        "answer ending '#### <number>'), `arithmetic` (synthetic a+b=, generated from the seed), "
+        "`reasoning_gym` (a reasoning-gym dataset by name, generated from the seed: task.dataset, "
+        "task.config, task.size; pip install 'asyncrl[gym]') or `verifiers` (an installed verifiers "
+        "environment by module name: task.env, task.args; pip install 'asyncrl[verifiers]'). "
         "Left out: `dataset` when files are given, else `arithmetic`.",
+    )
+    format: Layout | None = Field(
+        None,
+        description="Another framework's data layout, read with no field mapping: `verl` (verl's "
+        "preprocessed parquet: `prompt` a list of chat messages, the answer at "
+        "`reward_model.ground_truth`, `data_source`, `ability`, `extra_info` beside them) or `trl` "
+        "(TRL's GRPO datasets: `prompt` chat messages (conversational) or text (standard), the "
+        "answer in `answer` or `solution` when the row has one). Every column of the row, the prompt "
+        "included, reaches the reward as its metadata, as those frameworks hand the row to theirs. "
+        "None: the fields below map the columns. answer_field may still be set (a dotted path too).",
+    )
+    dataset: PrintableStr | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="reasoning_gym: the dataset's registered name, e.g. 'letter_counting' (shared/gym.py).",
+    )
+    config: dict[Annotated[str, Field(max_length=200)], Any] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="reasoning_gym: the dataset's config (its dataclass's fields but seed and size), "
+        'e.g. {"min_words": 1, "max_words": 2}; checked by the dataset itself when the job is submitted.',
+    )
+    size: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="reasoning_gym: training problems, generated from the job's seed (default "
+        f"{GYM_SIZE}); the held-out problems (n_test) come from the seeds after them.",
+    )
+    env: PrintableStr | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        pattern=r"^(?:[A-Za-z0-9_.-]+/)?[A-Za-z_][A-Za-z0-9_.-]*(?:@[A-Za-z0-9_.+-]+)?$",
+        description="verifiers: the installed environment's module name (the package exporting its "
+        "vf.Taskset, e.g. 'vf_reverse_text'; a hub id 'owner/name@version' names the module 'name', "
+        "dashes as underscores, as verifiers resolves it; shared/vfenv.py). The module is imported where "
+        "the job is validated and run: only packages installed there can be named.",
+    )
+    args: dict[Annotated[str, Field(max_length=200)], Any] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="verifiers: the taskset's config (its TasksetConfig fields), e.g. "
+        '{"num_tasks": 500}; checked by the environment itself when the job is submitted.',
+    )
+    eval_args: dict[Annotated[str, Field(max_length=200)], Any] | None = Field(
+        None,
+        max_length=64,
+        description='verifiers: the held-out taskset\'s config (e.g. {"split": "test"}); None: n_test '
+        "tasks held out of the training ones (a seeded split, disjoint by prompt).",
     )
     path: PrintableStr | None = Field(
         None,
@@ -273,22 +339,24 @@ class TaskSpec(_Strict):
         None,
         min_length=1,
         max_length=200,
-        description="Column holding the prompt text; None: the preset's ('question' for gsm8k, "
-        "else 'prompt'). Not with prompt_template or messages_field.",
+        description="Column holding the prompt text, or a dotted path into a nested column "
+        "('extra_info.question'); None: the preset's ('question' for gsm8k, else 'prompt'). Not with "
+        "prompt_template or messages_field.",
     )
     answer_field: PrintableStr | None = Field(
         "answer",
         min_length=1,
         max_length=200,
-        description="Column holding the reference answer (numbers become strings); null: no "
-        "reference answer (Problem.answer is ''), for rewards that need none.",
+        description="Column holding the reference answer (numbers become strings), or a dotted path "
+        "into a nested column ('reward_model.ground_truth'; a list item by its index: 'answers.0'); "
+        "null: no reference answer (Problem.answer is ''), for rewards that need none.",
     )
     messages_field: PrintableStr | None = Field(
         None,
         min_length=1,
         max_length=200,
-        description="Column holding chat messages (a list of {role, content}, ending with a user "
-        "turn) instead of a prompt column.",
+        description="Column (or dotted path) holding chat messages (a list of {role, content}, "
+        "ending with a user turn) instead of a prompt column.",
     )
     system_prompt: str | None = Field(
         None,
@@ -368,6 +436,9 @@ class TaskSpec(_Strict):
         if isinstance(data, dict) and "name" not in data:
             has_files = any(data.get(k) for k in ("path", "test_path", "datasets", "test"))
             data = {**data, "name": "dataset" if has_files else "arithmetic"}
+        if isinstance(data, dict) and data.get("name") == "verifiers" and "answer_field" not in data:
+            # the rubric reads the task's own data; 'verifiers.task.answer' names a task's answer
+            data = {**data, "answer_field": None}
         return data
 
     @field_validator("prompt_template")
@@ -377,8 +448,40 @@ class TaskSpec(_Strict):
             template_fields(v)
         return v
 
+    @field_validator("format", mode="before")
+    @classmethod
+    def _layout_not_file_format(cls, v: Any) -> Any:
+        if v in FORMATS:
+            raise ValueError(
+                f"task.format is a framework's data layout ({', '.join(LAYOUTS)}); {v!r} is a file format, "
+                f"which goes on a dataset: datasets: [{{path: ..., format: {v!r}}}] (or leave it out: the "
+                "suffix tells it)"
+            )
+        return v
+
+    @field_validator("config", "args", "eval_args")
+    @classmethod
+    def _config_is_json(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from shared.rewards.spec import check_kwargs  # pydantic only; the same bounds as a plug-in's kwargs
+
+        return None if v is None else check_kwargs(v)
+
     @model_validator(mode="after")
     def _consistent(self) -> TaskSpec:
+        self._gym_fields()
+        self._verifiers_fields()
+        if self.format is not None:
+            if self.name != "dataset":
+                raise ValueError(
+                    f"task.format={self.format!r} reads your own files (task.name 'dataset'); the "
+                    f"{self.name!r} preset has columns of its own: remove task.format or task.name"
+                )
+            mapped = self._text_prompt_fields(("prompt_field", "prompt_template", "messages_field"))
+            if mapped:
+                raise ValueError(
+                    f"task.format={self.format!r} reads the prompt from the layout's 'prompt' column: remove "
+                    f"{', '.join(mapped)} (or leave task.format out and map the columns yourself)"
+                )
         if self.name == "arithmetic":
             given = [k for k in ("path", "test_path", "datasets", "test", "test_fraction") if getattr(self, k)]
             if given:
@@ -386,7 +489,7 @@ class TaskSpec(_Strict):
                     f"task.name='arithmetic' is generated from the seed: remove task.{', task.'.join(given)} "
                     "(or set task.name='dataset' to read files)"
                 )
-        elif not (self.path or self.datasets):
+        elif self.name not in ("reasoning_gym", "verifiers") and not (self.path or self.datasets):
             if self.name == "gsm8k":
                 raise ValueError(
                     "task.path is required for task.name='gsm8k': give a local GSM8K-format JSONL "
@@ -411,13 +514,7 @@ class TaskSpec(_Strict):
         if any(d.weight is not None for d in self.test):
             raise ValueError("weight applies to training datasets; remove it from task.test")
         if self.messages_field is not None:
-            text_fields = [k for k in ("prompt_field", "prompt_template") if getattr(self, k) is not None]
-            text_fields += [
-                f"{k} of {d.label}"
-                for d in [*self.datasets, *self.test]
-                for k in ("prompt_field", "prompt_template")
-                if getattr(d, k) is not None
-            ]
+            text_fields = self._text_prompt_fields(("prompt_field", "prompt_template"))
             if text_fields:
                 raise ValueError(
                     f"task.messages_field reads the prompt from chat messages: remove {', '.join(text_fields)}"
@@ -427,6 +524,82 @@ class TaskSpec(_Strict):
                 "give task.prompt_field or task.prompt_template, not both (the template names its columns)"
             )
         return self
+
+    def _text_prompt_fields(self, own: tuple[str, ...]) -> list[str]:
+        """The fields among `own` set on the task, and each dataset's prompt_field and
+        prompt_template that are set (named with the dataset)."""
+        fields = [k for k in own if getattr(self, k) is not None]
+        return fields + [
+            f"{k} of {d.label}"
+            for d in [*self.datasets, *self.test]
+            for k in ("prompt_field", "prompt_template")
+            if getattr(d, k) is not None
+        ]
+
+    def _gym_fields(self) -> None:
+        """dataset, config and size belong to reasoning_gym, which reads no files; its dataset and
+        config are checked by reasoning-gym itself (shared.gym.check_config)."""
+        gym_only = [k for k in ("dataset", "config", "size") if getattr(self, k)]
+        if self.name != "reasoning_gym":
+            if gym_only:
+                raise ValueError(
+                    f"task.{', task.'.join(gym_only)} apply to task.name='reasoning_gym' only; remove them "
+                    f"or set task.name='reasoning_gym'"
+                )
+            return
+        given = [
+            k
+            for k in ("path", "test_path", "datasets", "test", "test_fraction", "n_train", "messages_field")
+            if getattr(self, k)
+        ]
+        if given:
+            hint = " (task.size sets the training problems)" if "n_train" in given else ""
+            raise ValueError(
+                f"task.name='reasoning_gym' generates its problems from the seed: remove task.{', task.'.join(given)}"
+                + hint
+            )
+        if self.dataset is None:
+            raise ValueError(
+                "task.dataset is required for task.name='reasoning_gym': a reasoning-gym dataset name, "
+                "e.g. 'letter_counting'"
+            )
+        from shared.gym import check_config  # imports reasoning-gym: only for a job that names it
+
+        check_config(self.dataset, self.config)
+
+    def _verifiers_fields(self) -> None:
+        """env, args and eval_args belong to verifiers, which reads no files; the environment is
+        loaded and checked by shared.vfenv.check."""
+        own = [k for k in ("env", "args", "eval_args") if getattr(self, k)]
+        if self.name != "verifiers":
+            if own:
+                raise ValueError(
+                    f"task.{', task.'.join(own)} apply to task.name='verifiers' only; remove them "
+                    "or set task.name='verifiers'"
+                )
+            return
+        given = [
+            k
+            for k in ("path", "test_path", "datasets", "test", "messages_field", "prompt_field", "prompt_template")
+            if getattr(self, k)
+        ]
+        if given:
+            raise ValueError(
+                "task.name='verifiers' takes its prompts from the environment's tasks: remove "
+                f"task.{', task.'.join(given)}"
+            )
+        if self.env is None:
+            raise ValueError(
+                "task.env is required for task.name='verifiers': the installed environment's module name, "
+                "e.g. 'vf_reverse_text'"
+            )
+        if self.eval_args is not None and self.test_fraction is not None:
+            raise ValueError("task.eval_args gives the held-out tasks; task.test_fraction splits the training ones")
+        from shared.vfenv import check  # imports verifiers: only for a job that names it
+
+        check(self.env, self.args)
+        if self.eval_args is not None:
+            check(self.env, self.eval_args)
 
     def train_sources(self) -> list[DatasetSource]:
         """The training datasets (``path`` expanded)."""
@@ -889,10 +1062,43 @@ def _columns(row: Mapping[str, Any]) -> str:
     return ", ".join(names[:20]) + more if names else "(none)"
 
 
+def _at(row: Mapping[str, Any], path: str, what: str, hint: str = "") -> Any:
+    """The value a field names: a column, or a dotted path into nested columns
+    (``reward_model.ground_truth``, ``extra_info.index``; a list item by its index, ``answers.0``).
+    A column whose own name holds the dots is taken first.
+
+    Raises:
+        _RowError: the path, or a part of it, is missing or null; the message names the path,
+            the part and what the row holds there.
+    """
+    hint = f" ({hint})" if hint else ""
+    if path in row or "." not in path:
+        value = row.get(path)
+        if value is None:
+            raise _RowError(f"field {path!r} ({what}) is missing or null; the row's columns are: {_columns(row)}{hint}")
+        return value
+    value = row
+    done: list[str] = []
+    for part in path.split("."):
+        found: Any = None
+        if isinstance(value, Mapping):
+            found, have = value.get(part), f"its keys are: {_columns(value)}"
+        elif isinstance(value, (list, tuple)):
+            if part.isdigit() and int(part) < len(value):
+                found = value[int(part)]
+            have = f"it is a list of {len(value)} items"
+        else:
+            have = f"it is a {type(value).__name__}, not an object"
+        if found is None:
+            at = f"{'.'.join(done)!r}" if done else "the row"
+            raise _RowError(f"field {path!r} ({what}) is missing or null: {at} has no {part!r}; {have}{hint}")
+        value = found
+        done.append(part)
+    return value
+
+
 def _text(row: Mapping[str, Any], field: str, what: str) -> str:
-    value = row.get(field)
-    if field not in row or value is None:
-        raise _RowError(f"field {field!r} ({what}) is missing or null; the row's columns are: {_columns(row)}")
+    value = _at(row, field, what)
     if not isinstance(value, str):
         raise _RowError(f"field {field!r} ({what}) must be a string, got {type(value).__name__}")
     if not value.strip():
@@ -913,9 +1119,7 @@ def _answer_text(value: Any, field: str) -> str:
 
 
 def _messages(row: Mapping[str, Any], field: str) -> list[dict[str, str]]:
-    value = row.get(field)
-    if field not in row or value is None:
-        raise _RowError(f"field {field!r} (messages) is missing or null; the row's columns are: {_columns(row)}")
+    value = _at(row, field, "messages")
     if not isinstance(value, (list, tuple)) or not value:
         raise _RowError(
             f"field {field!r} (messages) must be a non-empty list of {{role, content}}, got {type(value).__name__}"
@@ -947,15 +1151,29 @@ class _FieldMap:
     clean_answer: Callable[[str], str]
     max_columns: int
     max_chars: int  # the longest prompt a template may build (task.max_row_bytes)
+    layout: Layout | None = None  # task.format: the whole row reaches the reward
+    answer_columns: tuple[str, ...] = ()  # TRL: the answer is the first of these the row has
 
     @classmethod
     def of(cls, spec: TaskSpec, preset: Preset, source: DatasetSource | None) -> _FieldMap:
         src = source or _NO_OVERRIDES
         template = src.prompt_template or (None if src.prompt_field else spec.prompt_template)
+        answer_field = src.answer_field or spec.answer_field
+        # By value, not by model_fields_set: a spec that went through the ledger comes back with
+        # every default set. The layouts have no top-level 'answer' column to mean otherwise.
+        answer_set = src.answer_field is not None or spec.answer_field != TaskSpec.model_fields["answer_field"].default
+        messages_field = spec.messages_field or preset.messages_field
+        answer_columns: tuple[str, ...] = ()
+        if spec.format == "verl":
+            # verl's preprocessing (examples/data_preprocess/*.py) writes every row this way.
+            messages_field = "prompt"
+            answer_field = answer_field if answer_set else "reward_model.ground_truth"
+        elif spec.format == "trl" and not answer_set:
+            answer_field, answer_columns = None, TRL_ANSWER_COLUMNS
         return cls(
             prompt_field=src.prompt_field or spec.prompt_field or preset.prompt_field,
-            answer_field=src.answer_field or spec.answer_field,
-            messages_field=spec.messages_field,
+            answer_field=answer_field,
+            messages_field=messages_field,
             system_prompt=spec.system_prompt,
             template=template,
             template_cols=tuple(template_fields(template)) if template else (),
@@ -964,10 +1182,16 @@ class _FieldMap:
             clean_answer=preset.clean_answer,
             max_columns=spec.max_columns,
             max_chars=spec.max_row_bytes,
+            layout=spec.format,
+            answer_columns=answer_columns,
         )
 
     def used(self) -> set[str]:
-        """Columns that make the prompt and the answer (not repeated in metadata)."""
+        """Columns that make the prompt and the answer (not repeated in metadata). None under a
+        framework's layout, whose rewards read the whole row; a dotted path names no column, so
+        its column stays in metadata (reward_model holds more than ground_truth)."""
+        if self.layout is not None:
+            return set()
         cols = {self.answer_field} if self.answer_field else set()
         if self.messages_field:
             cols.add(self.messages_field)
@@ -1004,10 +1228,13 @@ class _FieldMap:
         if len(row) > self.max_columns:
             raise _RowError(f"has {len(row)} fields, over task.max_columns={self.max_columns}")
         messages: list[dict[str, str]] | None = None
-        if self.messages_field:
-            messages = _messages(row, self.messages_field)
+        messages_field = self.messages_field
+        if self.layout == "trl" and isinstance(row.get("prompt"), (list, tuple)):
+            messages_field = "prompt"  # TRL's conversational layout; a string is its standard one
+        if messages_field:
+            messages = _messages(row, messages_field)
             for m in messages:
-                _unicode(m["content"], f"field {self.messages_field!r} (messages)")
+                _unicode(m["content"], f"field {messages_field!r} (messages)")
             prompt = messages[-1]["content"]
         elif self.template:
             prompt = _unicode(self._templated(row), "the prompt (prompt_template over the row)")
@@ -1019,14 +1246,9 @@ class _FieldMap:
             if messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
         answer = ""
-        if self.answer_field is not None:
-            f = self.answer_field
-            value = row.get(f)
-            if f not in row or value is None:
-                raise _RowError(
-                    f"field {f!r} (answer) is missing or null; the row's columns are: {_columns(row)} "
-                    "(set answer_field to null if the reward needs no reference answer)"
-                )
+        f = self.answer_field or next((c for c in self.answer_columns if row.get(c) is not None), None)
+        if f is not None:
+            value = _at(row, f, "answer", "set answer_field to null if the reward needs no reference answer")
             try:
                 answer = self.clean_answer(_answer_text(value, f)).strip()
             except ValueError as e:
@@ -1102,12 +1324,58 @@ def _arithmetic_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_T
     return [table(train, "train")], [table(test, "test")]
 
 
+def _gym_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
+    # reasoning-gym draws train and held-out entries from disjoint seeds (shared.gym); its rows
+    # then take the same path as a file's (mapping, template, system prompt).
+    from shared.gym import gym_rows
+
+    assert spec.dataset is not None, "TaskSpec requires task.dataset for reasoning_gym"
+    n_test = spec.n_test if spec.n_test is not None else DEFAULT_SPLIT_N_TEST
+    try:
+        train, test = gym_rows(spec.dataset, spec.config, seed, spec.size or GYM_SIZE, n_test)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+    name = f"reasoning_gym {spec.dataset}"
+
+    def table(rows: list[dict[str, Any]], part: str) -> _Table:
+        return _Table(name, [(f"{name} ({part}) entry {i}", r) for i, r in enumerate(rows)], presampled=True)
+
+    return [table(train, "train")], [table(test, "held-out")]
+
+
+def _verifiers_tables(spec: TaskSpec, seed: int) -> tuple[list[_Table], list[_Table]]:
+    # A verifiers environment's tasks (shared.vfenv): the training taskset, and the held-out one
+    # when eval_args gives it (else load_task's seeded split of the training tasks). An infinite
+    # taskset is read as far as n_train (and n_test) need.
+    from shared.vfenv import VerifiersError, task_rows
+
+    assert spec.env is not None, "TaskSpec requires task.env for verifiers"
+    name = f"verifiers {spec.env}"
+
+    def table(args: dict[str, Any], limit: int | None, part: str) -> _Table:
+        def rows() -> Iterator[ReadRow]:
+            try:
+                yield from task_rows(spec.env or "", args, limit)
+            except VerifiersError as exc:
+                raise DatasetError(f"{name} ({part}): {exc}") from None
+
+        return _Table(name if part == "train" else f"{name} (held-out)", rows())
+
+    n_test = spec.n_test if spec.n_test is not None else DEFAULT_SPLIT_N_TEST
+    if spec.eval_args is None:
+        limit = None if spec.n_train is None else spec.n_train + n_test
+        return [table(spec.args, limit, "train")], []
+    held_out = table(spec.eval_args, spec.n_test or DEFAULT_MAX_TEST, "held-out")
+    return [table(spec.args, spec.n_train, "train")], [held_out]
+
+
 @dataclass(frozen=True)
 class Preset:
     """A task preset: where its rows come from and how its columns read."""
 
     tables: Callable[[TaskSpec, int], tuple[list[_Table], list[_Table]]]
     prompt_field: str = "prompt"
+    messages_field: str | None = None
     clean_prompt: Callable[[str], str] = _same
     clean_answer: Callable[[str], str] = _same
 
@@ -1116,6 +1384,8 @@ PRESETS: dict[str, Preset] = {
     "arithmetic": Preset(_arithmetic_tables),
     "gsm8k": Preset(_file_tables, prompt_field="question", clean_prompt=str.strip, clean_answer=gsm8k_final_answer),
     "dataset": Preset(_file_tables),
+    "reasoning_gym": Preset(_gym_tables, prompt_field="question"),
+    "verifiers": Preset(_verifiers_tables, messages_field="messages"),
 }
 TASKS: tuple[str, ...] = tuple(PRESETS)
 

@@ -157,13 +157,15 @@ class AlgorithmSpec(_Strict):
         gt=0.0,
         le=1.0,
         description="AdamW peak learning rate (1e-6 suits billion-parameter models; tiny ones "
-        "take 1e-4): the lr of every step with lr_schedule constant and no warm-up.",
+        "take 1e-4): the first step's with no warm-up, every step's with lr_schedule constant.",
     )
     lr_schedule: LrScheduleName = Field(
-        "constant",
+        "linear",
         description="The lr by step (trainer_svc/algorithms.py lr_at): after the warm-up, constant keeps "
         "lr; linear and cosine (half a cosine) decay from lr at step warmup_steps to "
-        "min_lr_ratio x lr at the last step. A live lr (PATCH) replaces lr from the next step "
+        "min_lr_ratio x lr at the last step. linear by default, as TRL's and HF Trainer's "
+        "(on the own-task bench it learned as fast as TRL's defaults, constant did not: "
+        "results/ecosystem.md, defaults_vs_trl). A live lr (PATCH) replaces lr from the next step "
         "on: the schedule goes on by step, scaled by new lr / old lr; a resume continues it "
         "at its step.",
     )
@@ -563,14 +565,17 @@ class JobSpec(_Strict):
     )
     reward: RewardSpec = Field(
         "exact_match",
-        description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards).",
+        description=f"The reward: a built-in by name ({', '.join(REWARDS)}) or a reward object (shared/rewards). "
+        "Left out: exact_match, or reasoning_gym (the dataset's own score_answer) for a reasoning_gym task, "
+        "or verifiers (the environment's own rubric, each reward function a term) for a verifiers task.",
     )
     environment: EnvironmentSpec | None = Field(
         None,
         description="Multi-turn episodes: the environment each training rollout runs in (a built-in such as "
         "tools, or a user's class by import path), with its limits; the model's turns and the "
         "environment's replies are kept as token ids and only the model's are trained on. "
-        "Unset: one completion per prompt, as with single_turn.",
+        "Unset: one completion per prompt, as with single_turn; for a verifiers task whose tasks have tools, "
+        "the verifiers environment (shared/vfenv.py).",
     )
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Advantage, loss and optimizer.")
     lora: LoraSpec | None = Field(
@@ -650,6 +655,15 @@ class JobSpec(_Strict):
         description="Place in the fleet's queue: a higher priority runs first; first in, first "
         "out among equal priorities. Never preempts a running job.",
     )
+    share: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        allow_inf_nan=False,
+        description="The job's weight in generator time when jobs run together on one fleet (shares 2 and 1: "
+        "twice the engine time when they compete for a generator); a job that cannot use its share (it waits "
+        "on its trainer) leaves it to the others.",
+    )
     tracking: TrackingSpec = Field(
         default_factory=TrackingSpec, description="Experiment tracking: TensorBoard, MLflow, W&B (none by default)."
     )
@@ -658,6 +672,37 @@ class JobSpec(_Strict):
     @classmethod
     def _text_is_storable(cls, data: Any) -> Any:
         refuse_bad_text(cls.__name__, data)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gym_reward(cls, data: Any) -> Any:
+        """A reasoning_gym task is scored by its dataset's own score_answer unless a reward is given."""
+        task = data.get("task") if isinstance(data, dict) else None
+        if isinstance(task, dict) and task.get("name") == "reasoning_gym" and "reward" not in data:
+            data = {**data, "reward": "reasoning_gym"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verifiers_defaults(cls, data: Any) -> Any:
+        """A verifiers task is scored by its own rubric unless a reward is given, and a task with
+        tools plays its episodes in the verifiers environment unless an environment is given."""
+        task = data.get("task") if isinstance(data, dict) else None
+        if not (isinstance(task, dict) and task.get("name") == "verifiers"):
+            return data
+        if "reward" not in data:
+            data = {**data, "reward": "verifiers"}
+        env, args = task.get("env"), task.get("args") or {}
+        if "environment" not in data and isinstance(env, str) and isinstance(args, dict):
+            from shared.vfenv import VerifiersError, is_multi_turn  # imports verifiers: only for such a job
+
+            try:
+                multi = is_multi_turn(env, args)
+            except (VerifiersError, TypeError, ValueError):
+                multi = False  # the task section's own validation says what is wrong
+            if multi:
+                data = {**data, "environment": {"name": "verifiers"}}
         return data
 
     @model_validator(mode="before")

@@ -14,6 +14,7 @@ import logging
 import re
 import signal
 import sys
+import threading
 
 # C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -32,12 +33,27 @@ def escape_control(text: str) -> str:
 
 
 class _Context(logging.Filter):
+    """The fields shown on each line: the process's (set from the main thread) and, over them, the
+    fields a worker thread set for itself (a service serving several jobs at once serves each in
+    its own thread, each with its job_id)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fields: dict[str, object] = {}
+        self._local = threading.local()
+
+    def mine(self) -> dict[str, object]:
+        """The calling thread's own fields (the process's, from the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.fields
+        if not hasattr(self._local, "fields"):
+            self._local.fields = {}
+        return self._local.fields  # type: ignore[no-any-return]
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.ctx = escape_control(" ".join(f"{k}={v}" for k, v in self.fields.items() if v is not None))
+        own = self.mine()
+        fields = own if own is self.fields else {**self.fields, **own}
+        record.ctx = escape_control(" ".join(f"{k}={v}" for k, v in fields.items() if v is not None))
         return True
 
 
@@ -71,4 +87,4 @@ def setup_logging(service: str, level: str = "INFO") -> None:
 
 def set_context(**fields: object) -> None:
     """Add or update fields (job_id, policy_version, ...) shown on every following log line."""
-    _ctx.fields.update(fields)
+    _ctx.mine().update(fields)

@@ -21,11 +21,14 @@ Where a step's time goes: each role times its phases (PHASES) with one helper, `
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
@@ -199,20 +202,53 @@ def _bucket_quantile(cumulative: list[tuple[float, float]], q: float) -> float:
     return lo
 
 
+class _JobRegistries:
+    """The live jobs' registries of one process, collected as one: a family several jobs define
+    (each job's series labelled with its job_id) is exposed once, its samples together; two
+    `# HELP` lines for one name would make a scrape fail while jobs run at once."""
+
+    def __init__(self) -> None:
+        self.children: list[CollectorRegistry] = []
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            children = list(self.children)
+        merged: dict[str, Metric] = {}
+        for child in children:
+            for family in child.collect():
+                if family.name not in merged:
+                    merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged[family.name].samples.extend(family.samples)
+        yield from merged.values()
+
+
+_JOBS: weakref.WeakKeyDictionary[CollectorRegistry, _JobRegistries] = weakref.WeakKeyDictionary()
+_JOBS_LOCK = threading.Lock()
+
+
 @contextmanager
 def job_registry(parent: CollectorRegistry | None) -> Iterator[CollectorRegistry | None]:
     """A registry for one job's metrics, served through `parent` (serve_metrics' registry) while
     the job runs and dropped with it: a long-lived service builds its metrics per job without
-    registering a name twice or keeping finished jobs' series."""
+    registering a name twice or keeping finished jobs' series. Several jobs at once (a generator
+    or reward service of a fleet) are exposed as one set of families (`_JobRegistries`)."""
     if parent is None:
         yield None
         return
+    with _JOBS_LOCK:
+        jobs = _JOBS.get(parent)
+        if jobs is None:
+            jobs = _JOBS[parent] = _JobRegistries()
+            parent.register(jobs)  # type: ignore[arg-type]  # collects like any collector
     child = CollectorRegistry()
-    parent.register(child)  # type: ignore[arg-type]  # a registry collects like any collector
+    with jobs._lock:
+        jobs.children.append(child)
     try:
         yield child
     finally:
-        parent.unregister(child)  # type: ignore[arg-type]
+        with jobs._lock:
+            jobs.children.remove(child)
 
 
 def serve_metrics(port: int, service: str, host: str | None = None) -> CollectorRegistry | None:

@@ -52,6 +52,9 @@ INT64_MAX = 2**63 - 1
 LOGPROB_MAX = 1e-4
 # Above the job spec's limit (10): the wire refuses nonsense (inf, 1e30), not a future spec's range.
 MAX_TEMPERATURE = 100.0
+# A generate call's wall time, in seconds (a sample's share of it is at most the whole): a week
+# is beyond any call; the wire refuses nonsense (1e30), not a slow engine.
+MAX_GEN_SECONDS = 7 * 24 * 3600.0
 # Samples per prompt: the job spec allows 1024 (group_size, eval n); a larger n is an attack on the
 # generator's memory, not a job.
 MAX_SAMPLES_PER_PROMPT = 4096
@@ -339,6 +342,11 @@ class Rollout(Message):
     stop_reason: Name | None = Field(None, max_length=2000)  # why the episode ended (shared/environments)
     # the episode's figures (shared.environments.episode.Episode.metrics), e.g. the tool-call success rate
     env_metrics: dict[MetricName, FiniteFloat] = Field(default_factory=dict, max_length=16)
+    # Per-job accounting (the ledger's samples.adapter, samples.gen_seconds): the engine's LoRA
+    # adapter that produced the sample, e.g. "job-<id>/v3#7" ("": full weights), and the sample's
+    # share of its generate call's wall time, which GET /jobs/{id} `usage` sums per job.
+    adapter: Name = Field("", max_length=200)
+    gen_seconds: float = Field(0.0, ge=0.0, le=MAX_GEN_SECONDS, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _arrays_consistent(self) -> Rollout:
@@ -529,6 +537,43 @@ class Control(Message):
     )
 
 
+# agent episodes (generator_svc/agents.py, broker/api/routes/agents.py): generator <-> API over Redis lists
+
+
+class AgentTask(Message):
+    """An episode a generator offers to the job's agents (msg_id: the episode's id); the API hands
+    it to the agent that asks for one. Sent to the agent as JSON, so it carries the problem, not ids."""
+
+    kind: ClassVar[str] = "agent_task"
+    generator_id: Name = Field(min_length=1, max_length=256)
+    purpose: Literal["train", "eval"] = "train"
+    eval_set: Name = Field("", max_length=128)
+    prompt_index: int = _int32()
+    prompt: Text  # the dataset row's prompt text (not rendered: the agent builds its own messages)
+    answer: Text
+    metadata: Metadata = Field(default_factory=dict)
+
+
+class AgentCall(Message):
+    """One request of an agent for one episode (msg_id: the call's id; the reply goes to the list
+    named by it). `body` is the request's JSON as the agent sent it: the generator validates it."""
+
+    kind: ClassVar[str] = "agent_call"
+    policy_version: int = _int32(0)  # not the call's: the generator answers with the version it sampled at
+    episode_id: Name = Field(min_length=1, max_length=256)
+    op: Literal["open", "chat", "completion", "end"]
+    body: Text = Field("", max_length=4 * 1024 * 1024)
+
+
+class AgentReply(Message):
+    """The answer to an AgentCall (msg_id: the call's id): an HTTP status and a JSON body."""
+
+    kind: ClassVar[str] = "agent_reply"
+    policy_version: int = _int32(0)  # the answer's body says it
+    status: int = Field(ge=100, le=599)
+    body: Text = Field(max_length=8 * 1024 * 1024)
+
+
 # any consumer -> {job}:dead
 DEAD_RAW_BYTES = 64 * 1024  # a dead letter keeps at most this much of the entry, for inspection
 
@@ -543,7 +588,19 @@ class DeadLetter(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.kind: cls for cls in (PromptGroup, EvalRound, Rollout, Scored, PolicyAnnouncement, Control, DeadLetter)
+    cls.kind: cls
+    for cls in (
+        PromptGroup,
+        EvalRound,
+        Rollout,
+        Scored,
+        PolicyAnnouncement,
+        Control,
+        DeadLetter,
+        AgentTask,
+        AgentCall,
+        AgentReply,
+    )
 }
 
 

@@ -193,6 +193,13 @@ class GeneratorSettings(CommonSettings):
         description="Longest wait for this generator's relay to hold a version before the engine "
         "fetches it from the trainer itself.",
     )
+    max_jobs: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Jobs this generator serves at once in a fleet (LoRA jobs on one base model, each its own "
+        "adapter in the engine: vLLM's max_loras); a full-weight job has a generator to itself.",
+    )
 
 
 class RewardSettings(CommonSettings):
@@ -223,6 +230,13 @@ class RewardSettings(CommonSettings):
         "exits, crashes or runs past it fails the job with the reason.",
     )
     metrics_port: int = Field(0, ge=0)
+    max_jobs: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="Jobs this reward service scores at once in a fleet, each in a thread of its own with "
+        "worker processes of its own.",
+    )
 
 
 class TrainerSettings(CommonSettings):
@@ -281,6 +295,13 @@ class BrokerSettings(CommonSettings):
         le=1 << 30,
         description="Largest request body the API reads (a job spec is a few KiB); a larger one is a 413 "
         "before any of it is parsed.",
+    )
+    agent_reply_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86_400.0,
+        description="How long an agent's call (/v1/chat/completions of an agent episode) waits for the generator's "
+        "answer before a 504.",
     )
     metrics_max_jobs: int = Field(
         50,

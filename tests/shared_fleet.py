@@ -9,6 +9,7 @@ that kills, stops or reconfigures a fleet process must start its own stack inste
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,9 @@ from bench.standing import standing_services
 from broker.ledger import Ledger
 
 END = ("finished", "failed", "stopped", "cancelled")
+# The tiny verifiers environments (tests/test_verifiers_job.py): a verifiers environment is named by
+# its module, so every service of the fleet imports them from PYTHONPATH.
+VF_ENVS = Path(__file__).resolve().parent / "vf_envs"
 
 
 @dataclass
@@ -80,11 +84,13 @@ class Fleet:
 
 
 @contextmanager
-def standing_fleet(tmp: Path) -> Iterator[Fleet]:
-    """Start the four services of a fleet under `tmp` and yield it once the API answers."""
+def standing_fleet(tmp: Path, trainers: int = 1, env: dict[str, str] | None = None) -> Iterator[Fleet]:
+    """Start the four services of a fleet under `tmp` and yield it once the API answers (with
+    `trainers` trainers: that many jobs at once; `env` added to every service's)."""
     from asyncrl.tiny_model import build_tiny_model
 
     # the model every integration test uses (vLLM CPU attention needs head_dim >= 32)
     model = build_tiny_model(tmp / "tiny", layers=2, hidden=64, heads=2, intermediate=128, seed=0)
-    with standing_services(tmp) as f:
+    path = os.pathsep.join(p for p in (str(VF_ENVS), os.environ.get("PYTHONPATH", "")) if p)
+    with standing_services(tmp, trainers=trainers, env={"PYTHONPATH": path, **(env or {})}) as f:
         yield Fleet(f.sup, f.api, f.ledger, model, tmp, f.prefix, f.redis_url)

@@ -36,7 +36,7 @@ def test_destructive_lr_trips_the_guard_and_rolls_back_before_the_collapse(fleet
         "prompts_per_step": 8,
         "eval_every": 0,
         "checkpoint_every": EVERY,
-        "algorithm": {"lr": LR},
+        "algorithm": {"lr": LR, "lr_schedule": "constant"},  # the destructive lr to the end
         "sampling": {"max_tokens": 8},
         # "initial": this test is about the roll-back, and a collapse this early has no checkpoint
         # before it (the default, lower_lr, would keep the collapsed policy and go on)

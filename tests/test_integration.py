@@ -221,7 +221,7 @@ def test_job_control_through_the_cli_and_admin_tasks(tmp_path, tiny_model, db_ur
             "max_staleness": 1,
             "task": {"n_train": 64, "n_test": 8},
             "sampling": {"max_tokens": 8},
-            "algorithm": {"lr": 1e-4},
+            "algorithm": {"lr": 1e-4, "lr_schedule": "constant"},  # every step at lr until the live change
         }
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         job_id = json.loads(cli("submit", str(tmp_path / "spec.json"), "--json"))["id"]

@@ -29,11 +29,12 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def jobs(fleet: Fleet) -> dict[str, str]:
     """A sync and an async (k = 1) job of STEPS steps, checkpointed every 2, both finished. Their
-    reward is the completion's length, odd or even: the fleet's untrained model earns no reward on
-    its task, and with equal rewards in every group the advantages, and so the policy gradient, are 0
-    (the weights would move by weight decay alone, whatever the batch)."""
+    reward is the completion's first character, odd or even: the fleet's untrained model earns no
+    reward on its task, and with equal rewards in every group the advantages, and so the policy
+    gradient, are 0 (the weights would move by weight decay alone, whatever the batch). Not the
+    completion's length: most completions run to max_tokens, so whole steps had equal rewards."""
     plugin = fleet.tmp / "parity_reward.py"
-    plugin.write_text("def score(completion, answer):\n    return float(len(completion) % 2)\n")
+    plugin.write_text("def score(completion, answer):\n    return float(ord(completion[0]) % 2 if completion else 0)\n")
     reward = {"kind": "python", "function": f"{plugin}:score"}
     ids = {
         "sync": fleet.submit("replay-sync", steps=STEPS, mode="sync", checkpoint_every=2, reward=reward),
@@ -88,16 +89,18 @@ def test_the_async_job_trained_on_samples_of_older_versions(fleet: Fleet, jobs: 
     assert stale and max(stale) >= 1, stale
 
 
-def test_a_sign_flipped_loss_differs_at_step_1(
+def test_a_sign_flipped_loss_differs_at_its_first_gradient_step(
     fleet: Fleet, jobs: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from trainer_svc import learner
 
     real = learner.policy_loss
     monkeypatch.setattr(learner, "policy_loss", lambda *a, **k: replace(o := real(*a, **k), loss=-o.loss))
+    # the first step with a policy gradient (a step whose every group had equal rewards has none)
+    first = min(r["step"] for r in fleet.ledger.train_steps(jobs["sync"]) if r["metrics"]["loss"] != 0.0)
     code, out = _replay(fleet, jobs["sync"])
     assert code == 1
-    assert (out["bitwise"], out["first_differing_step"]) == (False, 1)
+    assert (out["bitwise"], out["first_differing_step"]) == (False, first)
     assert out["differs"][0].startswith("weights checksum")
 
 

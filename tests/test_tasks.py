@@ -151,13 +151,13 @@ def test_gsm8k_separate_test_file(tmp_path: Path) -> None:
 
 
 def test_load_task_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="'arithmetic', 'gsm8k' or 'dataset'"):
+    with pytest.raises(ValidationError, match="'arithmetic', 'gsm8k', 'dataset', 'reasoning_gym' or 'verifiers'"):
         TaskSpec(name="gsm9k")  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="task.path is required"):
         TaskSpec(name="gsm8k")
     with pytest.raises(ValidationError, match="generated from the seed: remove task.path"):
         TaskSpec(name="arithmetic", path="x.jsonl")
-    assert set(TASKS) == {"arithmetic", "gsm8k", "dataset"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "dataset", "reasoning_gym", "verifiers"}
 
 
 def test_load_task_arithmetic_matches_generator() -> None:

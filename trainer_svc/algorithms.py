@@ -505,7 +505,8 @@ def finalize_metrics(sums: Mapping[str, float], norm: BatchNorm) -> dict[str, fl
 
 @dataclass(frozen=True)
 class LrSchedule:
-    """The lr by step (defaults equal `shared.jobspec`'s: a constant `lr`).
+    """The lr by step (a job's: `from_spec`; this dataclass's own defaults are a constant `lr`, so a
+    LoopState built without a spec never decays to 0).
 
     Raises:
         ValueError: on an unknown schedule name (listing the valid ones), or a warm-up longer than
@@ -551,7 +552,7 @@ def lr_factor(step: int, sched: LrSchedule) -> float:
 
     decay(p) is 0 (constant), p (linear) or (1 - cos(pi p)) / 2 (cosine), so a decaying schedule
     reaches min_lr_ratio at the last step S and stays there past it. Exactly 1.0 for a constant
-    schedule after its warm-up, so a job with only `lr` trains at `lr` bit for bit.
+    schedule after its warm-up, so a job with `lr_schedule: constant` trains at `lr` bit for bit.
     """
     w, s = sched.warmup_steps, sched.steps
     if w and step <= w:

@@ -39,7 +39,28 @@ def wrap(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch.nn.Modu
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    linear = sorted(linear_names(model))  # before PEFT wraps them
+    peft = get_peft_model(model, config)
+    missing = [t for t, n in targets_found(peft, spec.target_modules).items() if n == 0]
+    if missing:
+        # PEFT itself fails only when no target matches: a model lacking some would train
+        # without adapters there, silently
+        raise ValueError(
+            f"lora.target_modules {missing} match no linear layer of this model "
+            f"(its linear layers: {linear}); set lora.target_modules to names it has"
+        )
+    return peft
+
+
+def linear_names(model: torch.nn.Module) -> set[str]:
+    """The last name component of every nn.Linear of `model` (`q_proj`, ..., `lm_head`)."""
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def targets_found(model: torch.nn.Module, targets: list[str]) -> dict[str, int]:
+    """Per LoRA target name, how many of `model`'s (a PeftModel's) modules of that name carry an adapter."""
+    wrapped = [n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and n]
+    return {t: wrapped.count(t) for t in targets}
 
 
 def is_lora(model: torch.nn.Module) -> bool:

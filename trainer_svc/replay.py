@@ -49,7 +49,7 @@ from shared.transport import build_manifest
 from trainer_svc import checkpoint
 from trainer_svc.batch import TrainBatch
 from trainer_svc.learner import Learner
-from trainer_svc.weights import flatten_weights
+from trainer_svc.weights import checkpoint_state, flatten_weights
 
 FORMAT = 1
 CODEC = "safetensors+zlib"
@@ -228,6 +228,8 @@ def weights_checksum(learner: Learner) -> str:
     """The manifest checksum of the learner's weights as a publish computes it (the same snapshot:
     full weights, or a LoRA job's adapter tensors)."""
     state, _ = learner.snapshot()
+    if learner.spec.lora is None:  # as publish_weights names and lays them out
+        state = checkpoint_state(learner.model, state)
     entries, buf = flatten_weights(state)
     return build_manifest(0, entries, buf).checksum  # the checksum depends on the bytes only
 

@@ -118,6 +118,17 @@ def staging_for(server: WeightServer) -> HostStaging:
     return _staging[server]
 
 
+def checkpoint_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the model's full state dict) under its checkpoint's names, the ones vLLM's loaders
+    read: transformers 5's load-time conversions reverted (an MoE's fused `experts.gate_up_proj`
+    back to one tensor per expert and projection), as `save_pretrained` writes them. Tied copies
+    stay (a vLLM model with an `lm_head` module needs it in a reload; generator_svc/worker_ext.py
+    drops it for one without)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(cast("PreTrainedModel", model), dict(state)))
+
+
 def probe(model: torch.nn.Module, length: int = 24) -> tuple[list[int], list[float]]:
     """A fixed pseudo-random token sequence and its logprobs under `model` (the functional
     fingerprint generators check after a swap). The same sequence for every version of a job."""
@@ -165,6 +176,8 @@ def publish_weights(
 
     t0 = time.perf_counter()
     state, (probe_ids, probe_lp) = snapshot if snapshot is not None else (model.state_dict(), probe(model))
+    if lora is None:
+        state = checkpoint_state(model, state)
     on_cuda = next(iter(state.values())).is_cuda
     with span("flatten"):
         entries, buf = flatten_weights(state, keep_device=on_cuda)

@@ -13,15 +13,17 @@ zero), workdir, and optionally evaluate (false: no held-out evaluation, for the 
 only), reward ("/path/file.py:function": a user's reward plug-in, called as our reward service
 calls it, `fn(completion, answer, metadata=row_metadata)`; default: exact match below) and stop
 (strings that end a completion, each one token of the model's tokenizer: they join the
-generation config's EOS ids, which is how TRL ends and masks a completion) and use_cpu (default
-true; false lets TRL take the GPU).
+generation config's EOS ids, which is how TRL ends and masks a completion), use_cpu (default
+true; false lets TRL take the GPU) and trl_defaults (default false; true: TRL's own defaults, see
+`grpo_config_defaults`).
 
-Training settings mirror the job spec of our side: fp32 (TRL's default bf16 off), no gradient
-checkpointing (its default on), AdamW at a constant lr without weight decay, one optimizer step
-per `prompts_per_step * group_size` completions, group z-score advantages (`scale_rewards=
-"group"`), token-mean loss over the batch (`loss_type="dapo"`, TRL's default), no KL (beta 0),
-sampling at `temperature` with no top-k/top-p, TRL's default generation (transformers
-`generate`).
+Training settings (`grpo_config`) mirror the job spec of our side: fp32 (TRL's default bf16 off),
+no gradient checkpointing (its default on), AdamW without weight decay at an lr decaying linearly
+to 0 over the run (our lr_schedule's default and TRL's: step t at lr x (1 - (t - 1) / steps) in
+TRL, lr x (1 - t / steps) in ours), one optimizer step per `prompts_per_step * group_size`
+completions, group z-score advantages (`scale_rewards="group"`), token-mean loss over the batch
+(`loss_type="dapo"`, TRL's default), no KL (beta 0), sampling at `temperature` with no
+top-k/top-p, TRL's default generation (transformers `generate`).
 
 Held-out protocol (the same as the trainer's in-pipeline evaluation): one greedy completion of
 at most `max_tokens` tokens per held-out prompt, reward 1 when the last number in the completion
@@ -62,6 +64,11 @@ def exact_match(completion: str, answer: str) -> float:
         got = got.rstrip("0").rstrip(".") or "0"
     got = "0" if got == "-0" else got
     return 1.0 if _norm(got) == _norm(answer) else 0.0
+
+
+def _plain(v: Any) -> str:
+    """A config value as text: an enum's value ("linear"), not its name (SchedulerType.LINEAR)."""
+    return str(getattr(v, "value", v))
 
 
 def _median(xs: list[float]) -> float | None:
@@ -199,7 +206,7 @@ def grpo_config(cfg: dict[str, Any]) -> Any:
         top_p=1.0,
         top_k=0,
         learning_rate=float(cfg["lr"]),
-        lr_scheduler_type="constant",
+        lr_scheduler_type="linear",
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
@@ -212,6 +219,76 @@ def grpo_config(cfg: dict[str, Any]) -> Any:
         report_to="none",
         seed=int(cfg["seed"]),
         dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
+# The GRPOConfig fields grpo_config_defaults sets; every other field keeps TRL's default.
+DEFAULTS_SET = (
+    "output_dir",
+    "use_cpu",
+    "bf16",
+    "per_device_train_batch_size",
+    "num_generations",
+    "max_completion_length",
+    "learning_rate",
+    "max_steps",
+    "seed",
+    "logging_steps",
+    "save_strategy",
+    "report_to",
+    "disable_tqdm",
+)
+# TRL's defaults a comparison with ours turns on, read back from the config (result "trl_settings").
+DEFAULTS_READ = (
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "max_grad_norm",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "scale_rewards",
+    "loss_type",
+    "num_iterations",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "temperature",
+    "top_p",
+    "top_k",
+    "mask_truncated_completions",
+    "importance_sampling_level",
+    "gradient_checkpointing",
+    "disable_dropout",
+    "shuffle_dataset",
+)
+
+
+def grpo_config_defaults(cfg: dict[str, Any]) -> Any:
+    """TRL's own defaults, as a user on a CPU runs GRPOTrainer: only the run's shape (prompts_per_step
+    x group_size completions per optimizer step, in one batch), its length, lr, steps and seed, and
+    bf16 off (TRL's bf16=True runs ~17 s/step on a CPU without bfloat16 matmuls). Logging, saving and
+    the progress bar are bookkeeping. Everything else (the lr schedule, the loss, clipping,
+    gradient checkpointing, ...) is TRL's: DEFAULTS_READ lists what the result reports."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(Path(cfg["workdir"]) / "trl-out"),
+        use_cpu=bool(cfg.get("use_cpu", True)),
+        bf16=False,
+        per_device_train_batch_size=int(cfg["prompts_per_step"]) * int(cfg["group_size"]),
+        num_generations=int(cfg["group_size"]),
+        max_completion_length=int(cfg["max_tokens"]),
+        learning_rate=float(cfg["lr"]),
+        max_steps=int(cfg["steps"]),
+        seed=int(cfg["seed"]),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
         disable_tqdm=True,
     )
 
@@ -244,10 +321,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             for p in cfg["train"]
         ]
     )
+    args = grpo_config_defaults(cfg) if cfg.get("trl_defaults") else grpo_config(cfg)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
-        args=grpo_config(cfg),
+        args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[callback(cfg, held_out, clock, train_log)],
@@ -267,6 +345,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "eval_s_total": held_out.eval_s,
         "wall_s": time.time() - t_launch,
         "steps": int(cfg["steps"]),
+        "trl_settings": {k: _plain(getattr(args, k, None)) for k in DEFAULTS_READ},
+        "trl_fields_set": list(DEFAULTS_SET) if cfg.get("trl_defaults") else None,
     }
 
 

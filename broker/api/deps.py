@@ -20,6 +20,7 @@ from redis.retry import Retry
 from broker.api.auth import TokenChecker, check_access
 from broker.api.observe import HealthProbe, RequestMetrics
 from broker.ledger import Ledger
+from broker.redis_server import resolve_redis_url
 from broker.streams import JobStreams, is_cluster_url, plain_url
 from shared.settings import AdminSettings, BrokerSettings
 
@@ -65,6 +66,23 @@ class ApiContext:
     metrics: RequestMetrics
     health: HealthProbe = field(default_factory=HealthProbe)
     _celery: Any = field(default=None, init=False, repr=False)
+    _agent_redis: Any = field(default=None, init=False, repr=False)
+
+    def agent_redis(self) -> Any:
+        """An asyncio Redis client for the agent routes (broker/api/routes/agents.py), built at the
+        first agent call: they wait on Redis lists for minutes (a model turn), which the request
+        client's 0.5 s socket timeout and the request threads are not for."""
+        if self._agent_redis is None:
+            from redis.asyncio import Redis
+            from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+            url, _ = resolve_redis_url(self.settings.redis_url)
+            self._agent_redis = (
+                AsyncCluster.from_url(plain_url(url), socket_timeout=None)
+                if is_cluster_url(url)
+                else Redis.from_url(url, socket_timeout=None, health_check_interval=30)
+            )
+        return self._agent_redis
 
     def celery(self) -> Any:
         """The Celery app that sends admin tasks, built at the first one: most API uses never

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Security
 from broker.api.deps import authorize
 from broker.api.errors import error_responses
 from broker.api.routes import (
+    agents,
     changes,
     checkpoints,
     control,
@@ -25,7 +26,7 @@ from broker.api.routes import (
 # The role a job route needs follows from its HTTP method, so a router added here cannot forget
 # either check.
 job_router = APIRouter(dependencies=[Security(authorize)], responses=error_responses(401, 503))
-for resource in (jobs, queue, control, checkpoints, verify, summary, changes, samples, tasks):
+for resource in (jobs, queue, control, checkpoints, verify, summary, changes, samples, tasks, agents):
     job_router.include_router(resource.router)
 
 api_router = APIRouter()

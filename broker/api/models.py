@@ -71,6 +71,13 @@ class RunningJob(BaseModel):
     step: int
     steps: int
     priority: int
+    share: float = Field(
+        1.0, description="Its weight in generator and reward time against the other running jobs (spec `share`)."
+    )
+    served_by: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="By role (trainer, generator, reward): the ids of the fleet's services serving it now.",
+    )
     started_at: datetime | None
     reward_error_fraction: float | None = Field(
         None, description="Of its scored samples, the share whose reward failed (timeout or error); null: none yet."
@@ -150,6 +157,14 @@ class QueueView(BaseModel):
     trainers: int = Field(..., description="Trainers of the fleet that are up.")
 
 
+class ServiceLoad(BaseModel):
+    """What one service did for one job (in this process, since it took the job)."""
+
+    share: float = Field(..., description="The job's share (spec `share`) as the service weighs it.")
+    seconds: float = Field(..., description="Busy seconds it spent on the job.")
+    tokens: int = Field(..., description="Tokens it generated or scored for the job.")
+
+
 class FleetService(BaseModel):
     """One live service of the fleet, as its beacon says."""
 
@@ -157,7 +172,9 @@ class FleetService(BaseModel):
     id: str
     host: str
     pid: int
-    job: str | None = Field(..., description="The job it serves; null: idle.")
+    job: str | None = Field(..., description="The job it serves (the first of `jobs`); null: idle.")
+    jobs: list[str] = Field(default_factory=list, description="Every job it serves now (a generator serves several).")
+    load: dict[str, ServiceLoad] = Field(default_factory=dict, description="By job id: its share and the work done.")
     state: str = Field(..., description="starting, idle or serving.")
     since: float = Field(..., description="Unix seconds since it is in this state.")
     jobs_served: int
@@ -197,8 +214,40 @@ class GeneratorState(BaseModel):
     )
 
 
+class UsageTotals(BaseModel):
+    """What a set of a job's samples cost the generators."""
+
+    generator_seconds: float = Field(
+        ...,
+        description="Sum over the samples of each one's share of its generate call's wall time (the generator "
+        "splits a call's time among the samples it made); samples from before the ledger recorded it count 0.",
+    )
+    samples: int = Field(..., description="Samples generated, whatever became of them (trained, dropped, lost...).")
+    prompt_tokens: int = Field(..., description="Their prompt tokens (a group's prompt counts once per sample).")
+    completion_tokens: int
+
+
+class GeneratorUsage(BaseModel):
+    """One generator's part of a job's usage."""
+
+    seconds: float = Field(..., description="Generator-seconds it spent on the job's samples.")
+    samples: int
+    completion_tokens: int
+
+
+class JobUsage(UsageTotals):
+    """What the job cost the fleet's generators, from the ledger's samples: the figures a shared fleet
+    is billed by (ledger `usage`). Training and evaluation samples alike; `by_kind` splits them."""
+
+    by_generator: dict[str, GeneratorUsage] = Field(..., description="By generator id.")
+    by_kind: dict[str, UsageTotals] = Field(..., description="`train` and `eval` (zeros where none).")
+    adapters: int = Field(
+        ..., description="Distinct LoRA adapters (versions) that produced its samples; 0: full-weight engines only."
+    )
+
+
 class JobStatus(BaseModel):
-    """A job, its progress and its generators."""
+    """A job, its progress, its generators and what it cost them."""
 
     id: str
     name: str
@@ -217,6 +266,7 @@ class JobStatus(BaseModel):
     reward_errors: RewardErrors = Field(..., description="Its scored samples by reward status; the error fraction.")
     drop_skew: DropSkew = Field(..., description="Dropped against trained samples, by length and reward.")
     generators: dict[str, GeneratorState] = Field(..., description="By generator id.")
+    usage: JobUsage = Field(..., description="Generator-seconds and tokens: what the job is billed by.")
 
 
 class JobReport(BaseModel):
@@ -268,6 +318,10 @@ class SampleRecord(BaseModel):
     kind: str = Field(..., description="train or eval.")
     prompt_index: int
     generator_id: str
+    adapter: str | None = Field(None, description="The engine's LoRA adapter that produced it; null: full weights.")
+    gen_seconds: float | None = Field(
+        None, description="Its share of its generate call's wall time; null: recorded before the ledger kept it."
+    )
     gen_version_min: int
     gen_version_max: int
     trainer_version: int | None = Field(..., description="The trainer's version when it used the sample.")
@@ -373,3 +427,77 @@ class StatusData(BaseModel):
     )
     evals: list[EvalPoint]
     guard_trips: list[GuardTrip]
+
+
+# --- agent episodes (broker/api/routes/agents.py) ------------------------------------------------
+
+
+class AgentEpisodeView(BaseModel):
+    """An episode taken to play, or none (`episode_id` null) when no generator offered one in `wait_s`."""
+
+    episode_id: str | None = Field(None, description="Null: none was offered in wait_s; ask again.")
+    base_url: str | None = Field(None, description="The `openai` client's base_url for this episode.")
+    model: str | None = Field(None, description="The model name to send (the job's id).")
+    purpose: Literal["train", "eval"] | None = None
+    eval_set: str | None = Field(None, description="An evaluation episode's set ('' for training).")
+    prompt_index: int | None = None
+    prompt: str | None = Field(None, description="The dataset row's prompt text (not rendered).")
+    answer: str | None = Field(None, description="The dataset row's answer.")
+    metadata: dict[str, Any] | None = Field(None, description="The dataset row's other columns.")
+    policy_version: int | None = Field(None, description="The policy version the episode will be sampled at.")
+
+
+class AgentChoice(BaseModel):
+    index: int
+    finish_reason: str = Field(..., description="stop, length or tool_calls.")
+    message: dict[str, Any] | None = Field(None, description="Chat: the assistant message (content, tool_calls).")
+    text: str | None = Field(None, description="Completions: the text.")
+    logprobs: dict[str, Any] | None = None
+    token_ids: list[int] = Field(..., description="The sampled token ids, as the trainer will train on them.")
+
+
+class AgentCompletion(BaseModel):
+    """OpenAI's chat.completion / text_completion object, plus what the episode recorded."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[AgentChoice]
+    usage: dict[str, int]
+    prompt_token_ids: list[int] = Field(..., description="The ids the model was given: the episode so far.")
+    policy_version: int
+    episode_id: str
+    generator_ms: float = Field(..., description="The call's time in the generator (receipt to answer).")
+
+
+class AgentModel(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "asyncrl"
+
+
+class AgentModels(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AgentModel]
+
+
+class AgentEpisodeEnd(BaseModel):
+    episode_id: str
+    turns: int = Field(..., description="Model turns recorded.")
+    tokens: int = Field(..., description="Prompt and completion tokens recorded.")
+    stop_reason: str | None = Field(None, description="done, or the limit (max_turns, max_tokens) it reached.")
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(..., description="invalid_request_error, conflict, episode_limit, timeout, ...")
+    code: int
+
+
+class OpenAIErrorBody(BaseModel):
+    """An error of the OpenAI-compatible routes: in OpenAI's shape (what its clients raise from)
+    when the episode answers; a string where the API's edge refuses the request before it gets
+    there (a 400 for a control character in the URL, a 413), as on every route."""
+
+    error: OpenAIErrorDetail | str

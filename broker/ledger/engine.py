@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import numbers
+import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from sqlalchemy import Table, create_engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
+from tenacity import retry, retry_if_exception, stop_after_delay, wait_random
 
 __all__ = ["MIGRATIONS_DIR", "Database", "Repository", "chunks", "json_safe"]
 
@@ -101,7 +103,7 @@ def _configure_sqlite(engine: Engine, url: URL) -> None:
         cur = dbapi_conn.cursor()
         # busy_timeout first: switching to WAL itself needs the lock.
         cur.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_MS}")
-        cur.execute("PRAGMA journal_mode = WAL")
+        _use_wal(cur)
         # Durable at each checkpoint rather than each commit; safe with WAL (no corruption).
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.close()
@@ -110,6 +112,22 @@ def _configure_sqlite(engine: Engine, url: URL) -> None:
     def _on_begin(conn: Connection) -> None:
         write = conn.get_execution_options().get(_WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+@retry(
+    retry=retry_if_exception(lambda e: isinstance(e, sqlite3.OperationalError) and "locked" in str(e)),
+    wait=wait_random(0.01, 0.2),
+    stop=stop_after_delay(_SQLITE_BUSY_TIMEOUT_MS / 1000),
+    reraise=True,
+)
+def _use_wal(cur: sqlite3.Cursor) -> None:
+    """Switch the file to WAL (persistent: done once per file), retried while the lock is taken.
+
+    Several processes opening a new file at once race for the switch, and SQLite can answer
+    "database is locked" to it without consulting the busy handler: a retry sees WAL already set.
+    """
+    if cur.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        cur.execute("PRAGMA journal_mode = WAL")
 
 
 class Database:

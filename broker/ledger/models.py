@@ -165,6 +165,10 @@ class Sample(Base):
     turns: Mapped[int | None] = mapped_column(Integer)
     num_env_tokens: Mapped[int | None] = mapped_column(Integer)
     stop_reason: Mapped[str | None] = mapped_column(String)
+    # Per-job accounting (0010): the engine's LoRA adapter that produced the sample (null: full
+    # weights) and the sample's share of its generate call's wall time (null: before 0010).
+    adapter: Mapped[str | None] = mapped_column(String(200))
+    gen_seconds: Mapped[float | None] = mapped_column(Float)
     reward: Mapped[float | None] = mapped_column(Float)
     # "ok", "timeout" or "error" (the job's reward policy then set `reward`); details: a weighted
     # sum's terms ({"components": {...}}) and the reason a reward failed ({"reason": "..."}).

@@ -27,6 +27,7 @@ __all__ = [
     "EvalRow",
     "GenerationVersions",
     "GeneratorLoadRow",
+    "GeneratorUsage",
     "JobChangeRow",
     "JobRow",
     "Offenders",
@@ -37,6 +38,9 @@ __all__ = [
     "StepInputIn",
     "StepInputRow",
     "TrainStepRow",
+    "Usage",
+    "UsageGroup",
+    "UsageTotals",
     "UsedItem",
     "check_one_of",
 ]
@@ -121,6 +125,8 @@ class SampleIn(_SampleRequired, total=False):
     turns: int | None  # a multi-turn episode's model turns
     num_env_tokens: int | None  # ... its completion tokens the environment appended
     stop_reason: str | None  # ... why it ended
+    adapter: str | None  # the engine's LoRA adapter that produced it (None: full weights)
+    gen_seconds: float | None  # its share of its generate call's wall time
     reward: float | None
     reward_status: str | None
     reward_details: dict[str, Any] | None
@@ -144,6 +150,8 @@ class SampleRow(_SampleRequired):
     turns: int | None  # multi-turn episodes only (null: single-turn)
     num_env_tokens: int | None
     stop_reason: str | None
+    adapter: str | None  # the engine's LoRA adapter that produced it (null: full weights)
+    gen_seconds: float | None  # its share of its generate call's wall time (null: before 0010)
     reward: float | None
     reward_status: str | None  # one of REWARD_STATUSES once scored
     reward_details: dict[str, Any] | None
@@ -308,6 +316,43 @@ class GenerationVersions(NamedTuple):
     gen_version_min: int
     gen_version_max: int
     samples: int
+
+
+class UsageGroup(NamedTuple):
+    """A job's samples of one kind from one generator, summed (`Ledger.usage` folds these)."""
+
+    kind: str  # one of SAMPLE_KINDS
+    generator_id: str
+    samples: int
+    seconds: float  # sum of gen_seconds (a null, before 0010, counts 0)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class UsageTotals(TypedDict):
+    """What a job's samples cost the generators: the figures a shared fleet is billed by."""
+
+    generator_seconds: float  # the samples' shares of their generate calls' wall time
+    samples: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GeneratorUsage(TypedDict):
+    """One generator's part of a job's usage."""
+
+    seconds: float
+    samples: int
+    completion_tokens: int
+
+
+class Usage(UsageTotals):
+    """`Ledger.usage`: a job's totals over every sample it generated (training and evaluation,
+    whatever became of them), split by generator and by kind."""
+
+    by_generator: dict[str, GeneratorUsage]
+    by_kind: dict[str, UsageTotals]  # every one of SAMPLE_KINDS, zeros where none
+    adapters: int  # distinct LoRA adapters that produced its samples (0: full-weight engines)
 
 
 class SampleFilters(TypedDict, total=False):

@@ -28,11 +28,14 @@ from broker.ledger.rows import (
     SampleIn,
     SampleRow,
     ScoredItem,
+    Usage,
+    UsageGroup,
+    UsageTotals,
     UsedItem,
     check_one_of,
 )
 
-__all__ = ["SampleRepository"]
+__all__ = ["SampleRepository", "fold_usage"]
 
 # The run-time checks of `record_generated` and `record_used`, from the declared row shapes (a
 # test holds SampleIn to the table's columns).
@@ -199,6 +202,33 @@ class SampleRepository(Repository):
         with self._db.read() as s:
             return {int(k): int(n) for k, n in s.execute(stmt)}
 
+    def usage(self, job_id: str) -> Usage:
+        """What the job's samples cost the generators (`fold_usage`): generator-seconds, samples
+        and tokens over every sample it generated, training and evaluation, whatever became of
+        them (a dropped or lost sample took its generate time too). Samples from before
+        migration 0010 have no gen_seconds and count 0 seconds."""
+        c = samples_t.c
+        groups = (
+            select(
+                c.kind,
+                c.generator_id,
+                func.count(),
+                func.coalesce(func.sum(c.gen_seconds), 0.0),
+                func.coalesce(func.sum(c.num_prompt_tokens), 0),
+                func.coalesce(func.sum(c.num_completion_tokens), 0),
+            )
+            .where(c.job_id == job_id)
+            .group_by(c.kind, c.generator_id)
+        )
+        adapters = select(func.count(func.distinct(c.adapter))).where(c.job_id == job_id)  # nulls not counted
+        with self._db.read() as s:
+            rows = [
+                UsageGroup(str(k), str(g), int(n), float(sec), int(p), int(t))
+                for k, g, n, sec, p, t in s.execute(groups)
+            ]
+            n_adapters = int(s.execute(adapters).scalar_one())
+        return fold_usage(rows, n_adapters)
+
     def used_msg_ids(self, job_id: str, msg_ids: Iterable[str]) -> set[str]:
         """The subset of `msg_ids` already used (USED_STATUSES)."""
         ids = sorted(set(msg_ids))
@@ -212,6 +242,29 @@ class SampleRepository(Repository):
                 )
                 found.update(s.execute(stmt).scalars())
         return found
+
+
+def fold_usage(groups: Iterable[UsageGroup], adapters: int) -> Usage:
+    """A job's usage from its per (kind, generator) sums: the totals, each generator's part and
+    each kind's (every one of SAMPLE_KINDS, zeros where none), and `adapters` as given."""
+    total = _zero_totals()
+    by_kind = {kind: _zero_totals() for kind in SAMPLE_KINDS}
+    by_generator: dict[str, Any] = {}
+    for g in groups:
+        for t in (total, by_kind.setdefault(g.kind, _zero_totals())):
+            t["generator_seconds"] += g.seconds
+            t["samples"] += g.samples
+            t["prompt_tokens"] += g.prompt_tokens
+            t["completion_tokens"] += g.completion_tokens
+        gen = by_generator.setdefault(g.generator_id, {"seconds": 0.0, "samples": 0, "completion_tokens": 0})
+        gen["seconds"] += g.seconds
+        gen["samples"] += g.samples
+        gen["completion_tokens"] += g.completion_tokens
+    return {**total, "by_generator": dict(sorted(by_generator.items())), "by_kind": by_kind, "adapters": adapters}
+
+
+def _zero_totals() -> UsageTotals:
+    return {"generator_seconds": 0.0, "samples": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
 def _complete_sample(row: SampleIn, now: datetime) -> dict[str, Any]:

@@ -218,15 +218,21 @@
     refresh();
   }
 
-  // GET /queue: the running jobs, then each queued job in the order a trainer takes them, with
-  // what it waits for (the running job, the jobs ahead of it, or a trainer when none is up)
+  // The services serving a job, by role: "generator g0, g1; reward r0"
+  const servedBy = (served) => Object.keys(served || {}).sort().map((role) => `${role} ${served[role].join(", ")}`).join("; ");
+
+  // GET /queue: the running jobs (each one's share and who serves it), then each queued job in the
+  // order a trainer takes them, with what it waits for (the running job, the jobs ahead of it, or a
+  // trainer when none is up)
   function renderQueue(queue) {
     const badge = (state) => el("span", { className: `state ${state}` }, state);
     const note = (...parts) => el("div", { className: "why muted" }, parts.filter(Boolean).join(", "));
     const prio = (p) => (p ? `priority ${p}` : "");
     const rows = [
-      ...queue.running.map((j) => el("tr", {}, el("td", { className: "muted" }, "▶"), el("td", {}, jobLink(j.id, j.name)),
-        el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority)),
+      ...queue.running.map((j) => el("tr", {}, el("td", { className: "muted" }, "▶"),
+        el("td", {}, jobLink(j.id, j.name), servedBy(j.served_by) ? note(`served by ${servedBy(j.served_by)}`) : ""),
+        el("td", {}, badge(j.state), note(j.steps ? `step ${j.step}/${j.steps}` : `step ${j.step}`, prio(j.priority),
+          `share ${j.share ?? 1}`),
           j.reward_error_fraction ? el("div", { className: "why bad" }, rewardErrors(j.reward_error_fraction)) : "",
           (j.drop_skew_warnings || []).length ? el("div", { className: "why bad" }, `dropping biases ${biased(j.drop_skew_warnings)}`) : ""))),
       ...queue.queued.map((q) => el("tr", {}, el("td", {}, `#${q.position}`),
@@ -237,12 +243,17 @@
     $("no-queue").hidden = rows.length > 0;
   }
 
-  // GET /fleet: each live service of the fleet, as its beacon says
+  // GET /fleet: each live service of the fleet, as its beacon says: the jobs it serves (an entry
+  // from before `jobs` names one `job`), each with its share, busy seconds and tokens when known
   function renderFleet(services) {
     const now = Date.now() / 1000;
+    const served = (m) => (m.jobs && m.jobs.length ? m.jobs : m.job ? [m.job] : []).flatMap((id) => {
+      const load = (m.load || {})[id];
+      return [" ", jobLink(id, ""), load ? el("span", { className: "muted" }, ` (share ${load.share}, ${fmt(load.seconds)} s, ${load.tokens} tok)`) : ""];
+    });
     $("fleet").tBodies[0].replaceChildren(...services.map((m) => el("tr", {},
       el("td", { title: `${m.host} pid ${m.pid}` }, m.role, " ", el("code", {}, m.id)),
-      el("td", {}, m.state, m.job ? " " : "", m.job ? jobLink(m.job, "") : "",
+      el("td", {}, m.state, ...served(m),
         el("div", { className: "why muted" }, `since ${ago(now - m.since)}, ${m.jobs_served} job(s) served`)))));
     $("no-fleet").hidden = services.length > 0;
   }
@@ -319,6 +330,16 @@
     fillDl($("samples"), Object.entries(job.samples || {}));
     fillDl($("reward-status"), Object.entries((job.reward_errors || {}).by_status || {}));
     fillDl($("staleness"), Object.entries(job.staleness || {}).map(([lag, n]) => [`${lag} behind`, n]));
+    // GET /jobs/{id} `usage`: the job's generator-seconds and tokens, once it generated a sample
+    const usage = job.usage || {};
+    fillDl($("usage"), usage.samples ? [
+      ["generator-seconds", usage.generator_seconds],
+      ["samples", usage.samples],
+      ["prompt tokens", usage.prompt_tokens],
+      ["completion tokens", usage.completion_tokens],
+      ["generators", Object.keys(usage.by_generator || {}).length],
+      ...(usage.adapters ? [["adapters", usage.adapters]] : []),
+    ] : []);
     fillDl($("last-metrics"), Object.entries(job.last_metrics || {}).sort(([a], [b]) => a.localeCompare(b)));
   }
 

@@ -13,6 +13,10 @@ string. `step` gets the model's turn (its text and the token ids it sampled) and
 to append (may be empty), an optional reward for that turn, whether the episode is over, and an
 optional info dict. A plain dict with those keys is accepted for a StepResult.
 
+Optionally, `end(turn: ModelTurn)` (plain or `async def`), called when the episode ended on a model
+turn that was not stepped (cut by the token budget or the engine): the conversation's last message,
+for an environment that scores the whole conversation (the `verifiers` environment).
+
 Optionally, `metrics() -> dict[str, float]` (plain or `async def`), called once when the episode
 has ended: episode-level figures (the tools environment's `tool_success`). They and the info's
 numbers, averaged over turns, travel with the sample; the trainer logs them as `env/<key>` per

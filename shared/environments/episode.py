@@ -25,6 +25,7 @@ template a reply is plain text (`plain_reply`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -76,24 +77,35 @@ def render_reply_delta(
     tokenizer: Tokenizer, messages: Sequence[Message], message: Message, chat_kwargs: Mapping[str, Any] | None = None
 ) -> str:
     """The text the chat template adds for `message` after `messages`, ending with the generation
-    prompt of the next assistant turn.
+    prompt of the next assistant turn (`render_messages_delta` of one message)."""
+    return render_messages_delta(tokenizer, messages, [message], chat_kwargs)
 
-    Rendered as the whole conversation with and without the new message; the shorter must be a
+
+def render_messages_delta(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    new: Sequence[Message],
+    chat_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The text the chat template adds for the `new` messages after `messages`, ending with the
+    generation prompt of the next assistant turn.
+
+    Rendered as the whole conversation with and without the new messages; the shorter must be a
     prefix of the longer, or the tokens the model already saw would change.
 
     Raises:
         TemplateDeltaError: the template renders the earlier conversation differently once the
-            message follows (where the two renderings part is in the message).
+            messages follow (where the two renderings part is in the message).
     """
     kw = dict(chat_kwargs or {})
     before = tokenizer.apply_chat_template(list(messages), add_generation_prompt=False, tokenize=False, **kw)
-    after = tokenizer.apply_chat_template([*messages, message], add_generation_prompt=True, tokenize=False, **kw)
+    after = tokenizer.apply_chat_template([*messages, *new], add_generation_prompt=True, tokenize=False, **kw)
     if not after.startswith(before):
         at = next(
             (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), min(len(before), len(after))
         )
         raise TemplateDeltaError(
-            f"the chat template renders the conversation differently once a {message.get('role')!r} message "
+            f"the chat template renders the conversation differently once a {new[0].get('role')!r} message "
             f"follows, so the reply cannot be appended without changing tokens the model already saw: "
             f"at character {at}, {before[max(0, at - 30) : at + 30]!r} becomes {after[max(0, at - 30) : at + 30]!r}. "
             "Use a template that renders earlier turns independently of later ones, or chat_template 'off'"
@@ -109,6 +121,10 @@ class Codec(Protocol):
     def reply(
         self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
     ) -> tuple[Message, list[int]]: ...
+
+    def replies(
+        self, messages: Sequence[Message], model_ids: Sequence[int], new: Sequence[Message]
+    ) -> tuple[list[Message], list[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -137,6 +153,13 @@ class PlainCodec:
         self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
     ) -> tuple[Message, list[int]]:
         return {"role": role, "content": text}, list(self.tokenize(plain_reply(role, text)))
+
+    def replies(
+        self, messages: Sequence[Message], model_ids: Sequence[int], new: Sequence[Message]
+    ) -> tuple[list[Message], list[int]]:
+        """Several messages after a model turn, each as `plain_reply`, tokenized as one text."""
+        rendered = [{"role": m["role"], "content": m["content"]} for m in new]
+        return rendered, list(self.tokenize("".join(plain_reply(m["role"], m["content"]) for m in rendered)))
 
 
 _PROBE = "\x00asyncrl-probe\x00"
@@ -186,12 +209,22 @@ class ChatCodec:
     def reply(
         self, messages: Sequence[Message], model_ids: Sequence[int], role: ReplyRole, text: str
     ) -> tuple[Message, list[int]]:
-        if role == "tool" and not self.tool_role:
-            message: Message = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
-        else:
-            message = {"role": role, "content": text}
-        delta = render_reply_delta(self.tokenizer, messages, message, self.chat_kwargs)
-        return message, self._ids(self._unclosed(model_ids) + delta)
+        rendered, ids = self.replies(messages, model_ids, [{"role": role, "content": text}])
+        return rendered[0], ids
+
+    def replies(
+        self, messages: Sequence[Message], model_ids: Sequence[int], new: Sequence[Message]
+    ) -> tuple[list[Message], list[int]]:
+        """Messages after a model turn (`model_ids`), as the template renders them, and their ids:
+        tool results as user messages in <tool_response> tags where the template has no tool role."""
+        rendered: list[Message] = [
+            {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            if m["role"] == "tool" and not self.tool_role
+            else {"role": m["role"], "content": m["content"]}
+            for m in new
+        ]
+        delta = render_messages_delta(self.tokenizer, messages, rendered, self.chat_kwargs)
+        return rendered, self._ids(self._unclosed(model_ids) + delta)
 
     def _unclosed(self, model_ids: Sequence[int]) -> str:
         """The part of the template's turn closing the model's ids do not end with."""
@@ -278,6 +311,7 @@ class Episode:
     stop_reason: str | None = None
     finish_reason: str | None = None  # the engine's, of the last model turn
     env_metrics: dict[str, Any] = field(default_factory=dict)  # the environment's own metrics(), if any
+    unanswered: bool = False  # the last model turn ended the episode without a step (see run_episode)
 
     @property
     def num_turns(self) -> int:
@@ -396,7 +430,9 @@ def _error(where: str, exc: BaseException) -> str:
 
 async def run_episode(env: Environment, row: Row, generate: Generate, codec: Codec, limits: EpisodeLimits) -> Episode:
     """Play one episode: start, then model turn -> environment step until done or a limit; then
-    the environment's own `metrics()`, where it has one (see `Episode.metrics`).
+    the environment's own `end(turn)`, where it has one, with the model turn that ended the episode
+    unstepped (cut by the token budget or the engine: still the conversation's last message), and
+    its own `metrics()`, where it has one (see `Episode.metrics`).
 
     Never raises for the environment: its exception, a call over `limits.step_timeout_s` or a
     return value of the wrong shape ends this episode with the reason (`Episode.stop_reason`), and
@@ -415,6 +451,12 @@ async def run_episode(env: Environment, row: Row, generate: Generate, codec: Cod
         ValueError: generate returned ids and logprobs of different lengths.
     """
     ep = await _play(env, row, generate, codec, limits)
+    end = getattr(env, "end", None)
+    if callable(end) and ep.unanswered:
+        last = ep.turns[-1]
+        turn = ModelTurn(last.text, tuple(ep.ids[last.start : last.end]), last.finish_reason, ep.num_turns - 1)
+        with contextlib.suppress(Exception):  # like metrics(): the episode itself is played
+            await _call(end, turn, limits.step_timeout_s)
     own = getattr(env, "metrics", None)
     if callable(own) and ep.ids:
         try:
@@ -454,6 +496,7 @@ async def _play(env: Environment, row: Row, generate: Generate, codec: Codec, li
             raise ValueError(f"generate returned {len(sampled)} ids but {len(sampled_logprobs)} logprobs; one per id")
         ids, logprobs = list(sampled)[:room], list(sampled_logprobs)[:room]
         ep.append_model(ids, logprobs, codec.decode(ids), finish)
+        ep.unanswered = finish != "stop" or len(sampled) > room
         if len(sampled) > room or (finish == "length" and ep.total_tokens >= limits.max_total_tokens):
             return ep.end("max_tokens")
         if finish == "length":
@@ -471,6 +514,7 @@ async def _play(env: Environment, row: Row, generate: Generate, codec: Codec, li
             return ep.end(_error("step", r.exc))
         except Exception as exc:  # the return value's shape, or a missing step method
             return ep.end(f"env_error: {exc}")
+        ep.unanswered = False
         ep.score_last_turn(result.reward, result.info)
         if result.text:
             try:

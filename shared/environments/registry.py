@@ -9,14 +9,16 @@ from typing import Any
 
 from shared.environments.base import Environment, EnvironmentFactory
 from shared.environments.builtin import SingleTurnEnv
-from shared.environments.spec import EnvironmentSpec
+from shared.environments.spec import AGENT, EnvironmentSpec
 from shared.environments.tools import ToolEnv
 from shared.rewards.base import RewardLoadError
 from shared.rewards.python import import_object
+from shared.vfenv import VerifiersEnv  # imports verifiers only when an episode starts
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {
     "single_turn": SingleTurnEnv,
     "tools": ToolEnv,
+    "verifiers": VerifiersEnv,
 }
 """Built-in environments by name (shared.environments.spec.ENVIRONMENTS names the same)."""
 
@@ -36,6 +38,11 @@ def load_environment(spec: EnvironmentSpec | str) -> EnvironmentFactory:
     """
     if isinstance(spec, str):
         spec = EnvironmentSpec(name=spec)
+    if spec.name == AGENT:
+        raise EnvironmentLoadError(
+            "environment 'agent' has no environment object: an agent program plays its episodes through the "
+            "job's OpenAI-compatible endpoint (generator_svc/agents.py)"
+        )
     obj: Any
     if spec.name in ENVIRONMENTS:
         obj = ENVIRONMENTS[spec.name]

@@ -16,8 +16,12 @@ from pydantic import AfterValidator, Field, field_validator
 from shared.rewards.spec import IMPORT_PATH, check_kwargs
 from shared.spectypes import CONTROL_CHARS, SpecModel
 
-ENVIRONMENTS = ("single_turn", "tools")
-"""The built-in environments' names (shared.environments.registry.ENVIRONMENTS; a test keeps them in step)."""
+ENVIRONMENTS = ("single_turn", "tools", "agent", "verifiers")
+"""The built-in environments' names (registry.ENVIRONMENTS, and AGENT; a test keeps them in step)."""
+
+AGENT = "agent"
+"""No environment object: an external agent program plays each episode through the job's
+OpenAI-compatible endpoint (generator_svc/agents.py)."""
 
 
 def _env_name(value: str) -> str:
@@ -58,7 +62,9 @@ class EnvironmentSpec(SpecModel):
     name: EnvName = Field(
         "single_turn",
         description=f"A built-in ({', '.join(ENVIRONMENTS)}) or 'package.module:Class' / 'path/to/file.py:Class': "
-        "a class (or factory) called with `kwargs` once per episode.",
+        "a class (or factory) called with `kwargs` once per episode. 'agent': an agent program of your own plays "
+        "the episodes through the job's OpenAI-compatible endpoint (POST /jobs/{id}/episodes; "
+        "limits.step_timeout_s is then how long it may take between the calls of an episode).",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the constructor (JSON values)."

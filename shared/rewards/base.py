@@ -44,6 +44,8 @@ class RewardInput:
         finish_reason: vLLM's, "stop" or "length" (None when unknown).
         episode: a multi-turn episode's metrics (Rollout.env_metrics: the environment's per-turn
             info averaged, `reward` the sum of its per-turn rewards); empty for a single turn.
+        completion_ids: the sampled token ids (TRL's reward functions receive them); empty where
+            the caller has none.
     """
 
     prompt: str
@@ -52,10 +54,12 @@ class RewardInput:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     finish_reason: str | None = None
     episode: Mapping[str, float] = field(default_factory=dict)
+    completion_ids: Sequence[int] = ()
 
-    def as_json(self) -> dict[str, Any]:
-        """The wire form remote scorers receive (and worker processes, msgpack-encoded)."""
-        return {
+    def as_json(self, ids: bool = False) -> dict[str, Any]:
+        """The wire form remote scorers receive; with `ids` the completion's token ids too (what
+        worker processes receive, msgpack-encoded: a TRL reward function takes them)."""
+        d: dict[str, Any] = {
             "prompt": self.prompt,
             "completion": self.completion,
             "answer": self.answer,
@@ -63,6 +67,9 @@ class RewardInput:
             "finish_reason": self.finish_reason,
             "episode": dict(self.episode),
         }
+        if ids:
+            d["completion_ids"] = list(self.completion_ids)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RewardInput:
@@ -73,6 +80,7 @@ class RewardInput:
             metadata=d.get("metadata") or {},
             finish_reason=d.get("finish_reason"),
             episode=d.get("episode") or {},
+            completion_ids=d.get("completion_ids") or (),
         )
 
 
@@ -154,7 +162,10 @@ def bounded(result: RewardResult, low: float, high: float) -> RewardResult:
 
 def coerce(value: Any) -> RewardResult:
     """A user function's return value as a result: a number is the reward; a dict of numbers is the
-    reward's named components, the reward being their sum. Anything else is status error."""
+    reward's named components, the reward being their sum; a RewardResult is itself (a weighted
+    sum with its terms, as the `verifiers` built-in returns). Anything else is status error."""
+    if isinstance(value, RewardResult):
+        return value
     if isinstance(value, Mapping):
         if not value:
             return failed("error", "returned an empty dict; give at least one named component")

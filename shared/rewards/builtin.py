@@ -11,6 +11,7 @@ import decimal
 import re
 import threading
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from shared.sandbox import run_python
 from shared.tasks import extract_answer
@@ -82,11 +83,31 @@ def environment(completion: str, answer: str, *, episode: Mapping[str, float]) -
     return float(episode.get("reward", 0.0))
 
 
+def reasoning_gym(completion: str, answer: str, *, metadata: Mapping[str, Any]) -> float:
+    """A reasoning-gym task's own ``score_answer(answer, entry)`` (shared.gym.score_completion):
+    the answer is the completion's last ``<answer>...</answer>``, else the whole completion,
+    stripped; the entry is the problem's metadata that a ``reasoning_gym`` task gives."""
+    from shared.gym import score_completion  # imports reasoning-gym: only for jobs that use it
+
+    return score_completion(completion, metadata)
+
+
+def verifiers(completion: str, answer: str, *, metadata: Mapping[str, Any], episode: Mapping[str, float]) -> Any:
+    """A verifiers task's own rubric (shared.vfenv.score_sample): each reward function's score a
+    named component, the reward their weighted sum; read from the episode the `verifiers`
+    environment scored, or scored here for a single-turn completion."""
+    from shared.vfenv import score_sample  # imports verifiers: only for jobs that use it
+
+    return score_sample(completion, metadata, episode)
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "environment": environment,
     "exact_match": exact_match,
     "math_verify": math_verify,
     "python_exec": python_exec,
+    "reasoning_gym": reasoning_gym,
+    "verifiers": verifiers,
 }
 
 

@@ -41,7 +41,7 @@ from shared.rewards.base import (
     error_from,
     failed,
 )
-from shared.rewards.python import LoadedFunction
+from shared.rewards.conventions import RewardCall
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,10 @@ class WorkerPool:
         self._init = pack_frame({"sys_path": [p for p in sys.path if p], "leaves": list(leaves)})
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward-pool")
-        started = [_Worker(self._init, i) for i in range(workers)]
+        # Started from the pool's own threads, which live as long as the pool: a worker's
+        # PR_SET_PDEATHSIG fires when the thread that started it exits, and the caller's thread (a
+        # job's) may end while the pool is kept for the next job.
+        started = list(self._executor.map(lambda i: _Worker(self._init, i), range(workers)))
         deadline = time.monotonic() + START_TIMEOUT_S
         try:
             for w in started:
@@ -235,6 +238,9 @@ class WorkerPool:
     def _call(self, leaf: int, items: list[RewardInput], timeout_s: float) -> list[RewardResult]:
         w = self._idle.get()
         try:
+            if w.ready and w.proc.poll() is not None:  # died while idle: replaced before the call
+                w.kill()
+                w.ready = False
             if not w.ready:  # killed by an earlier call: start its replacement (not on the budget)
                 w = _Worker(self._init, w.index)
                 self.restarts += 1
@@ -243,7 +249,7 @@ class WorkerPool:
                 except RewardLoadError as exc:
                     return [error_from(exc, self._labels[leaf])] * len(items)
             try:
-                frame = pack_frame({"leaf": leaf, "items": [it.as_json() for it in items]})
+                frame = pack_frame({"leaf": leaf, "items": [it.as_json(ids=True) for it in items]})
             except (TypeError, ValueError) as exc:  # metadata msgpack cannot carry
                 return [error_from(exc, f"{self._labels[leaf]}: the sample does not encode for the worker")] * len(
                     items
@@ -291,7 +297,7 @@ class WorkerPool:
 class ThreadRunner:
     """Each call in a daemon thread; a call over the budget is abandoned (see the module docstring)."""
 
-    def __init__(self, leaves: Sequence[LoadedFunction], concurrency: int = THREADS) -> None:
+    def __init__(self, leaves: Sequence[RewardCall], concurrency: int = THREADS) -> None:
         self._leaves = list(leaves)
         self._slots = asyncio.Semaphore(concurrency)
         self.abandoned = 0

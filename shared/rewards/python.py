@@ -1,6 +1,8 @@
 """Python reward functions: a built-in by name or a user's function by import path.
 
-Calling convention (per sample, `batched: false`):
+A function written for verl, TRL or verifiers is called as that framework calls it
+(shared.rewards.conventions: the spec's `convention`, or recognised from the signature). This
+project's own calling convention (`asyncrl`), per sample (`batched: false`):
 
     def score(completion: str, answer: str, *, prompt: str, metadata: dict, finish_reason: str | None,
               episode: dict[str, float], **kwargs) -> float | dict[str, float]
@@ -43,6 +45,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +63,11 @@ from shared.rewards.base import (
     failed,
 )
 from shared.rewards.builtin import REWARD_FUNCTIONS
+from shared.rewards.conventions import Convention, RewardCall, TrlCall, VerifiersCall, VerlCall, recognise
 from shared.rewards.loops import Blocked, LoopThread
 from shared.rewards.spec import BuiltinReward, PythonReward
+
+log = logging.getLogger(__name__)
 
 
 def import_object(path: str, what: str = "reward function") -> Any:
@@ -170,20 +176,41 @@ class LoadedFunction:
             return [error_from(exc, self.label)] * len(items)
 
 
-def load_function(spec: BuiltinReward | PythonReward) -> LoadedFunction:
-    """Import the spec's function and check it can be called by the convention.
+def load_function(spec: BuiltinReward | PythonReward) -> RewardCall:
+    """Import the spec's function and check it can be called by its convention (the spec's
+    `convention`, else the one its signature is recognised as: shared.rewards.conventions).
 
     Raises:
         RewardLoadError: the import failed, the object is not callable, or its signature does not
-            take (completion, answer) positionally plus the spec's kwargs.
+            take what its convention passes (here: (completion, answer) positionally plus the
+            spec's kwargs).
     """
+    return load_with_convention(spec)[0]
+
+
+def load_with_convention(spec: BuiltinReward | PythonReward) -> tuple[RewardCall, Convention, str]:
+    """`load_function`, with the convention it is called by and why (declared or recognised)."""
     if isinstance(spec, BuiltinReward):
-        fn: Any = REWARD_FUNCTIONS[spec.name]
-        label: str = spec.name
-        batched, extra = False, {}
+        return _load_native(REWARD_FUNCTIONS[spec.name], spec.name, False, {}), "asyncrl", "a built-in"
+    fn = import_object(spec.function)
+    label, extra = str(spec.function), dict(spec.kwargs)
+    if spec.convention is not None:
+        convention: Convention = spec.convention
+        why = "declared in the spec"
     else:
-        fn = import_object(spec.function)
-        label, batched, extra = str(spec.function), spec.batched, dict(spec.kwargs)
+        convention, why = recognise(fn, spec.batched)
+    if convention == "verl":
+        call: RewardCall = VerlCall.load(fn, label, extra)
+    elif convention == "trl":
+        call = TrlCall.load(fn, label, extra)
+    elif convention == "verifiers":
+        call = VerifiersCall.load(fn, label, extra, spec.weights)
+    else:
+        call = _load_native(fn, label, spec.batched, extra)
+    return call, convention, why
+
+
+def _load_native(fn: Any, label: str, batched: bool, extra: dict[str, Any]) -> LoadedFunction:
     if not callable(fn):
         raise RewardLoadError(f"reward function {label!r} is {type(fn).__name__}, not callable")
     try:
@@ -219,9 +246,12 @@ class FunctionScorer:
     (worker processes or threads), each call under the spec's time budget."""
 
     def __init__(self, spec: BuiltinReward | PythonReward, ctx: BuildContext) -> None:
-        self._fn = load_function(spec)  # imported here too: an import error fails start-up
+        # imported here too: an import error fails start-up
+        self._fn, convention, why = load_with_convention(spec)
+        if isinstance(spec, PythonReward):
+            log.info("reward %s: called by the %s convention (%s)", self._fn.label, convention, why)
         self._timeout = spec.timeout_s
-        self._chunk = spec.batch_size if isinstance(spec, PythonReward) and spec.batched else 1
+        self._chunk = spec.batch_size if isinstance(spec, PythonReward) and self._fn.batched else 1
         self._ctx = ctx
         self._leaf = None if self._fn.is_async else ctx.register_sync(spec, self._fn)
         self._loop = LoopThread(self._fn.label) if self._fn.is_async else None

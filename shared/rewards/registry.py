@@ -22,8 +22,9 @@ from shared.rewards.base import (
     failed,
 )
 from shared.rewards.combine import SumScorer
+from shared.rewards.conventions import RewardCall
 from shared.rewards.pool import ThreadRunner, WorkerPool, probe_import
-from shared.rewards.python import FunctionScorer, LoadedFunction
+from shared.rewards.python import FunctionScorer
 from shared.rewards.remote import HttpScorer, JudgeScorer
 from shared.rewards.spec import (
     BuiltinReward,
@@ -63,7 +64,7 @@ class ScorerBuilder:
     def __init__(self, limits: RewardLimits | None = None) -> None:
         self._limits = limits or RewardLimits()
         self.sync_specs: list[dict[str, Any]] = []
-        self.sync_leaves: list[LoadedFunction] = []
+        self.sync_leaves: list[RewardCall] = []
         self._runner: SyncRunner | None = None
 
     def build(self, spec: str | BaseModel) -> KindScorer:
@@ -80,7 +81,7 @@ class ScorerBuilder:
     def limits(self) -> RewardLimits:
         return self._limits
 
-    def register_sync(self, spec: BuiltinReward | PythonReward, fn: LoadedFunction) -> int:
+    def register_sync(self, spec: BuiltinReward | PythonReward, fn: RewardCall) -> int:
         """A sync function leaf; returns its index for the runner."""
         self.sync_specs.append(spec.model_dump(mode="json"))
         self.sync_leaves.append(fn)

@@ -45,7 +45,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from shared.spectypes import CONTROL_CHARS, PrintableStr, SpecModel
 
-REWARDS = ("environment", "exact_match", "math_verify", "python_exec")
+REWARDS = ("environment", "exact_match", "math_verify", "python_exec", "reasoning_gym", "verifiers")
 """The built-in reward functions' names (shared.rewards.builtin.REWARD_FUNCTIONS)."""
 
 OnFailure = Literal["zero", "drop"]
@@ -126,7 +126,7 @@ class BuiltinReward(_Strict):
     """A built-in reward function by name (shared.rewards.builtin)."""
 
     kind: Literal["builtin"] = Field("builtin", description="Reward kind.")
-    name: Literal["environment", "exact_match", "math_verify", "python_exec"] = Field(
+    name: Literal["environment", "exact_match", "math_verify", "python_exec", "reasoning_gym", "verifiers"] = Field(
         ..., description=f"Built-in function: one of {', '.join(REWARDS)}."
     )
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=_TIMEOUT)
@@ -151,6 +151,21 @@ class PythonReward(_Strict):
     batch_size: int = Field(64, ge=1, le=100_000, description="Samples per call when batched.")
     timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=_TIMEOUT)
     on_failure: OnFailure | None = Field(None, description=_ON_FAILURE)
+    convention: Literal["asyncrl", "verl", "trl", "verifiers"] | None = Field(
+        None,
+        description="How the function is called (shared.rewards.conventions): `asyncrl` (this "
+        "project's score(completion, answer, ...)), `verl` (compute_score(data_source, solution_str, "
+        "ground_truth, extra_info) -> float or dict with 'score'), `trl` (reward_func(prompts, "
+        "completions, completion_ids, **dataset_columns) -> list of floats, once per batch_size "
+        "samples) or `verifiers` (rubric functions, arguments by parameter name; `function` may name "
+        "a list of them or a rubric). None: recognised from the signature (the reward service logs which).",
+    )
+    weights: list[Annotated[float, Field(ge=-1e6, le=1e6, allow_inf_nan=False)]] | None = Field(
+        None,
+        max_length=64,
+        description="verifiers convention: the weight of each rubric function, in order (default: the "
+        "rubric's own, else 1.0 each). The reward is the weighted sum; each function is logged by name.",
+    )
 
     @field_validator("kwargs")
     @classmethod
@@ -159,6 +174,20 @@ class PythonReward(_Strict):
             if key in INPUT_NAMES or key in {f"{n}s" for n in INPUT_NAMES}:
                 raise ValueError(f"kwargs key {key!r} is a sample input the function receives anyway; rename it")
         return v
+
+    @model_validator(mode="after")
+    def _convention(self) -> PythonReward:
+        if self.batched and self.convention in ("verl", "verifiers"):
+            raise ValueError(
+                f"convention {self.convention!r} calls the function once per sample, as {self.convention} does: "
+                "remove batched"
+            )
+        if self.weights is not None and self.convention in ("asyncrl", "verl", "trl"):
+            raise ValueError(
+                f"weights weigh verifiers rubric functions; convention {self.convention!r} has one function "
+                "(combine several with kind 'sum')"
+            )
+        return self
 
 
 class HttpReward(_Strict):

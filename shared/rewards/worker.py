@@ -17,8 +17,9 @@ import sys
 from pydantic import TypeAdapter
 
 from shared.rewards.base import RewardInput
+from shared.rewards.conventions import RewardCall
 from shared.rewards.pool import pack_frame, read_frame
-from shared.rewards.python import LoadedFunction, load_function
+from shared.rewards.python import load_function
 from shared.rewards.spec import BuiltinReward, PythonReward, RewardSpec, as_object
 
 
@@ -45,7 +46,7 @@ def main() -> int:
         return 0
     sys.path[:0] = [p for p in init["sys_path"] if p not in sys.path]
     adapter: TypeAdapter[object] = TypeAdapter(RewardSpec)
-    leaves: list[LoadedFunction] = []
+    leaves: list[RewardCall] = []
     try:
         for raw in init["leaves"]:
             spec = as_object(adapter.validate_python(raw))  # type: ignore[arg-type]

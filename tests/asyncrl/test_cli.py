@@ -44,9 +44,9 @@ class Api:
         r.raise_for_status()
         return r.json()
 
-    def submit(self, tmp_path: Path) -> str:
+    def submit(self, tmp_path: Path, **spec: Any) -> str:
         spec_file = tmp_path / f"spec-{uuid4().hex[:6]}.json"
-        spec_file.write_text(json.dumps(SPEC))
+        spec_file.write_text(json.dumps({**SPEC, **spec}))
         result = self.cli("submit", str(spec_file), "--json")
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)["id"]
@@ -161,11 +161,69 @@ def test_status_without_a_job_shows_the_queue_and_the_fleet(api, tmp_path):
             assert all(cell in next(ln for ln in out if running in ln and "tiny" in ln) for cell in ("running", "0/3"))
             assert f"job {running} to end" in next(ln for ln in out if first in ln)
             assert "1 job(s) ahead of it" in next(ln for ln in out if second in ln)
-            trainer = next(ln for ln in out if "box-trainer" in ln)
+            # the running job names its trainer; the fleet table says what the trainer serves
+            assert "trainer box-trainer" in next(ln for ln in out if running in ln and "tiny" in ln)
+            fleet = out[next(i for i, ln in enumerate(out) if ln.strip() == "fleet") :]
+            trainer = next(ln for ln in fleet if "box-trainer" in ln)
             assert all(cell in trainer for cell in ("trainer", "serving", running))
     finally:
         beacon.close()
     assert api.cli("status", "--watch").exit_code == 1
+
+
+def test_status_and_list_show_shares_who_serves_which_job_and_usage(api, tmp_path):
+    """Two running jobs served by one generator: `status` (no job) and `list` show each job's share
+    and its services, the fleet table each service's jobs and load; `status JOB` its usage line."""
+    a, b = api.submit(tmp_path), api.submit(tmp_path, share=2.5)
+    api.ledger.claim_next(), api.ledger.claim_next()
+    redis = connect(REDIS_URL)
+    now = time.time()
+    entry = {"host": "box", "pid": 1, "state": "serving", "since": now, "jobs_served": 0, "ts": now}
+    load = {a: {"share": 1.0, "seconds": 1.5, "tokens": 300}, b: {"share": 2.5, "seconds": 0.75, "tokens": 40}}
+    for m in (
+        {"role": "generator", "id": "gen-x", "job": a, "jobs": [a, b], "load": load},
+        {"role": "reward", "id": "rew-y", "job": b, "jobs": [b]},
+    ):
+        redis.hset(f"{api.prefix}fleet", f"{m['role']}:{m['id']}", json.dumps({**entry, **m}))
+    result = api.cli("status")
+    assert result.exit_code == 0, result.output
+    out = result.stdout.splitlines()
+    row_b = next(ln for ln in out if b in ln and "tiny" in ln)
+    assert "generator gen-x; reward rew-y" in row_b and " 2.5 " in row_b
+    row_a = next(ln for ln in out if a in ln and "tiny" in ln)
+    assert "generator gen-x " in row_a and " 1 " in row_a and "rew-y" not in row_a
+    gen = next(ln for ln in out if "gen-x" in ln and "box" in ln)
+    assert f"{a} (share 1, 1.5 s, 300 tok), {b} (share 2.5, 0.8 s, 40 tok)" in gen
+    assert b in next(ln for ln in out if "rew-y" in ln and "box" in ln)
+    result = api.cli("list")
+    assert result.exit_code == 0, result.output
+    listed = next(ln for ln in result.stdout.splitlines() if b in ln)
+    assert "generator gen-x; reward rew-y" in listed and " 2.5 " in listed
+
+    api.ledger.record_generated(
+        [
+            {
+                "msg_id": f"{a}/g0/{i}",
+                "job_id": a,
+                "group_id": f"{a}/g0",
+                "sample_index": i,
+                "prompt_index": 0,
+                "generator_id": "gen-x",
+                "gen_version_min": 0,
+                "num_prompt_tokens": 2,
+                "num_completion_tokens": 3,
+                "completion": "x",
+                "gen_seconds": 0.25,
+            }
+            for i in range(4)
+        ]
+    )
+    result = api.cli("status", a)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["usage"]["generator_seconds"] == 1.0
+    # 4 x 0.25 s; 4 x 2 prompt, 4 x 3 completion tokens
+    assert "usage: 1.0 generator-seconds, 4 samples, 8 prompt + 12 completion tokens on 1 generator(s)" in result.stderr
+    assert "usage" not in api.cli("status", b).stderr  # nothing generated yet
 
 
 def test_samples_prints_a_table_of_the_filtered_page(api, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from typing import Any
 from uuid import uuid4
@@ -11,6 +13,8 @@ from fastapi.testclient import TestClient
 from redis import Redis
 
 from broker.api import create_app
+from broker.api.models import QueueView
+from broker.fleet import queue_view
 from broker.ledger import Ledger
 from broker.streams import CONTROL, JobStreams, connect
 from shared.drop_skew import step_metrics
@@ -20,6 +24,7 @@ from tests.broker.test_ledger import HEAD  # the migrations' head
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SPEC = {"name": "tiny", "model_path": "models/tiny", "group_size": 4, "steps": 3}
+ZERO_USAGE = {"generator_seconds": 0.0, "samples": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
 class Api:
@@ -102,6 +107,9 @@ def test_a_client_may_choose_the_job_id_once(api: Api) -> None:
         ({**SPEC, "algorithm": {"lr": 0}}, "algorithm.lr", "greater than 0"),
         ({**SPEC, "task": {"name": "gsm8k"}}, "task", "task.path is required"),
         ({**SPEC, "tracking": {"sinks": ["comet"]}}, "tracking.sinks.0", "'tensorboard', 'mlflow' or 'wandb'"),
+        ({**SPEC, "share": 0}, "share", "greater than 0"),
+        ({**SPEC, "share": -1}, "share", "greater than 0"),
+        ({**SPEC, "share": 1001}, "share", "less than or equal to 1000"),
     ],
 )
 def test_invalid_spec_is_422_naming_the_field(api: Api, spec: dict, field: str, hint: str) -> None:
@@ -176,8 +184,72 @@ def test_job_status(api: Api) -> None:
             "warnings": [],
         },
         "generators": {},
+        "usage": {
+            **ZERO_USAGE,
+            "by_generator": {},
+            "by_kind": {"train": ZERO_USAGE, "eval": ZERO_USAGE},
+            "adapters": 0,
+        },
     }
     assert body["spec"]["model_path"] == "models/tiny"
+    assert body["spec"]["share"] == 1.0  # the default, stored with the spec
+
+
+def test_job_status_reports_usage(api: Api) -> None:
+    job_id = api.submit()
+    base = {"job_id": job_id, "sample_index": 0, "prompt_index": 0, "gen_version_min": 0, "completion": "x"}
+    api.ledger.record_generated(
+        [
+            {
+                **base,
+                "msg_id": "a",
+                "group_id": "g",
+                "generator_id": "gen-0",
+                "num_prompt_tokens": 4,
+                "num_completion_tokens": 6,
+                "adapter": "job/v1#1",
+                "gen_seconds": 0.5,
+            },
+            {
+                **base,
+                "msg_id": "b",
+                "group_id": "g",
+                "generator_id": "gen-1",
+                "num_prompt_tokens": 4,
+                "num_completion_tokens": 2,
+                "adapter": "job/v1#1",
+                "gen_seconds": 0.25,
+            },
+            {
+                **base,
+                "msg_id": "c",
+                "group_id": "e",
+                "generator_id": "gen-1",
+                "num_prompt_tokens": 3,
+                "num_completion_tokens": 1,
+                "kind": "eval",
+                "eval_set": "held_out",
+                "gen_seconds": 0.125,
+            },
+        ]
+    )
+    usage = api.client.get(f"/jobs/{job_id}").json()["usage"]
+    # 0.5 + 0.25 + 0.125 s; prompts 4 + 4 + 3; completions 6 + 2 + 1; one adapter
+    assert usage == {
+        "generator_seconds": 0.875,
+        "samples": 3,
+        "prompt_tokens": 11,
+        "completion_tokens": 9,
+        "by_generator": {
+            "gen-0": {"seconds": 0.5, "samples": 1, "completion_tokens": 6},
+            "gen-1": {"seconds": 0.375, "samples": 2, "completion_tokens": 3},
+        },
+        "by_kind": {
+            "train": {"generator_seconds": 0.75, "samples": 2, "prompt_tokens": 8, "completion_tokens": 8},
+            "eval": {"generator_seconds": 0.125, "samples": 1, "prompt_tokens": 3, "completion_tokens": 1},
+        },
+        "adapters": 1,
+    }
 
 
 def test_job_status_reports_progress_and_generators(api: Api) -> None:
@@ -270,6 +342,50 @@ def test_queue_shows_each_jobs_place_and_what_it_waits_for(api: Api) -> None:
     assert body["trainers"] == 0 and body["running"] == []
     assert all("no trainer is up" in q["waiting_for"] for q in body["queued"])
     assert api.client.get("/fleet").json() == {"services": []}
+
+
+def _member(role: str, sid: str, job: str | None, **extra: Any) -> dict[str, Any]:
+    """A beacon entry as broker.fleet.Beacon writes it (before or after it listed `jobs`)."""
+    entry = {"role": role, "id": sid, "host": "box", "pid": 1, "job": job, "state": "serving" if job else "idle"}
+    return {**entry, "since": time.time(), "jobs_served": 0, "ts": time.time(), **extra}
+
+
+def test_queue_view_gives_each_running_job_its_share_and_who_serves_it(api: Api) -> None:
+    a = api.client.post("/jobs", json={**SPEC, "share": 4}).json()["id"]
+    b = api.submit()
+    api.ledger.create_job("oldspec0001", "old", {"name": "old"})  # a spec stored before `share`: 1.0
+    for job_id in (a, b, "oldspec0001"):
+        api.ledger.set_job_state(job_id, "running")
+    queued = api.submit()
+    members = [
+        _member("generator", "g0", a, jobs=[a, b]),
+        _member("generator", "g1", b, jobs=[b]),
+        _member("generator", "g2", None, jobs=[]),  # idle
+        _member("reward", "r0", a, jobs=[a, b, a]),  # a repeat counts once
+        _member("trainer", "t0", a, jobs=[a]),
+        _member("trainer", "t1", b),  # an entry from before `jobs`: its `job`
+    ]
+    view = queue_view(api.ledger, members)
+    running = {j["id"]: (j["share"], j["served_by"]) for j in view["running"]}
+    assert running == {
+        a: (4.0, {"generator": ["g0"], "reward": ["r0"], "trainer": ["t0"]}),
+        b: (1.0, {"generator": ["g0", "g1"], "reward": ["r0"], "trainer": ["t1"]}),
+        "oldspec0001": (1.0, {}),
+    }
+    assert [q["id"] for q in view["queued"]] == [queued]
+    QueueView.model_validate(view)
+
+    # the same through the API, from the fleet's hash
+    for m in members:
+        api.redis.hset(f"{api.prefix}fleet", f"{m['role']}:{m['id']}", json.dumps(m))
+    load = {a: {"share": 4.0, "seconds": 1.5, "tokens": 300}, b: {"share": 1.0, "seconds": 0.5, "tokens": 80}}
+    api.redis.hset(f"{api.prefix}fleet", "generator:g0", json.dumps({**members[0], "load": load}))
+    body = api.client.get("/queue").json()
+    assert {j["id"]: j["served_by"] for j in body["running"]}[b] == running[b][1]
+    assert {j["id"]: j["share"] for j in body["running"]}[a] == 4.0
+    services = {s["id"]: s for s in api.client.get("/fleet").json()["services"]}
+    assert (services["g0"]["jobs"], services["g0"]["load"]) == ([a, b], load)
+    assert (services["t1"]["job"], services["t1"]["jobs"], services["t1"]["load"]) == (b, [], {})  # old entry
 
 
 @pytest.mark.parametrize("state", ["finished", "stopped", "failed", "cancelled"])

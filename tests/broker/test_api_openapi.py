@@ -112,4 +112,9 @@ def test_job_routes_document_the_answers_they_give(spec: dict[str, Any]) -> None
         "reward_errors",
         "drop_skew",
         "generators",
+        "usage",
     }
+    usage = resolve(spec, status["properties"]["usage"])
+    assert {"generator_seconds", "samples", "prompt_tokens", "completion_tokens", "by_generator", "adapters"} <= set(
+        usage["properties"]
+    )

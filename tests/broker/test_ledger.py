@@ -23,7 +23,7 @@ from broker.ledger.jobs import JobRepository
 from broker.ledger.samples import SampleRepository
 
 REPO = Path(__file__).resolve().parents[2]
-HEAD = "0009"
+HEAD = "0010"
 TABLES = {
     "jobs",
     "policy_versions",

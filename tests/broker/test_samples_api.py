@@ -24,6 +24,8 @@ FIELDS = {
     "kind",
     "prompt_index",
     "generator_id",
+    "adapter",
+    "gen_seconds",
     "gen_version_min",
     "gen_version_max",
     "trainer_version",
@@ -74,8 +76,11 @@ def _sample(msg_id: str, job_id: str, gen_version: int, **extra: Any) -> dict[st
 def _fill(ledger: Ledger, job: str) -> None:
     """s00..s11 (gen version i % 3): s00..s05 trained at trainer version 1,1,2,2,3,3 (staleness
     1,0,0,2,2,1), s06 dropped at 3 (staleness 3), s07..s09 scored, s10..s11 generated; rewards
-    i/10 for s00..s09. Two eval samples evaluated at 3 (staleness 3) with rewards 1.0 and 0.0."""
-    ledger.record_generated([_sample(m, job, i % 3) for i, m in enumerate(TRAIN)])
+    i/10 for s00..s09; each made by adapter <job>/v<i % 3>#1 in 0.5 s. Two eval samples (no
+    adapter) evaluated at 3 (staleness 3) with rewards 1.0 and 0.0."""
+    ledger.record_generated(
+        [_sample(m, job, i % 3, adapter=f"{job}/v{i % 3}#1", gen_seconds=0.5) for i, m in enumerate(TRAIN)]
+    )
     ledger.record_generated([_sample(m, job, 0, kind="eval") for m in EVAL])
     ledger.record_generated([_sample("other", "another-job", 0)])
     ledger.record_scored([(m, i / 10) for i, m in enumerate(TRAIN[:10])] + [(EVAL[0], 1.0), (EVAL[1], 0.0)])
@@ -120,6 +125,8 @@ def test_lists_every_sample_of_the_job_in_insertion_order_with_its_fields(client
             "status",
             "gen_version_min",
             "gen_version_max",
+            "adapter",
+            "gen_seconds",
             "trainer_version",
             "staleness",
             "reward",
@@ -131,6 +138,8 @@ def test_lists_every_sample_of_the_job_in_insertion_order_with_its_fields(client
         "status": "trained",
         "gen_version_min": 0,
         "gen_version_max": 0,
+        "adapter": f"{job}/v0#1",
+        "gen_seconds": 0.5,
         "trainer_version": 2,
         "staleness": 2,
         "reward": 0.3,

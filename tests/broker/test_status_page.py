@@ -5,6 +5,7 @@ Real Redis (127.0.0.1:6379, a unique key prefix per test) and a SQLite ledger in
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -37,9 +38,10 @@ TRAIN_BLUE = (0x25, 0x63, 0xEB)  # COLORS.train in broker/static/status.js
 
 def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny") -> str:
     """A running job with five train steps, two evals, one generator load, a guard trip, four
-    scored samples of which one reward failed (reward error fraction 0.25), and each step's drop
-    skew: 16 trained samples (10 tokens, rewards 0 and 1) against 16 dropped over-long (20 tokens,
-    the same rewards), which warns (80 dropped over the job, length shift +1.0)."""
+    scored samples (0.5 generator-seconds each) of which one reward failed (reward error fraction
+    0.25), and each step's drop skew: 16 trained samples (10 tokens, rewards 0 and 1) against 16
+    dropped over-long (20 tokens, the same rewards), which warns (80 dropped over the job, length
+    shift +1.0)."""
     ledger.create_job(job_id, name, {"name": name})
     ledger.set_job_state(job_id, "running")
     ids = [f"{job_id}/g0/{i}" for i in range(4)]
@@ -56,6 +58,7 @@ def populate(ledger: Ledger, job_id: str = "job-abc123", name: str = "gsm8k-tiny
                 "num_prompt_tokens": 2,
                 "num_completion_tokens": 3,
                 "completion": "x",
+                "gen_seconds": 0.5,
             }
             for i, m in enumerate(ids)
         ]
@@ -251,6 +254,7 @@ def test_the_page_feeds_show_the_queue_and_the_fleet(make_app) -> None:
         (2, "job-last02", 0, "1 job(s) ahead of it"),
     ]
     assert queue["trainers"] == 1
+    assert (queue["running"][0]["share"], queue["running"][0]["served_by"]) == (1.0, {"trainer": ["box-trainer"]})
     (trainer,) = fleet["services"]
     assert (trainer["role"], trainer["id"], trainer["state"], trainer["job"]) == (
         "trainer",
@@ -270,6 +274,26 @@ def served(make_app) -> Iterator[tuple[str, str]]:
     job_id = populate(ledger)
     streams.heartbeat("gen-0", {"version": 5})
     beacon = queue_behind(ledger, streams, job_id)
+    # a generator serving it beside another job, as the fleet's multi-job beacon says (jobs, load)
+    now = time.time()
+    load = {
+        job_id: {"share": 1.0, "seconds": 12.5, "tokens": 480},
+        "job-other9": {"share": 2.0, "seconds": 3.0, "tokens": 96},
+    }
+    entry = {
+        "role": "generator",
+        "id": "box-gen",
+        "host": "box",
+        "pid": 2,
+        "job": job_id,
+        "jobs": [job_id, "job-other9"],
+    }
+    streams.r.hset(
+        f"{streams.prefix}fleet",
+        "generator:box-gen",
+        # ts a minute ahead: fresh (fleet_members' STALE_S) for the test without a thread beating it
+        json.dumps({**entry, "load": load, "state": "serving", "since": now, "jobs_served": 0, "ts": now + 60}),
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # handed to uvicorn: no race for the port
     port = sock.getsockname()[1]
@@ -329,7 +353,8 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     queue = dom[dom.index('<table id="queue">') : dom.index('id="no-queue"')]
     assert queue.index(job_id) < queue.index("job-next01") < queue.index("job-last02")
     assert "<td>#1</td>" in queue and f"waiting for job {job_id} to end" in queue
-    assert "step 5</div>" in queue  # the running job's spec names no steps: no N/0
+    assert "step 5, share 1</div>" in queue  # the running job's spec names no steps (no N/0) nor a share (1)
+    assert "served by generator box-gen; trainer box-trainer</div>" in queue
     assert '<div class="why bad">reward errors 25 %</div>' in queue
     assert '<span id="job-reward-errors" class="bad">reward errors 25 %</span>' in dom
     assert "<dt>error</dt><dd>1</dd>" in dom and "<dt>ok</dt><dd>3</dd>" in dom  # rewards by status
@@ -343,6 +368,8 @@ def test_page_renders_in_chromium(served: tuple[str, str], tmp_path: Path) -> No
     assert "waiting for 1 job(s) ahead of it" in queue and "priority 5" in queue
     fleet = dom[dom.index('<table id="fleet">') : dom.index('id="no-fleet"')]
     assert "box-trainer" in fleet and "serving" in fleet and job_id in fleet
+    assert "(share 1, 12.5 s, 480 tok)" in fleet and "job-other9" in fleet and "(share 2, 3 s, 96 tok)" in fleet
+    assert "<dt>generator-seconds</dt><dd>2</dd>" in dom and "<dt>completion tokens</dt><dd>12</dd>" in dom
 
     shot = tmp_path / "shot.png"
     run = chromium(tmp_path, url, f"--screenshot={shot}")

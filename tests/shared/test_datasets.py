@@ -514,7 +514,7 @@ def test_every_field_is_documented_and_constrained() -> None:
     for model in (TaskSpec, DatasetSource):
         undocumented = [n for n, f in model.model_fields.items() if not f.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
-    assert set(TASKS) == set(PRESETS) == {"arithmetic", "gsm8k", "dataset"}
+    assert set(TASKS) == set(PRESETS) == {"arithmetic", "gsm8k", "dataset", "reasoning_gym", "verifiers"}
 
 
 @pytest.mark.parametrize(
@@ -533,7 +533,10 @@ def test_every_field_is_documented_and_constrained() -> None:
             {"path": "a", "prompt_field": "q", "prompt_template": "{q}"},
             "give task.prompt_field or task.prompt_template",
         ),
-        ({"path": "a", "format": "xml"}, "Extra inputs"),
+        ({"path": "a", "format": "xml"}, "'verl' or 'trl'"),
+        ({"path": "a", "format": "parquet"}, "a file format, which goes on a dataset"),
+        ({"path": "a", "format": "verl", "messages_field": "m"}, "remove messages_field"),
+        ({"format": "trl"}, "reads your own files"),
         ({"datasets": [{"path": "a", "format": "xml"}]}, "'jsonl', 'json', 'parquet', 'csv' or 'save_to_disk'"),
     ],
 )

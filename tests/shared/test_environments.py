@@ -710,7 +710,7 @@ def test_episode_metrics_sum_the_turn_rewards_and_skip_what_is_not_a_figure() ->
 
 
 def test_load_by_name() -> None:
-    assert set(ENVIRONMENTS) == set(env_spec.ENVIRONMENTS)
+    assert set(ENVIRONMENTS) | {env_spec.AGENT} == set(env_spec.ENVIRONMENTS)
     assert isinstance(load_environment("single_turn")(), SingleTurnEnv)
     env = load_environment(EnvironmentSpec(name="tools", kwargs={"tools": ["calculator"]}))()
     assert isinstance(env, ToolEnv) and list(env.tools) == ["calculator"]

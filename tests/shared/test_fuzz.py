@@ -30,6 +30,9 @@ from shared.schema import (
     LOGPROB_MAX,
     MESSAGE_TYPES,
     REJECT_CODES,
+    AgentCall,
+    AgentReply,
+    AgentTask,
     Control,
     DeadLetter,
     DecodeError,
@@ -101,6 +104,9 @@ VALID: list[Message] = [
     ),
     Control(**_common(), command="set", settings={"lr": 1e-5}),
     DeadLetter(**_common(), stream="rollouts", entry_id="1-0", reason="bad", code="malformed", raw=b"\x00"),
+    AgentTask(**_common(), generator_id="gen", prompt_index=1, prompt="1+1?", answer="2", metadata={"k": 1}),
+    AgentCall(**_common(), episode_id="e", op="chat", body='{"messages": []}'),
+    AgentReply(**_common(), status=200, body="{}"),
 ]
 assert {m.kind for m in VALID} == set(MESSAGE_TYPES)
 

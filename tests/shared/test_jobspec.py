@@ -90,7 +90,7 @@ def test_empty_model_path() -> None:
     [
         ({"model_path": "m", "lerning_rate": 1e-3}, "lerning_rate"),
         ({"model_path": "m", "algorithm": {"lerning_rate": 1e-3}}, "algorithm.lerning_rate"),
-        ({"model_path": "m", "task": {"name": "arithmetic", "size": 3}}, "task.size"),
+        ({"model_path": "m", "task": {"name": "arithmetic", "sizes": 3}}, "task.sizes"),
         ({"model_path": "m", "sampling": {"top_a": 5}}, "sampling.top_a"),
     ],
 )
@@ -137,6 +137,10 @@ def test_unknown_field_is_named(spec: dict, field: str) -> None:
         ("task.max_bytes", 0),
         ("task.max_rows", 0),
         ("task.answer_field", ""),
+        ("share", 0),
+        ("share", -1),
+        ("share", 1000.5),
+        ("share", float("nan")),
     ],
 )
 def test_out_of_range_value_names_the_field(field: str, value: Any) -> None:
@@ -157,8 +161,10 @@ def test_boundary_values_are_accepted() -> None:
         max_staleness=0,
         algorithm={"rho": 1.0, "lr": 1.0},
         sampling={"temperature": 10.0, "top_p": 1.0, "max_tokens": 1},
+        share=1000,
     )
-    assert spec.group_size == 2 and spec.algorithm.rho == 1.0
+    assert spec.group_size == 2 and spec.algorithm.rho == 1.0 and spec.share == 1000
+    assert JobSpec(model_path="m").share == 1.0 and JobSpec(model_path="m", share=0.01).share == 0.01
 
 
 def test_several_errors_are_all_reported() -> None:

@@ -73,11 +73,19 @@ def test_math_verify(completion, answer, expected):
 
 def test_reward_registry_by_name():
     assert get_reward_fn("exact_match") is exact_match
-    assert set(REWARD_FUNCTIONS) == {"environment", "exact_match", "math_verify", "python_exec"}
+    assert set(REWARD_FUNCTIONS) == {
+        "environment",
+        "exact_match",
+        "math_verify",
+        "python_exec",
+        "reasoning_gym",
+        "verifiers",
+    }
     assert tuple(REWARD_FUNCTIONS) == REWARDS  # the spec's names are the functions'
     with pytest.raises(
         ValueError,
-        match="unknown reward function 'f1'; valid: \\['environment', 'exact_match', 'math_verify', 'python_exec'\\]",
+        match="unknown reward function 'f1'; valid: \\['environment', 'exact_match', 'math_verify', 'python_exec', "
+        "'reasoning_gym', 'verifiers'\\]",
     ):
         get_reward_fn("f1")
 
@@ -140,7 +148,11 @@ def test_every_shape_validates_and_round_trips_through_the_job_spec(reward):
 @pytest.mark.parametrize(
     ("reward", "message"),
     [
-        ("bleu", "unknown reward 'bleu': give a built-in name (environment, exact_match, math_verify, python_exec)"),
+        (
+            "bleu",
+            "unknown reward 'bleu': give a built-in name (environment, exact_match, math_verify, python_exec, "
+            "reasoning_gym, verifiers)",
+        ),
         ("my rewards:score", "unknown reward"),
         ({"kind": "bleu"}, "'kind' is one of: builtin, python, sum, http, judge, model"),
         ({"name": "exact_match"}, "'kind' is one of"),

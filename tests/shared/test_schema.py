@@ -14,6 +14,9 @@ from shared.schema import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
+    AgentCall,
+    AgentReply,
+    AgentTask,
     Control,
     DeadLetter,
     DecodeError,
@@ -117,6 +120,11 @@ MESSAGES: list[Message] = [
             )
         ],
     ),
+    AgentTask(
+        **common(), generator_id="gen-1", purpose="eval", eval_set="held_out", prompt_index=2, prompt="q", answer="a"
+    ),
+    AgentCall(**common(), episode_id="e-1", op="end", body='{"reward": 1.0}'),
+    AgentReply(**common(), status=409, body='{"error": {"message": "edited"}}'),
 ]
 
 
@@ -148,6 +156,19 @@ def test_round_trip(msg: Message) -> None:
     assert encode(got) == raw
     # Without `expected` the kind on the wire picks the class.
     assert type(decode(raw)) is type(msg)
+
+
+def test_rollout_accounting_fields_round_trip_and_default() -> None:
+    # With them: carried exactly.
+    r = rollout(adapter="job-1/v3#7", gen_seconds=0.125)
+    got = decode(encode(r), Rollout)
+    assert (got.adapter, got.gen_seconds) == ("job-1/v3#7", 0.125)
+    # A message from a generator that predates them (neither key on the wire) still decodes.
+    body = valid_body(rollout())
+    del body["adapter"], body["gen_seconds"]
+    old = decode(packb(body), Rollout)
+    assert (old.adapter, old.gen_seconds) == ("", 0.0)
+    assert old == rollout()
 
 
 def test_round_trip_accepts_bytearray_and_memoryview() -> None:
@@ -421,6 +442,12 @@ def rollout_body(**changes) -> bytes:
         ({"env_metrics": {f"k{i}": 1.0 for i in range(17)}}, "env_metrics"),
         ({"env_metrics": {"x" * 65: 1.0}}, "env_metrics"),
         ({"env_metrics": {"ok": "yes"}}, "env_metrics"),
+        ({"adapter": "a" * 201}, "adapter"),
+        ({"adapter": "job-1/v3\n#7"}, "adapter"),
+        ({"gen_seconds": -0.5}, "gen_seconds"),
+        ({"gen_seconds": float("nan")}, "gen_seconds"),
+        ({"gen_seconds": float("inf")}, "gen_seconds"),
+        ({"gen_seconds": 1e30}, "gen_seconds"),
     ],
 )
 def test_rollout_values_are_checked_at_the_boundary(changes, where) -> None:

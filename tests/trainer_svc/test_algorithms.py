@@ -612,11 +612,15 @@ def test_lr_schedule_without_warmup_and_to_zero():
     assert [lr_factor(t, ramp) for t in range(1, 5)] == [0.25, 0.5, 0.75, 1.0]
 
 
-def test_a_spec_with_only_lr_trains_at_lr_bit_for_bit():
-    spec = jobspec.JobSpec(model_path="/m", steps=10, algorithm={"lr": 3e-6})
+def test_a_constant_schedule_trains_at_lr_bit_for_bit_and_the_default_decays_to_zero():
+    spec = jobspec.JobSpec(model_path="/m", steps=10, algorithm={"lr": 3e-6, "lr_schedule": "constant"})
     sched = LrSchedule.from_spec(spec)
-    assert sched == LrSchedule(lr=3e-6, steps=10)  # the dataclass defaults are the job spec's defaults
+    assert sched == LrSchedule(lr=3e-6, steps=10)  # the dataclass's own defaults: constant
     assert all(lr_at(t, sched) == 3e-6 for t in range(1, 12))  # exactly, past the end too
+    # a spec with only lr: linear from lr to 0 at the last step (TRL's default), lr x (1 - t / 10)
+    only_lr = LrSchedule.from_spec(jobspec.JobSpec(model_path="/m", steps=10, algorithm={"lr": 3e-6}))
+    assert only_lr == LrSchedule(lr=3e-6, name="linear", steps=10)
+    assert [lr_at(t, only_lr) for t in (1, 5, 10)] == pytest.approx([2.7e-6, 1.5e-6, 0.0])
     warm = LrSchedule.from_spec(
         jobspec.JobSpec(
             model_path="/m",

@@ -73,7 +73,7 @@ def list_jobs(ledger: LedgerDep, limit: Annotated[int, Query(ge=1, le=1000)] = 1
 )
 def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus:
     """The job, its last metrics, evaluations, sample counts, staleness, reward errors, what
-    dropping skewed, and generators."""
+    dropping skewed, generators, and its usage (generator-seconds and tokens)."""
     job = job_or_404(ledger, job_id)
     steps = ledger.train_steps(job_id)
     generators: dict[str, dict[str, Any]] = {}
@@ -95,5 +95,6 @@ def job_status(job_id: str, ledger: LedgerDep, streams: StreamsDep) -> JobStatus
             "reward_errors": {"by_status": by_status, "fraction": failed_fraction(by_status)},
             "drop_skew": drop_skew(steps, job["spec"]),
             "generators": generators,
+            "usage": ledger.usage(job_id),
         }
     )
