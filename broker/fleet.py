@@ -130,6 +130,11 @@ class Beacon:
             self.entry.update(state=state, jobs=list(jobs), job=jobs[0] if jobs else None, since=time.time())
         self.beat()
 
+    def served_one(self) -> None:
+        """One more job served to its end (`jobs_served`)."""
+        with self._lock:
+            self.entry["jobs_served"] += 1
+
     def beat(self) -> None:
         try:
             load = self.load() if self.load is not None else {}
@@ -341,7 +346,7 @@ class Fleet:
                 yield ctx
             finally:
                 self.beacon.set("idle", None)
-                self.beacon.entry["jobs_served"] += 1
+                self.beacon.served_one()
                 set_context(job_id=None, policy_version=None)
 
     def _wait_lease(self, job_id: str) -> None:
@@ -469,6 +474,7 @@ class Fleet:
             return
         if state != "terminating":
             self.served(ctx.job_id)
+            self.beacon.served_one()
 
     def _joinable_jobs(self, serving: set[str]) -> list[JobRow]:
         """The jobs trainers run that this process does not serve (nor served to their end), the

@@ -173,11 +173,19 @@ def test_run_keep_leaves_the_fleet_up_for_the_next_jobs(box, tiny_model, tmp_pat
     page = httpx.get(box.trainer_metrics, timeout=5).text
     assert 'asyncrl_service_info{service="trainer"} 1.0' in page and "asyncrl_trainer_step{" not in page
     assert f"export ASYNCRL_API={box.api}" in bad.stdout  # not the CLI's default address
-    shown = box("status", "--api", box.api)
-    assert shown.exit_code == 0, shown.output
-    fleet = shown.stdout[shown.stdout.index("fleet") :]
-    for role in ("trainer", "generator", "reward"):
-        assert re.search(rf"{role} .* idle ", fleet), fleet
+    # each service leaves the job when it reads the trainer's drain, just after the job's end
+    # (the ledger's "finished", which `run` followed): the fleet shows idle soon after, not at once
+    deadline = time.monotonic() + 60
+    while True:
+        shown = box("status", "--api", box.api)
+        assert shown.exit_code == 0, shown.output
+        fleet = shown.stdout[shown.stdout.index("fleet") :]
+        idle = [re.search(rf"{role} .* idle ", fleet) for role in ("trainer", "generator", "reward")]
+        if all(idle):
+            break
+        assert time.monotonic() < deadline, fleet
+        time.sleep(0.5)
+    assert re.search(r"reward .* idle .* [1-9] │", fleet), fleet  # it served the good job to its end
     assert _alive(pid)
     os.kill(pid, signal.SIGTERM)  # what the command said stops it
     deadline = time.monotonic() + 90
