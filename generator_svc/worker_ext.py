@@ -122,6 +122,36 @@ def _tied_copy_without_module(model: torch.nn.Module, name: str) -> bool:
     return False
 
 
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU MoE kernel's own weight preparation after a reload; returns the layers redone.
+
+    vLLM's CPU experts pad and prepack `w13_weight`/`w2_weight` into their grouped-GEMM layout
+    once, when the kernel is built. A reload runs the layer's `process_weights_after_loading`
+    again, which (the kernel being built by then) copies the new weights in as they came and skips
+    that step, so the kernel read plain weights as packed ones: after a swap an MoE's engine no
+    longer scored like the trainer (the post-swap probe missed by 0.09-0.34 in logprob). The
+    experts' own step, run on the freshly loaded weights, is exactly what the first load did."""
+    done = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or type(experts).__name__ not in _CPU_EXPERTS or getattr(experts, "_use_zentorch", False):
+            continue
+        experts.process_weights_after_loading(module)
+        done += 1
+    return done
+
+
+# vLLM's unquantized CPU expert kernels (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py),
+# whose process_weights_after_loading pads and prepacks; named so vLLM is not imported here
+_CPU_EXPERTS = (
+    "CPUUnquantizedExperts",
+    "X86CPUUnquantizedExperts",
+    "ArmCPUUnquantizedExperts",
+    "PowerCPUUnquantizedExperts",
+)
+
+
 class _ModelRunner(Protocol):
     def get_model(self) -> torch.nn.Module: ...
 
@@ -148,6 +178,7 @@ class WeightSyncExtension:
         _quiet_derived_only_layers(model)
         tensors = [(n, t) for n, t in tensors_from_buffer(buf, m) if not _tied_copy_without_module(model, n)]
         self.reload_weights(weights_iterator=iter(tensors))
+        _repack_cpu_experts(model)
         t2 = time.perf_counter()
         return {"ok": True, "version": m.version, "fetch_s": t1 - t0, "load_s": t2 - t1, "bytes": m.total_bytes}
 
