@@ -234,10 +234,10 @@ def architectures_markdown(section: dict[str, Any]) -> list[str]:
         "",
         "Tiny random models of the architectures users train (`asyncrl/tiny_archs.py`), each with its family's "
         "tokenizer type and chat template, on vLLM's CPU build in float32 (bench/ecosystem_arch.py). "
-        f"mismatch KL: k3 per token of vLLM's samples under the trainer (gate {ARCH_KL_GATE:g}), from disk and after a "
-        "full weight swap (sync mode); fingerprint: the post-swap probe check passes (and failed before the swap) "
-        "and the engine fingerprint changed; LoRA: the default target modules all found, and an adapter swap "
-        "passes the probe check.",
+        f"mismatch KL: k3 per token of vLLM's samples under the trainer (gate {ARCH_KL_GATE:g}), from disk and after "
+        "two full weight swaps (sync mode); fingerprint: the probe check passes after each swap (and failed before "
+        "the first), the worse gap shown, and the engine fingerprint changed; LoRA: the default target modules all "
+        "found, and an adapter swap passes the probe check.",
         "",
         "| architecture | tokenizer | ok | mismatch KL initial | mismatch KL sync | probe gap | fingerprint ok "
         "| LoRA targets | LoRA swap | mismatch KL LoRA | why not |",
