@@ -19,7 +19,8 @@ reward service, four trainers) on the demo's warm-started model, every job a LoR
 - faults, two jobs at once: one job's trainer SIGKILLed (the launcher restarts it: the job
   resumes) while the other's steps are timed (the longest gap between its steps around the
   kill); a poison rollout and a reward that hangs on every sample in one job, the other's
-  step rate against the same job alone; a chaos run (the generator, the reward service and one
+  step rate (started once the poisoned job's start-up is over) against the same job alone
+  (the mean of a run before and one after); a chaos run (the generator, the reward service and one
   trainer SIGKILLed in turn); `verify` per job after each.
 """
 
@@ -322,6 +323,9 @@ def bench_kill(fleet: WarmFleet, model: Path) -> dict[str, Any]:
     }
 
 
+QUIET_S = 3.0  # the poisoned job's sample count unchanged this long: its start-up is over
+POISON_STEPS = 100  # the victim's steps per run: long enough that a second of noise is not 10 %
+
 HANG = """import time
 
 
@@ -335,9 +339,14 @@ def score(completion, answer):
 def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
     plugin = wd / "hang_reward.py"
     plugin.write_text(HANG)
-    steps = 25
-    alone_id = run_all(fleet, [lora_spec(model, "victim-alone", seed=30, steps=steps)])[0][0]
-    fleet.idle()
+    steps = POISON_STEPS
+
+    def alone(name: str) -> str:
+        job_id = run_all(fleet, [lora_spec(model, name, seed=30, steps=steps)])[0][0]
+        fleet.idle()
+        return job_id
+
+    alone_ids = [alone("victim-alone")]
     bad = fleet.submit(
         lora_spec(
             model,
@@ -353,23 +362,39 @@ def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
     streams = JobStreams(connect(redis_url), bad, prefix=fleet.env["STREAM_PREFIX"])
     for payload in (b"\x00not msgpack", b"\x81\xa1x\xc1"):  # garbage, and an invalid msgpack byte
         streams.publish_raw(ROLLOUTS, {FIELD: payload})
-    deadline = time.monotonic() + 120
-    while not fleet.ledger.count_samples(bad) and time.monotonic() < deadline:
-        time.sleep(0.2)  # its first rollouts out, its reward hanging
+    # The victim starts once the poisoned job is in its faulty steady state: its start-up (model
+    # load, step 0's held-out evaluation, its first batches) over, its generator stopped at the
+    # staleness bound, every batch of its reward hanging. A job starting beside the victim costs
+    # the victim CPU whatever its fault; that start-up is not what this figure measures.
+    t0, deadline = time.monotonic(), time.monotonic() + 120
+    seen, steady_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = fleet.ledger.count_samples(bad)
+        if n != seen:
+            seen, steady_since = n, time.monotonic()
+        elif n > 0 and time.monotonic() - steady_since >= QUIET_S:
+            break
+        time.sleep(0.2)
+    quiet_after = time.monotonic() - t0
     victim = fleet.submit(lora_spec(model, "victim", seed=30, steps=steps))[0]
     fleet.wait(victim)
     httpx.post(f"{fleet.api}/jobs/{bad}/cancel", timeout=30)
     fleet.wait(bad)
     fleet.idle()
-    alone, together = step_rate(step_times(fleet, alone_id)), step_rate(step_times(fleet, victim))
+    alone_ids.append(alone("victim-alone-after"))  # alone before and after: the box's drift between
+    rates = [step_rate(step_times(fleet, j)) for j in alone_ids]
+    solo, together = statistics.mean(rates), step_rate(step_times(fleet, victim))
     dead = streams.r.xlen(streams.key("dead"))
-    print(f"victim's step rate {together:.2f}/s beside the poisoned job vs {alone:.2f}/s alone")
+    print(f"victim's step rate {together:.2f}/s beside the poisoned job vs {solo:.2f}/s alone ({rates})")
     return {
-        "poison_other_throughput_ratio": together / alone if alone else None,
-        "victim_steps_per_s_alone": alone,
+        "poison_other_throughput_ratio": together / solo if solo else None,
+        "victim_steps_per_s_alone": solo,
+        "victim_steps_per_s_alone_before_after": rates,
         "victim_steps_per_s_beside_poisoned": together,
         "poisoned_dead_letters": dead,
-        "verify": {victim: checked(fleet, victim), alone_id: checked(fleet, alone_id), bad: checked(fleet, bad)},
+        "poisoned_samples_before_victim": seen,
+        "poisoned_quiet_after_s": quiet_after,
+        "verify": {j: checked(fleet, j) for j in (victim, *alone_ids, bad)},
     }
 
 
@@ -451,7 +476,10 @@ def report(r: dict[str, Any]) -> str:
         f"| one job's trainer SIGKILLed: the other's longest step gap | {k['kill_other_max_step_gap_s']:.2f} s "
         f"(median step {k['other_median_step_s']:.2f} s) | <= 2 s |",
         f"| poison rollouts + a hanging reward in one job: the other's step rate / alone | "
-        f"{p['poison_other_throughput_ratio']:.3f} | >= 0.90 |",
+        f"{p['poison_other_throughput_ratio']:.3f} ({p['victim_steps_per_s_beside_poisoned']:.2f} steps/s beside it, "
+        f"alone {', '.join(f'{x:.2f}' for x in p['victim_steps_per_s_alone_before_after'])}) "
+        "| >= 0.90 |",
+        *([f"\nWhere the poisoned job's cost goes: {p['cost']}"] if p.get("cost") else []),
         "",
         "verify per job:",
         "",
