@@ -74,6 +74,9 @@ def main(
     ),
     generators: str = typer.Option("1,2,4", help="admission: generator counts, comma-separated."),
     write: bool = typer.Option(False, help="golden: write the reference curve and golden_tolerance."),
+    part: str = typer.Option(
+        "", help="tenants: only this part (shares, kill, poison, chaos), merged into the results already there."
+    ),
 ) -> None:
     """Benchmarks measured in one run on this machine; results under results/."""
     logging.basicConfig(level=logging.WARNING)
@@ -82,7 +85,7 @@ def main(
     if which == "tenants":
         from bench.tenants import bench_tenants
 
-        res = bench_tenants(out_dir=out, rounds=runs or 2)
+        res = bench_tenants(out_dir=out, rounds=runs or 2, part=part)
         typer.echo(json.dumps({k: v for k, v in res.items() if k != "per_job"}, indent=2, default=str))
         return
     if which == "ecosystem":

@@ -336,6 +336,27 @@ def score(completion, answer):
 """
 
 
+def tree_cpu_rate(pid: int, seconds: float = 5.0) -> float:
+    """CPU-seconds per second used by process `pid` and its descendants (reaped ones included, through
+    their parents' children times) over `seconds`."""
+    import psutil
+
+    def total() -> float:
+        root = psutil.Process(pid)
+        n = 0.0
+        for p in (root, *root.children(recursive=True)):
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            n += t.user + t.system + t.children_user + t.children_system
+        return n
+
+    before = total()
+    time.sleep(seconds)
+    return (total() - before) / seconds
+
+
 def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
     plugin = wd / "hang_reward.py"
     plugin.write_text(HANG)
@@ -376,6 +397,7 @@ def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
             break
         time.sleep(0.2)
     quiet_after = time.monotonic() - t0
+    reward_cpu = tree_cpu_rate(service_pid(fleet, "reward"))  # what the faulty job alone costs the box
     victim = fleet.submit(lora_spec(model, "victim", seed=30, steps=steps))[0]
     fleet.wait(victim)
     httpx.post(f"{fleet.api}/jobs/{bad}/cancel", timeout=30)
@@ -394,6 +416,7 @@ def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
         "poisoned_dead_letters": dead,
         "poisoned_samples_before_victim": seen,
         "poisoned_quiet_after_s": quiet_after,
+        "poisoned_reward_cpu_s_per_s": reward_cpu,
         "verify": {j: checked(fleet, j) for j in (victim, *alone_ids, bad)},
     }
 
@@ -414,28 +437,53 @@ def bench_chaos(fleet: WarmFleet, model: Path) -> dict[str, Any]:
     return {"faults": faults, "verify": res}
 
 
-def bench_tenants(*, workdir: str = "runs/bench-tenants", out_dir: str = "results", rounds: int = 2) -> dict[str, Any]:
+PARTS = ("shares", "kill", "poison", "chaos")
+
+
+def bench_tenants(
+    *, workdir: str = "runs/bench-tenants", out_dir: str = "results", rounds: int = 2, part: str = ""
+) -> dict[str, Any]:
+    """All of it, or with `part` (one of PARTS) that part alone on a fleet of its own, merged into the
+    results already in `out_dir` and marked as a rerun."""
+    if part and part not in PARTS:
+        raise ValueError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
     model = prepare_model(wd / "demo", 0)
     load = os.getloadavg()
     fleet = WarmFleet(wd, args=("--trainers", "4"))
     try:
         fleet.wait(fleet.submit(lora_spec(model, "warm-up", seed=99, steps=2))[0])  # the engine built once
         fleet.idle()
-        res: dict[str, Any] = {"machine_load_before": load, "steps": STEPS, "lora": LORA}
-        res.update(bench_makespan(fleet, model, rounds))
-        res.update(bench_turns(fleet, model, res["per_job"][0]["job"]))
-        res.update(bench_makespan_long(fleet, model))
-        res["shares"] = bench_shares(fleet, model)
-        res["share_error"] = res["shares"]["share_error"]
-        res["kill"] = bench_kill(fleet, model)
-        res["poison"] = bench_poison(fleet, model, wd)
-        res["chaos"] = bench_chaos(fleet, model)
-        res["machine_load_after"] = os.getloadavg()
+        if part:
+            res = json.loads((out / "tenants.json").read_text())
+            runs = {
+                "shares": lambda: bench_shares(fleet, model),
+                "kill": lambda: bench_kill(fleet, model),
+                "poison": lambda: bench_poison(fleet, model, wd),
+                "chaos": lambda: bench_chaos(fleet, model),
+            }
+            res[part] = runs[part]()
+            res[part].update(
+                rerun=f"this part alone ({time.strftime('%Y-%m-%d')}, python -m bench tenants --part {part}), "
+                f"load {load[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+            )
+            if part == "shares":
+                res["share_error"] = res["shares"]["share_error"]
+        else:
+            res = {"machine_load_before": load, "steps": STEPS, "lora": LORA}
+            res.update(bench_makespan(fleet, model, rounds))
+            res.update(bench_turns(fleet, model, res["per_job"][0]["job"]))
+            res.update(bench_makespan_long(fleet, model))
+            res["shares"] = bench_shares(fleet, model)
+            res["share_error"] = res["shares"]["share_error"]
+            res["kill"] = bench_kill(fleet, model)
+            res["poison"] = bench_poison(fleet, model, wd)
+            res["chaos"] = bench_chaos(fleet, model)
+            res["machine_load_after"] = os.getloadavg()
     finally:
         fleet.close()
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tenants.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     (out / "tenants.md").write_text(report(res))
@@ -479,7 +527,15 @@ def report(r: dict[str, Any]) -> str:
         f"{p['poison_other_throughput_ratio']:.3f} ({p['victim_steps_per_s_beside_poisoned']:.2f} steps/s beside it, "
         f"alone {', '.join(f'{x:.2f}' for x in p['victim_steps_per_s_alone_before_after'])}) "
         "| >= 0.90 |",
-        *([f"\nWhere the poisoned job's cost goes: {p['cost']}"] if p.get("cost") else []),
+        *(
+            [
+                f"\nThe poisoned job alone (its reward hanging on every call) kept the reward service and its "
+                f"workers at {p['poisoned_reward_cpu_s_per_s']:.2f} CPU-s/s of the box's 2."
+            ]
+            if p.get("poisoned_reward_cpu_s_per_s") is not None
+            else []
+        ),
+        *([f"\nRerun: {x[0]}: {x[1]['rerun']}" for x in (("poison", p), ("kill", k), ("chaos", c)) if "rerun" in x[1]]),
         "",
         "verify per job:",
         "",
