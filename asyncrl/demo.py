@@ -66,6 +66,12 @@ def run_tool(argv: Sequence[str], log_path: Path, what: str) -> str:
     return proc.stdout
 
 
+def warmstart_command(base: Path, out: Path, *args: str) -> list[str]:
+    """The command line of a supervised warm start (asyncrl.warmstart): `base` -> `out`, with its
+    other options in `args`."""
+    return [sys.executable, "-m", "asyncrl.warmstart", "--model", str(base), "--out", str(out), *args]
+
+
 def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, warm_args: Sequence[str] = ()) -> Path:
     """Tiny random-init Llama + char tokenizer, then a short supervised warm start (both cached).
 
@@ -84,18 +90,7 @@ def prepare_model(workdir: Path, seed: int, *, log_path: Path | None = None, war
     if not (warm / "config.json").exists():
         console.print(f"[bold]supervised warm start[/] -> {warm} (a minute or two; log {log_path})", soft_wrap=True)
         out = run_tool(
-            [
-                sys.executable,
-                "-m",
-                "asyncrl.warmstart",
-                "--model",
-                str(base),
-                "--out",
-                str(warm),
-                "--seed",
-                str(seed),
-                *warm_args,
-            ],
+            warmstart_command(base, warm, "--seed", str(seed), *warm_args),
             log_path,
             "the supervised warm start",
         )

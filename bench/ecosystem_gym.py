@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from asyncrl.demo import warmstart_command
 from bench.claims import machine
 from bench.standing import standing_services
 
@@ -86,19 +87,7 @@ def prepare_models(wd: Path, seed: int) -> dict[str, dict[str, Any]]:
         if not metrics_file.exists():
             console.print(f"[bold]warm start[/] on reasoning_gym {dataset} -> {warm}")
             run = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "asyncrl.warmstart",
-                    "--model",
-                    str(base),
-                    "--out",
-                    str(warm),
-                    "--seed",
-                    str(seed),
-                    "--task-spec",
-                    json.dumps(task_section(dataset)),
-                ],
+                warmstart_command(base, warm, "--seed", str(seed), "--task-spec", json.dumps(task_section(dataset))),
                 check=True,
                 capture_output=True,
                 text=True,

@@ -44,7 +44,7 @@ from typing import Any
 
 from rich.console import Console
 
-from asyncrl.demo import prepare_model, run_job
+from asyncrl.demo import prepare_model, run_job, warmstart_command
 from bench.claims import machine
 from bench.ecosystem import defaults_markdown
 from bench.runs import ours_curve, run_finished, trl_python, trl_task_run
@@ -98,18 +98,13 @@ def prepare_own_model(wd: Path, data: Path, steps: int | None = None) -> Path:
     if not (warm / "config.json").exists():
         console.print(f"[bold]warm start on the user's task[/] -> {warm}")
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "asyncrl.warmstart",
-                "--model",
-                str(base),
-                "--out",
-                str(warm),
+            warmstart_command(
+                base,
+                warm,
                 *(("--steps", str(steps)) if steps is not None else ()),
                 "--task-spec",
                 json.dumps(task_section(data)),
-            ],
+            ),
             check=True,
         )
     return warm
