@@ -325,6 +325,7 @@ def bench_kill(fleet: WarmFleet, model: Path) -> dict[str, Any]:
 
 QUIET_S = 3.0  # the poisoned job's sample count unchanged this long: its start-up is over
 POISON_STEPS = 100  # the victim's steps per run: long enough that a second of noise is not 10 %
+POISON_ROUNDS = 3  # beside the poisoned job, each followed by a run alone (and one alone before)
 
 HANG = """import time
 
@@ -357,36 +358,19 @@ def tree_cpu_rate(pid: int, seconds: float = 5.0) -> float:
     return (total() - before) / seconds
 
 
-def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
-    plugin = wd / "hang_reward.py"
-    plugin.write_text(HANG)
-    steps = POISON_STEPS
-
-    def alone(name: str) -> str:
-        job_id = run_all(fleet, [lora_spec(model, name, seed=30, steps=steps)])[0][0]
-        fleet.idle()
-        return job_id
-
-    alone_ids = [alone("victim-alone")]
-    bad = fleet.submit(
-        lora_spec(
-            model,
-            "poisoned",
-            seed=31,
-            steps=steps,
-            reward={"kind": "python", "function": f"{plugin}:score", "timeout_s": 2.0, "on_failure": "zero"},
-        )
-    )[0]
-    # poison first in its rollouts stream (the reward service's group reads from the start), so
-    # the reward service meets it before its first batch hangs
+def start_poisoned(fleet: WarmFleet, model: Path, plugin: Path, steps: int) -> tuple[str, dict[str, Any]]:
+    """A job whose reward hangs on every sample, poison first in its rollouts stream (the reward
+    service's group reads from the start, so it meets the poison before its first batch hangs);
+    returned once it is in its faulty steady state: its start-up (model load, step 0's held-out
+    evaluation, its first batches) over, its generator stopped at the staleness bound, every batch
+    of its reward hanging. A job starting beside the victim costs the victim CPU whatever its
+    fault; that start-up is not what the figure measures. With what it was seen doing."""
+    reward = {"kind": "python", "function": f"{plugin}:score", "timeout_s": 2.0, "on_failure": "zero"}
+    bad = fleet.submit(lora_spec(model, "poisoned", seed=31, steps=steps, reward=reward))[0]
     redis_url, _ = resolve_redis_url(fleet.env.get("REDIS_URL"))
     streams = JobStreams(connect(redis_url), bad, prefix=fleet.env["STREAM_PREFIX"])
     for payload in (b"\x00not msgpack", b"\x81\xa1x\xc1"):  # garbage, and an invalid msgpack byte
         streams.publish_raw(ROLLOUTS, {FIELD: payload})
-    # The victim starts once the poisoned job is in its faulty steady state: its start-up (model
-    # load, step 0's held-out evaluation, its first batches) over, its generator stopped at the
-    # staleness bound, every batch of its reward hanging. A job starting beside the victim costs
-    # the victim CPU whatever its fault; that start-up is not what this figure measures.
     t0, deadline = time.monotonic(), time.monotonic() + 120
     seen, steady_since = -1, time.monotonic()
     while time.monotonic() < deadline:
@@ -396,28 +380,53 @@ def bench_poison(fleet: WarmFleet, model: Path, wd: Path) -> dict[str, Any]:
         elif n > 0 and time.monotonic() - steady_since >= QUIET_S:
             break
         time.sleep(0.2)
-    quiet_after = time.monotonic() - t0
-    reward_cpu = tree_cpu_rate(service_pid(fleet, "reward"))  # what the faulty job alone costs the box
-    victim = fleet.submit(lora_spec(model, "victim", seed=30, steps=steps))[0]
-    fleet.wait(victim)
-    httpx.post(f"{fleet.api}/jobs/{bad}/cancel", timeout=30)
-    fleet.wait(bad)
-    fleet.idle()
-    alone_ids.append(alone("victim-alone-after"))  # alone before and after: the box's drift between
+    return bad, {
+        "samples": seen,
+        "quiet_after_s": time.monotonic() - t0,
+        "reward_cpu_s_per_s": tree_cpu_rate(service_pid(fleet, "reward")),  # what the faulty job alone costs
+        "streams": streams,
+    }
+
+
+def bench_poison(fleet: WarmFleet, model: Path, wd: Path, rounds: int = POISON_ROUNDS) -> dict[str, Any]:
+    """The victim alone, then `rounds` times: beside a poisoned job, then alone again. Alone and
+    beside interleave so that the box's drift (alone runs of one session differ by up to 15 %
+    here) falls on both sides; the ratio is of the means."""
+    plugin = wd / "hang_reward.py"
+    plugin.write_text(HANG)
+    steps = POISON_STEPS
+
+    def alone(name: str) -> str:
+        job_id = run_all(fleet, [lora_spec(model, name, seed=30, steps=steps)])[0][0]
+        fleet.idle()
+        return job_id
+
+    alone_ids, victims, bads, seen = [alone("victim-alone-0")], [], [], []
+    for r in range(rounds):
+        bad, state = start_poisoned(fleet, model, plugin, steps)
+        victims.append(fleet.submit(lora_spec(model, f"victim-{r}", seed=30, steps=steps))[0])
+        fleet.wait(victims[-1])
+        httpx.post(f"{fleet.api}/jobs/{bad}/cancel", timeout=30)
+        fleet.wait(bad)
+        fleet.idle()
+        bads.append(bad)
+        seen.append(state)
+        alone_ids.append(alone(f"victim-alone-{r + 1}"))
     rates = [step_rate(step_times(fleet, j)) for j in alone_ids]
-    solo, together = statistics.mean(rates), step_rate(step_times(fleet, victim))
-    dead = streams.r.xlen(streams.key("dead"))
-    print(f"victim's step rate {together:.2f}/s beside the poisoned job vs {solo:.2f}/s alone ({rates})")
+    beside = [step_rate(step_times(fleet, j)) for j in victims]
+    solo, together = statistics.mean(rates), statistics.mean(beside)
+    print(f"victim's step rate {together:.2f}/s beside the poisoned job ({beside}) vs {solo:.2f}/s alone ({rates})")
     return {
         "poison_other_throughput_ratio": together / solo if solo else None,
         "victim_steps_per_s_alone": solo,
-        "victim_steps_per_s_alone_before_after": rates,
+        "victim_steps_per_s_alone_runs": rates,
         "victim_steps_per_s_beside_poisoned": together,
-        "poisoned_dead_letters": dead,
-        "poisoned_samples_before_victim": seen,
-        "poisoned_quiet_after_s": quiet_after,
-        "poisoned_reward_cpu_s_per_s": reward_cpu,
-        "verify": {j: checked(fleet, j) for j in (victim, *alone_ids, bad)},
+        "victim_steps_per_s_beside_runs": beside,
+        "poisoned_dead_letters": [s["streams"].r.xlen(s["streams"].key("dead")) for s in seen],
+        "poisoned_samples_before_victim": [s["samples"] for s in seen],
+        "poisoned_quiet_after_s": [round(s["quiet_after_s"], 1) for s in seen],
+        "poisoned_reward_cpu_s_per_s": statistics.mean(s["reward_cpu_s_per_s"] for s in seen),
+        "verify": {j: checked(fleet, j) for j in (*victims, *alone_ids, *bads)},
     }
 
 
@@ -490,6 +499,10 @@ def bench_tenants(
     return res
 
 
+def _figures(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
 def report(r: dict[str, Any]) -> str:
     k, p, c = r["kill"], r["poison"], r["chaos"]
     verify_rows = [
@@ -524,8 +537,9 @@ def report(r: dict[str, Any]) -> str:
         f"| one job's trainer SIGKILLed: the other's longest step gap | {k['kill_other_max_step_gap_s']:.2f} s "
         f"(median step {k['other_median_step_s']:.2f} s) | <= 2 s |",
         f"| poison rollouts + a hanging reward in one job: the other's step rate / alone | "
-        f"{p['poison_other_throughput_ratio']:.3f} ({p['victim_steps_per_s_beside_poisoned']:.2f} steps/s beside it, "
-        f"alone {', '.join(f'{x:.2f}' for x in p['victim_steps_per_s_alone_before_after'])}) "
+        f"{p['poison_other_throughput_ratio']:.3f} (mean steps/s beside it "
+        f"{p['victim_steps_per_s_beside_poisoned']:.2f}: {_figures(p['victim_steps_per_s_beside_runs'])}; "
+        f"alone {p['victim_steps_per_s_alone']:.2f}: {_figures(p['victim_steps_per_s_alone_runs'])}, interleaved) "
         "| >= 0.90 |",
         *(
             [
