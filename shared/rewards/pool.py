@@ -226,7 +226,10 @@ class _Zygote:
                 start_new_session=True,
             )
         self._sock = mine
-        self._lock = threading.Lock()  # one request at a time on the socket, from any pool thread
+        # One request at a time on the socket, from any pool thread; and none once it is closed: its
+        # descriptor's number may then belong to another file of this process.
+        self._lock = threading.Lock()
+        self._closed = False
         end = functools.partial(_kill, self.proc)
         self._channel = _Worker(-1, self.proc.pid, (mine.fileno(), mine.fileno()), end, [mine], init)
 
@@ -247,6 +250,8 @@ class _Zygote:
         from_r, from_w = os.pipe()
         try:
             with self._lock:
+                if self._closed:
+                    raise OSError("the zygote is closed")
                 frame = pack_frame({"fork": index})
                 if socket.send_fds(self._sock, [frame], [to_r, from_w]) != len(frame):
                     raise OSError("the fork request was cut short")
@@ -267,6 +272,8 @@ class _Zygote:
         worker: PR_SET_PDEATHSIG)."""
         try:
             with self._lock:
+                if self._closed:
+                    return None
                 return self._channel.request_raw(pack_frame({"kill": pid}), time.monotonic() + self.FORK_TIMEOUT_S)[
                     "code"
                 ]
@@ -274,8 +281,12 @@ class _Zygote:
             return None
 
     def close(self) -> None:
-        """End it (end of its socket); its workers die with it."""
-        self._sock.close()
+        """End it (end of its socket); its workers die with it. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close()
         try:
             self.proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
