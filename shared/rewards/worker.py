@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import IO, Any
 
 import msgpack
@@ -67,6 +68,20 @@ def _load(init: dict[str, Any]) -> list[RewardCall]:
     return leaves
 
 
+def _load_and_answer(
+    init: dict[str, Any], send: Callable[[bytes], object], more: Callable[[], dict[str, Any]] = dict
+) -> list[RewardCall] | None:
+    """Load the leaves of the first frame and answer it: {"ready": true, **more()} and the leaves,
+    or {"error": ...} and None."""
+    try:
+        leaves = _load(init)
+    except Exception as exc:
+        send(pack_frame({"error": str(exc)}))
+        return None
+    send(pack_frame({"ready": True, **more()}))
+    return leaves
+
+
 def _serve(inp: IO[bytes], out: IO[bytes], leaves: list[RewardCall]) -> None:
     while (req := read_frame(inp)) is not None:
         items = [RewardInput.from_json(d) for d in req["items"]]
@@ -83,12 +98,9 @@ def main() -> int:
     init = read_frame(inp)
     if init is None:
         return 0
-    try:
-        leaves = _load(init)
-    except Exception as exc:
-        out.write(pack_frame({"error": str(exc)}))
+    leaves = _load_and_answer(init, out.write)
+    if leaves is None:
         return 1
-    out.write(pack_frame({"ready": True}))
     _serve(inp, out, leaves)
     return 0
 
@@ -170,12 +182,9 @@ def zygote(fd: int) -> int:
     init, _ = _recv(ctl)
     if init is None:
         return 0
-    try:
-        leaves = _load(init)
-    except Exception as exc:
-        ctl.sendall(pack_frame({"error": str(exc)}))
+    leaves = _load_and_answer(init, ctl.sendall, lambda: {"threads": _threads()})
+    if leaves is None:
         return 1
-    ctl.sendall(pack_frame({"ready": True, "threads": _threads()}))
     while True:
         req, fds = _recv(ctl)
         if req is None:
